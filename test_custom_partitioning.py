@@ -8,22 +8,20 @@ each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 """
 
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import gc
-import re
 import unittest
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
-import custom_partitioning as cp
 from custom_partitioning import custom_partitioning
 
 _ENV_SHARDY = os.environ.get("JAX_USE_SHARDY_PARTITIONER")
@@ -34,13 +32,17 @@ if _ENV_SHARDY is not None:
 
 
 def both_partitioners(cls):
-  """Replaces test class ``cls`` by one subclass per partitioner."""
-  module = globals()
+  """Adds one subclass of test class ``cls`` per partitioner to its module.
+
+  Use as ``both_partitioners(FooTest); del FooTest`` so that only the
+  variants are collected.
+  """
+  module = vars(sys.modules[cls.__module__])
   for label, shardy in PARTITIONERS.items():
     name = cls.__name__ + label
     module[name] = type(name, (cls,), {"shardy": shardy,
-                                       "__qualname__": name})
-  return None  # the mixin itself is not collected
+                                       "__qualname__": name,
+                                       "__module__": cls.__module__})
 
 
 class CPTestCase(unittest.TestCase):

@@ -169,6 +169,26 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
       permutation_factors=permutation)
 
 
+def _with_manual_axes(mesh, manual_axes):
+  """``mesh`` with ``manual_axes`` typed ``AxisType.Manual``."""
+  if not manual_axes:
+    return mesh
+  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
+                 for name, t in zip(mesh.axis_names, mesh.axis_types))
+  return mesh_lib.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
+
+
+def _auto_submesh(mesh, manual_axes):
+  """The sub-mesh over the non-manual axes (devices of one manual group)."""
+  index = tuple(0 if name in manual_axes else slice(None)
+                for name in mesh.axis_names)
+  keep = [i for i, name in enumerate(mesh.axis_names)
+          if name not in manual_axes]
+  return mesh_lib.Mesh(mesh.devices[index],
+                       tuple(mesh.axis_names[i] for i in keep),
+                       axis_types=tuple(mesh.axis_types[i] for i in keep))
+
+
 def _use_shardy() -> bool:
   return bool(_config.use_shardy_partitioner.value)
 
@@ -660,6 +680,21 @@ def _flatten_up_to(tree, value, callback: str, what: str) -> list:
         f"match {tree}.") from e
 
 
+def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
+  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
+  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
+    # Also covers "replicated within a manual subgroup", which jax's parser
+    # does not handle.
+    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
+      return (None,) * ndim
+  try:
+    spec = _pspec_from_hlo(hlo_sharding, mesh)
+  except Exception:  # noqa: BLE001 - not expressible on this mesh
+    return None
+  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
+  return tuple(spec[:ndim]) + (None,) * (ndim - len(spec))
+
+
 def _tile_shape(hlo_sharding: xc.HloSharding, shape: xc.Shape):
   local = hlo_sharding.tile(shape)
   return jax.ShapeDtypeStruct(tuple(local.dimensions()), local.numpy_dtype())
@@ -712,8 +747,8 @@ def _reraise_callback_error(xla_error: Exception):
 class _OpInfo:
   """What XLA's callbacks need to know about one lowered custom call."""
 
-  def __init__(self, *, name, params, mesh, devices, rule, platforms,
-               backend, use_shardy):
+  def __init__(self, *, name, params, mesh, devices, submesh, full_mesh, rule,
+               platforms, backend, use_shardy):
     self.name = name
     self.partition = params["partition"]
     self.infer = params["infer_sharding_from_operands"]
@@ -722,8 +757,12 @@ class _OpInfo:
     self.static_args = params["static_args"]
     self.in_tree = params["in_tree"]
     self.out_tree = params["out_tree"]
-    self.mesh = mesh
+    self.mesh = mesh  # what the callbacks see
     self.devices = devices
+    # Inside a partly manual shard_map: the mesh of the auto axes, on which
+    # XLA expresses the shardings of the partition request.
+    self.submesh = submesh
+    self.full_mesh = full_mesh
     self.rule = rule
     self.platforms = platforms
     self.backend = backend
@@ -734,45 +773,65 @@ class _OpInfo:
 
   # -- conversions -----------------------------------------------------
 
-  def decode_sharding(self, hlo_sharding, ndim: int):
-    """An HloSharding as the callbacks see it (see ``decode_shardings``)."""
+  def decode_sharding(self, hlo_sharding, ndim: int, sub: bool = False):
+    """An HloSharding as the callbacks see it (see ``decode_shardings``).
+
+    ``sub``: the sharding is on ``self.submesh`` (a partition request inside
+    a partly manual shard_map); it is shown on the whole mesh all the same.
+    """
     if hlo_sharding is None:
       return None
+    on = self.submesh if sub else self.mesh
     if self.decode and not self.mesh.empty:
-      try:
-        spec = _pspec_from_hlo(hlo_sharding, self.mesh)
-      except Exception:  # not expressible on this mesh: fall through
-        pass
-      else:
-        spec = spec + (None,) * (ndim - len(spec))
+      spec = _decode_spec(hlo_sharding, on, ndim)
+      if spec is not None:
         return jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec(*spec))
-    return sharding_impls.GSPMDSharding(self.devices, hlo_sharding)
+    return sharding_impls.GSPMDSharding(tuple(on._flat_devices_tuple)
+                                        if sub else self.devices,
+                                        hlo_sharding)
 
-  def shape_structs(self, tree, shapes, hlo_shardings):
+  def shape_structs(self, tree, shapes, hlo_shardings, sub=False):
     """A pytree of ``jax.ShapeDtypeStruct`` carrying decoded shardings."""
     return tree.unflatten([
         jax.ShapeDtypeStruct(
             tuple(s.dimensions()), s.numpy_dtype(),
-            sharding=self.decode_sharding(h, len(s.dimensions())))
+            sharding=self.decode_sharding(h, len(s.dimensions()), sub))
         for s, h in zip(shapes, hlo_shardings)])
 
-  def encode_shardings(self, tree, value, shapes, callback, what):
+  def encode_shardings(self, tree, value, shapes, callback, what, sub=False):
     """The author's sharding pytree as a flat list of HloShardings."""
     leaves = _flatten_up_to(tree, value, callback, what)
     out = []
     for i, (sharding, shape) in enumerate(zip(leaves, shapes)):
+      ndim = len(shape.dimensions())
+      where = f"{callback} of {self.name} returned {what} {i}"
       if not isinstance(sharding, jax.sharding.Sharding):
-        raise TypeError(
-            f"{callback} of {self.name} returned {type(sharding).__name__} "
-            f"as {what} {i}; expected a jax.sharding.Sharding.")
+        raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
+                        "a jax.sharding.Sharding.")
       if set(sharding._device_assignment) != set(self.devices):
         raise ValueError(
-            f"{callback} of {self.name} returned {what} {i} on devices "
+            f"{where} on devices "
             f"{sorted(d.id for d in sharding._device_assignment)}, but the "
             f"op runs on {sorted(d.id for d in self.devices)}.")
-      out.append(sharding._to_xla_hlo_sharding(len(shape.dimensions())))
+      if sub:
+        sharding = self._onto_submesh(sharding, where)
+      out.append(sharding._to_xla_hlo_sharding(ndim))
     return out
+
+  def _onto_submesh(self, sharding, where: str):
+    """Re-homes a sharding of the whole mesh onto ``self.submesh``."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
+                      "partly manual shard_map it must be a NamedSharding.")
+    used = {a for entry in sharding.spec if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+    manual = used - set(self.submesh.axis_names)
+    if manual:
+      raise ValueError(f"{where} with spec {sharding.spec}, which shards "
+                       f"over the manual axes {sorted(manual)}; only "
+                       f"{self.submesh.axis_names} may be used here.")
+    return jax.sharding.NamedSharding(self.submesh, sharding.spec)
 
   # -- the three questions XLA asks ------------------------------------
 
@@ -825,10 +884,12 @@ class _OpInfo:
                        result_sharding):
     result_shapes, result_shardings = _hlo_parts(result_shape,
                                                  result_sharding)
+    sub = self.submesh is not None
     answer = self.partition(
         *self.static_args, self.mesh,
-        self.shape_structs(self.in_tree, arg_shapes, arg_shardings),
-        self.shape_structs(self.out_tree, result_shapes, result_shardings))
+        self.shape_structs(self.in_tree, arg_shapes, arg_shardings, sub),
+        self.shape_structs(self.out_tree, result_shapes, result_shardings,
+                           sub))
     if not isinstance(answer, (tuple, list)) or len(answer) != 4:
       got = (f"a sequence of length {len(answer)}"
              if isinstance(answer, (tuple, list)) else type(answer).__name__)
@@ -844,11 +905,15 @@ class _OpInfo:
                       f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
     out_hlo = self.encode_shardings(self.out_tree, out_shardings,
                                     result_shapes, "partition",
-                                    "result sharding")
+                                    "result sharding", sub)
     in_hlo = self.encode_shardings(self.in_tree, in_shardings, arg_shapes,
-                                   "partition", "arg sharding")
+                                   "partition", "arg sharding", sub)
     local_args = [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)]
     local_results = [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)]
+    if sub:
+      # Collectives must name devices of the whole program: lower on the
+      # whole mesh (the returned one may be the mesh with manual types).
+      mesh = self.full_mesh
     axis_env = list(mesh.shape.items())
     closed, out_shape = jax.make_jaxpr(
         lower_fn, axis_env=axis_env, return_shape=True)(
@@ -1098,24 +1163,36 @@ custom_partitioning_p.def_impl(_impl)
 
 
 def _mesh_for_lowering(axis_context):
-  """``(mesh, devices)`` for a lowering: the real mesh when recoverable."""
+  """``(mesh, devices, submesh, full_mesh)`` for a lowering.
+
+  ``mesh`` is the real mesh whenever it can be recovered. Inside a partly
+  manual shard_map it names every axis, the manual ones typed
+  ``AxisType.Manual`` (under GSPMD the sharding-propagation callbacks get
+  shardings with a manual subgroup on it), while XLA asks for the partition
+  on ``submesh``, the auto axes alone; ``full_mesh`` is the shard_map's mesh.
+  """
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-    mesh = axis_context.mesh
-    return mesh, tuple(mesh._flat_devices_tuple)
+    full, manual = axis_context.mesh, axis_context.manual_axes
+    devices = tuple(full._flat_devices_tuple)
+    if not manual:
+      return full, devices, None, None
+    return (_with_manual_axes(full, manual), devices,
+            _auto_submesh(full, manual), full)
   devices = getattr(axis_context, "device_assignment", None)
   if devices is None:
-    return mesh_lib.thread_resources.env.physical_mesh, None
+    return mesh_lib.thread_resources.env.physical_mesh, None, None, None
   devices = tuple(devices)
   for candidate in (mesh_lib.thread_resources.env.physical_mesh,
                     mesh_lib.get_concrete_mesh()):
     if (candidate is not None and not candidate.empty and
         tuple(candidate._flat_devices_tuple) == devices):
-      return candidate, devices
+      return candidate, devices, None, None
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):
-    return mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
-                         am.axis_names, axis_types=am.axis_types), devices
-  return mesh_lib.thread_resources.env.physical_mesh, devices
+    mesh = mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
+                         am.axis_names, axis_types=am.axis_types)
+    return mesh, devices, None, None
+  return mesh_lib.thread_resources.env.physical_mesh, devices, None, None
 
 
 def _resolve_sharding_rule(rule, static_args, mesh, operand_types,
@@ -1143,7 +1220,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   if (isinstance(axis_context, sharding_impls.SPMDAxisContext) and
       set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
     return inline_body(ctx, *values)  # every axis manual: one shard's code
-  mesh, devices = _mesh_for_lowering(axis_context)
+  use_shardy = _use_shardy()
+  mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context)
   if devices is not None and len(devices) == 1:
     return inline_body(ctx, *values)
   name = _fun_name(call)
@@ -1162,14 +1240,14 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 
   operand_types = _ir_types(ctx, call.in_avals)
   result_types = _ir_types(ctx, call.out_avals)
-  use_shardy = _use_shardy()
   rule = _resolve_sharding_rule(params["sharding_rule"], params["static_args"],
                                 mesh, operand_types, result_types)
   key = (f"{_TARGET}:" +
          _digest(_op_digest(params), mesh, devices and [d.id for d in devices],
                  ctx.module_context.platforms, use_shardy))
   info = _OpInfo(name=name, params=params, mesh=mesh, devices=devices,
-                 rule=rule, platforms=ctx.module_context.platforms,
+                 submesh=submesh, full_mesh=full_mesh, rule=rule,
+                 platforms=ctx.module_context.platforms,
                  backend=ctx.module_context.backend, use_shardy=use_shardy)
   with _registry_lock:
     # Keep the first live entry: equal keys answer alike, and lowerings that
@@ -1286,6 +1364,7 @@ class custom_partitioning:
     self._traces = _LRU(_CACHE_SIZE)
     self._eager = _LRU(_CACHE_SIZE)
     self._signature = _Signature(fun)
+    self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
   __getattr__: Any = custom_api_util.forward_attr
 
@@ -1354,42 +1433,31 @@ class custom_partitioning:
     self._eager.clear()
     return partition
 
-  @property
-  def _name(self) -> str:
-    return getattr(self.fun, "__qualname__", None) or repr(self.fun)
-
   def __call__(self, *args, **kwargs):
     if self.partition is None:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    if (_use_shardy() and self.sharding_rule is None and
-        (self.infer_sharding_from_operands is not None or
-         self.propagate_user_sharding is not None)):
-      raise NotImplementedError(
-          f"custom_partitioning function {self._name} is used with the "
-          "Shardy partitioner, but only GSPMD callbacks "
-          "(infer_sharding_from_operands / propagate_user_sharding) are "
-          "defined. Add a sharding_rule to def_partition, e.g. "
-          "sharding_rule='i j -> i j'.")
     args = self._signature.positional(args, kwargs, self._name)
-    static_argnums = _static_positions(self.static_argnums, len(args),
-                                       self._name)
-    static_args = tuple(args[i] for i in static_argnums)
-    for i, value in zip(static_argnums, static_args):
-      if any(isinstance(leaf, core.Tracer)
-             for leaf in jax.tree_util.tree_leaves(value)):
-        raise _errors.UnexpectedTracerError(
-            f"custom_partitioning function {self._name} got a traced value "
-            f"as argument {i}, which static_argnums marks static. Static "
-            "arguments must be concrete Python values.")
-    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
+    static_argnums = static_args = ()
+    dyn_args = args
+    if self.static_argnums or self.static_argnums == 0:
+      static_argnums = _static_positions(self.static_argnums, len(args),
+                                         self._name)
+      static_args = tuple(args[i] for i in static_argnums)
+      _check_static_args(static_argnums, static_args, self._name)
+      dyn_args = tuple(a for i, a in enumerate(args)
+                       if i not in static_argnums)
     if _at_top_level() and _is_hashable(static_args):
       return self._eager_call(static_argnums, static_args, dyn_args)
     return self._bind(static_argnums, static_args, dyn_args)
 
   def _eager_call(self, static_argnums, static_args, dyn_args):
-    """Eager call: one compiled executable per signature, not op by op."""
+    """Eager call: one compiled executable per signature, not op by op.
+
+    ``jax.jit`` keys its own cache on the dynamic arguments' types, so one
+    jitted function per static-argument tuple is all that is kept here.
+    """
     fn = self._eager.get(static_args)
     if fn is None:
       def call(*dyn):
@@ -1399,6 +1467,15 @@ class custom_partitioning:
     return fn(*dyn_args)
 
   def _bind(self, static_argnums, static_args, dyn_args):
+    if (_use_shardy() and self.sharding_rule is None and
+        (self.infer_sharding_from_operands is not None or
+         self.propagate_user_sharding is not None)):
+      raise NotImplementedError(
+          f"custom_partitioning function {self._name} is used with the "
+          "Shardy partitioner, but only GSPMD callbacks "
+          "(infer_sharding_from_operands / propagate_user_sharding) are "
+          "defined. Add a sharding_rule to def_partition, e.g. "
+          "sharding_rule='i j -> i j'.")
     args_flat, in_tree = jax.tree_util.tree_flatten(dyn_args)
     in_avals = tuple(_typeof(x) for x in args_flat)
     key = None
@@ -1509,6 +1586,16 @@ def _static_positions(static_argnums, num_args: int, name: str) -> tuple:
     if i % num_args not in out:  # keep the author's order: callbacks see it
       out.append(i % num_args)
   return tuple(out)
+
+
+def _check_static_args(static_argnums, static_args, name: str) -> None:
+  for i, value in zip(static_argnums, static_args):
+    if any(isinstance(leaf, core.Tracer)
+           for leaf in jax.tree_util.tree_leaves(value)):
+      raise _errors.UnexpectedTracerError(
+          f"custom_partitioning function {name} got a traced value as "
+          f"argument {i}, which static_argnums marks static. Static "
+          "arguments must be concrete Python values.")
 
 
 def _merge(static_argnums, static_args, dyn_args) -> tuple:

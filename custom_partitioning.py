@@ -123,13 +123,7 @@ def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
 
 
 def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
-  """Lowers the per-shard jaxpr to a module; returns ``(module, keepalive)``.
-
-  We call ``lower_jaxpr_to_module`` rather than jax's
-  ``build_mlir_module_helper`` because the helper drops the lowering's host
-  callbacks and keep-alive objects; a ``jax.debug.callback`` inside
-  ``lower_fn`` then points at freed memory when it runs.
-  """
+  """Lowers the per-shard jaxpr; returns ``(module, host_callbacks)``."""
   result = mlir.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr,
       num_const_args=0,
@@ -139,7 +133,7 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
       axis_context=axis_context, platforms=platforms,
       lowering_parameters=mlir.LoweringParameters(
           hoist_constants_as_args=False))
-  return result.module, (result.keepalive, tuple(result.host_callbacks))
+  return result.module, result.host_callbacks
 
 
 def _is_exporting(ctx: mlir.LoweringRuleContext) -> bool:
@@ -769,7 +763,6 @@ class _OpInfo:
     self.use_shardy = use_shardy
     self.pending: BaseException | None = None  # from infer/propagate
     self.lowered: dict = {}  # partition request -> XLA answer
-    self.keepalive: list = []  # per-shard host callbacks and their data
 
   # -- conversions -----------------------------------------------------
 
@@ -932,10 +925,18 @@ class _OpInfo:
     axis_context = sharding_impls.SPMDAxisContext(
         mesh, frozenset(mesh.axis_names))
     with core.extend_axis_env_nd(axis_env):
-      module, keepalive = _lower_per_shard(
+      module, host_callbacks = _lower_per_shard(
           closed, platforms=self.platforms, backend=self.backend,
           axis_context=axis_context)
-    self.keepalive.append(keepalive)
+    if host_callbacks:
+      # XLA finds a host callback by its index in the list of the program
+      # being compiled, which was fixed before this callback ran; the
+      # per-shard module's own list is not reachable (upstream segfaults).
+      raise NotImplementedError(
+          f"lower_fn of {self.name} calls back to Python (jax.debug.callback"
+          ", jax.debug.print, jax.pure_callback or io_callback), which XLA "
+          "cannot run inside a custom-partitioned op. Move the callback "
+          "out of lower_fn, before or after the op.")
     return (mlir.module_to_bytecode(module), in_hlo,
             _pack_hlo(result_shape, out_hlo))
 

@@ -229,7 +229,7 @@ def _check_factor_name(name: str) -> None:
     raise ValueError(
         f"A factor name must start with a letter; got {name!r}.")
   for char in name[1:]:
-    if not (char == "_" or char.isalnum()):
+    if not (char == "_" or char.isdigit() or char.isalpha()):
       raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
 
 
@@ -421,7 +421,7 @@ def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
       elif char == ",":
         values.append(ArrayMapping(*dims))
         dims = []
-    elif char == "_" or char.isalnum():
+    elif char == "_" or char.isdigit() or char.isalpha():
       if not name and char.isdigit():
         raise ValueError(
             f"A factor name must start with a letter; got {char!r}.")
@@ -610,14 +610,18 @@ def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
   one mesh (XLA then falls back to its own propagation).
   """
   shardings = [s.sharding for s in arg_shapes]
-  if not all(isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh
-             for s in shardings):
+  # An operand without a sharding yet (None) tells nothing; skip it.
+  if all(s is None for s in shardings) or not all(
+      s is None or (isinstance(s, jax.sharding.NamedSharding) and
+                    s.mesh == mesh) for s in shardings):
     return None
   shapes = [s.shape for s in arg_shapes] + [s.shape for s in result_shapes]
   _, dims = _resolve_rule(rule, shapes, len(arg_shapes))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
   for value_dims, sharding in zip(dims, shardings):
+    if sharding is None:
+      continue
     spec = tuple(sharding.spec) + (None,) * len(value_dims)
     for factors, axes in zip(value_dims, spec):
       if len(factors) == 1 and factors[0] not in blocked and axes is not None:
@@ -689,9 +693,13 @@ def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
   return tuple(spec[:ndim]) + (None,) * (ndim - len(spec))
 
 
+def _struct(shape: xc.Shape, sharding=None) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape.dimensions()), shape.numpy_dtype(),
+                              sharding=sharding)
+
+
 def _tile_shape(hlo_sharding: xc.HloSharding, shape: xc.Shape):
-  local = hlo_sharding.tile(shape)
-  return jax.ShapeDtypeStruct(tuple(local.dimensions()), local.numpy_dtype())
+  return _struct(hlo_sharding.tile(shape))
 
 
 # --------------------------------------------------------------------------
@@ -766,16 +774,18 @@ class _OpInfo:
 
   # -- conversions -----------------------------------------------------
 
-  def decode_sharding(self, hlo_sharding, ndim: int, sub: bool = False):
+  def decode_sharding(self, hlo_sharding, ndim: int, sub: bool = False,
+                      named: bool = False):
     """An HloSharding as the callbacks see it (see ``decode_shardings``).
 
     ``sub``: the sharding is on ``self.submesh`` (a partition request inside
     a partly manual shard_map); it is shown on the whole mesh all the same.
+    ``named``: try a ``NamedSharding`` even if ``decode_shardings`` is off.
     """
     if hlo_sharding is None:
       return None
     on = self.submesh if sub else self.mesh
-    if self.decode and not self.mesh.empty:
+    if (self.decode or named) and not self.mesh.empty:
       spec = _decode_spec(hlo_sharding, on, ndim)
       if spec is not None:
         return jax.sharding.NamedSharding(
@@ -787,9 +797,7 @@ class _OpInfo:
   def shape_structs(self, tree, shapes, hlo_shardings, sub=False):
     """A pytree of ``jax.ShapeDtypeStruct`` carrying decoded shardings."""
     return tree.unflatten([
-        jax.ShapeDtypeStruct(
-            tuple(s.dimensions()), s.numpy_dtype(),
-            sharding=self.decode_sharding(h, len(s.dimensions()), sub))
+        _struct(s, self.decode_sharding(h, len(s.dimensions()), sub))
         for s, h in zip(shapes, hlo_shardings)])
 
   def encode_shardings(self, tree, value, shapes, callback, what, sub=False):
@@ -830,22 +838,23 @@ class _OpInfo:
 
   def infer_result(self, arg_shapes, arg_shardings, result_shape):
     result_shapes, _ = _hlo_parts(result_shape, None)
-    args = self.shape_structs(self.in_tree, arg_shapes, arg_shardings)
-    if self.infer is None:
-      if self.rule is None:
-        return None
-      derived = _infer_from_rule(
-          self.rule, self.in_tree.flatten_up_to(args),
-          [jax.ShapeDtypeStruct(tuple(s.dimensions()), s.numpy_dtype())
-           for s in result_shapes], self.mesh)
+    results = [_struct(s) for s in result_shapes]  # no shardings yet
+    if self.infer is not None:
+      value = self.infer(
+          *self.static_args, self.mesh,
+          self.shape_structs(self.in_tree, arg_shapes, arg_shardings),
+          self.out_tree.unflatten(results))
+    elif self.rule is not None:
+      # The rule needs mesh axes, whatever ``decode_shardings`` says.
+      args = [_struct(s, self.decode_sharding(h, len(s.dimensions()),
+                                              named=True))
+              for s, h in zip(arg_shapes, arg_shardings)]
+      derived = _infer_from_rule(self.rule, args, results, self.mesh)
       if derived is None:
         return None
       value = self.out_tree.unflatten(derived)
     else:
-      result = self.out_tree.unflatten([
-          jax.ShapeDtypeStruct(tuple(s.dimensions()), s.numpy_dtype())
-          for s in result_shapes])
-      value = self.infer(*self.static_args, self.mesh, args, result)
+      return None
     shardings = self.encode_shardings(
         self.out_tree, value, result_shapes, "infer_sharding_from_operands",
         "result sharding")
@@ -1415,16 +1424,16 @@ class custom_partitioning:
         extra[kind] = factors
     if isinstance(sharding_rule, str):
       sharding_rule = str_to_sdy_sharding_rule(sharding_rule, **extra)
-    elif extra:
-      raise ValueError(
-          f"def_partition of {self._name}: {sorted(extra)} only apply to a "
-          "string sharding_rule; put them into the SdyShardingRule (or the "
-          "(string, kwargs) pair your callable returns) instead.")
     elif not (sharding_rule is None or callable(sharding_rule) or
               isinstance(sharding_rule, SdyShardingRule)):
       raise TypeError(
           f"def_partition of {self._name}: sharding_rule must be a str, an "
           f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
+    elif extra:
+      raise ValueError(
+          f"def_partition of {self._name}: {sorted(extra)} only apply to a "
+          "string sharding_rule; put them into the SdyShardingRule (or the "
+          "(string, kwargs) pair your callable returns) instead.")
     self.partition = partition
     self.infer_sharding_from_operands = infer_sharding_from_operands
     self.propagate_user_sharding = propagate_user_sharding

@@ -1056,9 +1056,18 @@ def _describe(obj, out: list, seen: set) -> None:
     _describe_code_owner(obj, out, seen)
   elif isinstance(obj, types.CodeType):
     _describe_code(obj, out, seen)
-  elif isinstance(obj, (types.BuiltinFunctionType, jax.sharding.Mesh,
-                        jax.sharding.Sharding, jax.tree_util.PyTreeDef)):
+  elif isinstance(obj, jax.sharding.Mesh):
+    out.append(f"mesh {obj!r} {[d.id for d in obj._flat_devices_tuple]}")
+  elif isinstance(obj, jax.sharding.Sharding):
+    out.append(f"{type(obj).__name__} {obj!r} "
+               f"{[d.id for d in obj._device_assignment]}")
+  elif isinstance(obj, (types.BuiltinFunctionType, jax.tree_util.PyTreeDef)):
     out.append(f"{type(obj).__name__} {obj!r}")
+  elif isinstance(obj, custom_partitioning):
+    out.append("custom_partitioning")
+    _describe((obj.fun, obj.static_argnums, obj.partition,
+               obj.infer_sharding_from_operands, obj.propagate_user_sharding,
+               obj.decode_shardings, obj.sharding_rule), out, seen)
   elif callable(obj) and not _is_library(type(obj).__module__):
     out.append(f"callable {obj!r}")  # e.g. an instance with __call__
     _describe_code_owner(type(obj), out, seen)

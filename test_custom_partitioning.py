@@ -8,6 +8,7 @@ each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 """
 
 import os
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -104,6 +105,20 @@ class ElementwiseTest(CPTestCase):
 
 both_partitioners(ElementwiseTest)
 del ElementwiseTest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class ReadmeTest(unittest.TestCase):
+
+  def test_readme_example_runs(self):
+    """The README's example is real code: run it (it asserts its results)."""
+    with open(os.path.join(HERE, "README.md")) as f:
+      blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    example = [b for b in blocks if "def_partition" in b]
+    self.assertEqual(len(example), 1, "README has one full example")
+    exec(compile(example[0], "README.md", "exec"), {"__name__": "readme"})
+
 
 if __name__ == "__main__":
   unittest.main()

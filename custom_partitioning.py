@@ -29,7 +29,8 @@ implementation and any number of copies of this file coexist in one program.
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.10.2 (tested with both the Shardy and the GSPMD partitioner).
+jax/jaxlib 0.4.35 to 0.10.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
+0.8.3, 0.9.2 and 0.10.2, each with the Shardy and the GSPMD partitioner).
 Every ``jax._src`` import and every version difference lives in the
 "Compatibility" section below.
 
@@ -71,13 +72,36 @@ import jax
 #
 # Everything this module needs from jax's private modules is imported here,
 # and every difference between jax releases is hidden behind a small helper.
+# Each helper names the release that made it necessary; delete the old branch
+# once that release leaves the supported range. Python-side internals are
+# gated on jax's version, the C++ bindings (Shardy, XLA) on jaxlib's: a jax
+# release may run on the previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
 # --------------------------------------------------------------------------
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+  """``"0.5.3.dev20250101"`` -> ``(0, 5, 3)``."""
+  parts = []
+  for part in text.split(".")[:3]:
+    digits = "".join(itertools.takewhile(str.isdigit, part))
+    parts.append(int(digits or 0))
+  return tuple(parts)
+
+
+_SUPPORTED = "jax 0.4.35 to 0.10.x"
+_JAX_VERSION = _version_tuple(jax.__version__)
+if _JAX_VERSION < (0, 4, 35):
+  raise ImportError(
+      f"{__name__} supports {_SUPPORTED}; found jax {jax.__version__}. "
+      "Upgrade jax and jaxlib, or use jax.experimental.custom_partitioning.")
+
 from jax._src import (
   api_util,
   core,
   custom_api_util,
   dispatch,
   sharding_impls,
+  source_info_util,
   xla_bridge,
 )
 from jax._src import compiler as _compiler
@@ -87,30 +111,45 @@ from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lib import version as _jaxlib_version
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo, sdy
 import numpy as np
 
-_MIN_JAX = (0, 10, 2)
-_JAXLIB_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
+_JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
 
 
 def _typeof(x) -> core.AbstractValue:
   """The abstract value of a concrete array, tracer or Python scalar."""
-  return core.typeof(x)
+  # jax 0.5.3 added core.typeof; 0.10.0 removed core.get_aval.
+  if hasattr(core, "typeof"):
+    return core.typeof(x)
+  return core.get_aval(x)
 
 
 def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
   """Wraps ``fun`` for tracing, with debug info naming its arguments."""
+  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
+  # api_util.debug_info); before it, we trace without debug info.
+  if _JAX_VERSION < (0, 5, 1):
+    return lu.wrap_init(fun)
   info = api_util.debug_info("custom_partitioning", fun, args, {},
                              static_argnums=static_argnums)
   return lu.wrap_init(fun, debug_info=info)
 
 
+def _jaxpr_func_name(jaxpr: core.Jaxpr) -> str | None:
+  """The name of the function ``jaxpr`` was traced from, if recorded."""
+  # jax 0.5.1 added DebugInfo.func_name; before it, see ``_wrap``.
+  return getattr(jaxpr.debug_info, "func_name", None)
+
+
 def _trace(flat_fun: lu.WrappedFun, in_avals):
   """Traces ``flat_fun`` to a jaxpr; returns ``(jaxpr, consts)``."""
-  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
+  # jax 0.7.0 dropped the fourth result (attrs); both forms start with
+  # (jaxpr, out_avals, consts).
+  jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
   return jaxpr, consts
 
 
@@ -118,21 +157,42 @@ def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
   """The flat list of MLIR types for a sequence of abstract values."""
   out: list[ir.Type] = []
   for aval in avals:
-    out.extend(mlir.aval_to_ir_types(ctx.module_context, aval))
+    # jax 0.10.1 made aval_to_ir_types take the module context first.
+    if _JAX_VERSION >= (0, 10, 1):
+      out.extend(mlir.aval_to_ir_types(ctx.module_context, aval))
+    else:
+      out.extend(mlir.aval_to_ir_types(aval))
   return out
+
+
+def _module_backend(ctx: mlir.LoweringRuleContext):
+  """The backend the enclosing module is lowered for."""
+  # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
+  if _JAX_VERSION < (0, 5, 0):
+    return ctx.module_context.backend_or_name
+  return ctx.module_context.backend
 
 
 def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   """Lowers the per-shard jaxpr; returns ``(module, host_callbacks)``."""
+  kwargs: dict[str, Any] = {}
+  params: dict[str, Any] = {}
+  # jax 0.5.0 renamed the backend_or_name keyword to backend.
+  kwargs["backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name"] = (
+      backend)
+  # jax 0.7.0 dropped the name_stack keyword.
+  if _JAX_VERSION < (0, 7, 0):
+    kwargs["name_stack"] = source_info_util.new_name_stack()
+  # jax 0.7.1 added num_const_args, in_avals and hoist_constants_as_args.
+  if _JAX_VERSION >= (0, 7, 1):
+    kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
+    params["hoist_constants_as_args"] = False
   result = mlir.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr,
-      num_const_args=0,
-      in_avals=closed_jaxpr.in_avals,
-      backend=backend, ordered_effects=[],
+      ordered_effects=[],
       donated_args=[False] * len(closed_jaxpr.jaxpr.invars),
       axis_context=axis_context, platforms=platforms,
-      lowering_parameters=mlir.LoweringParameters(
-          hoist_constants_as_args=False))
+      lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
   return result.module, result.host_callbacks
 
 
@@ -140,32 +200,70 @@ def _is_exporting(ctx: mlir.LoweringRuleContext) -> bool:
   return bool(ctx.module_context.lowering_parameters.for_export)
 
 
+def _ambient_mesh(getter: str):
+  """``mesh_lib.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
+  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh; until 0.5.1
+  # they return () when no mesh is set.
+  if not hasattr(mesh_lib, getter):
+    return None
+  mesh = getattr(mesh_lib, getter)()
+  return None if isinstance(mesh, tuple) else mesh
+
+
 def _context_abstract_mesh(axis_context):
   """The abstract mesh that the jit's shardings were built on, if any."""
   am = getattr(axis_context, "abstract_mesh", None)
   if am is None or am.empty:
-    am = mesh_lib.get_abstract_mesh()
+    am = _ambient_mesh("get_abstract_mesh")
   return None if am is None or am.empty else am
+
+
+def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
+  """A concrete mesh of ``devices`` shaped and named like ``am``."""
+  # jax 0.4.36 added mesh axis types; before it, meshes have none.
+  kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
+  return mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
+                       am.axis_names, **kwargs)
 
 
 def _pspec_from_hlo(hlo_sharding: xc.HloSharding, mesh) -> tuple:
   """The PartitionSpec entries of ``hlo_sharding`` on ``mesh``."""
-  return tuple(sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0])
+  parsed = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
+  # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
+  if _JAX_VERSION < (0, 5, 3):
+    parsed = parsed.get_partition_spec()
+  return tuple(parsed)
 
 
 def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
                    reduction, need_replication, permutation):
+  kwargs: dict[str, Any] = {}
+  # jaxlib 0.5.0 added the special factor kinds to Shardy rules.
+  if _JAXLIB_VERSION >= (0, 5, 0):
+    kwargs.update(reduction_factors=reduction,
+                  need_replication_factors=need_replication,
+                  permutation_factors=permutation)
+  elif reduction or need_replication or permutation:
+    raise NotImplementedError(
+        "Shardy sharding rules with reduction, need_replication or "
+        "permutation factors need jax/jaxlib 0.5.0 or newer; found jaxlib "
+        f"{'.'.join(map(str, _JAXLIB_VERSION))}. Upgrade, use GSPMD, or drop "
+        "the special factors from the rule.")
+  # jaxlib 0.6.1: rules of custom calls are marked is_custom. Before it,
+  # is_custom=True fails the compile ("Unable to convert StableHLO to MHLO"
+  # on 0.4.x; "can only define custom sharding rules on stablehlo" on 0.5.x).
+  if _JAXLIB_VERSION >= (0, 6, 1):
+    kwargs["is_custom"] = True
   return sdy.OpShardingRuleAttr.get(
       factor_sizes=factor_sizes, operand_mappings=operand_mappings,
-      result_mappings=result_mappings, is_custom=True,
-      reduction_factors=reduction,
-      need_replication_factors=need_replication,
-      permutation_factors=permutation)
+      result_mappings=result_mappings, **kwargs)
 
 
 def _with_manual_axes(mesh, manual_axes):
   """``mesh`` with ``manual_axes`` typed ``AxisType.Manual``."""
-  if not manual_axes:
+  # jax 0.5.3 made axis types a tuple of jax.sharding.AxisType; before it,
+  # meshes cannot type single axes Manual and we leave them untyped.
+  if not manual_axes or _JAX_VERSION < (0, 5, 3):
     return mesh
   types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
                  for name, t in zip(mesh.axis_names, mesh.axis_types))
@@ -178,8 +276,11 @@ def _auto_submesh(mesh, manual_axes):
                 for name in mesh.axis_names)
   keep = [i for i, name in enumerate(mesh.axis_names)
           if name not in manual_axes]
-  return mesh_lib.Mesh(mesh.devices[index],
-                       tuple(mesh.axis_names[i] for i in keep),
+  names = tuple(mesh.axis_names[i] for i in keep)
+  # jax 0.5.3 made axis types a per-axis tuple; before it, leave them out.
+  if _JAX_VERSION < (0, 5, 3):
+    return mesh_lib.Mesh(mesh.devices[index], names)
+  return mesh_lib.Mesh(mesh.devices[index], names,
                        axis_types=tuple(mesh.axis_types[i] for i in keep))
 
 
@@ -882,6 +983,13 @@ class _OpInfo:
       self.lowered[request] = answer
     return answer
 
+  def _host_callback_error(self) -> NotImplementedError:
+    return NotImplementedError(
+        f"lower_fn of {self.name} calls back to Python (jax.debug.callback, "
+        "jax.debug.print, jax.pure_callback or io_callback), which XLA "
+        "cannot run inside a custom-partitioned op. Move the callback out "
+        "of lower_fn, before or after the op.")
+
   def _lower_partition(self, arg_shapes, arg_shardings, result_shape,
                        result_sharding):
     result_shapes, result_shardings = _hlo_parts(result_shape,
@@ -933,21 +1041,30 @@ class _OpInfo:
             f"{want.dtype}{list(want.shape)}.")
     axis_context = sharding_impls.SPMDAxisContext(
         mesh, frozenset(mesh.axis_names))
+    # XLA finds a host callback by its index in the list of the program
+    # being compiled, which was fixed before this callback ran; the
+    # per-shard module's own list is not reachable (upstream segfaults).
+    # Checked before lowering too: some jax releases fail or drop the
+    # callback while lowering it here.
+    if _calls_host(closed.jaxpr):
+      raise self._host_callback_error()
     with core.extend_axis_env_nd(axis_env):
       module, host_callbacks = _lower_per_shard(
           closed, platforms=self.platforms, backend=self.backend,
           axis_context=axis_context)
     if host_callbacks:
-      # XLA finds a host callback by its index in the list of the program
-      # being compiled, which was fixed before this callback ran; the
-      # per-shard module's own list is not reachable (upstream segfaults).
-      raise NotImplementedError(
-          f"lower_fn of {self.name} calls back to Python (jax.debug.callback"
-          ", jax.debug.print, jax.pure_callback or io_callback), which XLA "
-          "cannot run inside a custom-partitioned op. Move the callback "
-          "out of lower_fn, before or after the op.")
+      raise self._host_callback_error()
     return (mlir.module_to_bytecode(module), in_hlo,
             _pack_hlo(result_shape, out_hlo))
+
+
+_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
+
+
+def _calls_host(jaxpr: core.Jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
+  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
+      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
 
 
 def _lookup(key: bytes) -> _OpInfo | None:
@@ -1202,15 +1319,13 @@ def _mesh_for_lowering(axis_context):
     return mesh_lib.thread_resources.env.physical_mesh, None, None, None
   devices = tuple(devices)
   for candidate in (mesh_lib.thread_resources.env.physical_mesh,
-                    mesh_lib.get_concrete_mesh()):
+                    _ambient_mesh("get_concrete_mesh")):
     if (candidate is not None and not candidate.empty and
         tuple(candidate._flat_devices_tuple) == devices):
       return candidate, devices, None, None
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):
-    mesh = mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
-                         am.axis_names, axis_types=am.axis_types)
-    return mesh, devices, None, None
+    return _mesh_from_abstract(devices, am), devices, None, None
   return mesh_lib.thread_resources.env.physical_mesh, devices, None, None
 
 
@@ -1267,7 +1382,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   info = _OpInfo(name=name, params=params, mesh=mesh, devices=devices,
                  submesh=submesh, full_mesh=full_mesh, rule=rule,
                  platforms=ctx.module_context.platforms,
-                 backend=ctx.module_context.backend, use_shardy=use_shardy)
+                 backend=_module_backend(ctx), use_shardy=use_shardy)
   with _registry_lock:
     # Keep the first live entry: equal keys answer alike, and lowerings that
     # already hold it must keep finding it.
@@ -1291,8 +1406,13 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 mlir.register_lowering(custom_partitioning_p, _lowering)
 
 
+# call (ClosedJaxpr) -> the qualified name of the function it was traced from
+# (jaxprs record it themselves only from jax 0.5.1 on).
+_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _fun_name(call) -> str:
-  return getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
+  return _call_names.get(call) or _jaxpr_func_name(call.jaxpr) or "<op>"
 
 
 # --------------------------------------------------------------------------
@@ -1537,7 +1657,9 @@ class custom_partitioning:
           f"custom_partitioning function {self._name} closes over a traced "
           "value (e.g. a variable of an enclosing jax.jit or jax.grad). "
           "Pass it to the function as an argument instead.")
-    return core.ClosedJaxpr(jaxpr, consts), out_tree()
+    call = core.ClosedJaxpr(jaxpr, consts)
+    _call_names[call] = self._name
+    return call, out_tree()
 
 
 class _Signature:

@@ -597,6 +597,12 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
     ValueError: a rank mismatch, an ellipsis that stands for different
       numbers of dimensions, or sizes that do not fit.
   """
+  for kind, in_rule, in_op in (
+      ("operands", len(rule.operand_mappings), num_operands),
+      ("results", len(rule.result_mappings), len(shapes) - num_operands)):
+    if in_rule != in_op:
+      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
+                       f"operation has {in_op} {kind}.")
   mappings = tuple(rule.operand_mappings) + tuple(rule.result_mappings)
   unknown = -1
   sizes: dict[str, int] = {}
@@ -1013,6 +1019,17 @@ class _OpInfo:
     if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
       raise TypeError(f"partition of {self.name} returned a mesh of type "
                       f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
+    if not sub and isinstance(mesh, mesh_lib.Mesh):
+      mesh_devices = set(mesh._flat_devices_tuple)
+      if mesh_devices != set(self.devices):
+        raise ValueError(
+            f"partition of {self.name} returned a mesh on devices "
+            f"{sorted(d.id for d in mesh_devices)}, but the op runs on "
+            f"{sorted(d.id for d in self.devices)}.")
+    elif not sub and mesh.size != len(self.devices):
+      raise ValueError(
+          f"partition of {self.name} returned a mesh of {mesh.size} "
+          f"devices, but the op runs on {len(self.devices)}.")
     out_hlo = self.encode_shardings(self.out_tree, out_shardings,
                                     result_shapes, "partition",
                                     "result sharding", sub)
@@ -1214,10 +1231,31 @@ def _describe_code_owner(obj, out: list, seen: set) -> None:
       _describe(cell.cell_contents, out, seen)
     except ValueError:  # an empty cell
       out.append("empty cell")
-  for global_name in _global_names(obj.__code__):
+  names = _global_names(obj.__code__)
+  for global_name in names:
     if global_name in obj.__globals__:
       out.append(f"global {global_name}")
-      _describe(obj.__globals__[global_name], out, seen)
+      value = obj.__globals__[global_name]
+      _describe(value, out, seen)
+      _describe_module_attrs(value, names, out, seen)
+
+
+def _describe_module_attrs(module, names, out: list, seen: set,
+                           depth: int = 0) -> None:
+  """Describes ``module.<name>`` of a user module for the code's names.
+
+  ``co_names`` holds attribute names as well as globals, so the attributes
+  that ``helper.fn`` or ``cfg.SCALE`` read are among ``names``.
+  """
+  if (not isinstance(module, types.ModuleType) or depth > 4 or
+      _is_library(module.__name__)):
+    return
+  attrs = vars(module)
+  for name in names:
+    if name in attrs:
+      out.append(f"attr {module.__name__}.{name}")
+      _describe(attrs[name], out, seen)
+      _describe_module_attrs(attrs[name], names, out, seen, depth + 1)
 
 
 def _describe_code(code: types.CodeType, out: list, seen: set) -> None:

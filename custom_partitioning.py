@@ -109,7 +109,7 @@ from jax._src import config as _config
 from jax._src import errors as _errors
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
-from jax._src.interpreters import mlir
+from jax._src.interpreters import ad, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import version as _jaxlib_version
 from jax._src.lib import xla_client as xc
@@ -863,7 +863,7 @@ class _OpInfo:
     self.infer = params["infer_sharding_from_operands"]
     self.propagate = params["propagate_user_sharding"]
     self.decode = params["decode_shardings"]
-    self.static_args = params["static_args"]
+    self.static_args = _static_values(params["static_args"])
     self.in_tree = params["in_tree"]
     self.out_tree = params["out_tree"]
     self.mesh = mesh  # what the callbacks see
@@ -1195,6 +1195,8 @@ def _describe(obj, out: list, seen: set) -> None:
   elif isinstance(obj, jax.sharding.Sharding):
     out.append(f"{type(obj).__name__} {obj!r} "
                f"{[d.id for d in obj._device_assignment]}")
+  elif isinstance(obj, _Unhashable):
+    _describe(obj.value, out, seen)
   elif isinstance(obj, (types.BuiltinFunctionType, jax.tree_util.PyTreeDef)):
     out.append(f"{type(obj).__name__} {obj!r}")
   elif isinstance(obj, custom_partitioning):
@@ -1316,6 +1318,37 @@ def _abstract_eval(*avals, call, **_):
 
 custom_partitioning_p.def_abstract_eval(_abstract_eval)
 
+
+def _jvp(primals, tangents, **params):
+  """Differentiates the body; the primal result stays the custom op."""
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  _, tangents_out = jax.jvp(core.jaxpr_as_fun(params["call"]),
+                            list(primals), tangents)
+  return custom_partitioning_p.bind(*primals, **params), tangents_out
+
+
+ad.primitive_jvps[custom_partitioning_p] = _jvp
+
+
+class _Unhashable:
+  """Unhashable static arguments as an equation parameter (by identity)."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __hash__(self):
+    return id(self.value)
+
+  def __eq__(self, other):
+    return isinstance(other, _Unhashable) and other.value is self.value
+
+
+def _static_values(static_args):
+  if isinstance(static_args, _Unhashable):
+    return static_args.value
+  return static_args
+
 # call (ClosedJaxpr) -> jitted function binding the primitive with params.
 _eager_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -1412,7 +1445,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 
   operand_types = _ir_types(ctx, call.in_avals)
   result_types = _ir_types(ctx, call.out_avals)
-  rule = _resolve_sharding_rule(params["sharding_rule"], params["static_args"],
+  rule = _resolve_sharding_rule(params["sharding_rule"],
+                                _static_values(params["static_args"]),
                                 mesh, operand_types, result_types)
   key = (f"{_TARGET}:" +
          _digest(_op_digest(params), mesh, devices and [d.id for d in devices],
@@ -1672,7 +1706,9 @@ class custom_partitioning:
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
-        sharding_rule=self.sharding_rule, static_args=static_args)
+        sharding_rule=self.sharding_rule,
+        static_args=(static_args if key is not None
+                     else _Unhashable(static_args)))
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
   def _trace(self, static_argnums, static_args, dyn_args, in_tree, in_avals):

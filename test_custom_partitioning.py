@@ -15,16 +15,44 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import functools
+import gc
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
 import unittest
+import warnings
 
 import jax
+from jax._src import custom_partitioning_sharding_rule as _up_rules
+from jax._src.interpreters import mlir as _jax_mlir
+from jax._src.lib.mlir import ir as _ir
+from jax.experimental import custom_partitioning as _up_cp
+import jax.extend
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from custom_partitioning import custom_partitioning
+import custom_partitioning as cp
+from custom_partitioning import (
+  BATCHING,
+  ArrayMapping,
+  CompoundFactor,
+  SdyShardingRule,
+  custom_partitioning,
+  custom_partitioning_p,
+  sdy_sharding_rule_to_mlir,
+  str_to_sdy_sharding_rule,
+)
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # holds the module
 _ENV_SHARDY = os.environ.get("JAX_USE_SHARDY_PARTITIONER")
 PARTITIONERS = {"Shardy": True, "GSPMD": False}
 if _ENV_SHARDY is not None:
@@ -106,9 +134,6 @@ class ElementwiseTest(CPTestCase):
 both_partitioners(ElementwiseTest)
 del ElementwiseTest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 class ReadmeTest(unittest.TestCase):
 
   def test_readme_example_runs(self):
@@ -118,6 +143,3143 @@ class ReadmeTest(unittest.TestCase):
     example = [b for b in blocks if "def_partition" in b]
     self.assertEqual(len(example), 1, "README has one full example")
     exec(compile(example[0], "README.md", "exec"), {"__name__": "readme"})
+
+
+
+# ==========================================================================
+# From test_features.py
+def _data(shape, dtype=np.float32):
+  """Small deterministic non-trivial test data."""
+  n = int(np.prod(shape))
+  return (np.arange(n, dtype=np.float64).reshape(shape) / 7.0 - 1.5).astype(dtype)
+
+
+def _same_sharding_op(body, rule="i j -> i j", lower_fn=None, **kw):
+  """An op whose partition keeps the first operand's sharding everywhere."""
+  op = custom_partitioning(body, **kw)
+  lower_fn = lower_fn or body
+
+  def partition(*args):
+    mesh, arg_shapes, result_shape = args[-3:]
+    s = jax.tree_util.tree_leaves(arg_shapes)[0].sharding
+    return (mesh, lower_fn, jax.tree_util.tree_map(lambda _: s, result_shape),
+            jax.tree_util.tree_map(lambda _: s, arg_shapes))
+
+  def infer(*args):
+    mesh, arg_shapes, result_shape = args[-3:]
+    s = jax.tree_util.tree_leaves(arg_shapes)[0].sharding
+    return jax.tree_util.tree_map(lambda _: s, result_shape)
+
+  op.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  return op
+
+
+class _Boom(Exception):
+  """A user exception type that must reach the caller unchanged."""
+
+
+# ---------------------------------------------------------------------------
+# 1. Decorator forms, primitive, abstract eval, eager/jit/control flow/AD
+# ---------------------------------------------------------------------------
+
+class FrontendTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh()
+    self.s = NamedSharding(self.m, P("x"))
+    self.xh = _data((16, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def test_decorator(self):
+    seen = []
+
+    @custom_partitioning
+    def f(x):
+      return jnp.sin(x) * 2.0
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append("partition")
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: jnp.sin(x) * 2.0, s, (s,)
+
+    f.def_partition(partition,
+                    infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                    sharding_rule="i j -> i j")
+    self.assertEqual(f.__name__, "f")
+    jf = jax.jit(f, in_shardings=self.s, out_shardings=self.s)
+    np.testing.assert_allclose(jf(self.x), np.sin(self.xh) * 2, rtol=1e-6)
+    self.assertIn("partition", seen)
+    self.assertCollectives(self.hlo(jf, self.x), absent=("all-gather",))
+
+  def test_partial_static_argnums(self):
+    seen = []
+
+    @functools.partial(custom_partitioning, static_argnums=(1,))
+    def f(x, k):
+      return x * k
+
+    def partition(k, mesh, arg_shapes, result_shape):
+      seen.append(k)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * k, s, (s,)
+
+    f.def_partition(partition,
+                    infer_sharding_from_operands=lambda k, m, a, r: a[0].sharding,
+                    sharding_rule="i j -> i j")
+    out = jax.jit(lambda x: f(x, 3.0))(self.x)
+    np.testing.assert_allclose(out, self.xh * 3.0, rtol=1e-6)
+    self.assertEqual(seen, [3.0])
+
+  def test_primitive_exported(self):
+    self.assertIsInstance(custom_partitioning_p, jax.extend.core.Primitive)
+    self.assertTrue(custom_partitioning_p.multiple_results)
+    op = elementwise_op()
+    jaxpr = jax.make_jaxpr(op)(self.xh)
+    prims = [e.primitive for e in jaxpr.eqns]
+    self.assertIn(custom_partitioning_p, prims)
+    from jax.experimental import custom_partitioning as upstream
+    self.assertIsNot(custom_partitioning_p, upstream.custom_partitioning_p)
+
+  def test_eval_shape(self):
+    op = _same_sharding_op(
+        lambda x, y: {"a": (x @ y).astype(jnp.int32), "b": x.sum(1)},
+        rule="i j, j k -> i k, i")
+    x, y = _data((8, 4)), _data((4, 6), np.float16)
+    got = jax.eval_shape(op, x, y)
+    want = jax.eval_shape(
+        lambda x, y: {"a": (x @ y).astype(jnp.int32), "b": x.sum(1)}, x, y)
+    self.assertEqual(jax.tree_util.tree_structure(got),
+                     jax.tree_util.tree_structure(want))
+    for g, w in zip(jax.tree_util.tree_leaves(got),
+                    jax.tree_util.tree_leaves(want)):
+      self.assertEqual((g.shape, g.dtype), (w.shape, w.dtype))
+
+  def test_eager(self):
+    op = elementwise_op()
+    np.testing.assert_allclose(op(self.x), np.sin(self.xh) * 2, rtol=1e-6)
+    np.testing.assert_allclose(op(self.xh), np.sin(self.xh) * 2, rtol=1e-6)
+    # the eager result on sharded input keeps the sharding the op chose
+    self.assertTrue(op(self.x).sharding.is_equivalent_to(self.s, 2))
+
+  def test_jit(self):
+    op = elementwise_op()
+    out = jax.jit(op)(self.x)
+    np.testing.assert_allclose(out, np.sin(self.xh) * 2, rtol=1e-6)
+    self.assertTrue(out.sharding.is_equivalent_to(self.s, 2))
+
+  def test_scan_body(self):
+    op = elementwise_op(body=lambda x: x * 0.5 + 1.0)
+
+    def f(x):
+      def step(c, _):
+        c = op(c)
+        return c, c.sum()
+      return jax.lax.scan(step, x, None, length=3)
+
+    c, ys = jax.jit(f)(self.x)
+    want, wys = self.xh, []
+    for _ in range(3):
+      want = want * 0.5 + 1.0
+      wys.append(want.sum())
+    np.testing.assert_allclose(c, want, rtol=1e-6)
+    np.testing.assert_allclose(ys, wys, rtol=1e-5)
+    self.assertIn("CustomSPMDPartitioning", jax.jit(f).lower(self.x).as_text())
+
+  def test_while_loop_body(self):
+    op = elementwise_op(body=lambda x: x * 0.5 + 1.0)
+
+    def f(x):
+      return jax.lax.while_loop(lambda c: c[0] < 4,
+                                lambda c: (c[0] + 1, op(c[1])), (0, x))[1]
+
+    want = self.xh
+    for _ in range(4):
+      want = want * 0.5 + 1.0
+    np.testing.assert_allclose(jax.jit(f)(self.x), want, rtol=1e-6)
+
+  def test_cond_branches(self):
+    op = elementwise_op(body=lambda x: x * 3.0)
+    f = jax.jit(lambda p, x: jax.lax.cond(p, op, lambda x: x - 1.0, x))
+    np.testing.assert_allclose(f(True, self.x), self.xh * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(f(False, self.x), self.xh - 1.0, rtol=1e-6)
+
+  def test_checkpoint(self):
+    op = elementwise_op()
+    f = jax.jit(jax.checkpoint(lambda x: op(x) + 1.0))
+    np.testing.assert_allclose(f(self.x), np.sin(self.xh) * 2 + 1, rtol=1e-5)
+
+  def test_grad_differentiates_body(self):
+    # The module documents that jax.grad "sees its body". Upstream raises
+    # NotImplementedError ("Differentiation rule ... not implemented").
+    op = elementwise_op()
+    g = jax.jit(jax.grad(lambda x: (op(x) * self.xh).sum()))(self.x)
+    np.testing.assert_allclose(g, 2 * np.cos(self.xh) * self.xh, rtol=1e-5,
+                               atol=1e-6)
+    g_eager = jax.grad(lambda x: op(x).sum())(self.xh)
+    np.testing.assert_allclose(g_eager, 2 * np.cos(self.xh), rtol=1e-5)
+
+  def test_grad_under_checkpoint(self):
+    op = elementwise_op()
+    g = jax.jit(jax.grad(jax.checkpoint(lambda x: op(x).sum())))(self.x)
+    np.testing.assert_allclose(g, 2 * np.cos(self.xh), rtol=1e-5)
+
+  def test_vjp(self):
+    op = elementwise_op()
+    out, pullback = jax.vjp(op, self.x)
+    np.testing.assert_allclose(out, np.sin(self.xh) * 2, rtol=1e-6)
+    ct = _data((16, 4)) + 3
+    (g,) = pullback(jnp.asarray(ct))
+    np.testing.assert_allclose(g, 2 * np.cos(self.xh) * ct, rtol=1e-5,
+                               atol=1e-6)
+
+
+both_partitioners(FrontendTest)
+del FrontendTest
+
+
+# ---------------------------------------------------------------------------
+# 2. Pytrees and keyword arguments
+# ---------------------------------------------------------------------------
+
+class PytreeKwargsTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh()
+    self.s = NamedSharding(self.m, P("x"))
+    self.ah, self.bh, self.ch = _data((8, 4)), _data((8, 4)) + 1, _data((8, 4)) * 3
+    self.a, self.b, self.c = (jax.device_put(v, self.s)
+                              for v in (self.ah, self.bh, self.ch))
+
+  def test_nested_pytrees(self):
+    seen = {}
+
+    def body(a, bc):
+      b, d = bc
+      return {"sum": a + b, "pair": (b * d["c"], a - d["c"])}
+
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen["arg_tree"] = jax.tree_util.tree_structure(arg_shapes)
+      seen["res_tree"] = jax.tree_util.tree_structure(result_shape)
+      s = arg_shapes[0].sharding
+
+      def lower_fn(a, bc):
+        seen["lower_tree"] = jax.tree_util.tree_structure((a, bc))
+        seen["lower_shapes"] = [v.shape for v in jax.tree_util.tree_leaves((a, bc))]
+        return body(a, bc)
+
+      return (mesh, lower_fn, {"sum": s, "pair": (s, s)},
+              (s, (s, {"c": s})))
+
+    op.def_partition(
+        partition,
+        infer_sharding_from_operands=lambda m, a, r: {
+            "sum": a[0].sharding, "pair": (a[0].sharding, a[0].sharding)},
+        sharding_rule="i j, i j, i j -> i j, i j, i j")
+    out = jax.jit(op)(self.a, (self.b, {"c": self.c}))
+    self.assertEqual(set(out), {"sum", "pair"})
+    self.assertIsInstance(out["pair"], tuple)
+    np.testing.assert_allclose(out["sum"], self.ah + self.bh, rtol=1e-6)
+    np.testing.assert_allclose(out["pair"][0], self.bh * self.ch, rtol=1e-6)
+    np.testing.assert_allclose(out["pair"][1], self.ah - self.ch, rtol=1e-6)
+    want_args = jax.tree_util.tree_structure((1, (1, {"c": 1})))
+    self.assertEqual(seen["arg_tree"], want_args)
+    self.assertEqual(seen["lower_tree"], want_args)
+    self.assertEqual(seen["res_tree"],
+                     jax.tree_util.tree_structure({"sum": 1, "pair": (1, 1)}))
+    self.assertEqual(seen["lower_shapes"], [(1, 4)] * 3)
+    # eager too
+    out = op(self.a, (self.b, {"c": self.c}))
+    np.testing.assert_allclose(out["pair"][1], self.ah - self.ch, rtol=1e-6)
+
+  def test_keyword_args_bound_by_signature(self):
+    def body(x, y):
+      return x - 2.0 * y
+    op = _same_sharding_op(body, rule="i j, i j -> i j")
+    want = self.ah - 2.0 * self.bh
+    np.testing.assert_allclose(jax.jit(lambda a, b: op(a, y=b))(self.a, self.b),
+                               want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda a, b: op(y=b, x=a))(self.a, self.b),
+                               want, rtol=1e-6)
+    np.testing.assert_allclose(op(y=self.b, x=self.a), want, rtol=1e-6)
+
+  def test_defaults_applied(self):
+    seen = []
+
+    def body(x, scale=3.0):
+      return x * scale
+
+    op = custom_partitioning(body, static_argnums=(1,))
+
+    def partition(scale, mesh, arg_shapes, result_shape):
+      seen.append(scale)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * scale, s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda sc, m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    np.testing.assert_allclose(jax.jit(lambda x: op(x))(self.a), self.ah * 3,
+                               rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda x: op(x, scale=5.0))(self.a),
+                               self.ah * 5, rtol=1e-6)
+    self.assertEqual(seen, [3.0, 5.0])
+
+  def test_keyword_only_default(self):
+    def body(x, *, k=4.0):
+      return x * k
+    op = _same_sharding_op(body)
+    np.testing.assert_allclose(jax.jit(lambda x: op(x))(self.a), self.ah * 4,
+                               rtol=1e-6)
+    np.testing.assert_allclose(op(self.a), self.ah * 4, rtol=1e-6)
+
+  def test_keyword_only_passed_raises(self):
+    def body(x, *, k=4.0):
+      return x * k
+    op = _same_sharding_op(body)
+    with self.assertRaises(TypeError) as cm:
+      op(self.a, k=1.0)
+    self.assertIn("keyword-only", str(cm.exception))
+    self.assertIn("'k'", str(cm.exception))
+    with self.assertRaises(TypeError):
+      jax.jit(lambda x: op(x, k=1.0))(self.a)
+
+
+both_partitioners(PytreeKwargsTest)
+del PytreeKwargsTest
+
+
+# ---------------------------------------------------------------------------
+# 3. static_argnums
+# ---------------------------------------------------------------------------
+
+class StaticArgsTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh((4, 2), ("x", "y"))
+    self.s = NamedSharding(self.m, P("x"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def test_static_values_first_to_every_callback(self):
+    calls = []
+
+    def body(n, x, tag):
+      return x * n + len(tag)
+
+    op = custom_partitioning(body, static_argnums=(0, 2))
+
+    def partition(n, tag, mesh, arg_shapes, result_shape):
+      calls.append(("partition", n, tag))
+      self.assertIsInstance(mesh, Mesh)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * n + len(tag), s, (s,)
+
+    def infer(n, tag, mesh, arg_shapes, result_shape):
+      calls.append(("infer", n, tag))
+      return arg_shapes[0].sharding
+
+    def propagate(n, tag, mesh, user_shape):
+      calls.append(("propagate", n, tag))
+      return user_shape.sharding
+
+    def rule(n, tag, mesh, operand_types, result_types):
+      calls.append(("rule", n, tag))
+      return "i j -> i j"
+
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     propagate_user_sharding=propagate, sharding_rule=rule)
+    f = jax.jit(lambda x: jax.lax.with_sharding_constraint(
+        op(3.0, x, "ab") + 1.0, NamedSharding(self.m, P("x", "y"))))
+    np.testing.assert_allclose(f(self.x), self.xh * 3 + 3, rtol=1e-6)
+    kinds = {c[0] for c in calls}
+    self.assertTrue(all(c[1:] == (3.0, "ab") for c in calls), calls)
+    self.assertIn("partition", kinds)
+    self.assertIn("rule", kinds)
+    if not self.shardy:
+      self.assertIn("infer", kinds)
+      self.assertIn("propagate", kinds)
+
+  def test_unhashable_static_jit(self):
+    op = custom_partitioning(lambda cfg, x: x * cfg["a"] + cfg["b"][0],
+                             static_argnums=(0,))
+
+    def partition(cfg, mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * cfg["a"] + cfg["b"][0], s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda c, m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    cfg = {"a": 3.0, "b": [2.0]}
+    np.testing.assert_allclose(jax.jit(lambda x: op(cfg, x))(self.x),
+                               self.xh * 3 + 2, rtol=1e-6)
+
+  def test_unhashable_static_eager(self):
+    op = custom_partitioning(lambda lst, x: x * lst[0], static_argnums=(0,))
+
+    def partition(lst, mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * lst[0], s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda l, m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    np.testing.assert_allclose(op([4.0], self.x), self.xh * 4, rtol=1e-6)
+    np.testing.assert_allclose(op([5.0], self.xh), self.xh * 5, rtol=1e-6)
+
+  def test_tracer_in_static_position(self):
+    op = _same_sharding_op(lambda n, x: x * n, static_argnums=(0,),
+                           lower_fn=lambda x: x * 2.0)
+    with self.assertRaises(jax.errors.UnexpectedTracerError) as cm:
+      jax.jit(lambda x, n: op(n, x))(self.x, 3.0)
+    self.assertIn("argument 0", str(cm.exception))
+    op2 = _same_sharding_op(lambda x, n: x * n[0], static_argnums=(1,),
+                            lower_fn=lambda x: x * 2.0)
+    with self.assertRaises(jax.errors.UnexpectedTracerError) as cm:
+      jax.jit(lambda x, n: op2(x, (n,)))(self.x, 3.0)
+    self.assertIn("argument 1", str(cm.exception))
+    # the op still works with a concrete static value
+    np.testing.assert_allclose(jax.jit(lambda x: op(2.0, x))(self.x),
+                               self.xh * 2, rtol=1e-6)
+
+  def test_static_argnums_out_of_range(self):
+    op = _same_sharding_op(lambda x, n: x * n, static_argnums=(5,))
+    with self.assertRaises(IndexError) as cm:
+      op(self.x, 2.0)
+    self.assertIn("5", str(cm.exception))
+    with self.assertRaises(IndexError):
+      jax.jit(lambda x: op(x, 2.0))(self.x)
+
+
+both_partitioners(StaticArgsTest)
+del StaticArgsTest
+
+
+# ---------------------------------------------------------------------------
+# 4. Closures over array constants
+# ---------------------------------------------------------------------------
+
+class ClosureTest(CPTestCase):
+
+  def _check(self, const):
+    chost = np.asarray(const)
+    body = lambda x: x * const[None, :] + jnp.sum(const)
+    op = _same_sharding_op(body)
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, s)
+    want = xh * chost[None, :] + chost.sum()
+    np.testing.assert_allclose(op(x), want, rtol=1e-5)
+    np.testing.assert_allclose(op(xh), want, rtol=1e-5)
+    f = jax.jit(op, in_shardings=s, out_shardings=s)
+    np.testing.assert_allclose(f(x), want, rtol=1e-5)
+    self.assertCollectives(self.hlo(f, x), absent=("all-gather",))
+
+  def test_numpy_constant(self):
+    self._check(np.array([1.0, -2.0, 3.0, 0.5], np.float32))
+
+  def test_jax_constant(self):
+    self._check(jnp.array([1.0, -2.0, 3.0, 0.5], jnp.float32))
+
+
+both_partitioners(ClosureTest)
+del ClosureTest
+
+
+# ---------------------------------------------------------------------------
+# 5. Callback contracts
+# ---------------------------------------------------------------------------
+
+class CallbackContractTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh((4, 2), ("x", "y"))
+    self.s = NamedSharding(self.m, P("x", "y"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def _recording_op(self, decode=True):
+    rec = []
+    body = lambda x: jnp.cos(x) + 1.0
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      rec.append(("partition", mesh, arg_shapes, result_shape))
+      s = arg_shapes[0].sharding
+
+      def lower_fn(x):
+        rec.append(("lower_fn", x.shape))
+        return body(x)
+
+      return mesh, lower_fn, s, (s,)
+
+    def infer(mesh, arg_shapes, result_shape):
+      rec.append(("infer", mesh, arg_shapes, result_shape))
+      return arg_shapes[0].sharding
+
+    def propagate(mesh, user_shape):
+      rec.append(("propagate", mesh, user_shape))
+      return user_shape.sharding
+
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     propagate_user_sharding=propagate,
+                     decode_shardings=decode, sharding_rule="i j -> i j")
+    return op, rec
+
+  def _check_mesh(self, mesh, want):
+    self.assertEqual(tuple(mesh.axis_names), tuple(want.axis_names))
+    self.assertEqual(dict(mesh.shape), dict(want.shape))
+    self.assertEqual(mesh.devices.tolist(), want.devices.tolist())
+    self.assertEqual(tuple(mesh.axis_types), tuple(want.axis_types))
+
+  def _check_struct(self, sds, mesh, shape, spec=None):
+    self.assertIsInstance(sds, jax.ShapeDtypeStruct)
+    self.assertEqual(sds.shape, shape)
+    self.assertEqual(sds.dtype, np.float32)
+    self.assertIsInstance(sds.sharding, NamedSharding)
+    self._check_mesh(sds.sharding.mesh, mesh)
+    if spec is not None:
+      self.assertTrue(sds.sharding.is_equivalent_to(
+          NamedSharding(mesh, spec), len(shape)), sds.sharding)
+
+  def _check_records(self, rec, mesh):
+    kinds = [r[0] for r in rec]
+    self.assertIn("partition", kinds)
+    self.assertIn(("lower_fn", (2, 2)), rec)
+    if not self.shardy:
+      self.assertIn("infer", kinds)
+    for r in rec:
+      if r[0] == "partition":
+        _, m, args, res = r
+        self._check_mesh(m, mesh)
+        self.assertIsInstance(args, tuple)
+        self._check_struct(args[0], mesh, (8, 4), P("x", "y"))
+        self._check_struct(res, mesh, (8, 4), P("x", "y"))
+      elif r[0] == "infer":
+        _, m, args, res = r
+        self._check_mesh(m, mesh)
+        self._check_struct(args[0], mesh, (8, 4), P("x", "y"))
+        self.assertIsInstance(res, jax.ShapeDtypeStruct)
+        self.assertEqual(res.shape, (8, 4))
+      elif r[0] == "propagate":
+        _, m, user = r
+        self._check_mesh(m, mesh)
+        self._check_struct(user, mesh, (8, 4))
+
+  def test_set_mesh_context(self):
+    op, rec = self._recording_op()
+    with jax.set_mesh(self.m):
+      out = jax.jit(op)(self.x)
+    np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
+    self._check_records(rec, self.m)
+
+  def test_set_mesh_explicit_axes(self):
+    m = jax.make_mesh((4, 2), ("x", "y"),
+                      axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = jax.device_put(self.xh, NamedSharding(m, P("x", "y")))
+    op, rec = self._recording_op()
+    with jax.set_mesh(m):
+      out = jax.jit(op)(x)
+    np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
+    self._check_records(rec, m)
+
+  def test_with_mesh_context(self):
+    op, rec = self._recording_op()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      with self.m:
+        out = jax.jit(op)(self.x)
+    np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
+    self._check_records(rec, self.m)
+
+  def test_no_mesh_context(self):
+    op, rec = self._recording_op()
+    out = jax.jit(op, in_shardings=self.s, out_shardings=self.s)(self.x)
+    np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
+    self._check_records(rec, self.m)
+
+  def test_decode_shardings_false(self):
+    op, rec = self._recording_op(decode=False)
+    out = jax.jit(op, in_shardings=self.s, out_shardings=self.s)(self.x)
+    np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
+    parts = [r for r in rec if r[0] == "partition"]
+    self.assertTrue(parts)
+    for _, mesh, args, res in parts:
+      for sds in (args[0], res):
+        self.assertIsInstance(sds, jax.ShapeDtypeStruct)
+        self.assertNotIsInstance(sds.sharding, NamedSharding)
+        self.assertEqual(type(sds.sharding).__name__, "GSPMDSharding")
+        self.assertTrue(sds.sharding.is_equivalent_to(self.s, 2))
+
+  def test_psum_in_lower_fn(self):
+    op = custom_partitioning(lambda x: x.sum(0))
+
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, lambda x: jax.lax.psum(x.sum(0), "x"),
+              NamedSharding(mesh, P()), (NamedSharding(mesh, P("x", None)),))
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
+                     sharding_rule="i j -> j", reduction_factors=("i",))
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, s)
+    f = jax.jit(op, in_shardings=s)
+    np.testing.assert_allclose(f(x), xh.sum(0), rtol=1e-5)
+    self.assertCollectives(self.hlo(f, x), present=("all-reduce",),
+                           absent=("all-gather",))
+
+  def test_all_gather_in_lower_fn(self):
+    op = custom_partitioning(lambda x: x[::-1])
+
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, lambda x: jax.lax.all_gather(x, "x", tiled=True)[::-1],
+              NamedSharding(mesh, P()), (NamedSharding(mesh, P("x")),))
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
+                     sharding_rule="i j -> i j", need_replication_factors=("i",))
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, s)
+    f = jax.jit(op, in_shardings=s)
+    np.testing.assert_allclose(f(x), xh[::-1], rtol=1e-6)
+    self.assertCollectives(self.hlo(f, x), present=("all-gather",))
+
+  def test_axis_index_in_lower_fn(self):
+    rows = np.repeat(np.arange(8, dtype=np.float32), 2)[:, None]
+    op = custom_partitioning(lambda x: x + rows)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = NamedSharding(mesh, P("x"))
+      return (mesh, lambda x: x + jax.lax.axis_index("x").astype(x.dtype),
+              s, (s,))
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P("x")),
+                     sharding_rule="i j -> i j")
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, s)
+    np.testing.assert_allclose(jax.jit(op, in_shardings=s)(x), xh + rows,
+                               rtol=1e-6)
+
+
+both_partitioners(CallbackContractTest)
+del CallbackContractTest
+
+
+# ---------------------------------------------------------------------------
+# 6. Shardy needs a rule; GSPMD works from a rule alone
+# ---------------------------------------------------------------------------
+
+_SUBPROCESS_PRELUDE = """
+import os, sys
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, {here!r})
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+jax.config.update("jax_use_shardy_partitioner", {shardy})
+from custom_partitioning import custom_partitioning
+mesh = Mesh(np.array(jax.devices()), ("x",))
+s = NamedSharding(mesh, P("x"))
+xh = (np.arange(64, dtype=np.float32).reshape(16, 4) / 7.0)
+x = jax.device_put(xh, s)
+"""
+
+
+def _run_snippet(test, shardy, code, timeout=120):
+  """Runs ``code`` in a fresh process; returns stdout. Fails on a crash."""
+  src = _SUBPROCESS_PRELUDE.format(shardy=bool(shardy), here=HERE) + textwrap.dedent(code)
+  proc = subprocess.run([sys.executable, "-c", src], capture_output=True,
+                        text=True, timeout=timeout)
+  test.assertEqual(proc.returncode, 0,
+                   f"subprocess died (rc={proc.returncode}):\n"
+                   f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+  return proc.stdout
+
+
+class ShardyOnlyTest(CPTestCase):
+  shardy = True
+
+  def test_gspmd_callbacks_only_raise(self):
+    op = custom_partitioning(lambda x: x + 1.0)
+    op.def_partition(
+        lambda m, a, r: (m, lambda x: x + 1.0, a[0].sharding, (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+    x = jax.device_put(_data((8, 4)), NamedSharding(self.mesh(), P("x")))
+    with self.assertRaises(NotImplementedError) as cm:
+      jax.jit(op)(x)
+    self.assertIn("sharding_rule", str(cm.exception))
+    with self.assertRaises(NotImplementedError):
+      op(x)
+    np.testing.assert_allclose(jax.jit(elementwise_op())(x),
+                               np.sin(np.asarray(x)) * 2, rtol=1e-6)
+
+
+class GspmdRuleOnlyTest(CPTestCase):
+  shardy = False
+
+  def _op(self, rule, body, lower_fn, out_spec, in_spec, **kw):
+    op = custom_partitioning(body)
+    op.def_partition(
+        lambda m, a, r: (m, lower_fn, NamedSharding(m, out_spec),
+                         (NamedSharding(m, in_spec),)),
+        sharding_rule=rule, **kw)
+    return op
+
+  def test_result_sharding_from_rule(self):
+    seen = []
+    op = custom_partitioning(lambda x: jnp.exp(x).T)
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(result_shape.sharding)
+      s = arg_shapes[0].sharding
+      spec = tuple(s.spec) + (None,) * 2
+      return (mesh, lambda x: jnp.exp(x).T,
+              NamedSharding(mesh, P(spec[1], spec[0])), (s,))
+
+    op.def_partition(partition, sharding_rule="i j -> j i")
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, s)
+    f = jax.jit(op)
+    out = f(x)
+    np.testing.assert_allclose(out, np.exp(xh).T, rtol=1e-5)
+    self.assertTrue(out.sharding.is_equivalent_to(
+        NamedSharding(m, P(None, "x")), 2), out.sharding)
+    self.assertTrue(seen[0].is_equivalent_to(NamedSharding(m, P(None, "x")), 2))
+    self.assertCollectives(self.hlo(f, x), absent=("all-gather", "all-to-all"))
+
+  def test_rule_only_never_aborts(self):
+    # Rules whose derived inference cannot apply (compound factors, a
+    # factor sharded on two operands differently, a callable rule that
+    # raises) must give a value or a Python error, never kill the process.
+    out = _run_snippet(self, False, """
+    class Boom(Exception): pass
+    def mk(rule, body, **kw):
+      op = custom_partitioning(body)
+      op.def_partition(lambda m, a, r: (m, body, NamedSharding(m, P()),
+                                        tuple(NamedSharding(m, P()) for _ in a)),
+                       sharding_rule=rule, **kw)
+      return op
+    cases = {
+      "compound": (mk("(a b) j -> (a b) j", lambda x: x * 2, a=4, b=4), (x,)),
+      "two_operands": (mk("i j, i j -> i j", lambda x, y: x + y),
+                       (jax.device_put(np.ones((16, 8), np.float32), s),
+                        jax.device_put(np.ones((16, 8), np.float32),
+                                       NamedSharding(mesh, P(None, "x"))))),
+      "reduction": (mk("i j -> j", lambda x: x.sum(0), reduction_factors=("i",)), (x,)),
+    }
+    for name, (op, args) in cases.items():
+      try:
+        out = jax.jit(op)(*args)
+        want = op.fun(*[np.asarray(a) for a in args])
+        print(name, "OK" if np.allclose(out, want, rtol=1e-5) else "WRONG")
+      except Exception as e:
+        print(name, "ERROR", type(e).__name__)
+    def bad_rule(mesh, ot, rt): raise Boom("rule")
+    op = custom_partitioning(lambda x: x + 1)
+    op.def_partition(lambda m, a, r: (m, lambda x: x + 1, a[0].sharding, (a[0].sharding,)),
+                     sharding_rule=bad_rule)
+    try:
+      jax.jit(op)(x); print("callable_rule NO-ERROR")
+    except Boom:
+      print("callable_rule Boom")
+    print("DONE")
+    """)
+    self.assertIn("DONE", out)
+    for name in ("compound", "two_operands", "reduction"):
+      self.assertIn(f"{name} OK", out)
+    self.assertIn("callable_rule Boom", out)
+
+
+# ---------------------------------------------------------------------------
+# 7. Fallbacks: one device, shard_map
+# ---------------------------------------------------------------------------
+
+class FallbackTest(CPTestCase):
+
+  def test_one_device_mesh(self):
+    calls = []
+    body = lambda x: jnp.sin(x) * 2.0
+    op = custom_partitioning(body)
+    op.def_partition(
+        lambda m, a, r: calls.append(1) or (m, body, a[0].sharding, (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+        sharding_rule="i j -> i j")
+    m1 = Mesh(np.array(jax.devices()[:1]), ("x",))
+    s = NamedSharding(m1, P("x"))
+    xh = _data((8, 4))
+    x = jax.device_put(xh, s)
+    f = jax.jit(op, in_shardings=s, out_shardings=s)
+    self.assertNotIn("CustomSPMDPartitioning", f.lower(x).as_text())
+    np.testing.assert_allclose(f(x), np.sin(xh) * 2, rtol=1e-6)
+    self.assertNotIn("CustomSPMDPartitioning", jax.jit(op).lower(xh).as_text())
+    np.testing.assert_allclose(op(xh), np.sin(xh) * 2, rtol=1e-6)
+    self.assertEqual(calls, [])
+
+  def test_shard_map_all_axes_manual(self):
+    calls = []
+    body = lambda x: jnp.sin(x) * 2.0
+    op = custom_partitioning(body)
+    op.def_partition(
+        lambda m, a, r: calls.append(1) or (m, body, a[0].sharding, (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+        sharding_rule="i j -> i j")
+    m = self.mesh((4, 2), ("x", "y"))
+    xh = _data((8, 4))
+    x = jax.device_put(xh, NamedSharding(m, P("x", "y")))
+    f = jax.jit(jax.shard_map(op, mesh=m, in_specs=P("x", "y"),
+                              out_specs=P("x", "y")))
+    self.assertNotIn("CustomSPMDPartitioning", f.lower(x).as_text())
+    np.testing.assert_allclose(f(x), np.sin(xh) * 2, rtol=1e-6)
+    self.assertEqual(calls, [])
+
+  def test_shard_map_partially_manual(self):
+    # Manual over 'x' only; inside, the op's operand is sharded over the auto
+    # axis 'y' and lower_fn psums over 'y'. Upstream gives wrong sums here.
+    # Run in a subprocess: a bad sharding here can trip an XLA CHECK (abort).
+    out = _run_snippet(self, self.shardy, """
+    seen = []
+    op = custom_partitioning(lambda x: x.sum(1))
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(tuple(mesh.axis_names))
+      return (mesh, lambda x: jax.lax.psum(x.sum(1), "y"),
+              NamedSharding(mesh, P()), (NamedSharding(mesh, P(None, "y")),))
+    def infer(mesh, arg_shapes, result_shape):
+      seen.append(tuple(mesh.axis_names))
+      return NamedSharding(mesh, P())
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule="i j -> i", reduction_factors=("j",))
+    m2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    xh2 = np.arange(64, dtype=np.float32).reshape(8, 8) / 7.0
+    x2 = jax.device_put(xh2, NamedSharding(m2, P("x")))
+    def inner_plain(x):
+      return op(x)
+    def inner_constrained(x):
+      return op(jax.lax.with_sharding_constraint(x, P(None, "y")))
+    for name, inner in (("plain", inner_plain),
+                        ("constrained", inner_constrained)):
+      seen.clear()
+      try:
+        f = jax.jit(jax.shard_map(inner, mesh=m2, in_specs=P("x"),
+                                  out_specs=P("x"), axis_names={"x"}))
+        ok = np.allclose(f(x2), xh2.sum(1), rtol=1e-5)
+        names_ok = bool(seen) and all("y" in n for n in seen)
+        print(name, "VALUES", "OK" if ok else "WRONG",
+              "MESH", "OK" if names_ok else f"BAD{seen}")
+      except Exception as e:
+        print(name, "ERROR", type(e).__name__, str(e)[:300].replace("\\n", " "))
+    print("DONE")
+    """)
+    self.assertIn("DONE", out)
+    for name in ("plain", "constrained"):
+      self.assertIn(f"{name} VALUES OK MESH OK", out)
+
+
+both_partitioners(FallbackTest)
+del FallbackTest
+
+
+# ---------------------------------------------------------------------------
+# 8. Host callbacks inside lower_fn (subprocess: a segfault fails the test)
+# ---------------------------------------------------------------------------
+
+class HostCallbackTest(CPTestCase):
+
+  def _run(self, lower_fn_src, check):
+    code = textwrap.dedent("""
+    from jax.experimental import io_callback
+    hits = []
+    def host_double(v):
+      hits.append(1)
+      return (np.asarray(v) * 2).astype(np.float32)
+    """) + textwrap.dedent(lower_fn_src) + textwrap.dedent("""
+    op = custom_partitioning(lambda x: x * 2)
+    op.def_partition(
+        lambda m, a, r: (m, lower_fn, a[0].sharding, (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+        sharding_rule="i j -> i j")
+    try:
+      f = jax.jit(op, in_shardings=s, out_shardings=s)
+      out = f(x); out.block_until_ready()
+      out2 = f(x + 1); out2.block_until_ready()
+      jax.effects_barrier()
+      ok = np.allclose(out, xh * 2) and np.allclose(out2, (xh + 1) * 2)
+      print("RESULT", "OK" if ok else "WRONG", "hits", len(hits))
+    except Exception as e:
+      print("RESULT CLEAN_ERROR", type(e).__name__,
+            str(e)[:200].replace(chr(10), " "))
+    """)
+    out = _run_snippet(self, self.shardy, code)
+    line = [l for l in out.splitlines() if l.startswith("RESULT")]
+    self.assertTrue(line, out)
+    self.assertNotIn("WRONG", line[0])
+    if "OK" in line[0]:
+      check(int(line[0].split()[-1]))
+
+  def test_debug_callback(self):
+    self._run("""
+    def lower_fn(x):
+      jax.debug.callback(lambda v: hits.append(1), x)
+      return x * 2
+    """, lambda hits: self.assertGreaterEqual(hits, 2))
+
+  def test_pure_callback(self):
+    self._run("""
+    def lower_fn(x):
+      return jax.pure_callback(host_double,
+                               jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    """, lambda hits: self.assertGreaterEqual(hits, 2))
+
+  def test_io_callback(self):
+    self._run("""
+    def lower_fn(x):
+      return io_callback(host_double, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    """, lambda hits: self.assertGreaterEqual(hits, 2))
+
+
+both_partitioners(HostCallbackTest)
+del HostCallbackTest
+
+
+# ---------------------------------------------------------------------------
+# 9. Errors
+# ---------------------------------------------------------------------------
+
+class ErrorTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh()
+    self.s = NamedSharding(self.m, P("x"))
+    self.xh = _data((16, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def tearDown(self):
+    # after every error, a correct op in the same process still works
+    op = elementwise_op(body=lambda x: jnp.sin(x) * 2.0 + 0.25)
+    np.testing.assert_allclose(jax.jit(op)(self.x), np.sin(self.xh) * 2 + 0.25,
+                               rtol=1e-6)
+    super().tearDown()
+
+  def _op(self, partition=None, infer=None, propagate=None, rule="i j -> i j",
+          body=lambda x: x + 1.0):
+    op = custom_partitioning(body)
+
+    def default_partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, body, s, (s,)
+
+    op.def_partition(partition or default_partition,
+                     infer_sharding_from_operands=infer or
+                     (lambda m, a, r: a[0].sharding),
+                     propagate_user_sharding=propagate, sharding_rule=rule)
+    return op
+
+  def _raise(self, *args):
+    raise _Boom("from callback")
+
+  def test_partition_raises(self):
+    op = self._op(partition=self._raise)
+    with self.assertRaises(_Boom):
+      jax.jit(op)(self.x)
+    with self.assertRaises(_Boom):
+      op(self.x)  # eager
+
+  def test_infer_raises(self):
+    if self.shardy:
+      self.skipTest("infer_sharding_from_operands is a GSPMD callback")
+    op = self._op(infer=self._raise)
+    with self.assertRaises(_Boom):
+      jax.jit(op)(self.x)
+
+  def test_propagate_raises(self):
+    if self.shardy:
+      self.skipTest("propagate_user_sharding is a GSPMD callback")
+    op = self._op(propagate=self._raise)
+    f = jax.jit(lambda x: jax.lax.with_sharding_constraint(
+        op(x) * 2.0, NamedSharding(self.m, P("x"))))
+    with self.assertRaises(_Boom):
+      f(self.x)
+
+  def test_callable_rule_raises(self):
+    op = self._op(rule=self._raise)
+    with self.assertRaises(_Boom):
+      jax.jit(op)(self.x)
+
+  def test_wrong_local_shape(self):
+    op = self._op(partition=lambda m, a, r: (
+        m, lambda x: x[:1], a[0].sharding, (a[0].sharding,)))
+    with self.assertRaises(ValueError) as cm:
+      jax.jit(op)(self.x)
+    msg = str(cm.exception)
+    self.assertIn("result 0", msg)
+    self.assertIn("[1, 4]", msg)
+    self.assertIn("[2, 4]", msg)
+
+  def test_wrong_local_dtype(self):
+    op = self._op(partition=lambda m, a, r: (
+        m, lambda x: x.astype(jnp.int32), a[0].sharding, (a[0].sharding,)))
+    with self.assertRaises(ValueError) as cm:
+      jax.jit(op)(self.x)
+    msg = str(cm.exception)
+    self.assertIn("result 0", msg)
+    self.assertIn("int32", msg)
+    self.assertIn("float32", msg)
+
+  def test_wrong_shape_second_result(self):
+    body = lambda x: (x + 1.0, x * 2.0)
+    op = custom_partitioning(body)
+    op.def_partition(
+        lambda m, a, r: (m, lambda x: (x + 1.0, (x * 2.0)[:, :2]),
+                         (a[0].sharding, a[0].sharding), (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: (a[0].sharding,) * 2,
+        sharding_rule="i j -> i j, i j")
+    with self.assertRaises(ValueError) as cm:
+      jax.jit(op)(self.x)
+    self.assertIn("result 1", str(cm.exception))
+
+  def test_partition_non_sharding_result(self):
+    op = self._op(partition=lambda m, a, r: (
+        m, lambda x: x + 1.0, P("x"), (a[0].sharding,)))
+    with self.assertRaises(TypeError) as cm:
+      jax.jit(op)(self.x)
+    msg = str(cm.exception)
+    self.assertIn("partition", msg)
+    self.assertIn("result sharding 0", msg)
+
+  def test_partition_non_sharding_arg(self):
+    body = lambda x, y: x + y
+    op = custom_partitioning(body)
+    op.def_partition(
+        lambda m, a, r: (m, body, a[0].sharding, (a[0].sharding, "nope")),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+        sharding_rule="i j, i j -> i j")
+    with self.assertRaises(TypeError) as cm:
+      jax.jit(op)(self.x, self.x)
+    msg = str(cm.exception)
+    self.assertIn("partition", msg)
+    self.assertIn("arg sharding 1", msg)
+
+  def test_infer_non_sharding(self):
+    if self.shardy:
+      self.skipTest("infer_sharding_from_operands is a GSPMD callback")
+    op = self._op(infer=lambda m, a, r: "not a sharding")
+    with self.assertRaises(TypeError) as cm:
+      jax.jit(op)(self.x)
+    self.assertIn("infer_sharding_from_operands", str(cm.exception))
+    self.assertIn("result sharding 0", str(cm.exception))
+
+  def test_no_def_partition(self):
+    def my_undefined_op(x):
+      return x
+    op = custom_partitioning(my_undefined_op)
+    with self.assertRaises(ValueError) as cm:
+      op(self.x)
+    self.assertIn("my_undefined_op", str(cm.exception))
+    with self.assertRaises(ValueError):
+      jax.jit(op)(self.x)
+
+
+both_partitioners(ErrorTest)
+del ErrorTest
+
+
+class GspmdInferErrorSubprocessTest(CPTestCase):
+  """An infer exception under GSPMD aborts upstream; here: a clean error."""
+
+  def test_infer_exception_no_abort(self):
+    out = _run_snippet(self, False, """
+    class Boom(Exception): pass
+    def infer(m, a, r): raise Boom("infer")
+    def prop(m, u): raise Boom("prop")
+    op = custom_partitioning(lambda x: x + 1)
+    op.def_partition(lambda m, a, r: (m, lambda x: x + 1, a[0].sharding, (a[0].sharding,)),
+                     infer_sharding_from_operands=infer, propagate_user_sharding=prop)
+    for i in range(2):
+      try:
+        jax.jit(lambda x: jax.lax.with_sharding_constraint(op(x) * 2, s))(x)
+        print("NO-ERROR")
+      except Boom:
+        print("Boom")
+    print("DONE")
+    """)
+    self.assertEqual(out.split(), ["Boom", "Boom", "DONE"])
+
+
+# ---------------------------------------------------------------------------
+# 10. Coexistence with jax's own implementation and with a second copy
+# ---------------------------------------------------------------------------
+
+_COPY2 = []
+
+
+def _copy2():
+  if not _COPY2:
+    spec = importlib.util.spec_from_file_location(
+        "cp_copy2", os.path.join(HERE, "custom_partitioning.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["cp_copy2"] = mod
+    spec.loader.exec_module(mod)
+    _COPY2.append(mod)
+  return _COPY2[0]
+
+
+class CoexistenceTest(CPTestCase):
+
+  def _make(self, factory, body):
+    op = factory(body)
+    op.def_partition(
+        lambda m, a, r: (m, body, a[0].sharding, (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+        sharding_rule="i j -> i j")
+    return op
+
+  def test_three_implementations_in_one_jit(self):
+    from jax.experimental import custom_partitioning as upstream
+    cp2 = _copy2()
+    self.assertIsNot(cp2.custom_partitioning, custom_partitioning)
+    targets = {"CustomSPMDPartitioning", cp._TARGET, cp2._TARGET}
+    self.assertEqual(len(targets), 3, targets)
+    up_op = self._make(upstream.custom_partitioning, lambda x: x * 2.0)
+    our_op = self._make(custom_partitioning, lambda x: x + 3.0)
+    copy_op = self._make(cp2.custom_partitioning, lambda x: jnp.sin(x))
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, s)
+    f = jax.jit(lambda x: copy_op(our_op(up_op(x))), in_shardings=s,
+                out_shardings=s)
+    np.testing.assert_allclose(f(x), np.sin(xh * 2 + 3), rtol=1e-5)
+    text = f.lower(x).as_text()
+    for t in targets:
+      self.assertIn(f"@{t}(", text)
+    self.assertCollectives(self.hlo(f, x), absent=("all-gather",))
+    # each module's own ops still work alone, after the mix
+    np.testing.assert_allclose(jax.jit(copy_op)(x), np.sin(xh), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(our_op)(x), xh + 3, rtol=1e-6)
+
+
+both_partitioners(CoexistenceTest)
+del CoexistenceTest
+
+
+# ---------------------------------------------------------------------------
+# 11. Lifetime of registry entries
+# ---------------------------------------------------------------------------
+
+def _offset_op(i):
+  body = lambda x: jnp.sin(x) + float(i)
+  return elementwise_op(body=body)
+
+
+class LifetimeTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh()
+    self.s = NamedSharding(self.m, P("x"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def test_dropped_programs_release_registry(self):
+    gc.collect()
+    before = len(cp._registry)
+    for i in range(200):
+      op = _offset_op(i + 1000)
+      f = jax.jit(lambda x: op(x) * 1.0)
+      compiled = f.lower(self.x).compile()
+      if i % 50 == 0:
+        np.testing.assert_allclose(compiled(self.x),
+                                   np.sin(self.xh) + i + 1000, rtol=1e-5)
+      op = f = compiled = None  # drop every reference
+    gc.collect()
+    self.assertEqual(len(cp._registry), before)
+
+  def test_kept_executable_runs_after_gc(self):
+    op = _offset_op(7)
+    compiled = jax.jit(lambda x: op(x)).lower(self.x).compile()
+    op = None
+    gc.collect()
+    np.testing.assert_allclose(compiled(self.x), np.sin(self.xh) + 7, rtol=1e-5)
+
+  def test_kept_lowering_compiles_after_gc(self):
+    op = _offset_op(11)
+    lowered = jax.jit(lambda x: op(x)).lower(self.x)
+    op = None
+    gc.collect()
+    compiled = lowered.compile()
+    np.testing.assert_allclose(compiled(self.x), np.sin(self.xh) + 11,
+                               rtol=1e-5)
+
+
+both_partitioners(LifetimeTest)
+del LifetimeTest
+
+
+# ---------------------------------------------------------------------------
+# 12. Batched FFT
+# ---------------------------------------------------------------------------
+
+def _fft_op():
+  def batch_only(sharding, ndim):
+    spec = tuple(sharding.spec)[:ndim - 1]
+    spec = spec + (None,) * (ndim - len(spec))
+    return NamedSharding(sharding.mesh, P(*spec))
+
+  @custom_partitioning
+  def fft(x):
+    return jnp.fft.fft(x)
+
+  def partition(mesh, arg_shapes, result_shape):
+    x = arg_shapes[0]
+    s = batch_only(x.sharding, len(x.shape))
+    return mesh, jnp.fft.fft, s, (s,)
+
+  def infer(mesh, arg_shapes, result_shape):
+    x = arg_shapes[0]
+    return batch_only(x.sharding, len(x.shape))
+
+  fft.def_partition(partition, infer_sharding_from_operands=infer,
+                    sharding_rule="... i -> ... i")
+  return fft
+
+
+class FFTTest(CPTestCase):
+
+  def _host(self, shape):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal(shape) +
+            1j * rng.standard_normal(shape)).astype(np.complex64)
+
+  def test_fft_rows(self):
+    fft = _fft_op()
+    m = self.mesh()
+    s = NamedSharding(m, P("x"))
+    host = self._host((32, 16))
+    x = jax.device_put(host, s)
+    f = jax.jit(fft, in_shardings=s, out_shardings=s)
+    np.testing.assert_allclose(f(x), np.fft.fft(host), rtol=1e-4, atol=1e-4)
+    self.assertCollectives(self.hlo(f, x), absent=("all-gather", "all-to-all"))
+    # without out_shardings the result keeps the batch sharding
+    out = jax.jit(fft)(x)
+    self.assertTrue(out.sharding.is_equivalent_to(s, 2), out.sharding)
+    self.assertCollectives(self.hlo(jax.jit(fft), x),
+                           absent=("all-gather", "all-to-all"))
+
+  def test_fft_two_batch_dims(self):
+    fft = _fft_op()
+    m = self.mesh((4, 2), ("x", "y"))
+    s = NamedSharding(m, P("x", "y"))
+    host = self._host((8, 4, 16))
+    x = jax.device_put(host, s)
+    f = jax.jit(fft, in_shardings=s, out_shardings=s)
+    np.testing.assert_allclose(f(x), np.fft.fft(host), rtol=1e-4, atol=1e-4)
+    self.assertCollectives(self.hlo(f, x), absent=("all-gather", "all-to-all"))
+
+  def test_fft_last_dim_sharded_is_gathered(self):
+    # operand sharded on the FFT axis: partition asks for it replicated on
+    # that axis, so a collective must appear and values stay right.
+    fft = _fft_op()
+    m = self.mesh()
+    s = NamedSharding(m, P(None, "x"))
+    host = self._host((8, 16))
+    x = jax.device_put(host, s)
+    f = jax.jit(fft, in_shardings=s)
+    np.testing.assert_allclose(f(x), np.fft.fft(host), rtol=1e-4, atol=1e-4)
+    text = self.hlo(f, x)
+    self.assertTrue("all-gather" in text or "all-to-all" in text,
+                    "expected the FFT axis to be gathered")
+
+
+both_partitioners(FFTTest)
+del FFTTest
+
+
+if __name__ == "__main__":
+  unittest.main()
+
+
+# ==========================================================================
+# From test_rules.py
+# jax's own implementation: a reference oracle for the tests only.
+
+
+def _outcome(fn, *args, **kwargs):
+  """``('ok', str(result))`` or ``('error', exception)``."""
+  try:
+    return "ok", str(fn(*args, **kwargs))
+  except Exception as e:  # noqa: BLE001
+    return "error", e
+
+
+def _sdy_rule_text(lowered_text):
+  """The ``sdy.sharding_rule`` attributes in a lowered StableHLO module."""
+  return re.findall(r"#sdy\.op_sharding_rule<[^\n]*?custom>", lowered_text)
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+
+
+# --------------------------------------------------------------------------
+# (a) parsing rule strings; CompoundFactor / ArrayMapping / SdyShardingRule
+# --------------------------------------------------------------------------
+
+class RuleParsingTest(unittest.TestCase):
+
+  VALID = [
+      ("i -> i", {}),
+      ("i j -> i j", {}),
+      ("i j -> j i", {}),
+      ("i j, j k -> i k", {}),
+      ("batch seq hidden, hidden out -> batch seq out", {}),
+      ("a1 b_2 c_d_3, c_d_3 -> a1 b_2", {}),
+      ("x_ -> x_", {}),
+      ("... i -> ... i", {}),
+      ("...i -> ...i", {}),
+      ("... -> ...", {}),
+      ("...1 i, ...2 j -> ...1 i, ...2 j", {}),
+      ("...01 i -> ...1 i", {}),  # group "01" is group "1"
+      ("...0 i, ... j -> ... i j", {}),
+      ("...12 i -> ...12 i", {}),
+      ("...a -> ...a", {}),  # "...a" is "... a"
+      ("(a b) -> (a b)", {"a": 2, "b": 4}),
+      ("(a b) c -> a b c", {}),
+      ("i (a b c) -> i a b c", {}),
+      ("(a b) -> a", {"b": 3}),
+      ("... (a b) -> ... a b", {}),
+      ("(a b) (c d) -> (c d) (a b)", {"a": 1, "b": 2, "c": 3, "d": 4}),
+      ("i(a b)j -> i a b j", {}),
+      ("->", {}),
+      (" -> ", {}),
+      ("-> i", {}),
+      ("i ->", {}),
+      (", i -> i", {}),
+      ("i, -> i,", {}),
+      ("i,j->i j", {}),
+      ("   i    j  ,   j   ->   i\tj\n ", {}),
+      ("( a  b ) -> a b", {}),
+      ("i k, k j -> i j", {"reduction_factors": ("k",)}),
+      ("i j -> i j", {"need_replication_factors": ("j",)}),
+      ("i j -> j i", {"permutation_factors": ("i", "j")}),
+      ("i k l -> i", {"reduction_factors": ("k",),
+                      "need_replication_factors": ("l",),
+                      "permutation_factors": ("i",)}),
+      ("(a b) -> (a b)", {"a": 2, "b": 4, "reduction_factors": ("a",)}),
+      ("i -> i", {"reduction_factors": (), "permutation_factors": ()}),
+      ("é ß -> ß é", {}),  # unicode letters are letters
+  ]
+
+  def test_valid_rules_match_upstream(self):
+    for rule, kwargs in self.VALID:
+      with self.subTest(rule=rule, kwargs=kwargs):
+        ours = str_to_sdy_sharding_rule(rule, **kwargs)
+        theirs = _up_rules.str_to_sdy_sharding_rule(rule, **kwargs)
+        self.assertIsInstance(ours, SdyShardingRule)
+        self.assertEqual(str(ours), str(theirs))
+        for mapping in ours.operand_mappings + ours.result_mappings:
+          self.assertIsInstance(mapping, ArrayMapping)
+          for dim in mapping:
+            self.assertIsInstance(dim, (str, CompoundFactor))
+
+  def test_parsed_structure(self):
+    r = str_to_sdy_sharding_rule(
+        "...2 ab (c d), e -> ... ab (c d), ", c=2, d=3,
+        reduction_factors=("e",))
+    self.assertEqual(r.operand_mappings,
+                     (ArrayMapping(BATCHING + "2", "ab", CompoundFactor("c", "d")),
+                      ArrayMapping("e")))
+    self.assertEqual(r.result_mappings,
+                     (ArrayMapping(BATCHING + "0", "ab", CompoundFactor("c", "d")),
+                      ArrayMapping()))
+    self.assertIsInstance(r.operand_mappings[0][2], CompoundFactor)
+    self.assertEqual(r.factor_sizes, {"c": 2, "d": 3})
+    self.assertEqual(r.reduction_factors, ("e",))
+    self.assertEqual(r.need_replication_factors, ())
+    self.assertEqual(r.permutation_factors, ())
+
+  def test_str_format_lists_only_nonempty_special_factors(self):
+    r = str_to_sdy_sharding_rule("i j -> i", reduction_factors=("j",))
+    self.assertEqual(
+        str(r), "SdyShardingRule((('i', 'j'),), (('i',),), {} "
+        "reduction_factors=('j',))")
+
+  # (rule, kwargs, text our message must contain)
+  INVALID = [
+      ("(i j -> i j", {}, "(i j"),
+      ("i j) -> i j", {}, "i j)"),
+      ("i j -> (i j", {}, "(i j"),
+      (")i( -> i", {}, ")i("),
+      ("((i j) k) -> i", {}, "nested"),
+      ("(i (j k)) -> i", {}, "nested"),
+      ("(i) -> i", {}, "two factors"),
+      ("() -> i", {}, "two factors"),
+      ("i -> (i)", {}, "two factors"),
+      ("i$ -> i", {}, "$"),
+      ("i -> i-", {}, "-"),
+      ("i + j -> i", {}, "+"),
+      ("[i] -> i", {}, "["),
+      ("1i -> i", {}, "1"),
+      ("i -> i 2", {}, "2"),
+      ("_i -> _i", {}, "_i"),
+      ("i. -> i", {}, "."),
+      (".. i -> i", {}, "."),
+      (". -> .", {}, "."),
+      ("....i -> i", {}, "."),
+      ("i j", {}, "->"),
+      ("", {}, "->"),
+      ("i - > i", {}, "->"),
+      ("i -> j -> k", {}, "->"),
+      ("\u2026 i -> i", {}, "\u2026"),
+      ("i ... -> i", {}, "llipsis"),
+      ("i... -> i", {}, "llipsis"),
+      ("(... i) j -> j", {}, "llipsis"),
+      ("(i ...) j -> j", {}, "llipsis"),
+      ("...... i -> i", {}, "llipsis"),
+      ("... ... -> i", {}, "llipsis"),
+      ("... 1 -> i", {}, "1"),
+      ("i -> i", {"j": 2}, "j"),
+      ("i -> i", {"i": 2}, "i"),
+      ("(a b) -> (a b)", {"a": 2}, "b"),
+      ("(a b) -> (a b)", {}, "a"),
+      ("i -> i (j k)", {"j": 2}, "k"),
+      ("(a b) -> a b", {"a": 2, "b": 2}, "a"),
+      ("i -> i", {"reduction_factors": ("z",)}, "z"),
+      ("i -> i", {"need_replication_factors": ("z",)}, "z"),
+      ("i -> i", {"permutation_factors": ("z",)}, "z"),
+      ("i j -> i", {"reduction_factors": ("j", "j")}, "reduction_factors"),
+      ("i j -> i", {"permutation_factors": ("j", "j")},
+       "permutation_factors"),
+      ("i j -> i", {"reduction_factors": ("j",),
+                    "need_replication_factors": ("j",)}, "j"),
+      ("i j -> i", {"reduction_factors": ("i",),
+                    "permutation_factors": ("i",)}, "i"),
+      ("i j -> i", {"reduction_factors": ["j"]}, "reduction_factors"),
+      ("i j -> i", {"need_replication_factors": "j"},
+       "need_replication_factors"),
+      ("a\u00bd -> a", {}, "\u00bd"),          # '½' is numeric, not a digit
+      ("a\u2167 -> a", {}, "\u2167"),          # ROMAN NUMERAL EIGHT
+      ("...\u00b2 a -> a", {}, None),          # '²' isdigit() but not int()
+  ]
+
+  def test_invalid_rules_raise_like_upstream(self):
+    for rule, kwargs, culprit in self.INVALID:
+      with self.subTest(rule=rule, kwargs=kwargs):
+        kind, up_err = _outcome(_up_rules.str_to_sdy_sharding_rule, rule,
+                                **kwargs)
+        self.assertEqual(kind, "error", "the oracle accepts this case")
+        with self.assertRaises(Exception) as cm:
+          str_to_sdy_sharding_rule(rule, **kwargs)
+        self.assertIs(type(cm.exception), type(up_err), repr(cm.exception))
+        if culprit is not None:
+          self.assertIn(culprit, str(cm.exception))
+
+  def test_type_errors(self):
+    cases = [
+        ((None,), {}, "NoneType"),
+        ((5,), {}, "int"),
+        ((b"i -> i",), {}, "bytes"),
+        ((["i -> i"],), {}, "list"),
+        (("i -> i",), {"i": 2.0}, "2.0"),
+        (("(a b) -> (a b)",), {"a": "2", "b": 2}, "'2'"),
+        (("(a b) -> (a b)",), {"a": None, "b": 2}, "None"),
+        (("(a b) -> (a b)",), {"a": np.float32(2), "b": 2}, "a"),
+        # a non-int size is reported before a bad rule string
+        (("((",), {"a": 2.5}, "2.5"),
+    ]
+    for args, kwargs, culprit in cases:
+      with self.subTest(args=args, kwargs=kwargs):
+        kind, up_err = _outcome(_up_rules.str_to_sdy_sharding_rule, *args,
+                                **kwargs)
+        self.assertEqual(kind, "error")
+        self.assertIs(type(up_err), TypeError)
+        with self.assertRaises(TypeError) as cm:
+          str_to_sdy_sharding_rule(*args, **kwargs)
+        self.assertIn(culprit, str(cm.exception))
+
+  def test_bool_and_numpy_int_sizes(self):
+    # bool is an int: accepted like upstream; np.int64 is not a Python int.
+    for kwargs in ({"a": True, "b": 4}, {"a": np.int64(2), "b": 4}):
+      with self.subTest(kwargs=kwargs):
+        up = _outcome(_up_rules.str_to_sdy_sharding_rule, "(a b) -> (a b)",
+                      **kwargs)
+        ours = _outcome(str_to_sdy_sharding_rule, "(a b) -> (a b)", **kwargs)
+        self.assertEqual(up[0], ours[0])
+        if up[0] == "ok":
+          self.assertEqual(up[1], ours[1])
+        else:
+          self.assertIs(type(ours[1]), type(up[1]))
+
+
+class RuleObjectsTest(unittest.TestCase):
+
+  def _same(self, make_ours, make_up, culprit=None):
+    up = _outcome(make_up)
+    ours = _outcome(make_ours)
+    self.assertEqual(ours[0], up[0], f"ours: {ours[1]!r}, upstream: {up[1]!r}")
+    if up[0] == "ok":
+      self.assertEqual(ours[1], up[1])
+    else:
+      self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
+      if culprit is not None:
+        self.assertIn(culprit, str(ours[1]))
+
+  def test_compound_factor(self):
+    cases = [
+        (("a", "b"), None),
+        (("a", "b", "c_1"), None),
+        (("a",), "two"),
+        ((), "two"),
+        (("a", 1), "int"),
+        (("a", ("b",)), "tuple"),
+        ((BATCHING, "a"), "llipsis"),
+        (("a", BATCHING + "1"), "llipsis"),
+        (("a", "1b"), "1"),
+        (("a", "b$"), "$"),
+        (("a", "_b"), "_b"),
+        (("a", "b\u00bd"), "\u00bd"),
+        (("a", ""), None),  # IndexError in jax
+    ]
+    for factors, culprit in cases:
+      with self.subTest(factors=factors):
+        self._same(lambda: CompoundFactor(*factors),
+                   lambda: _up_rules.CompoundFactor(*factors), culprit)
+
+  def test_compound_factor_is_a_tuple(self):
+    c = CompoundFactor("a", "b")
+    self.assertIsInstance(c, tuple)
+    self.assertEqual(c, ("a", "b"))
+    self.assertEqual(len(c), 2)
+
+  def test_array_mapping(self):
+    cases = [
+        (("a",), None),
+        ((), None),
+        ((BATCHING, "a"), None),
+        ((BATCHING + "3", CompoundFactor("b", "c"), "d"), None),
+        ((BATCHING,), None),
+        (("a", BATCHING), "llipsis"),
+        ((CompoundFactor("a", "b"), BATCHING + "1"), "llipsis"),
+        ((1,), "int"),
+        ((("a", "b"),), "tuple"),
+        ((None,), "NoneType"),
+        (("a-b",), "-"),
+        (("1a",), "1"),
+        ((BATCHING + "x",), None),
+        (("a\u2167",), "\u2167"),
+        (("",), None),  # IndexError in jax
+    ]
+    for dims, culprit in cases:
+      with self.subTest(dims=dims):
+        up_dims = tuple(_up_rules.CompoundFactor(*d) if isinstance(
+            d, CompoundFactor) else d for d in dims)
+        self._same(lambda: ArrayMapping(*dims),
+                   lambda: _up_rules.ArrayMapping(*up_dims), culprit)
+
+  def test_sdy_sharding_rule_constructor(self):
+    A, C = ArrayMapping, CompoundFactor
+    uA, uC = _up_rules.ArrayMapping, _up_rules.CompoundFactor
+    cases = [
+        (lambda A, C: ((A("i", "j"),), (A("j", "i"),)), {}, None),
+        (lambda A, C: ((A(BATCHING, "i"),), (A(BATCHING, "i"),)), {}, None),
+        (lambda A, C: ((A(C("a", "b")),), (A("a", "b"),)), {}, None),
+        (lambda A, C: ((A(C("a", "b")),), (A(C("a", "b")),)),
+         {"a": 2, "b": 3}, None),
+        (lambda A, C: ((A(C("a", "b")),), (A(C("a", "b")),)), {"a": 2}, "b"),
+        (lambda A, C: ((A("i"),), (A("i"),)), {"i": 4}, "i"),
+        (lambda A, C: ((A("i"),), (A("i"),)), {"q": 4}, "q"),
+        (lambda A, C: ((A("i", "k"),), (A("i"),)),
+         {"reduction_factors": ("k",)}, None),
+        (lambda A, C: ((A("i", "k"),), (A("i"),)),
+         {"reduction_factors": ("k", "k")}, "reduction_factors"),
+        (lambda A, C: ((A("i", "k"),), (A("i"),)),
+         {"reduction_factors": ("k",), "permutation_factors": ("k",)}, "k"),
+        (lambda A, C: ((A("i", "k"),), (A("i"),)),
+         {"need_replication_factors": ("zz",)}, "zz"),
+        (lambda A, C: ((A("i", "k"),), (A("i"),)),
+         {"permutation_factors": "k"}, "permutation_factors"),
+        (lambda A, C: ((), ()), {}, None),
+    ]
+    for make, kwargs, culprit in cases:
+      with self.subTest(kwargs=kwargs):
+        ops, res = make(A, C)
+        uops, ures = make(uA, uC)
+        self._same(lambda: SdyShardingRule(ops, res, **kwargs),
+                   lambda: _up_rules.SdyShardingRule(uops, ures, **kwargs),
+                   culprit)
+
+  def test_rule_object_str_like_upstream(self):
+    r = SdyShardingRule(
+        (ArrayMapping(BATCHING, "i", CompoundFactor("a", "b")),),
+        (ArrayMapping(BATCHING, "i", "a"),), b=4, reduction_factors=("i",))
+    u = _up_rules.SdyShardingRule(
+        (_up_rules.ArrayMapping(BATCHING, "i",
+                                _up_rules.CompoundFactor("a", "b")),),
+        (_up_rules.ArrayMapping(BATCHING, "i", "a"),), b=4,
+        reduction_factors=("i",))
+    self.assertEqual(str(r), str(u))
+
+
+# --------------------------------------------------------------------------
+# (b) sdy_sharding_rule_to_mlir
+# --------------------------------------------------------------------------
+
+class RuleToMlirTest(unittest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.ctx = _jax_mlir.make_ir_context()
+    self.ctx.__enter__()
+    self.loc = _ir.Location.unknown()
+    self.loc.__enter__()
+
+  def tearDown(self):
+    self.loc.__exit__(None, None, None)
+    self.ctx.__exit__(None, None, None)
+    super().tearDown()
+
+  @staticmethod
+  def t(*shape, dtype=None):
+    return _ir.RankedTensorType.get(list(shape), dtype or _ir.F32Type.get())
+
+  def both(self, rule, kwargs, in_shapes, out_shapes):
+    ins = [self.t(*s) for s in in_shapes]
+    outs = [self.t(*s) for s in out_shapes]
+    up = _outcome(lambda: _up_rules.sdy_sharding_rule_to_mlir(
+        _up_rules.str_to_sdy_sharding_rule(rule, **kwargs), ins, outs))
+    ours = _outcome(lambda: sdy_sharding_rule_to_mlir(
+        str_to_sdy_sharding_rule(rule, **kwargs), ins, outs))
+    return ours, up
+
+  VALID = [
+      ("i j -> i j", {}, [(4, 8)], [(4, 8)]),
+      ("i j -> j i", {}, [(4, 8)], [(8, 4)]),
+      ("i j, j k -> i k", {"reduction_factors": ("j",)},
+       [(4, 8), (8, 16)], [(4, 16)]),
+      ("batch seq, seq hidden -> batch hidden", {},
+       [(2, 3), (3, 5)], [(2, 5)]),
+      ("... i -> ... i", {}, [(2, 3, 4)], [(2, 3, 4)]),
+      ("... i -> ... i", {}, [(4,)], [(4,)]),
+      ("... -> ...", {}, [(2, 3)], [(2, 3)]),
+      ("... -> ...", {}, [()], [()]),
+      ("... i, ... i -> ... i", {}, [(7, 4), (7, 4)], [(7, 4)]),
+      ("... i, ...1 j -> ... i, ...1 j", {},
+       [(2, 4), (3, 5, 6)], [(2, 4), (3, 5, 6)]),
+      ("...2 i, ... j -> ...2 i j", {}, [(2, 3, 4), (5,)], [(2, 3, 4, 5)]),
+      ("...1 i -> ...01 i", {}, [(2, 4)], [(2, 4)]),
+      ("(a b) c -> a b c", {}, [(8, 3)], [(2, 4, 3)]),
+      ("(a b) -> (a b)", {"a": 2, "b": 4}, [(8,)], [(8,)]),
+      ("(a b c) -> a (b c)", {"b": 2, "c": 3}, [(30,)], [(5, 6)]),
+      ("... (a b) -> ... a b", {}, [(5, 6)], [(5, 2, 3)]),
+      ("(a b), a -> a", {"b": 2}, [(8,), (4,)], [(4,)]),
+      ("a, (a b) -> a", {"b": 2}, [(4,), (8,)], [(4,)]),
+      ("i, i -> i", {}, [(4,), (8,)], [(8,)]),       # smaller size wins
+      ("i, i -> i", {}, [(8,), (4,)], [(8,)]),
+      ("i, i -> i", {}, [(8,), (8,)], [(2,)]),
+      ("i j -> j i", {"need_replication_factors": ("i",),
+                      "permutation_factors": ("j",)}, [(4, 8)], [(8, 4)]),
+      ("i k l -> i", {"reduction_factors": ("k",),
+                      "need_replication_factors": ("l",),
+                      "permutation_factors": ("i",)}, [(2, 3, 5)], [(2,)]),
+      ("... i k -> ... i", {"reduction_factors": ("k",)},
+       [(6, 2, 3)], [(6, 2)]),
+      ("->", {}, [()], [()]),
+      (", i -> i", {}, [(), (4,)], [(4,)]),
+      ("i -> i, ", {}, [(4,)], [(4,), ()]),
+      ("i -> i, i, i", {}, [(4,)], [(4,), (4,), (4,)]),
+      ("i j -> i j", {}, [(0, 8)], [(0, 8)]),
+      ("(a b) -> (a b)", {"a": 1, "b": 4}, [(4,)], [(4,)]),
+  ]
+
+  def test_attributes_match_upstream(self):
+    for rule, kwargs, ins, outs in self.VALID:
+      with self.subTest(rule=rule, kwargs=kwargs, ins=ins, outs=outs):
+        ours, up = self.both(rule, kwargs, ins, outs)
+        self.assertEqual(up[0], "ok", f"oracle failed: {up[1]!r}")
+        self.assertEqual(ours[0], "ok", f"ours failed: {ours[1]!r}")
+        self.assertEqual(ours[1], up[1])
+        self.assertIn("custom", ours[1])
+
+  def test_attribute_details(self):
+    ins, outs = [self.t(2, 4)], [self.t(2, 2, 2)]
+    attr = sdy_sharding_rule_to_mlir(
+        str_to_sdy_sharding_rule("... (a b) -> ... a b"), ins, outs)
+    self.assertEqual(str(attr), "#sdy.op_sharding_rule<([i, jk])->"
+                     "([i, j, k]) {i=2, j=2, k=2}, custom>")
+    attr = sdy_sharding_rule_to_mlir(
+        str_to_sdy_sharding_rule("i, i -> i"), [self.t(8), self.t(4)],
+        [self.t(6)])
+    self.assertIn("{i=4}", str(attr))
+    attr = sdy_sharding_rule_to_mlir(
+        str_to_sdy_sharding_rule("i j -> i", reduction_factors=("j",)),
+        [self.t(3, 5)], [self.t(3)])
+    self.assertIn("reduction={j}", str(attr))
+
+  def test_accepts_rule_objects_and_other_dtypes(self):
+    rule = SdyShardingRule(
+        (ArrayMapping(BATCHING, "i"), ArrayMapping("i")),
+        (ArrayMapping(BATCHING, "i"),))
+    up_rule = _up_rules.SdyShardingRule(
+        (_up_rules.ArrayMapping(BATCHING, "i"), _up_rules.ArrayMapping("i")),
+        (_up_rules.ArrayMapping(BATCHING, "i"),))
+    i32 = _ir.IntegerType.get_signless(32)
+    ins = [self.t(3, 4, dtype=i32), self.t(4, dtype=i32)]
+    outs = [self.t(3, 4, dtype=_ir.BF16Type.get())]
+    self.assertEqual(str(sdy_sharding_rule_to_mlir(rule, ins, outs)),
+                     str(_up_rules.sdy_sharding_rule_to_mlir(up_rule, ins,
+                                                             outs)))
+
+  INVALID = [
+      # count mismatches
+      ("i -> i", {}, [(4,), (4,)], [(4,)], "operand"),
+      ("i, i -> i", {}, [(4,)], [(4,)], "operand"),
+      ("i -> i", {}, [(4,)], [(4,), (4,)], "result"),
+      ("i -> i, i", {}, [(4,)], [(4,)], "result"),
+      # rank mismatches
+      ("i j -> i j", {}, [(4,)], [(4, 8)], "rank"),
+      ("i -> i", {}, [(4,)], [(4, 8)], "rank"),
+      ("i -> i", {}, [()], [(4,)], "rank"),
+      ("... i j -> ... i j", {}, [(4,)], [(4,)], "rank"),
+      ("... i -> ... i", {}, [()], [()], "rank"),
+      # ellipsis standing for different numbers of dimensions
+      ("... i, ... i -> ... i", {}, [(2, 4), (2, 3, 4)], [(2, 4)], None),
+      ("... i -> ... i", {}, [(2, 3, 4)], [(3, 4)], None),
+      ("...1 i, ...1 j -> i j", {}, [(4,), (5, 6)], [(4, 6)], None),
+      # compound factor sizes not matching the dimension
+      ("(a b) -> (a b)", {"a": 2, "b": 3}, [(8,)], [(8,)], "8"),
+      ("(a b) c -> a b c", {}, [(8, 3)], [(2, 3, 3)], None),
+      ("a, (a b) -> a", {"b": 3}, [(4,)], [(4,)], "operand"),
+      # batching dimensions of different sizes
+      ("... i, ... i -> ... i", {}, [(2, 4), (3, 4)], [(2, 4)], "2"),
+      ("... i -> ... i", {}, [(5, 4)], [(6, 4)], "5"),
+  ]
+
+  def test_errors_match_upstream(self):
+    for rule, kwargs, ins, outs, culprit in self.INVALID:
+      with self.subTest(rule=rule, ins=ins, outs=outs):
+        ours, up = self.both(rule, kwargs, ins, outs)
+        self.assertEqual(up[0], "error", "the oracle accepts this case")
+        self.assertEqual(ours[0], "error", f"ours accepted it: {ours[1]}")
+        self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
+        if culprit is not None:
+          self.assertIn(culprit, str(ours[1]))
+
+  def test_non_ir_types(self):
+    rule = str_to_sdy_sharding_rule("i -> i")
+    up_rule = _up_rules.str_to_sdy_sharding_rule("i -> i")
+    for ins, outs in (([np.zeros(4)], [self.t(4)]), ([self.t(4)], ["f32"]),
+                      ([(4,)], [(4,)])):
+      with self.subTest(ins=ins, outs=outs):
+        with self.assertRaises(TypeError):
+          _up_rules.sdy_sharding_rule_to_mlir(up_rule, ins, outs)
+        with self.assertRaises(TypeError):
+          sdy_sharding_rule_to_mlir(rule, ins, outs)
+    # counts are checked before types, like upstream
+    with self.assertRaises(ValueError):
+      sdy_sharding_rule_to_mlir(rule, ["x", "y"], [self.t(4)])
+
+
+# --------------------------------------------------------------------------
+# def_partition arguments (no compile)
+# --------------------------------------------------------------------------
+
+def _noop_partition(mesh, arg_shapes, result_shape):
+  raise AssertionError("not called")
+
+
+class DefPartitionRuleArgsTest(unittest.TestCase):
+
+  def _both(self, **kwargs):
+    ours = _outcome(lambda: custom_partitioning(jnp.sin).def_partition(
+        _noop_partition, **kwargs))
+    up = _outcome(lambda: _up_cp.custom_partitioning(jnp.sin).def_partition(
+        _noop_partition, **kwargs))
+    return ours, up
+
+  def test_string_rule_with_factor_keywords_is_parsed(self):
+    op = custom_partitioning(jnp.sin)
+    ret = op.def_partition(_noop_partition, sharding_rule="i (a b) k -> i k",
+                           reduction_factors=("a",),
+                           need_replication_factors=("k",),
+                           permutation_factors=("b",), a=2, b=3)
+    self.assertIs(ret, _noop_partition)
+    self.assertIsInstance(op.sharding_rule, SdyShardingRule)
+    up = _up_rules.str_to_sdy_sharding_rule(
+        "i (a b) k -> i k", reduction_factors=("a",),
+        need_replication_factors=("k",), permutation_factors=("b",), a=2, b=3)
+    self.assertEqual(str(op.sharding_rule), str(up))
+
+  def test_factor_keywords_without_string_rule(self):
+    rule_obj = str_to_sdy_sharding_rule("i -> i")
+    up_rule_obj = _up_rules.str_to_sdy_sharding_rule("i -> i")
+    for rule, up_rule in ((None, None), (lambda *a: "i -> i",) * 2,
+                          (rule_obj, up_rule_obj)):
+      for kw in ({"a": 2}, {"reduction_factors": ("i",)},
+                 {"need_replication_factors": ("i",)},
+                 {"permutation_factors": ("i",)}):
+        with self.subTest(rule=rule, kw=kw):
+          up = _outcome(lambda: _up_cp.custom_partitioning(
+              jnp.sin).def_partition(_noop_partition, sharding_rule=up_rule,
+                                     **kw))
+          self.assertEqual(up[0], "error")
+          with self.assertRaises(type(up[1])):
+            custom_partitioning(jnp.sin).def_partition(
+                _noop_partition, sharding_rule=rule, **kw)
+
+  def test_bad_string_rule_raises_at_def_partition(self):
+    for rule, kw in (("i j", {}), ("(i) -> i", {}), ("i -> i", {"i": 3}),
+                     ("i -> i", {"reduction_factors": ("q",)}),
+                     ("i -> i", {"a": 1.5})):
+      with self.subTest(rule=rule, kw=kw):
+        ours, up = self._both(sharding_rule=rule, **kw)
+        self.assertEqual(up[0], "error")
+        self.assertEqual(ours[0], "error", ours[1])
+        self.assertIs(type(ours[1]), type(up[1]))
+
+  def test_non_rule_sharding_rule(self):
+    # jax hands anything that is not None / callable / SdyShardingRule to
+    # str_to_sdy_sharding_rule, which raises TypeError.
+    for kw in ({}, {"a": 2}, {"reduction_factors": ("i",)}):
+      with self.subTest(kw=kw):
+        ours, up = self._both(sharding_rule=5, **kw)
+        self.assertEqual(up[0], "error")
+        self.assertEqual(ours[0], "error", ours[1])
+        self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
+
+  def test_rule_object_and_callable_stored(self):
+    op = custom_partitioning(jnp.sin)
+    r = str_to_sdy_sharding_rule("i -> i")
+    op.def_partition(_noop_partition, sharding_rule=r)
+    self.assertIs(op.sharding_rule, r)
+    fn = lambda *a: "i -> i"
+    op.def_partition(_noop_partition, sharding_rule=fn)
+    self.assertIs(op.sharding_rule, fn)
+
+
+# --------------------------------------------------------------------------
+# (c)/(d) end to end, both partitioners: rule-driven shardings
+# --------------------------------------------------------------------------
+
+def _mesh2x4():
+  return CPTestCase.mesh((2, 4), ("a", "b"))
+
+
+def _spec(sharding, ndim):
+  spec = tuple(sharding.spec)
+  return spec + (None,) * (ndim - len(spec))
+
+
+class RuleDrivenShardingTest(CPTestCase):
+  """Ops with a sharding_rule and NO infer callback.
+
+  The partition callbacks follow the result sharding XLA chose (Shardy from
+  the rule; GSPMD from the rule-derived inference) and so need no
+  collectives exactly when that sharding follows the rule.
+  """
+
+  def _transpose_op(self, seen, rule="i j -> j i"):
+    op = custom_partitioning(lambda x: x.T)
+
+    def partition(mesh, arg_shapes, result_shape):
+      r = _spec(result_shape.sharding, 2)
+      seen.append(r)
+      return (mesh, lambda x: x.T, NamedSharding(mesh, P(*r)),
+              (NamedSharding(mesh, P(r[1], r[0])),))
+
+    op.def_partition(partition, sharding_rule=rule)
+    return op
+
+  def test_transpose_follows_rule(self):
+    mesh = _mesh2x4()
+    seen = []
+    op = self._transpose_op(seen)
+    x_np = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", "b")))
+    f = jax.jit(op)
+    out = f(x)
+    np.testing.assert_array_equal(out, x_np.T)
+    self.assertEqual(_spec(out.sharding, 2), ("b", "a"))
+    self.assertEqual(seen[-1], ("b", "a"))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_transpose_of_intermediate(self):
+    mesh = _mesh2x4()
+    seen = []
+    op = self._transpose_op(seen)
+    x_np = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    x = jax.device_put(x_np, NamedSharding(mesh, P(None, "a")))
+    f = jax.jit(lambda x: op(jnp.cos(x)) * 2)
+    out = f(x)
+    np.testing.assert_allclose(out, np.cos(x_np).T * 2, rtol=1e-6)
+    self.assertEqual(_spec(out.sharding, 2), ("a", None))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_multi_axis_dimension(self):
+    mesh = _mesh2x4()
+    seen = []
+    op = self._transpose_op(seen)
+    x_np = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    x = jax.device_put(x_np, NamedSharding(mesh, P(("a", "b"), None)))
+    f = jax.jit(op)
+    out = f(x)
+    np.testing.assert_array_equal(out, x_np.T)
+    self.assertEqual(_spec(out.sharding, 2), (None, ("a", "b")))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_batching_ellipsis(self):
+    mesh = _mesh2x4()
+    body = lambda x: jnp.cumsum(x, axis=-1)
+    op = custom_partitioning(body)
+    seen = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      r = _spec(result_shape.sharding, 3)
+      seen.append((_spec(arg_shapes[0].sharding, 3), r))
+      s = NamedSharding(mesh, P(r[0], r[1], None))
+      return mesh, body, s, (s,)
+
+    op.def_partition(partition, sharding_rule="... k -> ... k")
+    x_np = np.arange(4 * 8 * 16, dtype=np.float32).reshape(4, 8, 16)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", "b")))
+    f = jax.jit(op)
+    out = f(x)
+    np.testing.assert_allclose(out, np.cumsum(x_np, -1), rtol=1e-6)
+    self.assertEqual(_spec(out.sharding, 3), ("a", "b", None))
+    self.assertEqual(seen[-1][1], ("a", "b", None))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_two_operands_broadcast(self):
+    mesh = _mesh2x4()
+    body = lambda x, y: x + y
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      r = _spec(result_shape.sharding, 2)
+      return (mesh, body, NamedSharding(mesh, P(*r)),
+              (NamedSharding(mesh, P(*r)), NamedSharding(mesh, P(r[1]))))
+
+    op.def_partition(partition, sharding_rule="i j, j -> i j")
+    x_np = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    y_np = np.arange(16, dtype=np.float32)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", None)))
+    y = jax.device_put(y_np, NamedSharding(mesh, P("b")))
+    f = jax.jit(op)
+    out = f(x, y)
+    np.testing.assert_array_equal(out, x_np + y_np)
+    self.assertEqual(_spec(out.sharding, 2), ("a", "b"))
+    self.assertCollectives(self.hlo(f, x, y), absent=_COLLECTIVES)
+
+  def test_two_results(self):
+    mesh = _mesh2x4()
+    body = lambda x: (jnp.sin(x), x.T)
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      r0 = _spec(result_shape[0].sharding, 2)
+      s = NamedSharding(mesh, P(*r0))
+      return (mesh, body, (s, NamedSharding(mesh, P(r0[1], r0[0]))), (s,))
+
+    op.def_partition(partition, sharding_rule="i j -> i j, j i")
+    x_np = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", "b")))
+    f = jax.jit(op)
+    a, b = f(x)
+    np.testing.assert_allclose(a, np.sin(x_np), rtol=1e-6)
+    np.testing.assert_array_equal(b, x_np.T)
+    self.assertEqual(_spec(a.sharding, 2), ("a", "b"))
+    self.assertEqual(_spec(b.sharding, 2), ("b", "a"))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_callable_rule_drives_result_sharding(self):
+    mesh = _mesh2x4()
+    seen = []
+    op = self._transpose_op(seen, rule=lambda mesh, ins, outs: "p q -> q p")
+    x_np = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", "b")))
+    out = jax.jit(op)(x)
+    np.testing.assert_array_equal(out, x_np.T)
+    self.assertEqual(_spec(out.sharding, 2), ("b", "a"))
+
+  def test_rule_object_drives_result_sharding(self):
+    mesh = _mesh2x4()
+    seen = []
+    rule = SdyShardingRule((ArrayMapping("i", "j"),), (ArrayMapping("j", "i"),))
+    op = self._transpose_op(seen, rule=rule)
+    x_np = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", "b")))
+    out = jax.jit(op)(x)
+    np.testing.assert_array_equal(out, x_np.T)
+    self.assertEqual(_spec(out.sharding, 2), ("b", "a"))
+
+  def test_same_rule_shape_different_factors(self):
+    # Square input: only the rule says whether the result is transposed.
+    mesh = _mesh2x4()
+    for rule, want in (("i j -> j i", ("b", "a")), ("i j -> i j", ("a", "b"))):
+      with self.subTest(rule=rule):
+        body = (lambda x: x.T) if rule == "i j -> j i" else jnp.sin
+        op = custom_partitioning(body)
+
+        def partition(mesh, arg_shapes, result_shape, body=body):
+          r = result_shape.sharding
+          return mesh, body, r, (arg_shapes[0].sharding,)
+
+        op.def_partition(partition, sharding_rule=rule)
+        x = jax.device_put(np.ones((8, 8), np.float32),
+                           NamedSharding(mesh, P("a", "b")))
+        out = jax.jit(op)(x)
+        self.assertEqual(_spec(out.sharding, 2), want)
+
+
+both_partitioners(RuleDrivenShardingTest)
+del RuleDrivenShardingTest
+
+
+# --------------------------------------------------------------------------
+# (c) Shardy only
+# --------------------------------------------------------------------------
+
+class ShardyRuleTest(CPTestCase):
+  shardy = True
+
+  def test_elementwise_no_collectives_and_attr(self):
+    op = elementwise_op(rule="... i -> ... i")
+    mesh = _mesh2x4()
+    s = NamedSharding(mesh, P("a", "b"))
+    x_np = np.arange(4 * 8 * 6, dtype=np.float32).reshape(4, 8, 6)
+    x = jax.device_put(x_np, s)
+    f = jax.jit(op)
+    np.testing.assert_allclose(f(x), np.sin(x_np) * 2, rtol=1e-6)
+    self.assertEqual(_spec(f(x).sharding, 3), ("a", "b", None))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+    self.assertEqual(
+        _sdy_rule_text(f.lower(x).as_text()),
+        ["#sdy.op_sharding_rule<([i, j, k])->([i, j, k]) {i=4, j=8, k=6}, "
+         "custom>"])
+
+  def _attr_like_upstream(self, make_rule_kwargs, body, args, static=()):
+    """Lowered sdy.sharding_rule of our op equals jax's for the same rule."""
+    texts = []
+    for impl in (custom_partitioning, _up_cp.custom_partitioning):
+      op = impl(body, static_argnums=tuple(range(len(static))))
+      op.def_partition(_noop_partition, **make_rule_kwargs())
+      f = jax.jit(lambda *a: op(*static, *a))
+      texts.append(_sdy_rule_text(f.lower(*args).as_text()))
+    self.assertEqual(len(texts[0]), 1, texts[0])
+    self.assertEqual(texts[0], texts[1])
+    return texts[0][0]
+
+  def test_lowered_attrs_match_upstream(self):
+    mesh = _mesh2x4()
+    x = jax.device_put(np.ones((8, 12), np.float32),
+                       NamedSharding(mesh, P("a", "b")))
+    y = jax.device_put(np.ones((12, 4), np.float32),
+                       NamedSharding(mesh, P("b")))
+    cases = [
+        (lambda: dict(sharding_rule="i k, k j -> i j",
+                      reduction_factors=("k",)), lambda x, y: x @ y, (x, y)),
+        (lambda: dict(sharding_rule="i (a b) -> i a b", ),
+         lambda x: x.reshape(8, 3, 4), (x,)),
+        (lambda: dict(sharding_rule="i (a b) -> i (a b)", a=4, b=3),
+         jnp.sin, (x,)),
+        (lambda: dict(sharding_rule="... j -> ... j",
+                      need_replication_factors=("j",)), jnp.sin, (x,)),
+        (lambda: dict(sharding_rule="i j -> j i",
+                      permutation_factors=("i",)), lambda x: x.T, (x,)),
+        (lambda: dict(sharding_rule=lambda mesh, i, o: (
+            "i k, k j -> i j", {"reduction_factors": ("k",)})),
+         lambda x, y: x @ y, (x, y)),
+    ]
+    for make, body, args in cases:
+      with self.subTest(rule=make()["sharding_rule"]):
+        self._attr_like_upstream(make, body, args)
+
+  def test_reduction_factor_all_reduce(self):
+    mesh = self.mesh((8,), ("x",))
+    body = lambda x, y: x @ y
+    op = custom_partitioning(body)
+    seen = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      xs, ys = (_spec(a.sharding, 2) for a in arg_shapes)
+      seen.append((xs, ys))
+      k_axis = xs[1]
+      assert k_axis == ys[0], (xs, ys)
+
+      def lower(x, y):
+        out = x @ y
+        return jax.lax.psum(out, k_axis) if k_axis is not None else out
+
+      return (mesh, lower, NamedSharding(mesh, P()),
+              (NamedSharding(mesh, P(None, k_axis)),
+               NamedSharding(mesh, P(k_axis, None))))
+
+    op.def_partition(partition, sharding_rule="i k, k j -> i j",
+                     reduction_factors=("k",))
+    x_np = np.arange(4 * 64, dtype=np.float32).reshape(4, 64) / 64
+    y_np = np.arange(64 * 3, dtype=np.float32).reshape(64, 3) / 64
+    x = jax.device_put(x_np, NamedSharding(mesh, P(None, "x")))
+    y = jax.device_put(y_np, NamedSharding(mesh, P("x", None)))
+    f = jax.jit(op)
+    np.testing.assert_allclose(f(x, y), x_np @ y_np, rtol=1e-5)
+    self.assertEqual(seen[-1], ((None, "x"), ("x", None)))
+    text = self.hlo(f, x, y)
+    self.assertCollectives(text, present=("all-reduce",),
+                           absent=("all-gather", "all-to-all"))
+    # factors are renamed by position in the attribute: k is the 2nd (j)
+    self.assertEqual(_sdy_rule_text(f.lower(x, y).as_text()),
+                     ["#sdy.op_sharding_rule<([i, j], [j, k])->([i, k]) "
+                      "{i=4, j=64, k=3} reduction={j}, custom>"])
+
+  def test_need_replication_all_gather(self):
+    mesh = self.mesh((8,), ("x",))
+    body = lambda x: jnp.cumsum(x, axis=1)
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      # The need_replication factor ("k", dim 1) is gathered; "i" is kept.
+      i_axis = _spec(arg_shapes[0].sharding, 2)[0]
+      s = NamedSharding(mesh, P(i_axis, None))
+      return mesh, body, s, (s,)
+
+    op.def_partition(partition, sharding_rule="i k -> i k",
+                     need_replication_factors=("k",))
+    x_np = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    x = jax.device_put(x_np, NamedSharding(mesh, P(None, "x")))
+    f = jax.jit(op)
+    np.testing.assert_allclose(f(x), np.cumsum(x_np, 1), rtol=1e-6)
+    self.assertCollectives(self.hlo(f, x), present=("all-gather",))
+    self.assertEqual(_sdy_rule_text(f.lower(x).as_text()),
+                     ["#sdy.op_sharding_rule<([i, j])->([i, j]) "
+                      "{i=8, j=64} need_replication={j}, custom>"])
+
+  def test_callable_rule_gets_static_mesh_and_types(self):
+    mesh = _mesh2x4()
+    calls = []
+
+    def body(axis, x):
+      return jnp.sum(x, axis=axis)
+
+    def rule(axis, mesh, operand_types, result_types):
+      calls.append(dict(
+          axis=axis, mesh=mesh,
+          in_types=[(type(t).__name__, isinstance(t, _ir.Type),
+                     tuple(_ir.RankedTensorType(t).shape),
+                     str(_ir.RankedTensorType(t).element_type))
+                    for t in operand_types],
+          out_shapes=[tuple(_ir.RankedTensorType(t).shape)
+                      for t in result_types]))
+      names = ["d0", "d1", "d2"]
+      out = [n for i, n in enumerate(names) if i != axis]
+      return f"{' '.join(names)} -> {' '.join(out)}"
+
+    def partition(axis, mesh, arg_shapes, result_shape):
+      xs = _spec(arg_shapes[0].sharding, 3)
+      keep = tuple(a if i != axis else None for i, a in enumerate(xs))
+      out = tuple(a for i, a in enumerate(keep) if i != axis)
+      return (mesh, lambda x: jnp.sum(x, axis=axis),
+              NamedSharding(mesh, P(*out)), (NamedSharding(mesh, P(*keep)),))
+
+    op = custom_partitioning(body, static_argnums=(0,))
+    op.def_partition(partition, sharding_rule=rule)
+    x_np = np.arange(4 * 8 * 6, dtype=np.float32).reshape(4, 8, 6)
+    x = jax.device_put(x_np, NamedSharding(mesh, P("a", "b")))
+    f = jax.jit(lambda x: op(2, x))
+    out = f(x)
+    np.testing.assert_allclose(out, x_np.sum(2), rtol=1e-5)
+    self.assertEqual(_spec(out.sharding, 2), ("a", "b"))
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+    self.assertTrue(calls)
+    c = calls[-1]
+    self.assertEqual(c["axis"], 2)
+    self.assertIsInstance(c["mesh"], jax.sharding.Mesh)
+    self.assertEqual(tuple(c["mesh"].axis_names), ("a", "b"))
+    self.assertEqual(dict(c["mesh"].shape), {"a": 2, "b": 4})
+    self.assertEqual(len(c["in_types"]), 1)
+    self.assertTrue(c["in_types"][0][1])
+    self.assertEqual(c["in_types"][0][2], (4, 8, 6))
+    self.assertEqual(c["in_types"][0][3], "f32")
+    self.assertEqual(c["out_shapes"], [(4, 8)])
+    self.assertEqual(_sdy_rule_text(f.lower(x).as_text()),
+                     ["#sdy.op_sharding_rule<([i, j, k])->([i, j]) "
+                      "{i=4, j=8, k=6}, custom>"])
+    # a different static argument: a different rule
+    g = jax.jit(lambda x: op(0, x))
+    np.testing.assert_allclose(g(x), x_np.sum(0), rtol=1e-5)
+    self.assertEqual(calls[-1]["axis"], 0)
+    self.assertEqual(_sdy_rule_text(g.lower(x).as_text()),
+                     ["#sdy.op_sharding_rule<([i, j, k])->([j, k]) "
+                      "{i=4, j=8, k=6}, custom>"])
+
+  def test_callable_rule_returning_str_and_kwargs(self):
+    mesh = self.mesh((8,), ("x",))
+    body = lambda x: jnp.sin(x)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, body, s, (s,)
+
+    for ret, want in (
+        (("(a b) -> (a b)", {"a": 8, "b": 4}), "{i=8, j=4}"),
+        (["(a b) -> (a b)", {"a": 4, "b": 8}], "{i=4, j=8}"),
+        (("i -> i", {"permutation_factors": ("i",)}), "permutation={i}"),
+        (("i -> i", {}), "{i=32}"),
+        (str_to_sdy_sharding_rule("i -> i", need_replication_factors=("i",)),
+         "need_replication={i}"),
+    ):
+      with self.subTest(ret=ret):
+        # a fresh op: jax.jit caches traces by function identity
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule=lambda *a, ret=ret: ret)
+        x_np = np.arange(32, dtype=np.float32)
+        x = jax.device_put(x_np, NamedSharding(mesh, P("x")))
+        f = jax.jit(op)
+        np.testing.assert_allclose(f(x), np.sin(x_np), rtol=1e-6)
+        attrs = _sdy_rule_text(f.lower(x).as_text())
+        self.assertEqual(len(attrs), 1)
+        self.assertIn(want, attrs[0])
+
+  def test_callable_rule_bad_results(self):
+    mesh = self.mesh((8,), ("x",))
+    x = jax.device_put(np.ones(32, np.float32), NamedSharding(mesh, P("x")))
+    cases = [
+        (lambda *a: 42, ValueError),
+        (lambda *a: None, ValueError),
+        (lambda *a: ("i -> i", {"i": 4}), ValueError),       # whole dim size
+        (lambda *a: ("i -> i", {"a": 1.5}), TypeError),       # not an int
+        (lambda *a: "i j -> i j", ValueError),                # rank mismatch
+        (lambda *a: "i, i -> i", ValueError),                 # count mismatch
+        (lambda *a: "(i j", ValueError),                      # bad string
+    ]
+    for rule, err in cases:
+      with self.subTest(rule=rule):
+        for impl in (custom_partitioning, _up_cp.custom_partitioning):
+          op = impl(jnp.sin)
+          op.def_partition(_noop_partition, sharding_rule=rule)
+          with self.assertRaises(err):
+            jax.jit(op).lower(x)
+
+  def test_rule_count_mismatch_at_lowering(self):
+    mesh = self.mesh((8,), ("x",))
+    x = jax.device_put(np.ones((8, 4), np.float32),
+                       NamedSharding(mesh, P("x")))
+    op = custom_partitioning(lambda x: x)
+    op.def_partition(_noop_partition, sharding_rule="i j -> i j, i j")
+    with self.assertRaises(ValueError):
+      jax.jit(op).lower(x)
+
+
+# --------------------------------------------------------------------------
+# (d) GSPMD only: result sharding inferred from the rule
+# --------------------------------------------------------------------------
+
+class GspmdRuleInferenceTest(CPTestCase):
+  shardy = False
+
+  def _recording_op(self, body, rule, nres=1, decode_shardings=True, **kw):
+    """An op whose partition records what XLA chose and replicates all."""
+    op = custom_partitioning(body)
+    seen = {}
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen["args"] = [a.sharding for a in arg_shapes]
+      seen["results"] = jax.tree.map(lambda s: s.sharding, result_shape)
+      rep = jax.sharding.NamedSharding(mesh, P())
+      return (mesh, body, jax.tree.map(lambda _: rep, result_shape),
+              tuple(rep for _ in arg_shapes))
+
+    op.def_partition(partition, sharding_rule=rule,
+                     decode_shardings=decode_shardings, **kw)
+    return op, seen
+
+  def _run(self, op, args, specs, mesh=None):
+    mesh = mesh or _mesh2x4()
+    args = [jax.device_put(a, NamedSharding(mesh, s))
+            for a, s in zip(args, specs)]
+    return jax.jit(op)(*args)
+
+  def test_reduction_and_need_replication_factors_not_propagated(self):
+    x = np.ones((8, 16), np.float32)
+    for kw, body, rule, want in (
+        ({"reduction_factors": ("k",)}, lambda x: x.sum(1), "i k -> i",
+         ("a",)),
+        ({"need_replication_factors": ("k",)}, jnp.sin, "i k -> i k",
+         ("a", None)),
+        ({}, jnp.sin, "i k -> i k", ("a", "b")),
+    ):
+      with self.subTest(kw=kw):
+        op, seen = self._recording_op(body, rule, **kw)
+        out = self._run(op, [x], [P("a", "b")])
+        self.assertEqual(_spec(seen["results"], len(want)), want)
+        self.assertEqual(_spec(out.sharding, len(want)), want)
+
+  def test_no_axis_used_twice(self):
+    # i -> 'a' (first operand), j -> 'b'; k also comes with 'b' (operand 1),
+    # which the result already uses for j.
+    op, seen = self._recording_op(
+        lambda x, y: x[:, :, None] + y.T[:, None, :], "i j, k i -> i j k")
+    out = self._run(op, [np.ones((8, 16), np.float32),
+                         np.ones((4, 8), np.float32)],
+                    [P("a", "b"), P("b", None)])
+    self.assertEqual(_spec(seen["results"], 3), ("a", "b", None))
+    self.assertEqual(_spec(out.sharding, 3), ("a", "b", None))
+
+  def test_operand_without_sharding(self):
+    # The second operand is created inside the jit and has no sharding yet
+    # when XLA asks for the result's: the first operand decides (i j).
+    op, seen = self._recording_op(lambda x, y: x + y, "i j, j -> i j")
+    mesh = _mesh2x4()
+    x = jax.device_put(np.ones((8, 16), np.float32),
+                       NamedSharding(mesh, P("a", "b")))
+    f = jax.jit(lambda x: op(x * 2, jnp.arange(16, dtype=jnp.float32)))
+    out = f(x)
+    np.testing.assert_allclose(
+        out, np.broadcast_to(2 + np.arange(16, dtype=np.float32), (8, 16)))
+    self.assertEqual(_spec(seen["results"], 2), ("a", "b"))
+    self.assertEqual(_spec(out.sharding, 2), ("a", "b"))
+
+  def test_decode_shardings_false(self):
+    # decode_shardings only changes what the callbacks see; the rule still
+    # gives the result sharding.
+    op, seen = self._recording_op(lambda x: x.T, "i j -> j i",
+                                  decode_shardings=False)
+    x_np = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    out = self._run(op, [x_np], [P("a", "b")])
+    np.testing.assert_array_equal(out, x_np.T)
+    self.assertIsInstance(seen["results"], jax.sharding.Sharding)
+    self.assertNotIsInstance(seen["results"], NamedSharding)
+    self.assertEqual(_spec(out.sharding, 2), ("b", "a"))
+
+  def test_infer_callback_wins_over_rule(self):
+    mesh = _mesh2x4()
+    body = jnp.sin
+    op = custom_partitioning(body)
+
+    def infer(mesh, arg_shapes, result_shape):
+      return NamedSharding(mesh, P("b", "a"))
+
+    def partition(mesh, arg_shapes, result_shape):
+      r = result_shape.sharding
+      return mesh, body, r, (r,)
+
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule="i j -> i j")
+    out = self._run(op, [np.ones((8, 8), np.float32)], [P("a", "b")], mesh)
+    self.assertEqual(_spec(out.sharding, 2), ("b", "a"))
+
+  def test_compound_dims_never_crash(self):
+    op, seen = self._recording_op(lambda x: x.reshape(8, 2, 8),
+                                  "i (c d) -> i c d")
+    x_np = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    out = self._run(op, [x_np], [P("a", "b")])
+    np.testing.assert_array_equal(out, x_np.reshape(8, 2, 8))
+    self.assertEqual(_spec(seen["results"], 3)[0], "a")
+
+  def test_hlo_no_collectives_with_follow_partition(self):
+    mesh = _mesh2x4()
+    op = custom_partitioning(lambda x: x.T)
+
+    def partition(mesh, arg_shapes, result_shape):
+      r = _spec(result_shape.sharding, 2)
+      return (mesh, lambda x: x.T, NamedSharding(mesh, P(*r)),
+              (NamedSharding(mesh, P(r[1], r[0])),))
+
+    op.def_partition(partition, sharding_rule="i j -> j i")
+    x = jax.device_put(np.ones((16, 32), np.float32),
+                       NamedSharding(mesh, P("a", "b")))
+    f = jax.jit(op)
+    text = self.hlo(f, x)
+    self.assertCollectives(text, absent=_COLLECTIVES)
+    # the per-device result is the transposed shard: 32/4 x 16/2
+    self.assertRegex(text, r"ROOT[^\n]*f32\[8,8\]")
+
+  def test_bad_rule_never_aborts(self):
+    """A rule that does not fit the op raises (or is ignored); no abort."""
+    script = textwrap.dedent("""
+        from test_custom_partitioning import *
+        jax.config.update("jax_use_shardy_partitioner", False)
+        mesh = CPTestCase.mesh((2, 4), ("a", "b"))
+        x = jax.device_put(np.ones((8, 16), np.float32),
+                           NamedSharding(mesh, P("a", "b")))
+        def partition(mesh, arg_shapes, result_shape):
+          s = arg_shapes[0].sharding
+          return mesh, jnp.sin, s, (s,)
+        for rule in ("i -> i", "... i j k -> ... i j k", "(a b) c -> a b c",
+                     "i j, j -> i j", lambda *a: "i -> i",
+                     lambda *a: 1 / 0):
+          op = custom_partitioning(jnp.sin)
+          op.def_partition(partition, sharding_rule=rule)
+          try:
+            jax.jit(op)(x).block_until_ready()
+            print("OK", flush=True)
+          except Exception as e:
+            print("RAISED", type(e).__name__, flush=True)
+        print("DONE", flush=True)
+        """)
+    env = dict(os.environ)
+    env.pop("JAX_USE_SHARDY_PARTITIONER", None)
+    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=600)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    lines = [l for l in proc.stdout.splitlines() if l]
+    self.assertEqual(lines[-1], "DONE", proc.stdout)
+    self.assertEqual(len(lines), 7, proc.stdout)
+
+
+if __name__ == "__main__":
+  unittest.main()
+
+
+# ==========================================================================
+# From test_reliability.py
+# --------------------------------------------------------------------------
+# Reliability tests: threads, several processes, the persistent compilation
+# cache, bad input, jax.export.
+# --------------------------------------------------------------------------
+
+
+# Directory holding custom_partitioning.py, for subprocess tests. In the main
+# test file this is os.path.dirname(os.path.abspath(__file__)).
+MODULE_DIR = HERE
+
+_cp_module = sys.modules[custom_partitioning.__module__]
+
+
+def _child_env(module_dir, num_devices, extra_path=()):
+  """Environment for a child python: CPU only, ``num_devices`` devices."""
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags.append(f"--xla_force_host_platform_device_count={num_devices}")
+  env["XLA_FLAGS"] = " ".join(flags)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONDONTWRITEBYTECODE"] = "1"  # edited helper modules must reload
+  path = [module_dir, *extra_path]
+  if env.get("PYTHONPATH"):
+    path.append(env["PYTHONPATH"])
+  env["PYTHONPATH"] = os.pathsep.join(path)
+  return env
+
+
+def _run_pythons(module_dir, jobs, *, timeout=120.0):
+  """Runs child pythons concurrently; kills all of them on timeout.
+
+  Args:
+    module_dir: the directory of custom_partitioning.py (put on sys.path).
+    jobs: a list of ``(script_path, argv, num_devices)``; each script's own
+      directory is put on sys.path too and is its working directory.
+    timeout: seconds for all of them together.
+  Returns:
+    One ``(returncode, stdout, stderr)`` per job; returncode is None when the
+    job was killed at the timeout.
+  """
+  procs = []
+  logs = []
+  try:
+    for script, argv, num_devices in jobs:
+      workdir = os.path.dirname(os.path.abspath(script))
+      out = tempfile.TemporaryFile(mode="w+")
+      err = tempfile.TemporaryFile(mode="w+")
+      logs.append((out, err))
+      procs.append(subprocess.Popen(
+          [sys.executable, script, *argv], stdout=out, stderr=err,
+          stdin=subprocess.DEVNULL, cwd=workdir,
+          env=_child_env(module_dir, num_devices, (workdir,))))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+      try:
+        codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+      except subprocess.TimeoutExpired:
+        codes.append(None)
+  finally:
+    for proc in procs:  # only the processes started here
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  results = []
+  for code, (out, err) in zip(codes, logs):
+    out.seek(0)
+    err.seek(0)
+    results.append((code, out.read(), err.read()))
+    out.close()
+    err.close()
+  return results
+
+
+def _result_line(test, result, tag="RESULT "):
+  """The JSON after ``tag`` in a child's stdout; fails the test otherwise."""
+  code, out, err = result
+  for line in out.splitlines():
+    if line.startswith(tag):
+      if code != 0:
+        test.fail(f"child exited with {code}\n{err[-3000:]}")
+      return json.loads(line[len(tag):])
+  test.fail(f"child exited with {code} and printed no result\nstdout:\n"
+            f"{out[-2000:]}\nstderr:\n{err[-4000:]}")
+
+
+def _free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------
+# Threads
+# --------------------------------------------------------------------------
+
+class ThreadsTest(CPTestCase):
+
+  NUM_THREADS = 8
+
+  def _run_threads(self, work):
+    """Runs ``work(i)`` in NUM_THREADS threads started together."""
+    barrier = threading.Barrier(self.NUM_THREADS)
+    results, errors = {}, {}
+
+    def target(i):
+      try:
+        barrier.wait(timeout=60)
+        results[i] = work(i)
+      except BaseException as e:  # noqa: BLE001 - reported below
+        errors[i] = e
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True)
+               for i in range(self.NUM_THREADS)]
+    for t in threads:
+      t.start()
+    deadline = time.monotonic() + 180
+    for t in threads:
+      t.join(timeout=max(deadline - time.monotonic(), 0.1))
+    alive = [i for i, t in enumerate(threads) if t.is_alive()]
+    self.assertEqual(alive, [], "threads still running after 180 s: deadlock?")
+    self.assertEqual(errors, {})
+    return results
+
+  def test_different_programs_concurrently(self):
+    mesh = self.mesh()
+    s = NamedSharding(mesh, P("x"))
+    before = set(_cp_module._registry.keys())
+
+    def work(i):
+      scale = float(i + 1)
+      op = elementwise_op(body=lambda x: jnp.sin(x) * scale + 1.0)
+      host = np.linspace(-1, 1, 8 * (i + 2), dtype=np.float32).reshape(8, -1)
+      x = jax.device_put(host, s)
+      f = jax.jit(op, in_shardings=s, out_shardings=s)
+      compiled = f.lower(x).compile()
+      out = compiled(x)
+      np.testing.assert_allclose(out, np.sin(host) * scale + 1.0, rtol=1e-5,
+                                 atol=1e-6)
+      return op, f, compiled, out
+
+    results = self._run_threads(work)
+    self.assertEqual(sorted(results), list(range(self.NUM_THREADS)))
+    with _cp_module._registry_lock:
+      new = set(_cp_module._registry.keys()) - before
+      infos = [_cp_module._registry[k] for k in new]
+    # One entry per distinct program, each under its own key.
+    self.assertEqual(len(new), self.NUM_THREADS)
+    self.assertEqual(len({id(i) for i in infos}), self.NUM_THREADS)
+    for key in new:
+      self.assertTrue(key.startswith(_cp_module._TARGET + ":"), key)
+    self.assertEqual(len(_cp_module._parked_errors), 0)
+    del infos, results, work
+    gc.collect()
+    with _cp_module._registry_lock:
+      left = set(_cp_module._registry.keys()) & new
+    self.assertEqual(left, set(), "registry entries outlive their programs")
+
+  def test_one_op_many_shapes_concurrently(self):
+    """One op object, traced and compiled from 8 threads at once."""
+    mesh = self.mesh()
+    s = NamedSharding(mesh, P("x"))
+    op = elementwise_op()
+
+    def work(i):
+      host = np.full((8, i + 1), 0.1 * i, dtype=np.float32)
+      x = jax.device_put(host, s)
+      out = jax.jit(op, in_shardings=s, out_shardings=s)(x)
+      np.testing.assert_allclose(out, np.sin(host) * 2.0, rtol=1e-6)
+      # Eager calls share the op's caches too.
+      np.testing.assert_allclose(op(x), np.sin(host) * 2.0, rtol=1e-6)
+      return True
+
+    self.assertEqual(len(self._run_threads(work)), self.NUM_THREADS)
+
+
+both_partitioners(ThreadsTest)
+del ThreadsTest
+
+
+# --------------------------------------------------------------------------
+# Several processes (2 x 4 CPU devices, gloo collectives)
+# --------------------------------------------------------------------------
+
+_MULTIPROCESS_SCRIPT = r'''
+import json, sys
+port, process_id, shardy = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_use_shardy_partitioner", shardy)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
+                           process_id=process_id, initialization_timeout=60)
+from custom_partitioning import custom_partitioning
+
+@custom_partitioning
+def centered(x):
+  return x - jnp.sum(x)
+
+def partition(mesh, arg_shapes, result_shape):
+  s = arg_shapes[0].sharding
+  def lower_fn(x):  # needs the other process's rows: a cross-process psum
+    return x - jax.lax.psum(jnp.sum(x), "x")
+  return mesh, lower_fn, s, (s,)
+
+centered.def_partition(
+    partition, infer_sharding_from_operands=lambda mesh, a, r: a[0].sharding,
+    sharding_rule="i j -> i j")
+
+mesh = Mesh(np.array(jax.devices()), ("x",))
+s = NamedSharding(mesh, P("x"))
+full = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+x = jax.make_array_from_process_local_data(
+    s, full[process_id * 8:(process_id + 1) * 8], full.shape)
+f = jax.jit(centered, in_shardings=s, out_shardings=s)
+out = f(x)
+want = full - full.sum()
+errors = [float(np.max(np.abs(np.asarray(sh.data) - want[sh.index])))
+          for sh in out.addressable_shards]
+print("RESULT " + json.dumps(dict(
+    devices=jax.device_count(), local=jax.local_device_count(),
+    shards=len(out.addressable_shards), max_error=max(errors),
+    devices_of_shards=sorted(sh.device.id for sh in out.addressable_shards),
+    all_devices=sorted(d.id for d in jax.devices()),
+    all_reduce="all-reduce" in f.lower(x).compile().as_text())), flush=True)
+jax.distributed.shutdown()
+'''
+
+
+class MultiProcessTest(CPTestCase):
+
+  def test_two_processes_one_mesh(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      script = os.path.join(tmp, "multiprocess_child.py")
+      with open(script, "w") as f:
+        f.write(_MULTIPROCESS_SCRIPT)
+      port = str(_free_port())
+      flag = "1" if self.shardy else "0"
+      results = _run_pythons(
+          MODULE_DIR, [(script, [port, str(i), flag], 4) for i in range(2)],
+          timeout=120)
+    outs = [_result_line(self, r) for r in results]
+    seen = []
+    for i, out in enumerate(outs):
+      self.assertEqual((out["devices"], out["local"], out["shards"]),
+                       (8, 4, 4), f"process {i}: {out}")
+      self.assertLess(out["max_error"], 1e-3, f"process {i}: {out}")
+      self.assertTrue(out["all_reduce"], f"process {i}: no all-reduce")
+      seen += out["devices_of_shards"]
+    # Together the two processes hold one shard on each of the 8 devices.
+    self.assertEqual(outs[0]["all_devices"], outs[1]["all_devices"])
+    self.assertEqual(sorted(seen), outs[0]["all_devices"])
+
+
+both_partitioners(MultiProcessTest)
+del MultiProcessTest
+
+
+# --------------------------------------------------------------------------
+# Persistent compilation cache
+# --------------------------------------------------------------------------
+
+# @NAME@ placeholders are replaced per variant, so that a "change" is a real
+# change of the program's source, as between two runs of an edited script.
+_CACHE_SCRIPT = r'''
+import functools, json, sys
+cache_dir, shardy, impl = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax._src import monitoring
+jax.config.update("jax_use_shardy_partitioner", shardy)
+jax.config.update("jax_compilation_cache_dir", cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+events = []
+monitoring.register_event_listener(lambda event, **kw: events.append(event))
+if impl == "upstream":
+  from jax.experimental.custom_partitioning import custom_partitioning
+else:
+  from custom_partitioning import custom_partitioning
+import cp_helper
+
+SCALE = @SCALE@
+
+@functools.partial(custom_partitioning, static_argnums=(1,))
+def op(x, k):
+  return @BODY@
+
+def partition(k, mesh, arg_shapes, result_shape):
+  s = arg_shapes[0].sharding
+  def lower_fn(x):
+    return @LOWER@
+  return mesh, lower_fn, s, (s,)
+
+op.def_partition(
+    partition,
+    infer_sharding_from_operands=lambda k, mesh, a, r: a[0].sharding,
+    sharding_rule="i j -> i j")
+
+mesh = Mesh(np.array(jax.devices()), ("x",))
+s = NamedSharding(mesh, P("x"))
+x = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4) / 8, s)
+out = jax.jit(lambda x: op(x, @STATIC@), in_shardings=s, out_shardings=s)(x)
+print("RESULT " + json.dumps(dict(
+    hits=events.count("/jax/compilation_cache/cache_hits"),
+    misses=events.count("/jax/compilation_cache/cache_misses"),
+    out=np.asarray(out).tolist())), flush=True)
+'''
+
+_CACHE_BASE = dict(SCALE="2.0", BODY="jnp.sin(x) * 2.0 * k",
+                   LOWER="jnp.sin(x) * SCALE * k", STATIC="2",
+                   HELPER="2.0")
+_CACHE_X = np.arange(64, dtype=np.float32).reshape(16, 4) / 8
+
+
+class PersistentCacheTest(CPTestCase):
+  """Same program in a fresh process: a hit; a changed program: a miss."""
+
+  def setUp(self):
+    super().setUp()
+    tmp = tempfile.mkdtemp(prefix="cp_cache_test")
+    self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+    self.tmp = tmp
+    self._count = 0
+
+  def _script(self, **changes):
+    """Writes a variant of the program into its own directory."""
+    self._count += 1
+    workdir = os.path.join(self.tmp, f"prog{self._count}")
+    os.makedirs(workdir)
+    subs = dict(_CACHE_BASE, **changes)
+    text = _CACHE_SCRIPT
+    for name, value in subs.items():
+      text = text.replace(f"@{name}@", value)
+    path = os.path.join(workdir, "cache_child.py")
+    with open(path, "w") as f:
+      f.write(text)
+    with open(os.path.join(workdir, "cp_helper.py"), "w") as f:
+      f.write("import jax.numpy as jnp\n\n"
+              f"def scale(x):\n  return jnp.sin(x) * {subs['HELPER']}\n")
+    return path
+
+  def _cache_dir(self):
+    self._count += 1
+    path = os.path.join(self.tmp, f"cache{self._count}")
+    os.makedirs(path)
+    return path
+
+  def _run(self, runs, impl="module"):
+    """Runs ``(script, cache_dir)`` pairs concurrently; returns results."""
+    flag = "1" if self.shardy else "0"
+    results = _run_pythons(
+        MODULE_DIR, [(script, [cache_dir, flag, impl], 8)
+                     for script, cache_dir in runs], timeout=180)
+    return [_result_line(self, r) for r in results]
+
+  @staticmethod
+  def _entries(cache_dir):
+    return sorted(os.listdir(cache_dir))
+
+  def assertOut(self, result, want, what):
+    np.testing.assert_allclose(np.asarray(result["out"], np.float32), want,
+                               rtol=1e-5, atol=1e-6, err_msg=what)
+
+  def test_same_program_hits_in_a_fresh_process(self):
+    script, cache = self._script(), self._cache_dir()
+    want = np.sin(_CACHE_X) * 4.0
+    first, = self._run([(script, cache)])
+    entries = self._entries(cache)
+    self.assertOut(first, want, "first run")
+    self.assertEqual(first["hits"], 0)
+    self.assertGreaterEqual(first["misses"], 1)
+    self.assertEqual(len(entries), 1, entries)
+    second, = self._run([(script, cache)])
+    self.assertOut(second, want, "second run")
+    self.assertEqual((second["hits"], second["misses"]), (1, 0),
+                     "the second process did not hit the persistent cache")
+    self.assertEqual(self._entries(cache), entries)
+
+  def test_changed_program_misses(self):
+    # All runs share one cache directory: its path is part of jax's cache key
+    # (through the compile options), so a copy elsewhere would always miss.
+    x = _CACHE_X
+    cache = self._cache_dir()
+    base = self._script()
+    helper_base = self._script(LOWER="cp_helper.scale(x) * k")
+    seeded = self._run([(base, cache), (helper_base, cache)])
+    self.assertOut(seeded[0], np.sin(x) * 4.0, "base")
+    self.assertOut(seeded[1], np.sin(x) * 4.0, "helper base")
+    self.assertEqual(len(self._entries(cache)), 2)
+    # Each variant differs from the base programs and from each other: any
+    # hit reuses the executable of a different program.
+    variants = {
+        "lower_fn code": (dict(LOWER="jnp.sin(x) * SCALE * k + 1.0"),
+                          np.sin(x) * 4.0 + 1.0),
+        "global used by lower_fn": (dict(SCALE="3.0"), np.sin(x) * 6.0),
+        "body": (dict(BODY="jnp.cos(x) * 2.0 * k"), np.sin(x) * 4.0),
+        "static arg": (dict(STATIC="3"), np.sin(x) * 6.0),
+        "lower_fn in another module": (
+            dict(LOWER="cp_helper.scale(x) * k", HELPER="3.0"),
+            np.sin(x) * 6.0),
+    }
+    results = self._run([(self._script(**changes), cache)
+                         for changes, _ in variants.values()])
+    for (name, (_, want)), result in zip(variants.items(), results):
+      with self.subTest(change=name):
+        stale = not np.allclose(np.asarray(result["out"], np.float32), want,
+                                rtol=1e-5, atol=1e-6)
+        self.assertEqual(
+            result["hits"], 0, f"changing the {name} still hit the cache" +
+            (" and returned the old program's result" if stale else ""))
+        self.assertOut(result, want, f"after changing the {name}")
+
+  def test_upstream_never_hits(self):
+    """Documents the difference: jax's own op keys by object address."""
+    script, cache = self._script(), self._cache_dir()
+    first, = self._run([(script, cache)], impl="upstream")
+    second, = self._run([(script, cache)], impl="upstream")
+    for result in (first, second):
+      self.assertOut(result, np.sin(_CACHE_X) * 4.0, "upstream")
+    self.assertEqual(second["hits"], 0)
+    self.assertEqual(len(self._entries(cache)), 2)
+
+
+both_partitioners(PersistentCacheTest)
+del PersistentCacheTest
+
+
+# --------------------------------------------------------------------------
+# Bad input: a clear exception naming the culprit, then business as usual
+# --------------------------------------------------------------------------
+
+class _MyCallbackError(Exception):
+  pass
+
+
+def _raise(*args, **kwargs):
+  raise _MyCallbackError("raised by the author's callback")
+
+
+class BadInputTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.s = NamedSharding(self.mesh(), P("x"))
+    self.host = np.linspace(0, 1, 64, dtype=np.float32).reshape(16, 4)
+    self.x = jax.device_put(self.host, self.s)
+
+  def tearDown(self):
+    # The next correct call in the same process works.
+    op = elementwise_op(body=lambda x: jnp.cos(x) + 0.5)
+    out = jax.jit(op, in_shardings=self.s, out_shardings=self.s)(self.x)
+    np.testing.assert_allclose(out, np.cos(self.host) + 0.5, rtol=1e-6)
+    super().tearDown()
+
+  def op(self, partition=None, *, body=jnp.sin, infer="same",
+         rule="i j -> i j", static_argnums=(), **kwargs):
+    op = custom_partitioning(body, static_argnums=static_argnums)
+    if partition is None:
+      def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        return mesh, body, s, (s,)
+    if infer == "same":
+      infer = lambda mesh, arg_shapes, result_shape: arg_shapes[0].sharding
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule, **kwargs)
+    return op
+
+  def assertRaisesNaming(self, exc_type, fragments, fn, *args, **kwargs):
+    with self.assertRaises(exc_type) as cm:
+      fn(*args, **kwargs)
+    for fragment in fragments:
+      self.assertIn(fragment, str(cm.exception))
+    return cm.exception
+
+  def run_jit(self, op, *args):
+    args = args or (self.x,)
+    return jax.jit(op)(*args)
+
+  @staticmethod
+  def returning(make):
+    """A partition callback returning ``make(mesh, sharding)``."""
+    def partition(mesh, arg_shapes, result_shape):
+      return make(mesh, arg_shapes[0].sharding)
+    return partition
+
+  # -- partition's answer ----------------------------------------------
+
+  def test_partition_returns_wrong_length(self):
+    op = self.op(self.returning(lambda m, s: (m, jnp.sin, (s,))))
+    self.assertRaisesNaming(TypeError, ["partition of", "length 3"],
+                            self.run_jit, op)
+
+  def test_partition_returns_none(self):
+    op = self.op(self.returning(lambda m, s: None))
+    self.assertRaisesNaming(TypeError, ["partition of", "NoneType"],
+                            self.run_jit, op)
+
+  def test_lower_fn_wrong_number_of_outputs(self):
+    op = self.op(self.returning(lambda m, s: (m, lambda x: (x, x), s, (s,))))
+    self.assertRaisesNaming(ValueError, ["lower_fn", "2 outputs"],
+                            self.run_jit, op)
+
+  def test_lower_fn_wrong_local_shape(self):
+    op = self.op(self.returning(lambda m, s: (m, lambda x: x[:1], s, (s,))))
+    self.assertRaisesNaming(ValueError, ["lower_fn", "local shape"],
+                            self.run_jit, op)
+
+  def test_lower_fn_not_callable(self):
+    op = self.op(self.returning(lambda m, s: (m, "sin", s, (s,))))
+    self.assertRaisesNaming(TypeError, ["lower_fn", "not callable"],
+                            self.run_jit, op)
+
+  def test_result_sharding_tree_mismatch(self):
+    with self.subTest("one result, two shardings"):
+      op = self.op(self.returning(lambda m, s: (m, jnp.sin, (s, s), (s,))))
+      self.assertRaisesNaming(TypeError, ["partition", "result sharding"],
+                              self.run_jit, op)
+    with self.subTest("two results, one sharding"):
+      body = lambda x: (jnp.sin(x), jnp.cos(x))
+      op = self.op(self.returning(lambda m, s: (m, body, s, (s,))),
+                   body=body, infer=lambda m, a, r: (a[0].sharding,) * 2,
+                   rule="i j -> i j, i j")
+      self.assertRaisesNaming(ValueError, ["partition", "result sharding"],
+                              self.run_jit, op)
+
+  def test_arg_sharding_tree_mismatch(self):
+    with self.subTest("one operand, two shardings"):
+      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s, (s, s))))
+      self.assertRaisesNaming(ValueError, ["partition", "arg sharding"],
+                              self.run_jit, op)
+    with self.subTest("two operands, one sharding"):
+      body = lambda x, y: x + y
+      op = self.op(self.returning(lambda m, s: (m, body, s, (s,))),
+                   body=body, rule="i j, i j -> i j")
+      self.assertRaisesNaming(ValueError, ["partition", "arg sharding"],
+                              self.run_jit, op, self.x, self.x)
+
+  def test_partition_spec_instead_of_sharding(self):
+    op = self.op(self.returning(lambda m, s: (m, jnp.sin, P("x"), (s,))))
+    self.assertRaisesNaming(TypeError, ["partition", "jax.sharding.Sharding"],
+                            self.run_jit, op)
+
+  def test_sharding_on_other_devices(self):
+    mesh4 = self.mesh((4,))
+    s4 = NamedSharding(mesh4, P("x"))
+    with self.subTest("result sharding"):
+      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s4, (s,))))
+      self.assertRaisesNaming(
+          ValueError, ["partition", "result sharding", "[0, 1, 2, 3]"],
+          self.run_jit, op)
+    with self.subTest("arg sharding"):
+      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s, (s4,))))
+      self.assertRaisesNaming(
+          ValueError, ["partition", "arg sharding", "[0, 1, 2, 3]"],
+          self.run_jit, op)
+
+  def test_partition_mesh_on_other_devices(self):
+    """The mesh partition returns must be the op's devices.
+
+    lower_fn's collectives run over that mesh; a mesh over devices 0-3 while
+    the op runs on 0-7 silently gives wrong values.
+    """
+    mesh4 = self.mesh((4,))
+    lower_fn = lambda x: x * 0 + jax.lax.psum(1.0, "x")  # the axis size
+    op = self.op(self.returning(lambda m, s: (mesh4, lower_fn, s, (s,))))
+    self.assertRaisesNaming(ValueError, ["partition", "mesh"],
+                            self.run_jit, op)
+
+  def test_infer_sharding_on_other_devices(self):
+    if self.shardy:
+      self.skipTest("infer_sharding_from_operands is GSPMD only")
+    s4 = NamedSharding(self.mesh((4,)), P("x"))
+    op = self.op(infer=lambda m, a, r: s4)
+    self.assertRaisesNaming(
+        ValueError, ["infer_sharding_from_operands", "[0, 1, 2, 3]"],
+        self.run_jit, op)
+
+  # -- sharding rules --------------------------------------------------
+
+  def test_rule_size_for_unknown_factor(self):
+    self.assertRaisesNaming(ValueError, ["Factor k", "not used"], self.op,
+                            rule="i j -> i j", k=4)
+
+  def test_rule_compound_factor_without_size(self):
+    self.assertRaisesNaming(ValueError, ["Factor a", "size"], self.op,
+                            rule="(a b) j -> (a b) j")
+
+  def test_rule_compound_factor_wrong_sizes(self):
+    # Under GSPMD the rule only matters when it derives the result sharding.
+    op = self.op(rule="(a b) j -> (a b) j", infer=None, a=3, b=3)
+    self.assertRaisesNaming(ValueError, ["compound factors",
+                                         "multiply to 9"], self.run_jit, op)
+
+  def test_rule_unparsable(self):
+    self.assertRaisesNaming(ValueError, ["->"], self.op, rule="i j")
+    self.assertRaisesNaming(ValueError, ["'$'"], self.op, rule="i $ -> i")
+
+  def test_rule_wrong_operand_count(self):
+    for rule in ("i j, k -> i j", "i j, k l -> i j"):
+      with self.subTest(rule=rule):
+        op = self.op(rule=rule, infer=None)
+        self.assertRaisesNaming(ValueError, ["Sharding rule has 2 operands",
+                                             "1 operands"], self.run_jit, op)
+
+  def test_rule_wrong_result_count(self):
+    op = self.op(rule="i j -> i j, i j", infer=None)
+    self.assertRaisesNaming(ValueError, ["Sharding rule has 2 results"],
+                            self.run_jit, op)
+
+  def test_rule_rank_mismatch(self):
+    op = self.op(rule="i -> i", infer=None)
+    self.assertRaisesNaming(ValueError, ["Sharding rule operand 0 has rank 1",
+                                         "rank 2"], self.run_jit, op)
+
+  def test_reduction_factor_not_in_rule(self):
+    self.assertRaisesNaming(ValueError, ["Factor k", "reduction_factors"],
+                            self.op, rule="i j -> i j",
+                            reduction_factors=("k",))
+
+  def test_special_factor_listed_twice(self):
+    self.assertRaisesNaming(
+        ValueError, ["Factor j"], self.op, rule="i j -> i",
+        reduction_factors=("j",), need_replication_factors=("j",))
+
+  # -- calls ---------------------------------------------------------
+
+  def test_static_argnums_out_of_range(self):
+    op = self.op(body=lambda x, k: jnp.sin(x) * k, static_argnums=(2,))
+    self.assertRaisesNaming(IndexError, ["static_argnums", "2"],
+                            self.run_jit, op, self.x, 3.0)
+    op = self.op(body=lambda x, k: jnp.sin(x) * k, static_argnums=(-3,))
+    self.assertRaisesNaming(IndexError, ["static_argnums", "-3"],
+                            self.run_jit, op, self.x, 3.0)
+
+  # -- callbacks that raise: the author's exception type reaches the user --
+
+  def test_partition_raises(self):
+    op = self.op(_raise)
+    self.assertRaisesNaming(_MyCallbackError, ["author's callback"],
+                            self.run_jit, op)
+
+  def test_lower_fn_raises(self):
+    op = self.op(self.returning(lambda m, s: (m, _raise, s, (s,))))
+    self.assertRaisesNaming(_MyCallbackError, ["author's callback"],
+                            self.run_jit, op)
+
+  def test_sharding_rule_callable_raises(self):
+    op = self.op(rule=_raise)
+    self.assertRaisesNaming(_MyCallbackError, ["author's callback"],
+                            self.run_jit, op)
+
+  def test_infer_raises(self):
+    if self.shardy:
+      self.skipTest("infer_sharding_from_operands is GSPMD only")
+    op = self.op(infer=_raise)
+    self.assertRaisesNaming(_MyCallbackError, ["author's callback"],
+                            self.run_jit, op)
+
+  def test_eager_call_partition_raises(self):
+    op = self.op(_raise)
+    self.assertRaisesNaming(_MyCallbackError, ["author's callback"], op,
+                            self.x)
+
+  def test_many_failures_leave_no_state(self):
+    before = len(_cp_module._parked_errors)
+    for _ in range(5):
+      op = self.op(_raise)
+      with self.assertRaises(_MyCallbackError):
+        self.run_jit(op)
+    self.assertLessEqual(len(_cp_module._parked_errors), before)
+
+
+both_partitioners(BadInputTest)
+del BadInputTest
+
+
+# --------------------------------------------------------------------------
+# jax.export
+# --------------------------------------------------------------------------
+
+class ExportTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.s = NamedSharding(self.mesh(), P("x"))
+    self.x = jax.device_put(np.ones((16, 4), np.float32), self.s)
+
+  def assertExportError(self, fn):
+    jitted = jax.jit(fn, in_shardings=self.s, out_shardings=self.s)
+    with self.assertRaises(Exception) as cm:
+      jax.export.export(jitted)(self.x)
+    message = str(cm.exception)
+    self.assertIn("custom_partitioning", message)
+    self.assertIn("serializ", message)
+    self.assertNotIn("host callback", message.lower())
+    self.assertNotIn("host_callback", message.lower())
+    return cm.exception
+
+  def test_export_of_the_op_raises(self):
+    self.assertExportError(elementwise_op())
+
+  def test_export_of_a_program_containing_the_op_raises(self):
+    op = elementwise_op()
+    self.assertExportError(lambda x: jnp.cos(op(x) + 1.0) * 3.0)
+
+  def test_export_then_normal_use_works(self):
+    op = elementwise_op()
+    self.assertExportError(op)
+    out = jax.jit(op, in_shardings=self.s, out_shardings=self.s)(self.x)
+    np.testing.assert_allclose(out, np.sin(1.0) * 2.0, rtol=1e-6)
+
+  def test_single_device_export_works(self):
+    op = elementwise_op()
+    exported = jax.export.export(jax.jit(op))(
+        jax.ShapeDtypeStruct((4, 4), np.float32))
+    out = exported.call(np.ones((4, 4), np.float32))
+    np.testing.assert_allclose(out, np.sin(1.0) * 2.0, rtol=1e-6)
+
+
+both_partitioners(ExportTest)
+del ExportTest
+
+
+if __name__ == "__main__":
+  unittest.main()
 
 
 if __name__ == "__main__":

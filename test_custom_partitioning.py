@@ -1413,9 +1413,6 @@ both_partitioners(FFTTest)
 del FFTTest
 
 
-if __name__ == "__main__":
-  unittest.main()
-
 
 # ==========================================================================
 # From test_rules.py
@@ -2543,9 +2540,6 @@ class GspmdRuleInferenceTest(CPTestCase):
     self.assertEqual(len(lines), 7, proc.stdout)
 
 
-if __name__ == "__main__":
-  unittest.main()
-
 
 # ==========================================================================
 # From test_reliability.py
@@ -3278,8 +3272,151 @@ both_partitioners(ExportTest)
 del ExportTest
 
 
-if __name__ == "__main__":
-  unittest.main()
+
+# ===========================================================================
+# Reuse of traces and per-shard lowerings (performance), and its exactness
+# ===========================================================================
+
+class ReuseTest(CPTestCase):
+  """Identical requests share work; requests that differ never do."""
+
+  def counting_op(self, calls, static_argnums=()):
+    """x * scale + psum over the mesh of ones (the number of shards)."""
+
+    def body(scale, x):
+      return x * scale + 0.0
+
+    op = custom_partitioning(body, static_argnums=static_argnums)
+
+    def partition(scale, mesh, arg_shapes, result_shape):
+      calls.append((scale, tuple(mesh.shape.items()),
+                    arg_shapes[0].sharding.spec,
+                    arg_shapes[0].dtype, arg_shapes[0].shape))
+      s = arg_shapes[0].sharding
+      axes = tuple(mesh.axis_names)
+
+      def lower_fn(x):  # adds (number of devices - 8): 0 on 8 devices
+        n = jax.lax.psum(jnp.ones((), x.dtype), axes)
+        return x * scale + (n - 8)
+
+      return mesh, lower_fn, s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=(
+                         lambda scale, mesh, a, r: a[0].sharding),
+                     sharding_rule="i j -> i j")
+    return op
+
+  def test_identical_custom_calls_lower_once(self):
+    calls = []
+    op = self.counting_op(calls, static_argnums=(0,))
+    s = NamedSharding(self.mesh(), P("x"))
+    x = jax.device_put(_data((16, 4)), s)
+
+    def chain(x):
+      for _ in range(10):
+        x = op(1.5, x)
+      return x
+
+    f = jax.jit(chain, in_shardings=s, out_shardings=s)
+    np.testing.assert_allclose(f(x), np.asarray(x) * 1.5 ** 10, rtol=1e-4)
+    self.assertEqual(len(calls), 1, "ten identical custom calls, one lowering")
+
+  def test_static_arg_mesh_sharding_dtype_shape_each_lower_anew(self):
+    calls = []
+    op = self.counting_op(calls, static_argnums=(0,))
+    mesh8, mesh42 = self.mesh(), self.mesh((4, 2), ("a", "b"))
+    cases = [  # (scale, sharding, dtype, shape): each differs in one thing
+        (2.0, NamedSharding(mesh8, P("x")), np.float32, (16, 4)),
+        (3.0, NamedSharding(mesh8, P("x")), np.float32, (16, 4)),
+        (2.0, NamedSharding(mesh42, P("a", "b")), np.float32, (16, 4)),
+        (2.0, NamedSharding(mesh8, P(None, "x")), np.float32, (16, 8)),
+        (2.0, NamedSharding(mesh8, P("x")), np.float32, (32, 4)),
+        (2.0, NamedSharding(mesh8, P("x")), jnp.bfloat16, (16, 4)),
+    ]
+    for scale, sharding, dtype, shape in cases:
+      with self.subTest(scale=scale, spec=sharding.spec, dtype=dtype,
+                        shape=shape):
+        host = _data(shape).astype(dtype)
+        x = jax.device_put(host, sharding)
+        f = jax.jit(lambda x, scale=scale: op(scale, x),
+                    in_shardings=sharding, out_shardings=sharding)
+        out = f(x)
+        self.assertEqual(out.dtype, dtype)
+        np.testing.assert_allclose(np.asarray(out, np.float32),
+                                   np.asarray(host, np.float32) * scale,
+                                   rtol=1e-2)
+        text = self.hlo(f, x)
+        self.assertNotIn("all-gather", text)
+        local = tuple(sharding.shard_shape(shape))
+        dtype_name = "bf16" if dtype == jnp.bfloat16 else "f32"
+        self.assertIn(f"{dtype_name}[{','.join(map(str, local))}]", text)
+    self.assertEqual(len(calls), len(cases), calls)
+    self.assertEqual(len(set(calls)), len(cases))
+
+  def test_equal_keys_across_ops_only_for_equal_content(self):
+    """Two separately built but identical ops share one registry key."""
+    keys = set()
+    s = NamedSharding(self.mesh(), P("x"))
+    x = jax.device_put(_data((16, 4)), s)
+    lowered = []
+    for scale in (2.0, 2.0, 5.0):
+      op = self.counting_op([], static_argnums=(0,))
+      lowered.append(jax.jit(lambda x, op=op, scale=scale: op(scale, x),
+                             in_shardings=s).lower(x))
+      keys.update(re.findall(r'backend_config = "([^"]+)"',
+                             lowered[-1].as_text()))
+    self.assertEqual(len(keys), 2, keys)
+
+  def test_trace_is_reused(self):
+    traced = []
+
+    def body(x):
+      traced.append(x.shape)
+      return x * 2
+
+    op = elementwise_op(body)
+    x = _data((8, 4))
+    jax.jit(lambda x: op(x) + op(x))(x)
+    op(x)
+    op(x)
+    self.assertEqual(len(traced), 1, "one trace per signature")
+    op(_data((16, 4)))
+    self.assertEqual(len(traced), 2)
+
+
+both_partitioners(ReuseTest)
+del ReuseTest
+
+
+class CacheBoundsTest(CPTestCase):
+
+  def test_500_programs_keep_every_cache_bounded(self):
+    op = elementwise_op()
+    s = NamedSharding(self.mesh(), P("x"))
+    gc.collect()
+    registry_before = len(cp._registry)
+    for n in range(1, 501):
+      x = jax.device_put(np.ones((8, n), np.float32), s)
+      f = jax.jit(op, in_shardings=s)
+      f.lower(x).compile()
+      if n % 100 == 0:
+        np.testing.assert_allclose(f(x), np.sin(np.ones((8, n))) * 2,
+                                   rtol=1e-6)
+    op(np.ones((8, 3), np.float32))  # eager
+    f = x = None
+    gc.collect()
+    self.assertLessEqual(len(op._traces), cp._CACHE_SIZE)
+    self.assertLessEqual(len(op._eager), cp._CACHE_SIZE)
+    self.assertLessEqual(len(cp._parked_errors), 64)
+    # The weak tables live as long as jax's own caches hold the executables
+    # and jaxprs that use them.
+    jax.clear_caches()
+    gc.collect()
+    self.assertEqual(len(cp._registry), registry_before)
+    self.assertLessEqual(len(cp._op_digests), cp._CACHE_SIZE + 8)
+    self.assertLessEqual(len(cp._eager_fns), cp._CACHE_SIZE + 8)
+    self.assertLessEqual(len(cp._call_names), cp._CACHE_SIZE + 8)
 
 
 if __name__ == "__main__":

@@ -773,16 +773,15 @@ def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
   return shardings[0]
 
 
-def _flatten_up_to(tree, value, callback: str, what: str) -> list:
+def _flatten_up_to(tree, value, where: str) -> list:
   """Flattens ``value`` to the leaves of ``tree``, or raises naming it."""
   try:
     return tree.flatten_up_to(value)
   except (ValueError, TypeError) as e:
     if isinstance(value, list):  # a list where a tuple is expected is fine
-      return _flatten_up_to(tree, tuple(value), callback, what)
-    raise ValueError(
-        f"{callback} returned {what} {value!r} whose structure does not "
-        f"match {tree}.") from e
+      return _flatten_up_to(tree, tuple(value), where)
+    raise ValueError(f"{where} {value!r}, whose structure does not match "
+                     f"{tree}.") from e
 
 
 def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
@@ -814,7 +813,7 @@ def _tile_shape(hlo_sharding: xc.HloSharding, shape: xc.Shape):
 #
 # The custom call carries a key in its ``backend_config``; XLA hands it back
 # to the callbacks below, which find the op's ``_OpInfo`` by it. The key is a
-# hash of everything that shapes the op's partitioning (see ``_op_key``), so
+# hash of everything that shapes the op's partitioning (section 4b), so
 # the same program gets the same key in every process and the persistent
 # compilation cache can hit. Entries are weak: each lowering and executable
 # that may still call back holds its ``_OpInfo`` alive as a keep-alive.
@@ -857,7 +856,7 @@ class _OpInfo:
   """What XLA's callbacks need to know about one lowered custom call."""
 
   def __init__(self, *, name, params, mesh, devices, submesh, full_mesh, rule,
-               platforms, backend, use_shardy):
+               platforms, backend):
     self.name = name
     self.partition = params["partition"]
     self.infer = params["infer_sharding_from_operands"]
@@ -875,7 +874,6 @@ class _OpInfo:
     self.rule = rule
     self.platforms = platforms
     self.backend = backend
-    self.use_shardy = use_shardy
     self.pending: BaseException | None = None  # from infer/propagate
     self.lowered: dict = {}  # partition request -> XLA answer
 
@@ -909,7 +907,8 @@ class _OpInfo:
 
   def encode_shardings(self, tree, value, shapes, callback, what, sub=False):
     """The author's sharding pytree as a flat list of HloShardings."""
-    leaves = _flatten_up_to(tree, value, callback, what)
+    leaves = _flatten_up_to(tree, value,
+                            f"{callback} of {self.name} returned {what}s")
     out = []
     for i, (sharding, shape) in enumerate(zip(leaves, shapes)):
       ndim = len(shape.dimensions())
@@ -998,6 +997,7 @@ class _OpInfo:
 
   def _lower_partition(self, arg_shapes, arg_shardings, result_shape,
                        result_sharding):
+    """Asks the author's ``partition``; lowers its ``lower_fn`` per shard."""
     result_shapes, result_shardings = _hlo_parts(result_shape,
                                                  result_sharding)
     sub = self.submesh is not None
@@ -1006,44 +1006,71 @@ class _OpInfo:
         self.shape_structs(self.in_tree, arg_shapes, arg_shardings, sub),
         self.shape_structs(self.out_tree, result_shapes, result_shardings,
                            sub))
+    mesh, lower_fn, out_shardings, in_shardings = self._check_answer(answer)
+    out_hlo = self.encode_shardings(self.out_tree, out_shardings,
+                                    result_shapes, "partition",
+                                    "result sharding", sub)
+    in_hlo = self.encode_shardings(self.in_tree, in_shardings, arg_shapes,
+                                   "partition", "arg sharding", sub)
+    if sub:
+      # Collectives must name devices of the whole program: lower on the
+      # whole mesh (the returned one may be the mesh with manual types).
+      mesh = self.full_mesh
+    closed = self._trace_lower_fn(
+        lower_fn, mesh,
+        [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
+        [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)])
+    # XLA finds a host callback by its index in the list of the program
+    # being compiled, which was fixed before this callback ran; the
+    # per-shard module's own list is not reachable (upstream segfaults).
+    # Checked before lowering too: some jax releases fail or drop the
+    # callback while lowering it here.
+    if _calls_host(closed.jaxpr):
+      raise self._host_callback_error()
+    axis_env = list(mesh.shape.items())
+    with core.extend_axis_env_nd(axis_env):
+      module, host_callbacks = _lower_per_shard(
+          closed, platforms=self.platforms, backend=self.backend,
+          axis_context=sharding_impls.SPMDAxisContext(
+              mesh, frozenset(mesh.axis_names)))
+    if host_callbacks:
+      raise self._host_callback_error()
+    return (mlir.module_to_bytecode(module), in_hlo,
+            _pack_hlo(result_shape, out_hlo))
+
+  def _check_answer(self, answer):
+    """Validates what ``partition`` returned; returns its four parts."""
     if not isinstance(answer, (tuple, list)) or len(answer) != 4:
       got = (f"a sequence of length {len(answer)}"
              if isinstance(answer, (tuple, list)) else type(answer).__name__)
       raise TypeError(
           f"partition of {self.name} must return (mesh, lower_fn, "
           f"result_shardings, arg_shardings); got {got}.")
-    mesh, lower_fn, out_shardings, in_shardings = answer
+    mesh, lower_fn, _, _ = answer
     if not callable(lower_fn):
       raise TypeError(f"partition of {self.name} returned a lower_fn of type "
                       f"{type(lower_fn).__name__}, which is not callable.")
     if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
       raise TypeError(f"partition of {self.name} returned a mesh of type "
                       f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
-    if not sub and isinstance(mesh, mesh_lib.Mesh):
-      mesh_devices = set(mesh._flat_devices_tuple)
-      if mesh_devices != set(self.devices):
+    if self.submesh is None:  # else the shard_map's mesh is used anyway
+      if isinstance(mesh, mesh_lib.Mesh):
+        devices = set(mesh._flat_devices_tuple)
+        if devices != set(self.devices):
+          raise ValueError(
+              f"partition of {self.name} returned a mesh on devices "
+              f"{sorted(d.id for d in devices)}, but the op runs on "
+              f"{sorted(d.id for d in self.devices)}.")
+      elif mesh.size != len(self.devices):
         raise ValueError(
-            f"partition of {self.name} returned a mesh on devices "
-            f"{sorted(d.id for d in mesh_devices)}, but the op runs on "
-            f"{sorted(d.id for d in self.devices)}.")
-    elif not sub and mesh.size != len(self.devices):
-      raise ValueError(
-          f"partition of {self.name} returned a mesh of {mesh.size} "
-          f"devices, but the op runs on {len(self.devices)}.")
-    out_hlo = self.encode_shardings(self.out_tree, out_shardings,
-                                    result_shapes, "partition",
-                                    "result sharding", sub)
-    in_hlo = self.encode_shardings(self.in_tree, in_shardings, arg_shapes,
-                                   "partition", "arg sharding", sub)
-    local_args = [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)]
-    local_results = [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)]
-    if sub:
-      # Collectives must name devices of the whole program: lower on the
-      # whole mesh (the returned one may be the mesh with manual types).
-      mesh = self.full_mesh
-    axis_env = list(mesh.shape.items())
+            f"partition of {self.name} returned a mesh of {mesh.size} "
+            f"devices, but the op runs on {len(self.devices)}.")
+    return answer
+
+  def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results):
+    """Traces ``lower_fn`` on per-shard shapes and checks its results."""
     closed, out_shape = jax.make_jaxpr(
-        lower_fn, axis_env=axis_env, return_shape=True)(
+        lower_fn, axis_env=list(mesh.shape.items()), return_shape=True)(
             *self.in_tree.unflatten(local_args))
     got = jax.tree_util.tree_leaves(out_shape)
     if len(got) != len(local_results):
@@ -1056,23 +1083,7 @@ class _OpInfo:
             f"lower_fn of {self.name} returned result {i} with local shape "
             f"{g.dtype}{list(g.shape)}, but its result sharding needs "
             f"{want.dtype}{list(want.shape)}.")
-    axis_context = sharding_impls.SPMDAxisContext(
-        mesh, frozenset(mesh.axis_names))
-    # XLA finds a host callback by its index in the list of the program
-    # being compiled, which was fixed before this callback ran; the
-    # per-shard module's own list is not reachable (upstream segfaults).
-    # Checked before lowering too: some jax releases fail or drop the
-    # callback while lowering it here.
-    if _calls_host(closed.jaxpr):
-      raise self._host_callback_error()
-    with core.extend_axis_env_nd(axis_env):
-      module, host_callbacks = _lower_per_shard(
-          closed, platforms=self.platforms, backend=self.backend,
-          axis_context=axis_context)
-    if host_callbacks:
-      raise self._host_callback_error()
-    return (mlir.module_to_bytecode(module), in_hlo,
-            _pack_hlo(result_shape, out_hlo))
+    return closed
 
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
@@ -1454,7 +1465,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   info = _OpInfo(name=name, params=params, mesh=mesh, devices=devices,
                  submesh=submesh, full_mesh=full_mesh, rule=rule,
                  platforms=ctx.module_context.platforms,
-                 backend=_module_backend(ctx), use_shardy=use_shardy)
+                 backend=_module_backend(ctx))
   with _registry_lock:
     # Keep the first live entry: equal keys answer alike, and lowerings that
     # already hold it must keep finding it.

@@ -109,7 +109,7 @@ from jax._src import config as _config
 from jax._src import errors as _errors
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
-from jax._src.interpreters import ad, mlir
+from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import version as _jaxlib_version
 from jax._src.lib import xla_client as xc
@@ -1338,7 +1338,15 @@ def _jvp(primals, tangents, **params):
   return custom_partitioning_p.bind(*primals, **params), tangents_out
 
 
+def _batch(args, dims, **params):
+  """vmap sees the body: the batched op is the body, batched (no callbacks)."""
+  outs = jax.vmap(core.jaxpr_as_fun(params["call"]), in_axes=list(dims))(
+      *args)
+  return outs, [0] * len(outs)
+
+
 ad.primitive_jvps[custom_partitioning_p] = _jvp
+batching.primitive_batchers[custom_partitioning_p] = _batch
 
 
 class _Unhashable:

@@ -39,8 +39,11 @@ Reading order
 1. Compatibility: the jax internals this module calls.
 2. Sharding rules for Shardy (``SdyShardingRule`` and friends).
 3. Shardings: converting between XLA's ``HloSharding`` and jax shardings.
-4. The callback registry and the three callbacks XLA calls.
-5. The primitive: abstract evaluation, eager impl, lowering.
+4. The callback registry and the three callbacks XLA calls; 4b. the keys
+   that name an op to XLA (stable across processes, for the persistent
+   compilation cache).
+5. The primitive: abstract evaluation, differentiation and batching (of the
+   body), eager impl, lowering.
 6. The public ``custom_partitioning`` decorator.
 7. A self-demo (``python custom_partitioning.py``).
 

@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import functools
 import gc
 import importlib.util
+import inspect
 import json
 import shutil
 import socket
@@ -30,8 +31,8 @@ import unittest
 import warnings
 
 import jax
-from jax._src import custom_partitioning_sharding_rule as _up_rules
 from jax._src.interpreters import mlir as _jax_mlir
+from jax._src.lib import version as _jaxlib_version
 from jax._src.lib.mlir import ir as _ir
 from jax.experimental import custom_partitioning as _up_cp
 import jax.extend
@@ -53,6 +54,97 @@ from custom_partitioning import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # holds the module
+
+
+# --------------------------------------------------------------------------
+# Differences between jax releases (0.4.35 to 0.10.2) that the tests meet.
+# --------------------------------------------------------------------------
+
+def _version_tuple(text):
+  return tuple(int("".join(c for c in part if c.isdigit()) or 0)
+               for part in str(text).split(".")[:3])
+
+
+JAX_VERSION = _version_tuple(jax.__version__)
+JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
+JAX = f"jax {jax.__version__}"
+
+# jax's own rule module, the reference oracle of the rule-parity tests. It
+# appeared in jax 0.4.36 and took the special factors (reduction,
+# need_replication, permutation) and their def_partition keywords in 0.7.0;
+# older oracles have another API, so the parity comparisons need 0.7.0.
+try:
+  from jax._src import custom_partitioning_sharding_rule as _up_rules
+except ImportError:  # jax < 0.4.36
+  _up_rules = None
+
+
+def _takes(fn, name):
+  return name in inspect.signature(fn).parameters
+
+
+HAS_ORACLE = (_up_rules is not None and
+              _takes(_up_rules.str_to_sdy_sharding_rule, "reduction_factors")
+              and _takes(_up_cp.custom_partitioning.def_partition,
+                         "reduction_factors"))
+NO_ORACLE = (f"{JAX}: jax._src.custom_partitioning_sharding_rule is missing "
+             "or predates special factors (jax 0.7.0); no parity oracle")
+# jax.export imports absl before jax 0.8, which jax does not install.
+try:
+  import jax.export
+  NO_EXPORT = None
+except ImportError as e:
+  NO_EXPORT = f"{JAX}: jax.export cannot be imported ({e})"
+# Upstream's def_partition took sharding_rule in jax 0.5.0.
+UP_TAKES_RULE = _takes(_up_cp.custom_partitioning.def_partition,
+                       "sharding_rule")
+# jaxlib 0.6.1 marks the rules of custom calls ", custom".
+CUSTOM = ", custom" if JAXLIB_VERSION >= (0, 6, 1) else ""
+# Shardy rules take special factors from jaxlib 0.5.0 (before: by design a
+# NotImplementedError from the module).
+SPECIAL_FACTORS = JAXLIB_VERSION >= (0, 5, 0)
+NO_SPECIAL_FACTORS = (f"jaxlib {'.'.join(map(str, JAXLIB_VERSION))}: Shardy "
+                      "special factors need jaxlib 0.5.0")
+# jax.sharding.AxisType (typed mesh axes) arrived in jax 0.5.3.
+HAS_AXIS_TYPE = hasattr(jax.sharding, "AxisType")
+
+
+def skip_without_special_factors(test, fn):
+  """Shardy rules with special factors raise NotImplementedError before
+  jaxlib 0.5.0 by design: there, check that ``fn()`` does, then skip."""
+  if SPECIAL_FACTORS:
+    return
+  with test.assertRaisesRegex(NotImplementedError, "jaxlib 0.5.0"):
+    fn()
+  test.skipTest(NO_SPECIAL_FACTORS)
+
+
+def mesh_context(mesh):
+  """Makes ``mesh`` the ambient mesh, as each release spells it."""
+  if hasattr(jax, "set_mesh"):  # jax 0.7.1
+    return jax.set_mesh(mesh)
+  if hasattr(jax.sharding, "use_mesh"):  # jax 0.5.0 to 0.7.0
+    return jax.sharding.use_mesh(mesh)
+  return mesh  # `with mesh:`
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, axis_names=None):
+  """jax.shard_map, manual over ``axis_names`` (default: all axes)."""
+  if hasattr(jax, "shard_map"):  # jax 0.6
+    kw = {} if axis_names is None else {"axis_names": set(axis_names)}
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs,
+                         out_specs=out_specs, **kw)
+  from jax.experimental.shard_map import shard_map as old_shard_map
+  auto = frozenset(mesh.axis_names) - frozenset(axis_names or
+                                                mesh.axis_names)
+  return old_shard_map(f, mesh, in_specs, out_specs, check_rep=False,
+                       auto=auto)
+
+
+def axis_types(mesh):
+  """A mesh's axis types, comparable on every release (None before 0.4.36)."""
+  types = getattr(mesh, "axis_types", None)
+  return tuple(types) if isinstance(types, (tuple, list)) else types
 _ENV_SHARDY = os.environ.get("JAX_USE_SHARDY_PARTITIONER")
 PARTITIONERS = {"Shardy": True, "GSPMD": False}
 if _ENV_SHARDY is not None:
@@ -95,6 +187,10 @@ class CPTestCase(unittest.TestCase):
   def hlo(jitted, *args):
     """Compiled (post-partitioning) HLO text of ``jitted`` on ``args``."""
     return jitted.lower(*args).compile().as_text()
+
+  def skipWithoutSpecialFactors(self, fn):
+    if self.shardy is not False:
+      skip_without_special_factors(self, fn)
 
   def assertCollectives(self, text, present=(), absent=()):
     for name in present:
@@ -638,7 +734,7 @@ class CallbackContractTest(CPTestCase):
     self.assertEqual(tuple(mesh.axis_names), tuple(want.axis_names))
     self.assertEqual(dict(mesh.shape), dict(want.shape))
     self.assertEqual(mesh.devices.tolist(), want.devices.tolist())
-    self.assertEqual(tuple(mesh.axis_types), tuple(want.axis_types))
+    self.assertEqual(axis_types(mesh), axis_types(want))
 
   def _check_struct(self, sds, mesh, shape, spec=None):
     self.assertIsInstance(sds, jax.ShapeDtypeStruct)
@@ -676,17 +772,19 @@ class CallbackContractTest(CPTestCase):
 
   def test_set_mesh_context(self):
     op, rec = self._recording_op()
-    with jax.set_mesh(self.m):
+    with mesh_context(self.m):
       out = jax.jit(op)(self.x)
     np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
     self._check_records(rec, self.m)
 
+  @unittest.skipIf(not HAS_AXIS_TYPE,
+                   f"{JAX}: jax.sharding.AxisType (explicit axes) needs 0.5.3")
   def test_set_mesh_explicit_axes(self):
     m = jax.make_mesh((4, 2), ("x", "y"),
                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     x = jax.device_put(self.xh, NamedSharding(m, P("x", "y")))
     op, rec = self._recording_op()
-    with jax.set_mesh(m):
+    with mesh_context(m):
       out = jax.jit(op)(x)
     np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
     self._check_records(rec, m)
@@ -734,6 +832,7 @@ class CallbackContractTest(CPTestCase):
     xh = _data((16, 4))
     x = jax.device_put(xh, s)
     f = jax.jit(op, in_shardings=s)
+    self.skipWithoutSpecialFactors(lambda: f(x))
     np.testing.assert_allclose(f(x), xh.sum(0), rtol=1e-5)
     self.assertCollectives(self.hlo(f, x), present=("all-reduce",),
                            absent=("all-gather",))
@@ -753,6 +852,7 @@ class CallbackContractTest(CPTestCase):
     xh = _data((16, 4))
     x = jax.device_put(xh, s)
     f = jax.jit(op, in_shardings=s)
+    self.skipWithoutSpecialFactors(lambda: f(x))
     np.testing.assert_allclose(f(x), xh[::-1], rtol=1e-6)
     self.assertCollectives(self.hlo(f, x), present=("all-gather",))
 
@@ -795,6 +895,7 @@ import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 jax.config.update("jax_use_shardy_partitioner", {shardy})
 from custom_partitioning import custom_partitioning
+{shard_map_src}
 mesh = Mesh(np.array(jax.devices()), ("x",))
 s = NamedSharding(mesh, P("x"))
 xh = (np.arange(64, dtype=np.float32).reshape(16, 4) / 7.0)
@@ -804,7 +905,9 @@ x = jax.device_put(xh, s)
 
 def _run_snippet(test, shardy, code, timeout=120):
   """Runs ``code`` in a fresh process; returns stdout. Fails on a crash."""
-  src = _SUBPROCESS_PRELUDE.format(shardy=bool(shardy), here=HERE) + textwrap.dedent(code)
+  src = _SUBPROCESS_PRELUDE.format(
+      shardy=bool(shardy), here=HERE,
+      shard_map_src=inspect.getsource(shard_map)) + textwrap.dedent(code)
   proc = subprocess.run([sys.executable, "-c", src], capture_output=True,
                         text=True, timeout=timeout)
   test.assertEqual(proc.returncode, 0,
@@ -945,8 +1048,8 @@ class FallbackTest(CPTestCase):
     m = self.mesh((4, 2), ("x", "y"))
     xh = _data((8, 4))
     x = jax.device_put(xh, NamedSharding(m, P("x", "y")))
-    f = jax.jit(jax.shard_map(op, mesh=m, in_specs=P("x", "y"),
-                              out_specs=P("x", "y")))
+    f = jax.jit(shard_map(op, mesh=m, in_specs=P("x", "y"),
+                          out_specs=P("x", "y")))
     self.assertNotIn("CustomSPMDPartitioning", f.lower(x).as_text())
     np.testing.assert_allclose(f(x), np.sin(xh) * 2, rtol=1e-6)
     self.assertEqual(calls, [])
@@ -972,14 +1075,18 @@ class FallbackTest(CPTestCase):
     x2 = jax.device_put(xh2, NamedSharding(m2, P("x")))
     def inner_plain(x):
       return op(x)
+    # A bare PartitionSpec needs the ambient mesh that jax.shard_map (jax
+    # 0.6) sets; before it, name the mesh.
+    ys = P(None, "y") if hasattr(jax, "shard_map") else NamedSharding(
+        m2, P(None, "y"))
     def inner_constrained(x):
-      return op(jax.lax.with_sharding_constraint(x, P(None, "y")))
+      return op(jax.lax.with_sharding_constraint(x, ys))
     for name, inner in (("plain", inner_plain),
                         ("constrained", inner_constrained)):
       seen.clear()
       try:
-        f = jax.jit(jax.shard_map(inner, mesh=m2, in_specs=P("x"),
-                                  out_specs=P("x"), axis_names={"x"}))
+        f = jax.jit(shard_map(inner, mesh=m2, in_specs=P("x"),
+                              out_specs=P("x"), axis_names={"x"}))
         ok = np.allclose(f(x2), xh2.sum(1), rtol=1e-5)
         names_ok = bool(seen) and all("y" in n for n in seen)
         print(name, "VALUES", "OK" if ok else "WRONG",
@@ -989,6 +1096,10 @@ class FallbackTest(CPTestCase):
     print("DONE")
     """)
     self.assertIn("DONE", out)
+    if self.shardy and not SPECIAL_FACTORS:  # the rule has a reduction factor
+      for name in ("plain", "constrained"):
+        self.assertIn(f"{name} ERROR NotImplementedError", out)
+      self.skipTest(NO_SPECIAL_FACTORS)
     for name in ("plain", "constrained"):
       self.assertIn(f"{name} VALUES OK MESH OK", out)
 
@@ -1246,14 +1357,16 @@ class CoexistenceTest(CPTestCase):
 
   def _make(self, factory, body):
     op = factory(body)
+    rule = {"sharding_rule": "i j -> i j"}
+    if factory is _up_cp.custom_partitioning and not UP_TAKES_RULE:
+      rule = {}  # jax < 0.5.0
     op.def_partition(
         lambda m, a, r: (m, body, a[0].sharding, (a[0].sharding,)),
-        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
-        sharding_rule="i j -> i j")
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding, **rule)
     return op
 
   def test_three_implementations_in_one_jit(self):
-    from jax.experimental import custom_partitioning as upstream
+    upstream = _up_cp
     cp2 = _copy2()
     self.assertIsNot(cp2.custom_partitioning, custom_partitioning)
     targets = {"CustomSPMDPartitioning", cp._TARGET, cp2._TARGET}
@@ -1429,7 +1542,7 @@ def _outcome(fn, *args, **kwargs):
 
 def _sdy_rule_text(lowered_text):
   """The ``sdy.sharding_rule`` attributes in a lowered StableHLO module."""
-  return re.findall(r"#sdy\.op_sharding_rule<[^\n]*?custom>", lowered_text)
+  return re.findall(r"#sdy\.op_sharding_rule<[^\n]*?(?<!-)>", lowered_text)
 
 
 _COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
@@ -1488,9 +1601,10 @@ class RuleParsingTest(unittest.TestCase):
     for rule, kwargs in self.VALID:
       with self.subTest(rule=rule, kwargs=kwargs):
         ours = str_to_sdy_sharding_rule(rule, **kwargs)
-        theirs = _up_rules.str_to_sdy_sharding_rule(rule, **kwargs)
         self.assertIsInstance(ours, SdyShardingRule)
-        self.assertEqual(str(ours), str(theirs))
+        if HAS_ORACLE:
+          theirs = _up_rules.str_to_sdy_sharding_rule(rule, **kwargs)
+          self.assertEqual(str(ours), str(theirs))
         for mapping in ours.operand_mappings + ours.result_mappings:
           self.assertIsInstance(mapping, ArrayMapping)
           for dim in mapping:
@@ -1579,12 +1693,13 @@ class RuleParsingTest(unittest.TestCase):
   def test_invalid_rules_raise_like_upstream(self):
     for rule, kwargs, culprit in self.INVALID:
       with self.subTest(rule=rule, kwargs=kwargs):
-        kind, up_err = _outcome(_up_rules.str_to_sdy_sharding_rule, rule,
-                                **kwargs)
-        self.assertEqual(kind, "error", "the oracle accepts this case")
         with self.assertRaises(Exception) as cm:
           str_to_sdy_sharding_rule(rule, **kwargs)
-        self.assertIs(type(cm.exception), type(up_err), repr(cm.exception))
+        if HAS_ORACLE:
+          kind, up_err = _outcome(_up_rules.str_to_sdy_sharding_rule, rule,
+                                  **kwargs)
+          self.assertEqual(kind, "error", "the oracle accepts this case")
+          self.assertIs(type(cm.exception), type(up_err), repr(cm.exception))
         if culprit is not None:
           self.assertIn(culprit, str(cm.exception))
 
@@ -1603,14 +1718,16 @@ class RuleParsingTest(unittest.TestCase):
     ]
     for args, kwargs, culprit in cases:
       with self.subTest(args=args, kwargs=kwargs):
-        kind, up_err = _outcome(_up_rules.str_to_sdy_sharding_rule, *args,
-                                **kwargs)
-        self.assertEqual(kind, "error")
-        self.assertIs(type(up_err), TypeError)
+        if HAS_ORACLE:
+          kind, up_err = _outcome(_up_rules.str_to_sdy_sharding_rule, *args,
+                                  **kwargs)
+          self.assertEqual(kind, "error")
+          self.assertIs(type(up_err), TypeError)
         with self.assertRaises(TypeError) as cm:
           str_to_sdy_sharding_rule(*args, **kwargs)
         self.assertIn(culprit, str(cm.exception))
 
+  @unittest.skipIf(not HAS_ORACLE, NO_ORACLE)
   def test_bool_and_numpy_int_sizes(self):
     # bool is an int: accepted like upstream; np.int64 is not a Python int.
     for kwargs in ({"a": True, "b": 4}, {"a": np.int64(2), "b": 4}):
@@ -1628,8 +1745,13 @@ class RuleParsingTest(unittest.TestCase):
 class RuleObjectsTest(unittest.TestCase):
 
   def _same(self, make_ours, make_up, culprit=None):
-    up = _outcome(make_up)
     ours = _outcome(make_ours)
+    if not HAS_ORACLE:  # our own checks only: a culprit means an error
+      if culprit is not None:
+        self.assertEqual(ours[0], "error", ours[1])
+        self.assertIn(culprit, str(ours[1]))
+      return
+    up = _outcome(make_up)
     self.assertEqual(ours[0], up[0], f"ours: {ours[1]!r}, upstream: {up[1]!r}")
     if up[0] == "ok":
       self.assertEqual(ours[1], up[1])
@@ -1686,13 +1808,14 @@ class RuleObjectsTest(unittest.TestCase):
     for dims, culprit in cases:
       with self.subTest(dims=dims):
         up_dims = tuple(_up_rules.CompoundFactor(*d) if isinstance(
-            d, CompoundFactor) else d for d in dims)
+            d, CompoundFactor) else d for d in dims) if HAS_ORACLE else ()
         self._same(lambda: ArrayMapping(*dims),
                    lambda: _up_rules.ArrayMapping(*up_dims), culprit)
 
   def test_sdy_sharding_rule_constructor(self):
     A, C = ArrayMapping, CompoundFactor
-    uA, uC = _up_rules.ArrayMapping, _up_rules.CompoundFactor
+    uA, uC = ((_up_rules.ArrayMapping, _up_rules.CompoundFactor)
+              if HAS_ORACLE else (A, C))
     cases = [
         (lambda A, C: ((A("i", "j"),), (A("j", "i"),)), {}, None),
         (lambda A, C: ((A(BATCHING, "i"),), (A(BATCHING, "i"),)), {}, None),
@@ -1722,6 +1845,7 @@ class RuleObjectsTest(unittest.TestCase):
                    lambda: _up_rules.SdyShardingRule(uops, ures, **kwargs),
                    culprit)
 
+  @unittest.skipIf(not HAS_ORACLE, NO_ORACLE)
   def test_rule_object_str_like_upstream(self):
     r = SdyShardingRule(
         (ArrayMapping(BATCHING, "i", CompoundFactor("a", "b")),),
@@ -1760,7 +1884,8 @@ class RuleToMlirTest(unittest.TestCase):
     ins = [self.t(*s) for s in in_shapes]
     outs = [self.t(*s) for s in out_shapes]
     up = _outcome(lambda: _up_rules.sdy_sharding_rule_to_mlir(
-        _up_rules.str_to_sdy_sharding_rule(rule, **kwargs), ins, outs))
+        _up_rules.str_to_sdy_sharding_rule(rule, **kwargs), ins, outs)
+        ) if HAS_ORACLE else None
     ours = _outcome(lambda: sdy_sharding_rule_to_mlir(
         str_to_sdy_sharding_rule(rule, **kwargs), ins, outs))
     return ours, up
@@ -1809,21 +1934,29 @@ class RuleToMlirTest(unittest.TestCase):
     for rule, kwargs, ins, outs in self.VALID:
       with self.subTest(rule=rule, kwargs=kwargs, ins=ins, outs=outs):
         ours, up = self.both(rule, kwargs, ins, outs)
-        self.assertEqual(up[0], "ok", f"oracle failed: {up[1]!r}")
+        if not SPECIAL_FACTORS and "factors" in str(kwargs):
+          self.assertIsInstance(ours[1], NotImplementedError)
+          continue
         self.assertEqual(ours[0], "ok", f"ours failed: {ours[1]!r}")
-        self.assertEqual(ours[1], up[1])
-        self.assertIn("custom", ours[1])
+        if up is not None:
+          self.assertEqual(up[0], "ok", f"oracle failed: {up[1]!r}")
+          self.assertEqual(ours[1], up[1])
+        self.assertIn(CUSTOM, ours[1])
 
   def test_attribute_details(self):
     ins, outs = [self.t(2, 4)], [self.t(2, 2, 2)]
     attr = sdy_sharding_rule_to_mlir(
         str_to_sdy_sharding_rule("... (a b) -> ... a b"), ins, outs)
     self.assertEqual(str(attr), "#sdy.op_sharding_rule<([i, jk])->"
-                     "([i, j, k]) {i=2, j=2, k=2}, custom>")
+                     f"([i, j, k]) {{i=2, j=2, k=2}}{CUSTOM}>")
     attr = sdy_sharding_rule_to_mlir(
         str_to_sdy_sharding_rule("i, i -> i"), [self.t(8), self.t(4)],
         [self.t(6)])
     self.assertIn("{i=4}", str(attr))
+    if not SPECIAL_FACTORS:
+      skip_without_special_factors(self, lambda: sdy_sharding_rule_to_mlir(
+          str_to_sdy_sharding_rule("i j -> i", reduction_factors=("j",)),
+          [self.t(3, 5)], [self.t(3)]))
     attr = sdy_sharding_rule_to_mlir(
         str_to_sdy_sharding_rule("i j -> i", reduction_factors=("j",)),
         [self.t(3, 5)], [self.t(3)])
@@ -1833,6 +1966,14 @@ class RuleToMlirTest(unittest.TestCase):
     rule = SdyShardingRule(
         (ArrayMapping(BATCHING, "i"), ArrayMapping("i")),
         (ArrayMapping(BATCHING, "i"),))
+    i32 = _ir.IntegerType.get_signless(32)
+    ins = [self.t(3, 4, dtype=i32), self.t(4, dtype=i32)]
+    outs = [self.t(3, 4, dtype=_ir.BF16Type.get())]
+    self.assertEqual(str(sdy_sharding_rule_to_mlir(rule, ins, outs)),
+                     "#sdy.op_sharding_rule<([i, j], [j])->([i, j]) "
+                     f"{{i=3, j=4}}{CUSTOM}>")
+    if not HAS_ORACLE:
+      return
     up_rule = _up_rules.SdyShardingRule(
         (_up_rules.ArrayMapping(BATCHING, "i"), _up_rules.ArrayMapping("i")),
         (_up_rules.ArrayMapping(BATCHING, "i"),))
@@ -1872,20 +2013,22 @@ class RuleToMlirTest(unittest.TestCase):
     for rule, kwargs, ins, outs, culprit in self.INVALID:
       with self.subTest(rule=rule, ins=ins, outs=outs):
         ours, up = self.both(rule, kwargs, ins, outs)
-        self.assertEqual(up[0], "error", "the oracle accepts this case")
         self.assertEqual(ours[0], "error", f"ours accepted it: {ours[1]}")
-        self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
+        if up is not None:
+          self.assertEqual(up[0], "error", "the oracle accepts this case")
+          self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
         if culprit is not None:
           self.assertIn(culprit, str(ours[1]))
 
   def test_non_ir_types(self):
     rule = str_to_sdy_sharding_rule("i -> i")
-    up_rule = _up_rules.str_to_sdy_sharding_rule("i -> i")
     for ins, outs in (([np.zeros(4)], [self.t(4)]), ([self.t(4)], ["f32"]),
                       ([(4,)], [(4,)])):
       with self.subTest(ins=ins, outs=outs):
-        with self.assertRaises(TypeError):
-          _up_rules.sdy_sharding_rule_to_mlir(up_rule, ins, outs)
+        if HAS_ORACLE:
+          up_rule = _up_rules.str_to_sdy_sharding_rule("i -> i")
+          with self.assertRaises(TypeError):
+            _up_rules.sdy_sharding_rule_to_mlir(up_rule, ins, outs)
         with self.assertRaises(TypeError):
           sdy_sharding_rule_to_mlir(rule, ins, outs)
     # counts are checked before types, like upstream
@@ -1906,6 +2049,8 @@ class DefPartitionRuleArgsTest(unittest.TestCase):
   def _both(self, **kwargs):
     ours = _outcome(lambda: custom_partitioning(jnp.sin).def_partition(
         _noop_partition, **kwargs))
+    if not HAS_ORACLE:
+      return ours, None
     up = _outcome(lambda: _up_cp.custom_partitioning(jnp.sin).def_partition(
         _noop_partition, **kwargs))
     return ours, up
@@ -1918,6 +2063,13 @@ class DefPartitionRuleArgsTest(unittest.TestCase):
                            permutation_factors=("b",), a=2, b=3)
     self.assertIs(ret, _noop_partition)
     self.assertIsInstance(op.sharding_rule, SdyShardingRule)
+    self.assertEqual(
+        str(op.sharding_rule),
+        "SdyShardingRule((('i', ('a', 'b'), 'k'),), (('i', 'k'),), "
+        "{'a': 2, 'b': 3} reduction_factors=('a',) "
+        "need_replication_factors=('k',) permutation_factors=('b',))")
+    if not HAS_ORACLE:
+      return
     up = _up_rules.str_to_sdy_sharding_rule(
         "i (a b) k -> i k", reduction_factors=("a",),
         need_replication_factors=("k",), permutation_factors=("b",), a=2, b=3)
@@ -1925,18 +2077,22 @@ class DefPartitionRuleArgsTest(unittest.TestCase):
 
   def test_factor_keywords_without_string_rule(self):
     rule_obj = str_to_sdy_sharding_rule("i -> i")
-    up_rule_obj = _up_rules.str_to_sdy_sharding_rule("i -> i")
+    up_rule_obj = (_up_rules.str_to_sdy_sharding_rule("i -> i")
+                   if HAS_ORACLE else None)
     for rule, up_rule in ((None, None), (lambda *a: "i -> i",) * 2,
                           (rule_obj, up_rule_obj)):
       for kw in ({"a": 2}, {"reduction_factors": ("i",)},
                  {"need_replication_factors": ("i",)},
                  {"permutation_factors": ("i",)}):
         with self.subTest(rule=rule, kw=kw):
-          up = _outcome(lambda: _up_cp.custom_partitioning(
-              jnp.sin).def_partition(_noop_partition, sharding_rule=up_rule,
-                                     **kw))
-          self.assertEqual(up[0], "error")
-          with self.assertRaises(type(up[1])):
+          want = Exception
+          if HAS_ORACLE:
+            up = _outcome(lambda: _up_cp.custom_partitioning(
+                jnp.sin).def_partition(_noop_partition,
+                                       sharding_rule=up_rule, **kw))
+            self.assertEqual(up[0], "error")
+            want = type(up[1])
+          with self.assertRaises(want):
             custom_partitioning(jnp.sin).def_partition(
                 _noop_partition, sharding_rule=rule, **kw)
 
@@ -1946,9 +2102,10 @@ class DefPartitionRuleArgsTest(unittest.TestCase):
                      ("i -> i", {"a": 1.5})):
       with self.subTest(rule=rule, kw=kw):
         ours, up = self._both(sharding_rule=rule, **kw)
-        self.assertEqual(up[0], "error")
         self.assertEqual(ours[0], "error", ours[1])
-        self.assertIs(type(ours[1]), type(up[1]))
+        if up is not None:
+          self.assertEqual(up[0], "error")
+          self.assertIs(type(ours[1]), type(up[1]))
 
   def test_non_rule_sharding_rule(self):
     # jax hands anything that is not None / callable / SdyShardingRule to
@@ -1956,9 +2113,10 @@ class DefPartitionRuleArgsTest(unittest.TestCase):
     for kw in ({}, {"a": 2}, {"reduction_factors": ("i",)}):
       with self.subTest(kw=kw):
         ours, up = self._both(sharding_rule=5, **kw)
-        self.assertEqual(up[0], "error")
         self.assertEqual(ours[0], "error", ours[1])
-        self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
+        if up is not None:
+          self.assertEqual(up[0], "error")
+          self.assertIs(type(ours[1]), type(up[1]), repr(ours[1]))
 
   def test_rule_object_and_callable_stored(self):
     op = custom_partitioning(jnp.sin)
@@ -2167,19 +2325,21 @@ class ShardyRuleTest(CPTestCase):
     self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
     self.assertEqual(
         _sdy_rule_text(f.lower(x).as_text()),
-        ["#sdy.op_sharding_rule<([i, j, k])->([i, j, k]) {i=4, j=8, k=6}, "
-         "custom>"])
+        ["#sdy.op_sharding_rule<([i, j, k])->([i, j, k]) {i=4, j=8, k=6}"
+         f"{CUSTOM}>"])
 
   def _attr_like_upstream(self, make_rule_kwargs, body, args, static=()):
     """Lowered sdy.sharding_rule of our op equals jax's for the same rule."""
     texts = []
-    for impl in (custom_partitioning, _up_cp.custom_partitioning):
+    impls = (custom_partitioning, _up_cp.custom_partitioning)
+    for impl in impls[:2 if HAS_ORACLE else 1]:
       op = impl(body, static_argnums=tuple(range(len(static))))
       op.def_partition(_noop_partition, **make_rule_kwargs())
       f = jax.jit(lambda *a: op(*static, *a))
       texts.append(_sdy_rule_text(f.lower(*args).as_text()))
     self.assertEqual(len(texts[0]), 1, texts[0])
-    self.assertEqual(texts[0], texts[1])
+    if HAS_ORACLE:
+      self.assertEqual(texts[0], texts[1])
     return texts[0][0]
 
   def test_lowered_attrs_match_upstream(self):
@@ -2205,6 +2365,12 @@ class ShardyRuleTest(CPTestCase):
     ]
     for make, body, args in cases:
       with self.subTest(rule=make()["sharding_rule"]):
+        rule = make()["sharding_rule"]
+        rule = rule(None, None, None) if callable(rule) else rule
+        if not SPECIAL_FACTORS and "factors" in str((make(), rule)):
+          with self.assertRaisesRegex(NotImplementedError, "jaxlib 0.5.0"):
+            self._attr_like_upstream(make, body, args)
+          continue
         self._attr_like_upstream(make, body, args)
 
   def test_reduction_factor_all_reduce(self):
@@ -2234,6 +2400,7 @@ class ShardyRuleTest(CPTestCase):
     x = jax.device_put(x_np, NamedSharding(mesh, P(None, "x")))
     y = jax.device_put(y_np, NamedSharding(mesh, P("x", None)))
     f = jax.jit(op)
+    self.skipWithoutSpecialFactors(lambda: f(x, y))
     np.testing.assert_allclose(f(x, y), x_np @ y_np, rtol=1e-5)
     self.assertEqual(seen[-1], ((None, "x"), ("x", None)))
     text = self.hlo(f, x, y)
@@ -2242,7 +2409,7 @@ class ShardyRuleTest(CPTestCase):
     # factors are renamed by position in the attribute: k is the 2nd (j)
     self.assertEqual(_sdy_rule_text(f.lower(x, y).as_text()),
                      ["#sdy.op_sharding_rule<([i, j], [j, k])->([i, k]) "
-                      "{i=4, j=64, k=3} reduction={j}, custom>"])
+                      f"{{i=4, j=64, k=3}} reduction={{j}}{CUSTOM}>"])
 
   def test_need_replication_all_gather(self):
     mesh = self.mesh((8,), ("x",))
@@ -2260,11 +2427,12 @@ class ShardyRuleTest(CPTestCase):
     x_np = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
     x = jax.device_put(x_np, NamedSharding(mesh, P(None, "x")))
     f = jax.jit(op)
+    self.skipWithoutSpecialFactors(lambda: f(x))
     np.testing.assert_allclose(f(x), np.cumsum(x_np, 1), rtol=1e-6)
     self.assertCollectives(self.hlo(f, x), present=("all-gather",))
     self.assertEqual(_sdy_rule_text(f.lower(x).as_text()),
                      ["#sdy.op_sharding_rule<([i, j])->([i, j]) "
-                      "{i=8, j=64} need_replication={j}, custom>"])
+                      f"{{i=8, j=64}} need_replication={{j}}{CUSTOM}>"])
 
   def test_callable_rule_gets_static_mesh_and_types(self):
     mesh = _mesh2x4()
@@ -2315,14 +2483,14 @@ class ShardyRuleTest(CPTestCase):
     self.assertEqual(c["out_shapes"], [(4, 8)])
     self.assertEqual(_sdy_rule_text(f.lower(x).as_text()),
                      ["#sdy.op_sharding_rule<([i, j, k])->([i, j]) "
-                      "{i=4, j=8, k=6}, custom>"])
+                      f"{{i=4, j=8, k=6}}{CUSTOM}>"])
     # a different static argument: a different rule
     g = jax.jit(lambda x: op(0, x))
     np.testing.assert_allclose(g(x), x_np.sum(0), rtol=1e-5)
     self.assertEqual(calls[-1]["axis"], 0)
     self.assertEqual(_sdy_rule_text(g.lower(x).as_text()),
                      ["#sdy.op_sharding_rule<([i, j, k])->([j, k]) "
-                      "{i=4, j=8, k=6}, custom>"])
+                      f"{{i=4, j=8, k=6}}{CUSTOM}>"])
 
   def test_callable_rule_returning_str_and_kwargs(self):
     mesh = self.mesh((8,), ("x",))
@@ -2347,6 +2515,10 @@ class ShardyRuleTest(CPTestCase):
         x_np = np.arange(32, dtype=np.float32)
         x = jax.device_put(x_np, NamedSharding(mesh, P("x")))
         f = jax.jit(op)
+        if not SPECIAL_FACTORS and "factors" in str(ret):
+          with self.assertRaisesRegex(NotImplementedError, "jaxlib 0.5.0"):
+            f(x)
+          continue
         np.testing.assert_allclose(f(x), np.sin(x_np), rtol=1e-6)
         attrs = _sdy_rule_text(f.lower(x).as_text())
         self.assertEqual(len(attrs), 1)
@@ -2366,7 +2538,8 @@ class ShardyRuleTest(CPTestCase):
     ]
     for rule, err in cases:
       with self.subTest(rule=rule):
-        for impl in (custom_partitioning, _up_cp.custom_partitioning):
+        impls = (custom_partitioning, _up_cp.custom_partitioning)
+        for impl in impls[:2 if HAS_ORACLE else 1]:
           op = impl(jnp.sin)
           op.def_partition(_noop_partition, sharding_rule=rule)
           with self.assertRaises(err):
@@ -2842,10 +3015,14 @@ def partition(k, mesh, arg_shapes, result_shape):
     return @LOWER@
   return mesh, lower_fn, s, (s,)
 
+import inspect
+rule = {"sharding_rule": "i j -> i j"}
+if "sharding_rule" not in inspect.signature(
+    custom_partitioning.def_partition).parameters:  # upstream before 0.5.0
+  rule = {}
 op.def_partition(
     partition,
-    infer_sharding_from_operands=lambda k, mesh, a, r: a[0].sharding,
-    sharding_rule="i j -> i j")
+    infer_sharding_from_operands=lambda k, mesh, a, r: a[0].sharding, **rule)
 
 mesh = Mesh(np.array(jax.devices()), ("x",))
 s = NamedSharding(mesh, P("x"))
@@ -2906,7 +3083,8 @@ class PersistentCacheTest(CPTestCase):
 
   @staticmethod
   def _entries(cache_dir):
-    return sorted(os.listdir(cache_dir))
+    # jax before 0.5 keeps an "-atime" file next to each "-cache" entry.
+    return sorted(e for e in os.listdir(cache_dir) if not e.endswith("-atime"))
 
   def assertOut(self, result, want, what):
     np.testing.assert_allclose(np.asarray(result["out"], np.float32), want,
@@ -3233,6 +3411,8 @@ class ExportTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
+    if NO_EXPORT:
+      self.skipTest(NO_EXPORT)
     self.s = NamedSharding(self.mesh(), P("x"))
     self.x = jax.device_put(np.ones((16, 4), np.float32), self.s)
 

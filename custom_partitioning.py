@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+import enum
 import functools
 import hashlib
 import inspect
@@ -294,6 +295,11 @@ def _use_shardy() -> bool:
 def _at_top_level() -> bool:
   """True when no jax transformation is tracing (plain eager Python)."""
   return core.trace_state_clean()
+
+
+def _jit_disabled() -> bool:
+  """True inside ``jax.disable_jit()``."""
+  return bool(_config.disable_jit.value)
 
 
 def _register_partitioner(name: str, prop_user_sharding, partition,
@@ -877,7 +883,8 @@ class _OpInfo:
     self.rule = rule
     self.platforms = platforms
     self.backend = backend
-    self.pending: BaseException | None = None  # from infer/propagate
+    # Errors of infer/propagate, per compiling thread, for ``partition``.
+    self.pending: dict[int, BaseException] = {}
     self.lowered: dict = {}  # partition request -> XLA answer
 
   # -- conversions -----------------------------------------------------
@@ -924,6 +931,10 @@ class _OpInfo:
             f"{where} on devices "
             f"{sorted(d.id for d in sharding._device_assignment)}, but the "
             f"op runs on {sorted(d.id for d in self.devices)}.")
+      if isinstance(sharding, jax.sharding.NamedSharding) and (
+          len(sharding.spec) > ndim):
+        raise ValueError(f"{where} with spec {sharding.spec} for a value "
+                         f"of rank {ndim}.")
       if sub:
         sharding = self._onto_submesh(sharding, where)
       out.append(sharding._to_xla_hlo_sharding(ndim))
@@ -1116,7 +1127,7 @@ def _xla_infer(arg_shapes, arg_shardings, result_shape, key):
   try:
     return info.infer_result(arg_shapes, arg_shardings, result_shape)
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    info.pending = e
+    info.pending[threading.get_ident()] = e
     return None
 
 
@@ -1127,7 +1138,7 @@ def _xla_propagate(user_sharding, shape, key):
   try:
     return info.propagate_user(user_sharding, shape)
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    info.pending = e
+    info.pending[threading.get_ident()] = e
     return user_sharding
 
 
@@ -1138,8 +1149,8 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
     raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
                        f"under key {key!r}; was its lowering dropped?")
   try:
-    if info.pending is not None:
-      error, info.pending = info.pending, None
+    error = info.pending.pop(threading.get_ident(), None)
+    if error is not None:
       raise error
     return info.partition_op(arg_shapes, arg_shardings, result_shape,
                              result_sharding)
@@ -1154,19 +1165,37 @@ _register_compile_error_handler(_reraise_callback_error)
 # --------------------------------------------------------------------------
 # 4b. Keys
 #
-# Two lowered ops get the same key only when nothing that decides their
-# partitioning differs: the body's jaxpr, the code (and captured values) of
-# every callback, the static arguments, the pytrees, the mesh and the
-# partitioner. So the key is the same for the same program in every process
-# (the persistent compilation cache can hit) and differs as soon as the
-# program changes (a stale executable is never reused). Values we cannot
-# describe faithfully fall back to their default ``repr``, which holds an
-# address: such a key differs between processes, which is safe (a cache miss).
+# The key names an op to XLA's callbacks and goes into the compiled program,
+# so it is part of the persistent compilation cache's key. It is a digest of
+# a description of everything that decides the op's partitioning: the body's
+# jaxpr and constants, the code of every callback with the values it reads
+# (closures, globals, attributes of user modules, defaults), the static
+# arguments, the pytrees, the mesh, the devices and the partitioner.
+#
+# The description is faithful for plain data (numbers, strings, containers,
+# arrays, dataclasses and other objects of user classes, by their fields),
+# code, meshes and shardings. Anything else is *opaque*: it is described by
+# its identity within one lowering and one process. Hence:
+#  - the same program gets the same key in every process (the persistent
+#    cache hits) unless it involves opaque values (then it misses);
+#  - a changed program never gets an old key; and because the description
+#    is made anew for every lowering, in-place changes to described values
+#    are seen too. Opaque values are never shared between lowerings.
+# What no description can see: state read through libraries (environment
+# variables, files, random numbers) by a callback. Callbacks, like the
+# functions jax.jit traces, must not depend on such state.
 # --------------------------------------------------------------------------
 
 # Code of these packages is identified by name and version, not by content.
 _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
-                     "operator", "math", "typing", "collections", "abc")
+                     "operator", "math", "typing", "collections", "abc",
+                     "ml_dtypes", "opt_einsum", "scipy")
+_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
+_MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
+_SKIPPED_CLASS_ATTRS = frozenset({"__dict__", "__weakref__", "__doc__",
+                                  "__module__", "__qualname__",
+                                  "__annotations__", "__dataclass_fields__",
+                                  "__dataclass_params__", "__match_args__"})
 
 
 def _is_library(module_name: str | None) -> bool:
@@ -1174,142 +1203,187 @@ def _is_library(module_name: str | None) -> bool:
   return root in _LIBRARY_PREFIXES
 
 
-def _describe(obj, out: list, seen: set) -> None:
-  """Appends a process-independent description of ``obj`` to ``out``."""
-  if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
-    out.append(repr(obj))
-  elif isinstance(obj, (tuple, list, frozenset, set)):
-    out.append(f"{type(obj).__name__}[{len(obj)}]")
-    items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
-    for item in items:
-      _describe(item, out, seen)
-  elif isinstance(obj, dict):
-    out.append(f"dict[{len(obj)}]")
-    for k, v in obj.items():
-      _describe(k, out, seen)
-      _describe(v, out, seen)
-  elif isinstance(obj, (np.ndarray, np.generic, jax.Array)):
-    value = np.asarray(obj)
-    out.append(f"array {value.dtype} {value.shape} "
-               f"{hashlib.sha256(value.tobytes()).hexdigest()}")
-  elif isinstance(obj, types.ModuleType):
-    out.append(f"module {obj.__name__}")
-  elif isinstance(obj, functools.partial):
-    out.append("partial")
-    _describe((obj.func, obj.args, obj.keywords), out, seen)
-  elif isinstance(obj, types.MethodType):
-    out.append("method")
-    _describe((obj.__func__, obj.__self__), out, seen)
-  elif isinstance(obj, (types.FunctionType, type)):
-    _describe_code_owner(obj, out, seen)
-  elif isinstance(obj, types.CodeType):
-    _describe_code(obj, out, seen)
-  elif isinstance(obj, jax.sharding.Mesh):
-    out.append(f"mesh {obj!r} {[d.id for d in obj._flat_devices_tuple]}")
-  elif isinstance(obj, jax.sharding.Sharding):
-    out.append(f"{type(obj).__name__} {obj!r} "
-               f"{[d.id for d in obj._device_assignment]}")
-  elif isinstance(obj, _Unhashable):
-    _describe(obj.value, out, seen)
-  elif isinstance(obj, (types.BuiltinFunctionType, jax.tree_util.PyTreeDef)):
-    out.append(f"{type(obj).__name__} {obj!r}")
-  elif isinstance(obj, custom_partitioning):
-    out.append("custom_partitioning")
-    _describe((obj.fun, obj.static_argnums, obj.partition,
-               obj.infer_sharding_from_operands, obj.propagate_user_sharding,
-               obj.decode_shardings, obj.sharding_rule), out, seen)
-  elif callable(obj) and not _is_library(type(obj).__module__):
-    out.append(f"callable {obj!r}")  # e.g. an instance with __call__
-    _describe_code_owner(type(obj), out, seen)
-  else:
-    out.append(f"{type(obj).__module__}.{type(obj).__qualname__} {obj!r}")
+class _TooBig(Exception):
+  pass
 
 
-def _describe_code_owner(obj, out: list, seen: set) -> None:
-  """Describes a function or class by its code, following what it uses."""
-  name = f"{obj.__module__}.{obj.__qualname__}"
-  if _is_library(obj.__module__) or id(obj) in seen:
-    out.append(f"ref {name}")
-    return
-  seen.add(id(obj))
-  out.append(f"def {name}")
-  if isinstance(obj, type):
-    for attr, value in sorted(vars(obj).items()):
-      if isinstance(value, (types.FunctionType, staticmethod, classmethod)):
-        out.append(attr)
-        _describe(getattr(value, "__func__", value), out, seen)
-    return
-  _describe(obj.__defaults__, out, seen)
-  _describe(obj.__kwdefaults__, out, seen)
-  _describe_code(obj.__code__, out, seen)
-  for cell in obj.__closure__ or ():
-    try:
-      _describe(cell.cell_contents, out, seen)
-    except ValueError:  # an empty cell
-      out.append("empty cell")
-  names = _global_names(obj.__code__)
-  for global_name in names:
-    if global_name in obj.__globals__:
-      out.append(f"global {global_name}")
-      value = obj.__globals__[global_name]
-      _describe(value, out, seen)
-      _describe_module_attrs(value, names, out, seen)
+class _Describer:
+  """Writes a description of Python values, for ``_digest``.
 
-
-def _describe_module_attrs(module, names, out: list, seen: set,
-                           depth: int = 0) -> None:
-  """Describes ``module.<name>`` of a user module for the code's names.
-
-  ``co_names`` holds attribute names as well as globals, so the attributes
-  that ``helper.fn`` or ``cfg.SCALE`` read are among ``names``.
+  ``scope`` names one lowering in one process; opaque values are described
+  by their identity within it.
   """
-  if (not isinstance(module, types.ModuleType) or depth > 4 or
-      _is_library(module.__name__)):
-    return
-  attrs = vars(module)
-  for name in names:
-    if name in attrs:
-      out.append(f"attr {module.__name__}.{name}")
-      _describe(attrs[name], out, seen)
-      _describe_module_attrs(attrs[name], names, out, seen, depth + 1)
+
+  def __init__(self, scope: str):
+    self.scope = scope
+    self.out: list[str] = []
+    self.seen: dict[int, int] = {}  # id -> position, for shared or cyclic
+
+  def add(self, obj) -> None:
+    out = self.out
+    if len(out) > _MAX_DESCRIPTION:
+      raise _TooBig
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+      out.append(f"{type(obj).__name__} {obj!r}")
+      return
+    if id(obj) in self.seen:
+      out.append(f"same as #{self.seen[id(obj)]}")
+      return
+    self.seen[id(obj)] = len(self.seen)
+    kind = type(obj)
+    if isinstance(obj, (tuple, list)):  # also PartitionSpec, namedtuples
+      out.append(f"{kind.__module__}.{kind.__qualname__}[{len(obj)}]")
+      for item in obj:
+        self.add(item)
+    elif isinstance(obj, (set, frozenset)):
+      out.append(f"{kind.__name__}[{len(obj)}]")
+      for item in sorted(obj, key=self._alone):
+        self.add(item)
+    elif isinstance(obj, dict):
+      out.append(f"dict[{len(obj)}]")
+      for k, v in obj.items():
+        self.add(k)
+        self.add(v)
+    elif isinstance(obj, (np.ndarray, np.generic, jax.Array)):
+      self._array(obj)
+    elif isinstance(obj, (np.dtype, enum.Enum)):
+      out.append(f"{kind.__qualname__} {obj!r}")
+    elif isinstance(obj, types.ModuleType):
+      out.append(f"module {obj.__name__}")
+    elif isinstance(obj, functools.partial):
+      out.append("partial")
+      self.add((obj.func, obj.args, obj.keywords))
+    elif isinstance(obj, types.MethodType):
+      out.append("method")
+      self.add((obj.__func__, obj.__self__))
+    elif isinstance(obj, types.FunctionType):
+      self._function(obj)
+    elif isinstance(obj, type):
+      self._class(obj)
+    elif isinstance(obj, types.CodeType):
+      self._code(obj)
+    elif isinstance(obj, types.BuiltinFunctionType):
+      out.append(f"builtin {obj.__module__}.{obj.__qualname__}")
+      if not isinstance(obj.__self__, (types.ModuleType, type(None))):
+        self.add(obj.__self__)
+    elif isinstance(obj, jax.sharding.Mesh):
+      out.append(f"mesh {obj.axis_names} {obj.devices.shape} "
+                 f"{[d.id for d in obj._flat_devices_tuple]} "
+                 f"{getattr(obj, 'axis_types', None)}")
+    elif isinstance(obj, jax.sharding.NamedSharding):
+      out.append(f"named sharding {obj.spec} {obj.memory_kind}")
+      self.add(obj.mesh)
+    elif isinstance(obj, sharding_impls.GSPMDSharding):
+      out.append(f"gspmd sharding {obj._hlo_sharding} "
+                 f"{[d.id for d in obj._device_assignment]}")
+    elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
+      out.append(f"{kind.__qualname__} {obj}")
+    elif isinstance(obj, custom_partitioning):
+      out.append("custom_partitioning")
+      self.add((obj.fun, obj.static_argnums, obj.partition,
+                obj.infer_sharding_from_operands, obj.propagate_user_sharding,
+                obj.decode_shardings, obj.sharding_rule))
+    elif isinstance(obj, _Unhashable):
+      self.add(obj.value)
+    elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
+      out.append(f"wrapper {kind.__qualname__}")
+      self.add(obj.__wrapped__)
+    elif not _is_library(kind.__module__) and hasattr(obj, "__dict__"):
+      out.append("object")  # dataclasses and other user objects: by fields
+      self._class(kind)
+      self.add(vars(obj))
+    else:
+      self.opaque(obj)
+
+  def opaque(self, obj) -> None:
+    kind = type(obj)
+    self.out.append(f"opaque {kind.__module__}.{kind.__qualname__} "
+                    f"{self.scope}:{id(obj)}")
+
+  def _alone(self, obj) -> str:
+    """The description of ``obj`` on its own (to sort set members)."""
+    sub = _Describer(self.scope)
+    sub.add(obj)
+    return "\n".join(sub.out)
+
+  def _array(self, obj) -> None:
+    try:
+      value = np.asarray(obj)
+    except Exception:  # noqa: BLE001 - e.g. not addressable from here
+      self.opaque(obj)
+      return
+    self.out.append(f"array {value.dtype} {value.shape} "
+                    f"{hashlib.sha256(value.tobytes()).hexdigest()}")
+
+  def _function(self, fn: types.FunctionType) -> None:
+    self.out.append(f"def {fn.__module__}.{fn.__qualname__}")
+    if _is_library(fn.__module__):
+      return
+    self.add((fn.__defaults__, fn.__kwdefaults__))
+    self._code(fn.__code__)
+    for cell in fn.__closure__ or ():
+      try:
+        self.add(cell.cell_contents)
+      except ValueError:  # an empty cell
+        self.out.append("empty cell")
+    names = _code_names(fn.__code__)
+    for name in names:
+      if name in fn.__globals__:
+        self.out.append(f"global {name}")
+        value = fn.__globals__[name]
+        self.add(value)
+        self._module_attrs(value, names)
+
+  def _module_attrs(self, module, names, depth: int = 0) -> None:
+    """Describes the attributes of a user module that the code may read.
+
+    ``co_names`` holds attribute names as well as globals, so what
+    ``helper.fn`` or ``cfg.SCALE`` read is among ``names``.
+    """
+    if (not isinstance(module, types.ModuleType) or depth > 4 or
+        _is_library(module.__name__)):
+      return
+    attrs = vars(module)
+    for name in names:
+      if name in attrs:
+        self.out.append(f"attr {module.__name__}.{name}")
+        self.add(attrs[name])
+        self._module_attrs(attrs[name], names, depth + 1)
+
+  def _class(self, cls: type) -> None:
+    self.out.append(f"class {cls.__module__}.{cls.__qualname__}")
+    if _is_library(cls.__module__):
+      return
+    self.add(cls.__bases__)
+    for attr, value in sorted(vars(cls).items()):
+      if attr not in _SKIPPED_CLASS_ATTRS:
+        self.out.append(attr)
+        self.add(getattr(value, "__func__", value))  # unwrap static/class
+
+  def _code(self, code: types.CodeType) -> None:
+    self.out.append(f"code {code.co_code.hex()} {code.co_names}")
+    for const in code.co_consts:
+      self.add(const)
 
 
-def _describe_code(code: types.CodeType, out: list, seen: set) -> None:
-  out.append(code.co_code.hex())
-  out.append(repr(code.co_names))
-  for const in code.co_consts:
-    _describe(const, out, seen)
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-  names = list(code.co_names)
+def _code_names(code: types.CodeType) -> list[str]:
+  """Global and attribute names used by ``code`` and the code nested in it."""
+  names = set(code.co_names)
   for const in code.co_consts:
     if isinstance(const, types.CodeType):
-      names.extend(_global_names(const))
-  return sorted(set(names))
+      names.update(_code_names(const))
+  return sorted(names)
 
 
-def _digest(*parts) -> str:
-  out: list[str] = [jax.__version__]
-  _describe(parts, out, set())
-  return hashlib.sha256("\n".join(out).encode()).hexdigest()[:40]
-
-
-# call (ClosedJaxpr) -> (the params it was described with, their digest).
-_op_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _op_digest(params: dict) -> str:
-  """The digest of an op's params; memoized, as tracing reuses them."""
-  call = params["call"]
-  rest = {k: v for k, v in params.items() if k != "call"}  # no strong ref
-  memo = _op_digests.get(call)
-  if memo is not None and all(memo[0][k] is v for k, v in rest.items()):
-    return memo[1]
-  digest = _digest(str(call.jaxpr), call.consts,
-                   *(rest[k] for k in sorted(rest)))
-  _op_digests[call] = (rest, digest)
-  return digest
+def _digest(scope: str, *parts) -> str:
+  """A digest of ``parts`` (see the section comment); 40 hex digits."""
+  describer = _Describer(scope)
+  try:
+    describer.add((jax.__version__, *parts))
+  except (_TooBig, RecursionError):
+    describer.out = ["too big to describe"]
+    describer.opaque(parts)
+  return hashlib.sha256("\n".join(describer.out).encode()).hexdigest()[:40]
 
 
 # --------------------------------------------------------------------------
@@ -1378,6 +1452,8 @@ _eager_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _impl(*args, **params):
   """Eager evaluation: compile the op once per signature, like jax.jit."""
   call = params["call"]
+  if _jit_disabled():  # jax.jit would call straight back into this impl
+    return core.jaxpr_as_fun(call)(*args)
   fn = _eager_fns.get(call)
   if fn is None:
     rest = {k: v for k, v in params.items() if k != "call"}
@@ -1464,15 +1540,33 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         f"custom_partitioning op {name} is lowered without a device "
         "assignment; lower it for concrete devices (e.g. jax.jit with "
         "NamedSharding in_shardings).")
+  if params["partition"] is None:
+    raise ValueError(
+        f"custom_partitioning op {name} runs on {len(devices)} devices, but "
+        "its def_partition was given partition=None.")
 
   operand_types = _ir_types(ctx, call.in_avals)
   result_types = _ir_types(ctx, call.out_avals)
-  rule = _resolve_sharding_rule(params["sharding_rule"],
-                                _static_values(params["static_args"]),
-                                mesh, operand_types, result_types)
-  key = (f"{_TARGET}:" +
-         _digest(_op_digest(params), mesh, devices and [d.id for d in devices],
-                 ctx.module_context.platforms, use_shardy))
+  try:
+    rule = _resolve_sharding_rule(params["sharding_rule"],
+                                  _static_values(params["static_args"]),
+                                  mesh, operand_types, result_types)
+    rule_attr = (sdy_sharding_rule_to_mlir(rule, operand_types, result_types)
+                 if use_shardy and rule is not None else None)
+  except (ValueError, TypeError) as e:
+    if type(e) not in (ValueError, TypeError):  # keep special types as-is
+      raise
+    raise type(e)(f"sharding_rule of custom_partitioning op {name}: "
+                  f"{e}") from e
+  # One scope per lowering: the keep-alive list lives exactly as long as the
+  # lowering and its executables, so its id is unique while they live.
+  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
+  call = params["call"]
+  key = f"{_TARGET}:" + _digest(
+      scope, str(call.jaxpr), call.consts,
+      *(params[k] for k in sorted(params) if k != "call"),
+      mesh, [d.id for d in devices], ctx.module_context.platforms,
+      use_shardy)
   info = _OpInfo(name=name, params=params, mesh=mesh, devices=devices,
                  submesh=submesh, full_mesh=full_mesh, rule=rule,
                  platforms=ctx.module_context.platforms,
@@ -1491,9 +1585,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
       called_computations=ir.ArrayAttr.get([]),
       backend_config=ir.StringAttr.get(key),
       operand_layouts=None, result_layouts=None)
-  if use_shardy and rule is not None:
-    op.attributes["sdy.sharding_rule"] = sdy_sharding_rule_to_mlir(
-        rule, operand_types, result_types)
+  if rule_attr is not None:
+    op.attributes["sdy.sharding_rule"] = rule_attr
   return op.results
 
 
@@ -1540,7 +1633,8 @@ class _LRU:
       self._data.clear()
 
   def __len__(self) -> int:
-    return len(self._data)
+    with self._lock:
+      return len(self._data)
 
 
 def _is_hashable(value) -> bool:
@@ -1589,6 +1683,7 @@ class custom_partitioning:
     functools.update_wrapper(self, fun)
     self.fun = fun
     self.static_argnums = static_argnums
+    self._defined = False  # def_partition called
     self.partition = None
     self.infer_sharding_from_operands = None
     self.propagate_user_sharding = None
@@ -1645,6 +1740,10 @@ class custom_partitioning:
                           ("permutation_factors", permutation_factors)):
       if factors:
         extra[kind] = factors
+    if partition is not None and not callable(partition):
+      raise TypeError(
+          f"def_partition of {self._name}: partition must be callable; got "
+          f"{type(partition).__name__}.")
     if isinstance(sharding_rule, str):
       sharding_rule = str_to_sdy_sharding_rule(sharding_rule, **extra)
     elif not (sharding_rule is None or callable(sharding_rule) or
@@ -1657,6 +1756,7 @@ class custom_partitioning:
           f"def_partition of {self._name}: {sorted(extra)} only apply to a "
           "string sharding_rule; put them into the SdyShardingRule (or the "
           "(string, kwargs) pair your callable returns) instead.")
+    self._defined = True
     self.partition = partition
     self.infer_sharding_from_operands = infer_sharding_from_operands
     self.propagate_user_sharding = propagate_user_sharding
@@ -1667,7 +1767,7 @@ class custom_partitioning:
     return partition
 
   def __call__(self, *args, **kwargs):
-    if self.partition is None:
+    if not self._defined:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
@@ -1681,7 +1781,8 @@ class custom_partitioning:
       _check_static_args(static_argnums, static_args, self._name)
       dyn_args = tuple(a for i, a in enumerate(args)
                        if i not in static_argnums)
-    if _at_top_level() and _is_hashable(static_args):
+    if (_at_top_level() and not _jit_disabled() and
+        _is_hashable(static_args)):
       return self._eager_call(static_argnums, static_args, dyn_args)
     return self._bind(static_argnums, static_args, dyn_args)
 

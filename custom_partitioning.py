@@ -1217,7 +1217,9 @@ class _Describer:
   def __init__(self, scope: str):
     self.scope = scope
     self.out: list[str] = []
-    self.seen: dict[int, int] = {}  # id -> position, for shared or cyclic
+    # id -> (position, the object): the object is kept so that its id is
+    # not reused by a temporary while we describe.
+    self.seen: dict[int, tuple[int, Any]] = {}
 
   def add(self, obj) -> None:
     out = self.out
@@ -1226,10 +1228,10 @@ class _Describer:
     if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
       out.append(f"{type(obj).__name__} {obj!r}")
       return
-    if id(obj) in self.seen:
-      out.append(f"same as #{self.seen[id(obj)]}")
+    if id(obj) in self.seen:  # shared or cyclic
+      out.append(f"same as #{self.seen[id(obj)][0]}")
       return
-    self.seen[id(obj)] = len(self.seen)
+    self.seen[id(obj)] = (len(self.seen), obj)
     kind = type(obj)
     if isinstance(obj, (tuple, list)):  # also PartitionSpec, namedtuples
       out.append(f"{kind.__module__}.{kind.__qualname__}[{len(obj)}]")

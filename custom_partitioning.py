@@ -14,6 +14,9 @@ runs the op on shards instead of gathering its operands first::
     my_fft.def_partition(partition=..., infer_sharding_from_operands=...,
                          sharding_rule="... i -> ... i")
 
+(a sketch: ``_demo`` at the end of this file is the complete, runnable
+example; ``python custom_partitioning.py`` runs it.)
+
 The op is staged out as one XLA custom call. While compiling, XLA asks this
 module (through Python callbacks) which sharding the result should get and
 how to compute one shard; the answer is a per-shard program lowered from the

@@ -1089,10 +1089,10 @@ class FallbackTest(CPTestCase):
     x2 = jax.device_put(xh2, NamedSharding(m2, P("x")))
     def inner_plain(x):
       return op(x)
-    # A bare PartitionSpec needs the ambient mesh that jax.shard_map (jax
-    # 0.6) sets; before it, name the mesh.
-    ys = P(None, "y") if hasattr(jax, "shard_map") else NamedSharding(
-        m2, P(None, "y"))
+    # Inside shard_map, jax 0.8 takes a bare PartitionSpec (and rejects a
+    # NamedSharding of the Auto-typed mesh); before it, name the mesh.
+    new_jax = tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 8)
+    ys = P(None, "y") if new_jax else NamedSharding(m2, P(None, "y"))
     def inner_constrained(x):
       return op(jax.lax.with_sharding_constraint(x, ys))
     for name, inner in (("plain", inner_plain),

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+import contextlib
 import enum
 import functools
 import hashlib
@@ -289,6 +290,16 @@ def _auto_submesh(mesh, manual_axes):
     return mesh_lib.Mesh(mesh.devices[index], names)
   return mesh_lib.Mesh(mesh.devices[index], names,
                        axis_types=tuple(mesh.axis_types[i] for i in keep))
+
+
+def _no_ambient_mesh():
+  """Clears the ambient abstract mesh while tracing and lowering lower_fn."""
+  # jax 0.5.3 to 0.8.x: under an ambient mesh with Explicit axes (set_mesh
+  # or use_mesh), the per-shard module gets sharding constraints that XLA
+  # cannot export (Shardy, 0.5.x) or run ("Sharding" custom call, 0.6-0.8).
+  if not hasattr(mesh_lib, "use_abstract_mesh"):
+    return contextlib.nullcontext()
+  return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
 
 
 def _use_shardy() -> bool:
@@ -1033,10 +1044,11 @@ class _OpInfo:
       # Collectives must name devices of the whole program: lower on the
       # whole mesh (the returned one may be the mesh with manual types).
       mesh = self.full_mesh
-    closed = self._trace_lower_fn(
-        lower_fn, mesh,
-        [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
-        [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)])
+    with _no_ambient_mesh():
+      closed = self._trace_lower_fn(
+          lower_fn, mesh,
+          [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
+          [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)])
     # XLA finds a host callback by its index in the list of the program
     # being compiled, which was fixed before this callback ran; the
     # per-shard module's own list is not reachable (upstream segfaults).
@@ -1045,7 +1057,7 @@ class _OpInfo:
     if _calls_host(closed.jaxpr):
       raise self._host_callback_error()
     axis_env = list(mesh.shape.items())
-    with core.extend_axis_env_nd(axis_env):
+    with core.extend_axis_env_nd(axis_env), _no_ambient_mesh():
       module, host_callbacks = _lower_per_shard(
           closed, platforms=self.platforms, backend=self.backend,
           axis_context=sharding_impls.SPMDAxisContext(

@@ -7,6 +7,7 @@ each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 ``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
 """
 
+import dataclasses
 import os
 import re
 import sys
@@ -107,17 +108,6 @@ NO_SPECIAL_FACTORS = (f"jaxlib {'.'.join(map(str, JAXLIB_VERSION))}: Shardy "
                       "special factors need jaxlib 0.5.0")
 # jax.sharding.AxisType (typed mesh axes) arrived in jax 0.5.3.
 HAS_AXIS_TYPE = hasattr(jax.sharding, "AxisType")
-
-
-# A bug of custom_partitioning.py (reported, fix pending), jax 0.5.3 to 0.8.x:
-# under an ambient mesh with Explicit axes, lower_fn is traced and lowered
-# with that abstract mesh still set, so the per-shard module carries
-# sharding constraints XLA rejects ("sdy.sharding_constraint op unsupported
-# op for export to XLA" on 0.5.3; "No registered implementation for untyped
-# custom call to Sharding" on 0.6 to 0.8). Skipped there, not marked as an
-# expected failure: on 0.5.3 under GSPMD the failed run poisons the CPU
-# client and every later test in the process fails. Remove once fixed.
-EXPLICIT_MESH_BUG = (0, 5, 3) <= JAX_VERSION < (0, 9, 0)
 
 
 def skip_without_special_factors(test, fn):
@@ -790,9 +780,6 @@ class CallbackContractTest(CPTestCase):
 
   @unittest.skipIf(not HAS_AXIS_TYPE,
                    f"{JAX}: jax.sharding.AxisType (explicit axes) needs 0.5.3")
-  @unittest.skipIf(EXPLICIT_MESH_BUG,
-                   f"{JAX}: custom_partitioning.py bug, lower_fn traced under "
-                   "an ambient Explicit-axes mesh (fix pending, jax 0.5.3-0.8)")
   def test_set_mesh_explicit_axes(self):
     m = jax.make_mesh((4, 2), ("x", "y"),
                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -3610,6 +3597,163 @@ class CacheBoundsTest(CPTestCase):
     self.assertEqual(len(cp._registry), registry_before)
     self.assertLessEqual(len(cp._eager_fns), cp._CACHE_SIZE + 8)
     self.assertLessEqual(len(cp._call_names), cp._CACHE_SIZE + 8)
+
+
+
+# ==========================================================================
+# Transformations and key safety
+
+
+class TransformTest(CPTestCase):
+  """vmap batches the body, grad differentiates it, disable_jit runs it."""
+
+  def test_vmap_batches_the_body(self):
+    op = custom_partitioning(lambda x, y: (jnp.sin(x) * y, x + 1))
+    op.def_partition(lambda m, a, r: None, sharding_rule="i, i -> i, i")
+    x = _data((3, 4))
+    y = _data((4,))
+    a, b = jax.vmap(op, in_axes=(0, None))(x, y)
+    np.testing.assert_allclose(a, np.sin(x) * y, rtol=1e-6)
+    np.testing.assert_allclose(b, x + 1, rtol=1e-6)
+    a, b = jax.jit(jax.vmap(op, in_axes=(1, 0), out_axes=0))(x.T, y[:3])
+    np.testing.assert_allclose(a, np.sin(x) * y[:3, None], rtol=1e-6)
+
+  def test_disable_jit_runs_the_body(self):
+    op = elementwise_op()
+    x = _data((8, 4))
+    with jax.disable_jit():
+      out = op(x)
+      self.assertEqual(out.shape, (8, 4))
+      np.testing.assert_allclose(out, np.sin(x) * 2.0, rtol=1e-6)
+    s = NamedSharding(self.mesh(), P("x"))
+    with jax.disable_jit():
+      out = op(jax.device_put(x, s))
+    np.testing.assert_allclose(out, np.sin(x) * 2.0, rtol=1e-6)
+
+
+both_partitioners(TransformTest)
+del TransformTest
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  scale: float
+  offset: float = dataclasses.field(default=0.0, repr=False)
+
+
+class _Holder:
+  """An object whose repr hides its state."""
+
+  def __init__(self, offset):
+    self.offset = offset
+
+  def __repr__(self):
+    return "_Holder()"
+
+  def partition(self, mesh, arg_shapes, result_shape):
+    s = arg_shapes[0].sharding
+    return mesh, lambda x: x + self.offset, s, (s,)
+
+
+class _Opaque:
+  """No __dict__, no fields: the key cannot describe it."""
+  __slots__ = ("offset",)
+
+  def __init__(self, offset):
+    self.offset = offset
+
+
+_MUTABLE_CONFIG = {"offset": 0.0}
+
+
+class KeySafetyTest(CPTestCase):
+  """Ops that differ only in state a repr does not show never share code."""
+
+  def setUp(self):
+    super().setUp()
+    self.s = NamedSharding(self.mesh(), P("x"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def run_op(self, op, *static):
+    f = jax.jit(lambda x: op(*static, x), in_shardings=self.s,
+                out_shardings=self.s)
+    return np.asarray(f(self.x)), f
+
+  def test_hidden_dataclass_field_of_static_arg(self):
+    def partition(cfg, mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * cfg.scale + cfg.offset, s, (s,)
+
+    results, keep = [], []
+    for offset in (0.0, 100.0):
+      op = custom_partitioning(lambda cfg, x: x * cfg.scale + cfg.offset,
+                               static_argnums=(0,))
+      op.def_partition(partition, infer_sharding_from_operands=(
+          lambda cfg, m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+      out, f = self.run_op(op, _Config(2.0, offset))
+      keep.append(f)  # both programs alive at once
+      results.append(out)
+    np.testing.assert_allclose(results[0], self.xh * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(results[1], self.xh * 2.0 + 100.0, rtol=1e-6)
+
+  def test_bound_method_partition_with_hiding_repr(self):
+    results, keep = [], []
+    for offset in (0.0, 100.0):
+      holder = _Holder(offset)
+      op = custom_partitioning(lambda x: x + 0.0)
+      op.def_partition(holder.partition, infer_sharding_from_operands=(
+          lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+      out, f = self.run_op(op)
+      keep.append((f, holder))
+      results.append(out)
+    np.testing.assert_allclose(results[0], self.xh, rtol=1e-6)
+    np.testing.assert_allclose(results[1], self.xh + 100.0, rtol=1e-6)
+
+  def test_global_mutated_in_place_between_programs(self):
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      offset = _MUTABLE_CONFIG["offset"]
+      return mesh, lambda x: x + offset, s, (s,)
+
+    op = custom_partitioning(lambda x: x + 0.0)
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    first, keep = self.run_op(op)
+    try:
+      _MUTABLE_CONFIG["offset"] = 100.0
+      second, _ = self.run_op(op)
+    finally:
+      _MUTABLE_CONFIG["offset"] = 0.0
+    np.testing.assert_allclose(first, self.xh, rtol=1e-6)
+    np.testing.assert_allclose(second, self.xh + 100.0, rtol=1e-6)
+
+  def test_opaque_values_are_scoped_to_one_lowering(self):
+    holder = _Opaque(0.0)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      offset = holder.offset
+      return mesh, lambda x: x + offset, s, (s,)
+
+    op = custom_partitioning(lambda x: x + 0.0)
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    first, keep = self.run_op(op)
+    holder.offset = 100.0  # same object, changed in place
+    second, _ = self.run_op(op)
+    np.testing.assert_allclose(first, self.xh, rtol=1e-6)
+    np.testing.assert_allclose(second, self.xh + 100.0, rtol=1e-6)
+    # Two distinct programs (jax would reuse one lowering for one program).
+    lowered = [jax.jit(lambda x, k=k: op(x) * k, in_shardings=self.s)
+               .lower(self.x) for k in (1.0, 2.0)]
+    keys = [re.findall(r'backend_config = "([^"]+)"', lo.as_text())
+            for lo in lowered]
+    self.assertNotEqual(keys[0], keys[1], "opaque: one key per lowering")
+
+
+both_partitioners(KeySafetyTest)
+del KeySafetyTest
 
 
 if __name__ == "__main__":

@@ -1425,7 +1425,11 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 
 
 def _jvp(primals, tangents, **params):
-  """Differentiates the body; the primal result stays the custom op."""
+  """The primal stays the custom op; the tangent comes from the body.
+
+  The body is evaluated again inside ``jax.jvp`` (XLA partitions that copy
+  by its own rules); a custom derivative belongs in ``jax.custom_vjp``.
+  """
   tangents = [ad.instantiate_zeros(t) for t in tangents]
   _, tangents_out = jax.jvp(core.jaxpr_as_fun(params["call"]),
                             list(primals), tangents)
@@ -1674,8 +1678,10 @@ class custom_partitioning:
   ``custom_partitioning_p``; under ``jax.jit`` on several devices the op
   becomes one XLA custom call whose partitioning is decided by the callbacks
   given to ``def_partition``. On one device, inside a ``shard_map`` that is
-  manual over every mesh axis, and when traced by transformations such as
-  ``jax.grad`` (which see its body), ``fun`` itself is used.
+  manual over every mesh axis, and under ``jax.disable_jit()``, ``fun``
+  itself is used. ``jax.grad``/``jax.jvp`` keep the op for the primal and
+  differentiate ``fun`` for the tangent (which XLA partitions on its own);
+  ``jax.vmap`` batches ``fun`` (upstream supports neither).
 
   Args:
     fun: the function. Keyword arguments of a call are bound to positions
@@ -1748,6 +1754,8 @@ class custom_partitioning:
       **factor_sizes: for a string ``sharding_rule`` only.
 
     Raises:
+      TypeError: ``partition`` is neither callable nor None, or
+        ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
     """
     extra = dict(factor_sizes)

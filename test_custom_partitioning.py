@@ -184,6 +184,15 @@ class CPTestCase(unittest.TestCase):
     return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape),
                 names)
 
+  def put_data(self, shape, spec=None, mesh_shape=(8,), names=("x",)):
+    """Sets ``m`` (a mesh), ``s`` (its sharding ``spec``, default rows over
+    "x"), ``xh`` (test data of ``shape`` on the host) and ``x`` (``xh``
+    sharded by ``s``)."""
+    self.m = self.mesh(mesh_shape, names)
+    self.s = NamedSharding(self.m, P("x") if spec is None else spec)
+    self.xh = _data(shape)
+    self.x = jax.device_put(self.xh, self.s)
+
   @staticmethod
   def hlo(jitted, *args):
     """Compiled (post-partitioning) HLO text of ``jitted`` on ``args``."""
@@ -284,10 +293,7 @@ class FrontendTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
-    self.m = self.mesh()
-    self.s = NamedSharding(self.m, P("x"))
-    self.xh = _data((16, 4))
-    self.x = jax.device_put(self.xh, self.s)
+    self.put_data((16, 4))
 
   def test_decorator(self):
     seen = []
@@ -558,10 +564,7 @@ class StaticArgsTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
-    self.m = self.mesh((4, 2), ("x", "y"))
-    self.s = NamedSharding(self.m, P("x"))
-    self.xh = _data((8, 4))
-    self.x = jax.device_put(self.xh, self.s)
+    self.put_data((8, 4), P("x"), (4, 2), ("x", "y"))
 
   def test_static_values_first_to_every_callback(self):
     calls = []
@@ -698,10 +701,7 @@ class CallbackContractTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
-    self.m = self.mesh((4, 2), ("x", "y"))
-    self.s = NamedSharding(self.m, P("x", "y"))
-    self.xh = _data((8, 4))
-    self.x = jax.device_put(self.xh, self.s)
+    self.put_data((8, 4), P("x", "y"), (4, 2), ("x", "y"))
 
   def _recording_op(self, decode=True):
     rec = []
@@ -1179,10 +1179,7 @@ class ErrorTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
-    self.m = self.mesh()
-    self.s = NamedSharding(self.m, P("x"))
-    self.xh = _data((16, 4))
-    self.x = jax.device_put(self.xh, self.s)
+    self.put_data((16, 4))
 
   def tearDown(self):
     # after every error, a correct op in the same process still works
@@ -1408,10 +1405,7 @@ class LifetimeTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
-    self.m = self.mesh()
-    self.s = NamedSharding(self.m, P("x"))
-    self.xh = _data((8, 4))
-    self.x = jax.device_put(self.xh, self.s)
+    self.put_data((8, 4))
 
   def test_dropped_programs_release_registry(self):
     gc.collect()

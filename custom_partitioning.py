@@ -41,12 +41,14 @@ Reading order
 -------------
 1. Compatibility: the jax internals this module calls.
 2. Sharding rules for Shardy (``SdyShardingRule`` and friends).
-3. Shardings: converting between XLA's ``HloSharding`` and jax shardings.
+3. Shardings: converting between XLA's ``HloSharding`` and jax shardings;
+   3b. derived ops: how vmap, jvp and transposition of an op are partitioned
+   with the author's own callbacks.
 4. The callback registry and the three callbacks XLA calls; 4b. the keys
    that name an op to XLA (stable across processes, for the persistent
    compilation cache).
-5. The primitive: abstract evaluation, differentiation and batching (of the
-   body), eager impl, lowering.
+5. The primitive: abstract evaluation, differentiation, transposition and
+   batching (binding derived ops), eager impl, lowering.
 6. The public ``custom_partitioning`` decorator.
 7. A self-demo (``python custom_partitioning.py``).
 
@@ -63,10 +65,11 @@ import functools
 import hashlib
 import inspect
 import itertools
+import math
 import os
 import threading
 import types
-from typing import Any
+from typing import Any, NamedTuple
 import weakref
 
 if __name__ == "__main__":  # the demo needs 8 devices; set before jax loads
@@ -133,6 +136,10 @@ def _typeof(x) -> core.AbstractValue:
   # jax 0.5.3 added core.typeof; 0.10.0 removed core.get_aval.
   if hasattr(core, "typeof"):
     return core.typeof(x)
+  # jax 0.4.36 removed ConcreteArray, the abstract value of a concrete
+  # array before it; tracing must not see (or key on) the array's values.
+  if _JAX_VERSION < (0, 4, 36):
+    return core.raise_to_shaped(core.get_aval(x))
   return core.get_aval(x)
 
 
@@ -716,18 +723,26 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
   shapes = [tuple(ir.ShapedType(t).shape)
             for t in [*operand_types, *result_types]]
   sizes, dims = _resolve_rule(rule, shapes, len(operand_types))
+  return _rule_attr_from_dims(sizes, dims, len(operand_types),
+                              rule.reduction_factors,
+                              rule.need_replication_factors,
+                              rule.permutation_factors)
+
+
+def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
+                         reduction, need_replication, permutation):
+  """The attribute of a resolved rule (see ``_resolve_rule``)."""
   index = {factor: i for i, factor in enumerate(sizes)}
   tensors = [
       sdy.TensorMappingAttr.get(dim_mappings=[
           sdy.DimMappingAttr.get(factor_indices=[index[f] for f in factors])
           for factors in value_dims])
       for value_dims in dims]
-  n = len(operand_types)
   return _sdy_rule_attr(
-      list(sizes.values()), tensors[:n], tensors[n:],
-      [index[f] for f in rule.reduction_factors],
-      [index[f] for f in rule.need_replication_factors],
-      [index[f] for f in rule.permutation_factors])
+      list(sizes.values()), tensors[:num_operands], tensors[num_operands:],
+      [index[f] for f in reduction],
+      [index[f] for f in need_replication],
+      [index[f] for f in permutation])
 
 
 def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
@@ -831,6 +846,169 @@ def _tile_shape(hlo_sharding: xc.HloSharding, shape: xc.Shape):
   return _struct(hlo_sharding.tile(shape))
 
 
+def _ndims(shapes: Sequence[xc.Shape]) -> list[int]:
+  return [len(s.dimensions()) for s in shapes]
+
+
+# --------------------------------------------------------------------------
+# 3b. Derived ops: vmap, jvp and transposition
+#
+# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
+# the author's op into a *derived* op. Its ``transform`` parameter lists the
+# steps, first to last, that lead from the author's op to it:
+#   ("batch",)     every operand and result gains a leading batch dimension;
+#   ("jvp", mask)  operands: the primals, then the tangents of the primals
+#                  marked in ``mask``; results: the tangents of the results;
+#   ("vjp", mask)  operands: the primals, then the cotangents of the results;
+#                  results: the cotangents of the primals marked in ``mask``.
+# XLA asks its questions about the derived op, the author's callbacks answer
+# them about their own op. So each question is walked down the steps (shapes
+# and shardings translated on the way) and the answer walked back up, with
+# shardings as PartitionSpec entries on the op's mesh. Walking up, ``lower_fn``
+# becomes ``vmap``/``jvp``/``vjp`` of itself, run on the same local shards.
+# --------------------------------------------------------------------------
+
+class _Value(NamedTuple):
+  """An operand or result: global shape, dtype and spec (None: unknown)."""
+  shape: tuple
+  dtype: Any
+  spec: tuple | None
+
+
+def _step_down(step: tuple, operands: list, results: list):
+  """The operands and results of the op one ``step`` below."""
+  if step[0] == "batch":
+    def strip(v):
+      return _Value(v.shape[1:], v.dtype, v.spec and v.spec[1:])
+    return [strip(v) for v in operands], [strip(v) for v in results]
+  n = len(step[1])
+  if step[0] == "jvp":
+    return operands[:n], results
+  return operands[:n], operands[n:]  # vjp: cotangents stand for results
+
+
+def _levels(steps: tuple, operands: list, results: list) -> list:
+  """``[(operands, results)]`` of the author's op, then after each step."""
+  out = [(operands, results)]
+  for step in reversed(steps):
+    out.append(_step_down(step, *out[-1]))
+  return out[::-1]
+
+
+def _axes_in(specs) -> set:
+  """The mesh axis names used by some PartitionSpec entries."""
+  names: set = set()
+  for spec in specs:
+    for entry in spec or ():
+      if entry is not None:
+        names.update(entry if isinstance(entry, tuple) else (entry,))
+  return names
+
+
+def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
+  """The axes among ``names`` that ``jaxpr``'s collectives run over."""
+  found: set = set()
+  for eqn in jaxpr.eqns:
+    for param in ("axes", "axis_name"):
+      value = eqn.params.get(param)
+      for axis in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(axis, str) and axis in names:
+          found.add(axis)
+  for sub in core.subjaxprs(jaxpr):
+    found |= _collective_axes(sub, names)
+  return found
+
+
+def _batch_entry(values: list, used: set, mesh, size: int):
+  """The spec entry the batch dimension keeps: the mesh axes it arrives
+  sharded over (first operand or result that has any) that the op's own
+  partition leaves free and that divide the batch size."""
+  entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
+  axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
+          if a is not None and a not in used]
+  while axes and size % math.prod(mesh.shape[a] for a in axes):
+    axes.pop()
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _replicated_over(mesh, spec, sharded: set) -> tuple:
+  """The axes of ``mesh`` that neither ``spec`` nor ``sharded`` use."""
+  used = _axes_in([spec]) | sharded
+  return tuple(a for a in mesh.axis_names if a not in used)
+
+
+def _masked(fn: Callable, primals, mask):
+  """``fn`` as a function of the primals marked in ``mask`` alone."""
+  def partial_fn(*chosen):
+    it = iter(chosen)
+    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
+  return partial_fn, [p for p, m in zip(primals, mask) if m]
+
+
+def _jvp_fn(fn: Callable, mask) -> Callable:
+  """Per-shard tangent function: ``(primals, tangents) -> tangents out``."""
+  n = len(mask)
+
+  def jvp_fn(*xs):
+    partial_fn, chosen = _masked(fn, xs[:n], mask)
+    return list(jax.jvp(partial_fn, chosen, list(xs[n:]))[1])
+  return jvp_fn
+
+
+def _vjp_fn(fn: Callable, mask, scales, psum_axes) -> Callable:
+  """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
+
+  ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
+  of a value counts as a value of its own. The global cotangents follow
+  from two corrections. A result replicated over ``r`` devices is one value
+  with ``r`` copies, so each copy gets ``1/r`` of its cotangent
+  (``scales``). An operand replicated over some mesh axes feeds every copy,
+  so its cotangent sums over them (``psum_axes``).
+  """
+  n = len(mask)
+
+  def vjp_fn(*xs):
+    partial_fn, chosen = _masked(fn, xs[:n], mask)
+    cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
+    _, pullback = jax.vjp(partial_fn, *chosen)
+    grads = pullback(cts)
+    return [jax.lax.psum(g, axes) if axes else g
+            for g, axes in zip(grads, psum_axes)]
+  return vjp_fn
+
+
+def _derived_rule_attr(rule, levels: list, steps: tuple):
+  """The Shardy rule of a derived op, from the author's ``rule``.
+
+  A batch step adds a fresh factor in front of every operand and result; a
+  jvp step repeats the differentiated operands' mappings for the tangents;
+  a vjp step maps each cotangent like its primal.
+  """
+  operands0, results0 = levels[0]
+  sizes, dims = _resolve_rule(rule, [v.shape for v in operands0 + results0],
+                              len(operands0))
+  ops, res = dims[:len(operands0)], dims[len(operands0):]
+  reduction = list(rule.reduction_factors)
+  for k, step in enumerate(steps):
+    if step[0] == "batch":
+      factor = f"{_BATCH_FACTOR_PREFIX}vmap{k}"
+      sizes[factor] = levels[k + 1][0][0].shape[0]
+      ops = [[(factor,), *d] for d in ops]
+      res = [[(factor,), *d] for d in res]
+    elif step[0] == "jvp":
+      ops = ops + [d for d, m in zip(ops, step[1]) if m]
+    else:
+      # Cotangents of operands are sharded like the operands, even along
+      # what was a reduction factor.
+      ops, res = ops + res, [d for d, m in zip(ops, step[1]) if m]
+      reduction = []
+  return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
+                              rule.need_replication_factors,
+                              rule.permutation_factors)
+
+
 # --------------------------------------------------------------------------
 # 4. The callback registry and the callbacks XLA calls
 #
@@ -888,6 +1066,7 @@ class _OpInfo:
     self.static_args = _static_values(params["static_args"])
     self.in_tree = params["in_tree"]
     self.out_tree = params["out_tree"]
+    self.steps = params["transform"]  # section 3b; () for the author's op
     self.mesh = mesh  # what the callbacks see
     self.devices = devices
     # Inside a partly manual shard_map: the mesh of the auto axes, on which
@@ -929,13 +1108,12 @@ class _OpInfo:
         _struct(s, self.decode_sharding(h, len(s.dimensions()), sub))
         for s, h in zip(shapes, hlo_shardings)])
 
-  def encode_shardings(self, tree, value, shapes, callback, what, sub=False):
+  def encode_shardings(self, tree, value, ndims, callback, what, sub=False):
     """The author's sharding pytree as a flat list of HloShardings."""
     leaves = _flatten_up_to(tree, value,
                             f"{callback} of {self.name} returned {what}s")
     out = []
-    for i, (sharding, shape) in enumerate(zip(leaves, shapes)):
-      ndim = len(shape.dimensions())
+    for i, (sharding, ndim) in enumerate(zip(leaves, ndims)):
       where = f"{callback} of {self.name} returned {what} {i}"
       if not isinstance(sharding, jax.sharding.Sharding):
         raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
@@ -971,6 +1149,8 @@ class _OpInfo:
   # -- the three questions XLA asks ------------------------------------
 
   def infer_result(self, arg_shapes, arg_shardings, result_shape):
+    if self.steps:
+      return self._derived_infer(arg_shapes, arg_shardings, result_shape)
     result_shapes, _ = _hlo_parts(result_shape, None)
     results = [_struct(s) for s in result_shapes]  # no shardings yet
     if self.infer is not None:
@@ -990,18 +1170,20 @@ class _OpInfo:
     else:
       return None
     shardings = self.encode_shardings(
-        self.out_tree, value, result_shapes, "infer_sharding_from_operands",
-        "result sharding")
+        self.out_tree, value, _ndims(result_shapes),
+        "infer_sharding_from_operands", "result sharding")
     return _pack_hlo(result_shape, shardings)
 
   def propagate_user(self, user_sharding, shape):
+    if self.steps and not self.mesh.empty:
+      return self._derived_propagate(user_sharding, shape)
     if self.propagate is None:
       return user_sharding
     shapes, shardings = _hlo_parts(shape, user_sharding)
     user = self.shape_structs(self.out_tree, shapes, shardings)
     value = self.propagate(*self.static_args, self.mesh, user)
     return _pack_hlo(shape, self.encode_shardings(
-        self.out_tree, value, shapes, "propagate_user_sharding",
+        self.out_tree, value, _ndims(shapes), "propagate_user_sharding",
         "result sharding"))
 
   def partition_op(self, arg_shapes, arg_shardings, result_shape,
@@ -1011,8 +1193,8 @@ class _OpInfo:
                str(result_shape), str(result_sharding))
     answer = self.lowered.get(request)
     if answer is None:
-      answer = self._lower_partition(arg_shapes, arg_shardings, result_shape,
-                                     result_sharding)
+      lower = self._lower_derived if self.steps else self._lower_partition
+      answer = lower(arg_shapes, arg_shardings, result_shape, result_sharding)
       self.lowered[request] = answer
     return answer
 
@@ -1036,10 +1218,11 @@ class _OpInfo:
                            sub))
     mesh, lower_fn, out_shardings, in_shardings = self._check_answer(answer)
     out_hlo = self.encode_shardings(self.out_tree, out_shardings,
-                                    result_shapes, "partition",
+                                    _ndims(result_shapes), "partition",
                                     "result sharding", sub)
-    in_hlo = self.encode_shardings(self.in_tree, in_shardings, arg_shapes,
-                                   "partition", "arg sharding", sub)
+    in_hlo = self.encode_shardings(self.in_tree, in_shardings,
+                                   _ndims(arg_shapes), "partition",
+                                   "arg sharding", sub)
     if sub:
       # Collectives must name devices of the whole program: lower on the
       # whole mesh (the returned one may be the mesh with manual types).
@@ -1049,6 +1232,11 @@ class _OpInfo:
           lower_fn, mesh,
           [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
           [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)])
+    return (self._lower_closed(closed, mesh), in_hlo,
+            _pack_hlo(result_shape, out_hlo))
+
+  def _lower_closed(self, closed, mesh) -> bytes:
+    """The per-shard module of a traced ``lower_fn``, as bytecode."""
     # XLA finds a host callback by its index in the list of the program
     # being compiled, which was fixed before this callback ran; the
     # per-shard module's own list is not reachable (upstream segfaults).
@@ -1064,8 +1252,225 @@ class _OpInfo:
               mesh, frozenset(mesh.axis_names)))
     if host_callbacks:
       raise self._host_callback_error()
-    return (mlir.module_to_bytecode(module), in_hlo,
+    return mlir.module_to_bytecode(module)
+
+  # -- derived ops (section 3b) ---------------------------------------
+
+  def _on(self, sub: bool):
+    """The mesh XLA's shardings are expressed on."""
+    return self.submesh if sub else self.mesh
+
+  def _values(self, shapes, hlo_shardings, sub=False) -> list[_Value]:
+    on = self._on(sub)
+    return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
+                   None if h is None else
+                   _decode_spec(h, on, len(s.dimensions())))
+            for s, h in zip(shapes, hlo_shardings)]
+
+  def _hlo(self, spec: tuple, ndim: int, sub=False) -> xc.HloSharding:
+    return jax.sharding.NamedSharding(
+        self._on(sub), jax.sharding.PartitionSpec(*spec)
+    )._to_xla_hlo_sharding(ndim)
+
+  def _user_structs(self, tree, values, sub=False):
+    """The author's view of ``values``: a pytree of ShapeDtypeStructs."""
+    return tree.unflatten([jax.ShapeDtypeStruct(
+        v.shape, v.dtype, sharding=None if v.spec is None else
+        self.decode_sharding(self._hlo(v.spec, len(v.shape), sub),
+                             len(v.shape), sub))
+        for v in values])
+
+  def _specs(self, tree, value, values, callback, what, sub=False) -> list:
+    """The author's shardings for ``values`` as PartitionSpec entries."""
+    hlos = self.encode_shardings(tree, value, [len(v.shape) for v in values],
+                                 callback, what, sub)
+    specs = []
+    for i, (hlo_sharding, v) in enumerate(zip(hlos, values)):
+      spec = _decode_spec(hlo_sharding, self._on(sub), len(v.shape))
+      if spec is None:
+        raise NotImplementedError(
+            f"{callback} of {self.name} returned {what} {i}, which has no "
+            f"PartitionSpec on the mesh {dict(self.mesh.shape)}; under "
+            "jax.vmap, jax.jvp and jax.grad, shardings must have one.")
+      specs.append(spec)
+    return specs
+
+  def _derived_infer(self, arg_shapes, arg_shardings, result_shape):
+    if self.mesh.empty:
+      return None
+    result_shapes, _ = _hlo_parts(result_shape, None)
+    results = self._values(result_shapes, [None] * len(result_shapes))
+    levels = _levels(self.steps, self._values(arg_shapes, arg_shardings),
+                     results)
+    specs = self._infer_specs(levels, len(self.steps))
+    if specs is None:
+      return None
+    return _pack_hlo(result_shape, [self._hlo(spec, len(v.shape))
+                                    for spec, v in zip(specs, results)])
+
+  def _infer_specs(self, levels, k):
+    """Result specs of the op ``k`` steps above the author's, or None."""
+    operands, results = levels[k]
+    if k == 0:
+      return self._author_infer(operands, results)
+    step = self.steps[k - 1]
+    if step[0] == "vjp":  # cotangents are sharded like their primals
+      specs = [v.spec for v, m in zip(operands, step[1]) if m]
+      return None if None in specs else specs
+    inner = self._infer_specs(levels, k - 1)
+    if inner is None or step[0] == "jvp":
+      return inner
+    used = _axes_in(inner) | _axes_in(v.spec for v in levels[k - 1][0])
+    entry = _batch_entry(operands, used, self.mesh, operands[0].shape[0])
+    return [(entry, *spec) for spec in inner]
+
+  def _author_infer(self, operands, results):
+    structs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in results]
+    if self.infer is not None:
+      value = self.infer(*self.static_args, self.mesh,
+                         self._user_structs(self.in_tree, operands),
+                         self.out_tree.unflatten(structs))
+    elif self.rule is not None:
+      args = [jax.ShapeDtypeStruct(
+          v.shape, v.dtype, sharding=None if v.spec is None else
+          jax.sharding.NamedSharding(self.mesh,
+                                     jax.sharding.PartitionSpec(*v.spec)))
+          for v in operands]
+      derived = _infer_from_rule(self.rule, args, structs, self.mesh)
+      if derived is None:
+        return None
+      value = self.out_tree.unflatten(derived)
+    else:
+      return None
+    return self._specs(self.out_tree, value, results,
+                       "infer_sharding_from_operands", "result sharding")
+
+  def _derived_propagate(self, user_sharding, shape):
+    shapes, shardings = _hlo_parts(shape, user_sharding)
+    results = self._values(shapes, shardings)
+    if any(v.spec is None for v in results):
+      return user_sharding
+    specs = self._propagate_specs(results, len(self.steps))
+    return _pack_hlo(shape, [self._hlo(spec, len(v.shape))
+                             for spec, v in zip(specs, results)])
+
+  def _propagate_specs(self, results, k):
+    """Result specs of the op ``k`` steps up, given its user's."""
+    if k == 0:
+      if self.propagate is None:
+        return [v.spec for v in results]
+      value = self.propagate(*self.static_args, self.mesh,
+                             self._user_structs(self.out_tree, results))
+      return self._specs(self.out_tree, value, results,
+                         "propagate_user_sharding", "result sharding")
+    step = self.steps[k - 1]
+    if step[0] == "vjp":  # cotangents of operands: as the user has them
+      return [v.spec for v in results]
+    if step[0] == "jvp" or not results:
+      return self._propagate_specs(results, k - 1)
+    inner = self._propagate_specs(_step_down(step, [], results)[1], k - 1)
+    entry = _batch_entry(results, _axes_in(inner), self.mesh,
+                         results[0].shape[0])
+    return [(entry, *spec) for spec in inner]
+
+  def _lower_derived(self, arg_shapes, arg_shardings, result_shape,
+                     result_sharding):
+    """Partitions a derived op: the author's answer, walked up the steps."""
+    if self.mesh.empty:
+      raise NotImplementedError(
+          f"{self.name} is lowered for several devices without a mesh; "
+          "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
+          "one (jit with NamedSharding arguments, jax.set_mesh or `with "
+          "mesh:`).")
+    sub = self.submesh is not None
+    result_shapes, result_shardings = _hlo_parts(result_shape,
+                                                 result_sharding)
+    levels = _levels(self.steps,
+                     self._values(arg_shapes, arg_shardings, sub),
+                     self._values(result_shapes, result_shardings, sub))
+    mesh, fn, in_specs, out_specs = self._partition_specs(levels, sub)
+    in_hlo = [self._hlo(spec, len(s.dimensions()), sub)
+              for spec, s in zip(in_specs, arg_shapes)]
+    out_hlo = [self._hlo(spec, len(s.dimensions()), sub)
+               for spec, s in zip(out_specs, result_shapes)]
+    with _no_ambient_mesh():
+      closed = jax.make_jaxpr(fn, axis_env=list(mesh.shape.items()))(
+          *[_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)])
+    return (self._lower_closed(closed, mesh), in_hlo,
             _pack_hlo(result_shape, out_hlo))
+
+  def _partition_specs(self, levels, sub):
+    """``(mesh, fn, arg_specs, result_specs)`` of the derived op: its
+    per-shard function of flat local arrays and the specs it needs."""
+    on = self._on(sub)
+    mesh, fn, args, outs, used = self._author_partition(*levels[0], sub)
+    # First the specs, level by level up. A batch dimension keeps the mesh
+    # axes it arrives on unless the level below uses them.
+    specs, entries = [(args, outs)], []
+    for step, (operands, results) in zip(self.steps, levels[1:]):
+      entry = None
+      if step[0] == "batch":
+        entry = _batch_entry(operands + results, used | _axes_in(args + outs),
+                             on, operands[0].shape[0])
+        args = [(entry, *spec) for spec in args]
+        outs = [(entry, *spec) for spec in outs]
+      elif step[0] == "jvp":
+        args = args + [spec for spec, m in zip(args, step[1]) if m]
+      else:
+        args, outs = args + outs, [spec for spec, m in zip(args, step[1])
+                                   if m]
+      specs.append((args, outs))
+      entries.append(entry)
+    # Then the function. A vjp step corrects for replicated values; a value
+    # is replicated over the axes that neither its spec nor a batch
+    # dimension added above shards it over (those hold other batch items).
+    for k, step in enumerate(self.steps):
+      if step[0] == "batch":
+        fn = jax.vmap(fn)
+      elif step[0] == "jvp":
+        fn = _jvp_fn(fn, step[1])
+      else:
+        args, outs = specs[k]
+        batched = _axes_in([entries[k + 1:]])
+        scales = [math.prod(on.shape[a]
+                            for a in _replicated_over(on, spec, batched))
+                  for spec in outs]
+        psum_axes = [_replicated_over(on, spec, batched)
+                     for spec, m in zip(args, step[1]) if m]
+        fn = _vjp_fn(fn, step[1], scales, psum_axes)
+    return (mesh, fn, *specs[-1])
+
+  def _author_partition(self, operands, results, sub):
+    """The author's ``partition`` answer, traced (see ``_partition_specs``)."""
+    answer = self.partition(*self.static_args, self.mesh,
+                            self._user_structs(self.in_tree, operands, sub),
+                            self._user_structs(self.out_tree, results, sub))
+    mesh, lower_fn, out_shardings, in_shardings = self._check_answer(answer)
+    outs = self._specs(self.out_tree, out_shardings, results, "partition",
+                       "result sharding", sub)
+    args = self._specs(self.in_tree, in_shardings, operands, "partition",
+                       "arg sharding", sub)
+    if sub:
+      mesh = self.full_mesh
+    elif dict(mesh.shape) != dict(self.mesh.shape):
+      raise NotImplementedError(
+          f"partition of {self.name} returned a mesh with axes "
+          f"{dict(mesh.shape)}, but the op's mesh has {dict(self.mesh.shape)};"
+          " under jax.vmap, jax.jvp and jax.grad they must be the same.")
+    on = self._on(sub)
+
+    def local(v, spec):
+      sharding = jax.sharding.NamedSharding(on,
+                                            jax.sharding.PartitionSpec(*spec))
+      return jax.ShapeDtypeStruct(sharding.shard_shape(v.shape), v.dtype)
+    with _no_ambient_mesh():
+      closed = self._trace_lower_fn(
+          lower_fn, mesh, [local(v, s) for v, s in zip(operands, args)],
+          [local(v, s) for v, s in zip(results, outs)])
+    if _calls_host(closed.jaxpr):
+      raise self._host_callback_error()
+    used = _collective_axes(closed.jaxpr, set(on.axis_names))
+    return mesh, core.jaxpr_as_fun(closed), args, outs, used
 
   def _check_answer(self, answer):
     """Validates what ``partition`` returned; returns its four parts."""
@@ -1424,26 +1829,111 @@ def _abstract_eval(*avals, call, **_):
 custom_partitioning_p.def_abstract_eval(_abstract_eval)
 
 
-def _jvp(primals, tangents, **params):
-  """The primal stays the custom op; the tangent comes from the body.
+# The rules below bind *derived* ops (section 3b): the same callbacks, a
+# longer ``transform`` and, as ``call``, the body transformed alike, which
+# gives the derived op its abstract values and its single-device code.
 
-  The body is evaluated again inside ``jax.jvp`` (XLA partitions that copy
-  by its own rules); a custom derivative belongs in ``jax.custom_vjp``.
+# call -> {(step, operand avals): derived call}; entries live exactly as
+# long as ``call``. The avals are those of the actual operands: with
+# Explicit mesh axes they carry shardings, which the results inherit.
+_derived_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_derived_lock = threading.Lock()
+
+
+def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
+                  operands) -> core.ClosedJaxpr:
+  """``fun`` (the body transformed by ``step``) traced for ``operands``."""
+  in_avals = tuple(_typeof(x) for x in operands)
+  key = (step, in_avals)
+  with _derived_lock:
+    derived = _derived_calls.setdefault(call, {}).get(key)
+  if derived is None:
+    jaxpr, consts = _trace(_wrap(fun, in_avals, ()), in_avals)
+    derived = core.ClosedJaxpr(jaxpr, consts)
+    _call_names[derived] = f"{label} of {_fun_name(call)}"
+    with _derived_lock:
+      derived = _derived_calls[call].setdefault(key, derived)
+  return derived
+
+
+def _bind_derived(args, params, step: tuple, call) -> list:
+  return custom_partitioning_p.bind(
+      *args, **dict(params, call=call, transform=params["transform"] + (
+          step,)))
+
+
+def _differentiable(aval) -> bool:
+  return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
+
+
+def _jvp(primals, tangents, **params):
+  """The primal stays the op; the tangents come from a derived jvp op.
+
+  Per shard, the jvp op runs ``jax.jvp`` of ``lower_fn`` on the shardings
+  of the op's own partition. An op with a non-float result is
+  differentiated through its body instead (XLA partitions that copy).
   """
-  tangents = [ad.instantiate_zeros(t) for t in tangents]
-  _, tangents_out = jax.jvp(core.jaxpr_as_fun(params["call"]),
-                            list(primals), tangents)
-  return custom_partitioning_p.bind(*primals, **params), tangents_out
+  call = params["call"]
+  out = custom_partitioning_p.bind(*primals, **params)
+  mask = tuple(type(t) is not ad.Zero and _differentiable(_typeof(p))
+               for p, t in zip(primals, tangents))
+  if not any(mask):
+    return out, [ad.Zero(a.to_tangent_aval()) for a in call.out_avals]
+  if not all(_differentiable(a) for a in call.out_avals):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
+  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
+  derived = _derived_call(call, ("jvp", mask), "jvp",
+                          _jvp_fn(core.jaxpr_as_fun(call), mask), operands)
+  return out, _bind_derived(operands, params, ("jvp", mask), derived)
+
+
+def _transpose(cts, *args, **params):
+  """Transposes a jvp op (linear in its tangents) into a vjp op."""
+  steps = params["transform"]
+  k = max((i for i, s in enumerate(steps) if s[0] != "batch"), default=None)
+  call = params["call"]
+  if k is None or steps[k][0] != "jvp" or any(
+      ad.is_undefined_primal(p) for p in args[:len(steps[k][1])]):
+    raise NotImplementedError(
+        f"{_fun_name(call)}: a custom_partitioning op can be transposed "
+        "only in its tangents, as jax.grad does.")
+  mask = steps[k][1]
+  n = len(mask)
+  cts = [ad.instantiate_zeros(ct) for ct in cts]
+  tangent_avals = call.in_avals[n:]
+
+  def body(*xs):
+    primals, out_cts = xs[:n], xs[n:]
+
+    def linear(*tangents):
+      return core.jaxpr_as_fun(call)(*primals, *tangents)
+    return list(jax.linear_transpose(linear, *[
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tangent_avals])(
+            list(out_cts)))
+  operands = [*args[:n], *cts]
+  derived = _derived_call(call, ("transpose",), "transpose", body, operands)
+  outs = custom_partitioning_p.bind(*operands, **dict(
+      params, call=derived,
+      transform=steps[:k] + (("vjp", mask),) + steps[k + 1:]))
+  return [None] * n + list(outs)
 
 
 def _batch(args, dims, **params):
-  """vmap sees the body: the batched op is the body, batched (no callbacks)."""
-  outs = jax.vmap(core.jaxpr_as_fun(params["call"]), in_axes=list(dims))(
-      *args)
+  """Batches the op: every operand gets the batch dimension in front."""
+  # An unbatched operand has dimension None (batching.not_mapped).
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  args = [jax.lax.broadcast(x, (size,)) if d is None
+          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  call = params["call"]
+  derived = _derived_call(call, ("batch",), "vmap",
+                          jax.vmap(core.jaxpr_as_fun(call)), args)
+  outs = _bind_derived(args, params, ("batch",), derived)
   return outs, [0] * len(outs)
 
 
 ad.primitive_jvps[custom_partitioning_p] = _jvp
+ad.primitive_transposes[custom_partitioning_p] = _transpose
 batching.primitive_batchers[custom_partitioning_p] = _batch
 
 
@@ -1566,14 +2056,23 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         f"custom_partitioning op {name} runs on {len(devices)} devices, but "
         "its def_partition was given partition=None.")
 
-  operand_types = _ir_types(ctx, call.in_avals)
-  result_types = _ir_types(ctx, call.out_avals)
+  # The rule is the author's, about the author's op (section 3b).
+  steps = params["transform"]
+  levels = _levels(steps, [_Value(a.shape, a.dtype, None)
+                           for a in call.in_avals],
+                   [_Value(a.shape, a.dtype, None) for a in call.out_avals])
+  operand_types, result_types = (
+      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+      for side in levels[0])
   try:
     rule = _resolve_sharding_rule(params["sharding_rule"],
                                   _static_values(params["static_args"]),
                                   mesh, operand_types, result_types)
-    rule_attr = (sdy_sharding_rule_to_mlir(rule, operand_types, result_types)
-                 if use_shardy and rule is not None else None)
+    rule_attr = None
+    if use_shardy and rule is not None:
+      rule_attr = (_derived_rule_attr(rule, levels, steps) if steps else
+                   sdy_sharding_rule_to_mlir(rule, operand_types,
+                                             result_types))
   except (ValueError, TypeError) as e:
     if type(e) not in (ValueError, TypeError):  # keep special types as-is
       raise
@@ -1599,7 +2098,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   ctx.module_context.add_keepalive(info)
 
   op = hlo.CustomCallOp(
-      result_types, list(values),
+      _ir_types(ctx, call.out_avals), list(values),
       call_target_name=ir.StringAttr.get(_TARGET),
       has_side_effect=ir.BoolAttr.get(False),
       api_version=mlir.i32_attr(2),
@@ -1679,9 +2178,11 @@ class custom_partitioning:
   becomes one XLA custom call whose partitioning is decided by the callbacks
   given to ``def_partition``. On one device, inside a ``shard_map`` that is
   manual over every mesh axis, and under ``jax.disable_jit()``, ``fun``
-  itself is used. ``jax.grad``/``jax.jvp`` keep the op for the primal and
-  differentiate ``fun`` for the tangent (which XLA partitions on its own);
-  ``jax.vmap`` batches ``fun`` (upstream supports neither).
+  itself is used. ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` give derived
+  ops that XLA partitions through the same callbacks, which see the op
+  untransformed; ``lower_fn`` runs under ``jax.vmap``/``jax.jvp``/
+  ``jax.vjp`` on the same local shards (section 3b; upstream supports none
+  of the three).
 
   Args:
     fun: the function. Keyword arguments of a call are bound to positions
@@ -1737,7 +2238,8 @@ class custom_partitioning:
         expects results sharded as ``result_shardings``.
       infer_sharding_from_operands: GSPMD only:
         ``(*static, mesh, arg_shapes, result_shape) -> result sharding(s)``;
-        ``result_shape`` has no shardings. Without it, the result sharding
+        ``result_shape`` has no shardings, and an operand XLA has not
+        placed yet has ``.sharding`` None. Without it, the result sharding
         is derived from ``sharding_rule`` when there is one.
       propagate_user_sharding: GSPMD only:
         ``(*static, mesh, user_shape) -> result sharding(s)``, the sharding
@@ -1856,7 +2358,8 @@ class custom_partitioning:
         decode_shardings=self.decode_shardings,
         sharding_rule=self.sharding_rule,
         static_args=(static_args if key is not None
-                     else _Unhashable(static_args)))
+                     else _Unhashable(static_args)),
+        transform=())
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
   def _trace(self, static_argnums, static_args, dyn_args, in_tree, in_avals):

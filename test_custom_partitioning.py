@@ -413,9 +413,9 @@ class FrontendTest(CPTestCase):
     f = jax.jit(jax.checkpoint(lambda x: op(x) + 1.0))
     np.testing.assert_allclose(f(self.x), np.sin(self.xh) * 2 + 1, rtol=1e-5)
 
-  def test_grad_differentiates_body(self):
-    # The module documents that jax.grad "sees its body". Upstream raises
-    # NotImplementedError ("Differentiation rule ... not implemented").
+  def test_grad(self):
+    # Upstream raises NotImplementedError ("Differentiation rule ... not
+    # implemented"); DerivedOpsTest checks how the derivative is partitioned.
     op = elementwise_op()
     g = jax.jit(jax.grad(lambda x: (op(x) * self.xh).sum()))(self.x)
     np.testing.assert_allclose(g, 2 * np.cos(self.xh) * self.xh, rtol=1e-5,
@@ -827,7 +827,7 @@ class CallbackContractTest(CPTestCase):
 
     op.def_partition(partition,
                      infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
-                     sharding_rule="i j -> j", reduction_factors=("i",))
+                     sharding_rule="i j -> j")
     m = self.mesh()
     s = NamedSharding(m, P("x"))
     xh = _data((16, 4))
@@ -3580,9 +3580,9 @@ class CacheBoundsTest(CPTestCase):
 
 
 class TransformTest(CPTestCase):
-  """vmap batches the body, grad differentiates it, disable_jit runs it."""
+  """vmap of an op with two results; disable_jit runs the body."""
 
-  def test_vmap_batches_the_body(self):
+  def test_vmap_two_results(self):
     op = custom_partitioning(lambda x, y: (jnp.sin(x) * y, x + 1))
     op.def_partition(lambda m, a, r: None, sharding_rule="i, i -> i, i")
     x = _data((3, 4))
@@ -3608,6 +3608,323 @@ class TransformTest(CPTestCase):
 
 both_partitioners(TransformTest)
 del TransformTest
+
+
+# ==========================================================================
+# vmap, jvp and grad of an op: derived ops, partitioned by the op's own rules
+
+
+def _recording_fft():
+  """The demo FFT op, recording the shapes its callbacks are asked about."""
+  seen = []
+  op = custom_partitioning(lambda x: jnp.fft.fft(x))
+  fft = cp._batched_fft_op()
+
+  def partition(mesh, arg_shapes, result_shape):
+    seen.append(("partition", arg_shapes[0].shape, result_shape.shape))
+    return fft.partition(mesh, arg_shapes, result_shape)
+
+  def infer(mesh, arg_shapes, result_shape):
+    seen.append(("infer", arg_shapes[0].shape, result_shape.shape))
+    return fft.infer_sharding_from_operands(mesh, arg_shapes, result_shape)
+
+  op.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule="... i -> ... i")
+  return op, seen
+
+
+def _scale_op():
+  """``x * w`` for x (n, m) and w (m,): rows keep their sharding, w is
+  replicated, so w's cotangent needs a sum over the row axes."""
+  body = lambda x, w: x * w  # noqa: E731
+  op = custom_partitioning(body)
+
+  def rows(mesh, x):
+    spec = (tuple(x.sharding.spec) if x.sharding else ()) + (None,)
+    return NamedSharding(mesh, P(spec[0], None))
+
+  def partition(mesh, arg_shapes, result_shape):
+    s = rows(mesh, arg_shapes[0])
+    return mesh, body, s, (s, NamedSharding(mesh, P(None)))
+
+  def infer(mesh, arg_shapes, result_shape):
+    return rows(mesh, arg_shapes[0])
+
+  op.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule="i j, j -> i j")
+  return op, body
+
+
+def _column_sum_op(axis="x", spec=("x", None), scale=1.0):
+  """Column sums (n, m) -> (m,): each shard sums its rows, then a psum over
+  ``axis`` (times ``scale``); the operand is resharded to ``spec``."""
+  op = custom_partitioning(lambda x: jnp.sum(x, axis=0))
+
+  def lower_fn(x):
+    return jax.lax.psum(jnp.sum(x, axis=0), axis) * scale
+
+  def partition(mesh, arg_shapes, result_shape):
+    return (mesh, lower_fn, NamedSharding(mesh, P(None)),
+            (NamedSharding(mesh, P(*spec)),))
+
+  def infer(mesh, arg_shapes, result_shape):
+    return NamedSharding(mesh, P(None))
+
+  op.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule="i j -> j")
+  return op
+
+
+class DerivedOpsTest(CPTestCase):
+  """jax.vmap, jax.jvp and jax.grad keep the op custom-partitioned."""
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh((4, 2), ("x", "y"))
+
+  def put(self, x, *spec):
+    return jax.device_put(x, NamedSharding(self.m, P(*spec)))
+
+  def complex_data(self, shape):
+    return (_data(shape) + 1j * _data(shape)[::-1]).astype(np.complex64)
+
+  # -- vmap ---------------------------------------------------------------
+
+  def test_vmap_keeps_the_batch_sharded(self):
+    op, seen = _recording_fft()
+    xh = self.complex_data((8, 4, 16))
+    x = self.put(xh, "x", "y", None)
+    f = jax.jit(jax.vmap(op))
+    np.testing.assert_allclose(f(x), np.fft.fft(xh), rtol=1e-4, atol=1e-4)
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+    # The author's callbacks see the op unbatched.
+    self.assertTrue(seen)
+    self.assertEqual({(s[1], s[2]) for s in seen}, {((4, 16), (4, 16))})
+
+  def test_vmap_in_axes_out_axes_and_unbatched_operands(self):
+    op, body = _scale_op()
+    x = _data((3, 8, 4))
+    w = _data((4,)) + 2
+    ws = _data((3, 4)) - 1
+    for in_axes, args in (((0, None), (x, w)), ((0, 0), (x, ws)),
+                          ((None, 0), (x[0], ws)),
+                          ((1, 1), (np.moveaxis(x, 0, 1), ws.T))):
+      for out_axes in (0, 1, -1):
+        with self.subTest(in_axes=in_axes, out_axes=out_axes):
+          want = jax.vmap(body, in_axes, out_axes)(*args)
+          got = jax.vmap(op, in_axes, out_axes)(*args)
+          np.testing.assert_allclose(got, want, rtol=1e-6)
+          got = jax.jit(jax.vmap(op, in_axes, out_axes))(*args)
+          np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  def test_jit_vmap_unbatched_operand_on_a_mesh(self):
+    op, body = _scale_op()
+    xh = _data((8, 4, 6))
+    wh = _data((6,)) + 2
+    x = self.put(xh, "x", "y", None)
+    w = self.put(wh, None)
+    f = jax.jit(jax.vmap(op, in_axes=(0, None)))
+    np.testing.assert_allclose(f(x, w), xh * wh, rtol=1e-6)
+    self.assertCollectives(self.hlo(f, x, w), absent=_COLLECTIVES)
+
+  def test_nested_vmap(self):
+    op, seen = _recording_fft()
+    xh = self.complex_data((4, 2, 3, 16))
+    x = self.put(xh, "x", "y", None, None)
+    f = jax.jit(jax.vmap(jax.vmap(op)))
+    np.testing.assert_allclose(f(x), np.fft.fft(xh), rtol=1e-4, atol=1e-4)
+    self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+    self.assertEqual({(s[1], s[2]) for s in seen}, {((3, 16), (3, 16))})
+    np.testing.assert_allclose(jax.vmap(jax.vmap(op), in_axes=1)(xh),
+                               np.fft.fft(np.moveaxis(xh, 1, 0)),
+                               rtol=1e-4, atol=1e-4)
+
+  def test_vmap_batch_leaves_axes_the_op_uses(self):
+    # The op shards its rows over "x" and psums over it: a batch arriving
+    # on "x" must give it up, or the psum would add different batch rows.
+    xh = _data((4, 8, 3))
+    f = jax.jit(jax.vmap(_column_sum_op()))
+    np.testing.assert_allclose(f(self.put(xh, "x", None, None)),
+                               xh.sum(axis=1), rtol=1e-5)
+    # Here the op's shardings never mention "y", but lower_fn psums over it
+    # (an average of equal copies): the batch must not stay on "y" either.
+    op = _column_sum_op(axis="y", spec=(None, None), scale=0.5)
+    f = jax.jit(jax.vmap(op))
+    np.testing.assert_allclose(f(self.put(xh, "y", None, None)),
+                               xh.sum(axis=1), rtol=1e-5)
+
+  def test_vmap_adds_a_factor_to_the_rule(self):
+    if not self.shardy:
+      self.skipTest("the sdy.sharding_rule attribute is Shardy's")
+    op, _ = _scale_op()
+    x = self.put(_data((8, 4, 6)), "x", None, None)
+    text = jax.jit(jax.vmap(op, in_axes=(0, None))).lower(
+        x, _data((6,))).as_text()
+    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)", text)
+    self.assertIsNotNone(rule, text)
+    operands = re.findall(r"\[([^\]]*)\]", rule.group(1))
+    results = re.findall(r"\[([^\]]*)\]", rule.group(2))
+    self.assertEqual([len(o.split(",")) for o in operands], [3, 2])
+    self.assertEqual([len(r.split(",")) for r in results], [3])
+    # The batch factor comes first everywhere: one name for all three.
+    self.assertEqual(len({o.split(",")[0] for o in operands + results}), 1)
+
+  # -- jvp ----------------------------------------------------------------
+
+  def test_jvp_is_partitioned_like_the_op(self):
+    op, seen = _recording_fft()
+    xh, th = self.complex_data((8, 16)), self.complex_data((8, 16)) * 2
+    x, t = self.put(xh, "x", None), self.put(th, "x", None)
+    f = jax.jit(lambda x, t: jax.jvp(op, (x,), (t,)))
+    primal, tangent = f(x, t)
+    np.testing.assert_allclose(primal, np.fft.fft(xh), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tangent, np.fft.fft(th), rtol=1e-4, atol=1e-4)
+    # XLA's own partitioning of an FFT gathers the rows: there is none.
+    self.assertCollectives(self.hlo(f, x, t), absent=_COLLECTIVES)
+    # partition was asked twice: for the op and for its jvp.
+    self.assertEqual(sum(s[0] == "partition" for s in seen), 2)
+
+  def test_linearize_and_jvp_of_two_operands(self):
+    op, body = _scale_op()
+    xh, wh = _data((8, 6)), _data((6,)) + 2
+    x, w = self.put(xh, "x", None), self.put(wh, None)
+    tx, tw = _data((8, 6)) * 3, _data((6,)) - 1
+    want = jax.jvp(body, (xh, wh), (tx, tw))
+    got = jax.jit(lambda *a: jax.jvp(op, a[:2], a[2:]))(x, w, tx, tw)
+    for g, wnt in zip(got, want):
+      np.testing.assert_allclose(g, wnt, rtol=1e-5, atol=1e-6)
+    # A tangent for one operand only (the other is a symbolic zero).
+    got = jax.jit(lambda x, w, t: jax.jvp(lambda w: op(x, w), (w,), (t,)))(
+        x, w, tw)
+    np.testing.assert_allclose(got[1], xh * tw, rtol=1e-6)
+    out, f_jvp = jax.linearize(op, x, w)
+    np.testing.assert_allclose(out, xh * wh, rtol=1e-6)
+    np.testing.assert_allclose(f_jvp(tx, tw), want[1], rtol=1e-5, atol=1e-6)
+
+  # -- grad ---------------------------------------------------------------
+
+  def test_grad_of_fft_has_no_gather(self):
+    op, seen = _recording_fft()
+    xh = _data((8, 16))
+
+    def loss(f, x):
+      return jnp.sum(jnp.abs(f(x.astype(jnp.complex64))) ** 2)
+    x = self.put(xh, "x", None)
+    g = jax.jit(jax.grad(functools.partial(loss, op)))
+    want = jax.grad(functools.partial(loss, jnp.fft.fft))(xh)
+    np.testing.assert_allclose(g(x), want, rtol=1e-4, atol=1e-3)
+    # Parseval: the gradient is 2 * n * x.
+    np.testing.assert_allclose(g(x), 2 * 16 * xh, rtol=1e-4, atol=1e-3)
+    self.assertCollectives(self.hlo(g, x),
+                           absent=("all-gather", "all-to-all",
+                                   "collective-permute"))
+    v, g2 = jax.jit(jax.value_and_grad(functools.partial(loss, op)))(x)
+    np.testing.assert_allclose(v, loss(jnp.fft.fft, xh), rtol=1e-4)
+    np.testing.assert_allclose(g2, want, rtol=1e-4, atol=1e-3)
+    # partition was asked for the op, its jvp and its transpose.
+    self.assertGreaterEqual(sum(s[0] == "partition" for s in seen), 2)
+
+  def test_grad_sums_over_a_replicated_operand(self):
+    op, body = _scale_op()
+    xh, wh = _data((8, 6)), _data((6,)) + 2
+    x, w = self.put(xh, ("x", "y"), None), self.put(wh, None)
+
+    def loss(f, x, w):
+      return jnp.sum(jnp.sin(f(x, w)))
+    got = jax.jit(jax.grad(functools.partial(loss, op), argnums=(0, 1)))(x, w)
+    want = jax.grad(functools.partial(loss, body), argnums=(0, 1))(xh, wh)
+    for g, wnt in zip(got, want):
+      np.testing.assert_allclose(g, wnt, rtol=1e-5, atol=1e-5)
+
+  def test_grad_through_collectives_and_replicated_results(self):
+    xh = _data((8, 3))
+    ct = _data((3,)) + 2
+    for op in (_column_sum_op(),
+               _column_sum_op(axis="y", spec=(None, None), scale=0.5),
+               _column_sum_op(axis=("x", "y"), spec=(("x", "y"), None))):
+      with self.subTest(op=op):
+        g = jax.jit(jax.grad(lambda x: jnp.sum(op(x) * ct)))(
+            self.put(xh, "x", None))
+        np.testing.assert_allclose(g, np.broadcast_to(ct, xh.shape),
+                                   rtol=1e-6)
+
+  def test_jacobians_and_finite_differences(self):
+    op, body = _scale_op()
+    xh, wh = _data((4, 3)), _data((3,)) + 2
+    x, w = self.put(xh, "x", None), self.put(wh, None)
+    for jac in (jax.jacfwd, jax.jacrev):
+      with self.subTest(jac=jac.__name__):
+        got = jax.jit(jac(lambda x, w: jnp.sin(op(x, w)), argnums=(0, 1)))(
+            x, w)
+        want = jac(lambda x, w: jnp.sin(body(x, w)), argnums=(0, 1))(xh, wh)
+        for g, wnt in zip(got, want):
+          np.testing.assert_allclose(g, wnt, rtol=1e-5, atol=1e-6)
+    # Numerical derivatives, first and second order, both modes.
+    from jax.test_util import check_grads
+    check_grads(lambda x, w: jnp.sin(op(x, w)), (x, w), order=2,
+                modes=("fwd", "rev"), atol=5e-2, rtol=5e-2)
+
+  def test_vmap_of_grad_keeps_the_batch_sharded(self):
+    op, seen = _recording_fft()
+    xh = _data((4, 8, 16))
+
+    def loss(x):
+      return jnp.sum(jnp.abs(op(x.astype(jnp.complex64))) ** 2)
+    x = self.put(xh, "x", "y", None)
+    f = jax.jit(jax.vmap(jax.grad(loss)))
+    np.testing.assert_allclose(f(x), 2 * 16 * xh, rtol=1e-4, atol=1e-3)
+    self.assertCollectives(self.hlo(f, x),
+                           absent=("all-gather", "all-to-all",
+                                   "collective-permute"))
+    self.assertEqual({(s[1], s[2]) for s in seen}, {((8, 16), (8, 16))})
+
+  def test_grad_eager(self):
+    op, body = _scale_op()
+    xh, wh = _data((8, 6)), _data((6,)) + 2
+    g = jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2), argnums=1)(
+        self.put(xh, "x", None), self.put(wh, None))
+    np.testing.assert_allclose(g, (2 * xh * xh * wh).sum(0), rtol=1e-5)
+
+  # -- what cannot be differentiated ---------------------------------------
+
+  def test_lower_fn_without_reverse_mode_gives_jax_error(self):
+    def lower_fn(x):
+      # A while loop with a traced trip count: jvp works, grad cannot.
+      n = jnp.sum(x > 1e9).astype(jnp.int32) + 2
+      return jax.lax.fori_loop(0, n, lambda i, y: y * 1.0, x * 2.0)
+    op = _same_sharding_op(lambda x: x * 2.0, lower_fn=lower_fn)
+    x = self.put(_data((8, 4)), "x", None)
+    t = jax.jit(lambda x: jax.jvp(op, (x,), (x,))[1])(x)
+    np.testing.assert_allclose(t, 2 * _data((8, 4)), rtol=1e-6)
+    with self.assertRaisesRegex(ValueError, "Reverse-mode differentiation"):
+      jax.jit(jax.grad(lambda x: op(x).sum()))(x)
+
+  def test_integer_operands_and_results(self):
+    op = _same_sharding_op(lambda x: x * 2)
+    xi = self.put(np.arange(32, dtype=np.int32).reshape(8, 4), "x", None)
+    with self.assertRaisesRegex(TypeError, "grad requires real"):
+      jax.grad(lambda x: op(x).sum())(xi)
+    primal, tangent = jax.jvp(op, (xi,), (np.zeros((8, 4), jax.dtypes.float0),))
+    np.testing.assert_array_equal(primal, np.asarray(xi) * 2)
+    self.assertEqual(tangent.dtype, jax.dtypes.float0)
+    # A float operand with an integer result: JAX's usual zero tangent.
+    op = _same_sharding_op(lambda x: jnp.round(x).astype(jnp.int32))
+    x = self.put(_data((8, 4)), "x", None)
+    _, tangent = jax.jvp(op, (x,), (x,))
+    self.assertEqual(tangent.dtype, jax.dtypes.float0)
+
+  def test_host_callback_in_lower_fn_under_jvp(self):
+    def lower_fn(x):
+      jax.debug.callback(lambda v: None, x)
+      return x * 2.0
+    op = _same_sharding_op(lambda x: x * 2.0, lower_fn=lower_fn)
+    x = self.put(_data((8, 4)), "x", None)
+    with self.assertRaisesRegex(NotImplementedError, "calls back to Python"):
+      jax.jit(lambda x: jax.jvp(op, (x,), (x,))[1])(x)
+
+
+both_partitioners(DerivedOpsTest)
+del DerivedOpsTest
 
 
 @dataclasses.dataclass(frozen=True)

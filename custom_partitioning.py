@@ -1901,16 +1901,17 @@ def _transpose(cts, *args, **params):
   mask = steps[k][1]
   n = len(mask)
   cts = [ad.instantiate_zeros(ct) for ct in cts]
-  tangent_avals = call.in_avals[n:]
 
   def body(*xs):
     primals, out_cts = xs[:n], xs[n:]
 
     def linear(*tangents):
       return core.jaxpr_as_fun(call)(*primals, *tangents)
-    return list(jax.linear_transpose(linear, *[
-        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tangent_avals])(
-            list(out_cts)))
+    # The vjp of a linear function is its transpose at any point; the
+    # primals have the tangents' types (inside shard_map, also their
+    # varying manual axes, which jax.linear_transpose would drop).
+    _, pullback = jax.vjp(linear, *(p for p, m in zip(primals, mask) if m))
+    return list(pullback(list(out_cts)))
   operands = [*args[:n], *cts]
   derived = _derived_call(call, ("transpose",), "transpose", body, operands)
   outs = custom_partitioning_p.bind(*operands, **dict(

@@ -827,7 +827,7 @@ class CallbackContractTest(CPTestCase):
 
     op.def_partition(partition,
                      infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
-                     sharding_rule="i j -> j")
+                     sharding_rule="i j -> j", reduction_factors=("i",))
     m = self.mesh()
     s = NamedSharding(m, P("x"))
     xh = _data((16, 4))
@@ -3622,7 +3622,12 @@ def _recording_fft():
 
   def partition(mesh, arg_shapes, result_shape):
     seen.append(("partition", arg_shapes[0].shape, result_shape.shape))
-    return fft.partition(mesh, arg_shapes, result_shape)
+    mesh, lower_fn, outs, args = fft.partition(mesh, arg_shapes, result_shape)
+
+    def recording_lower_fn(x):
+      seen.append(("lower_fn", x.shape, None))
+      return lower_fn(x)
+    return mesh, recording_lower_fn, outs, args
 
   def infer(mesh, arg_shapes, result_shape):
     seen.append(("infer", arg_shapes[0].shape, result_shape.shape))
@@ -3697,9 +3702,11 @@ class DerivedOpsTest(CPTestCase):
     f = jax.jit(jax.vmap(op))
     np.testing.assert_allclose(f(x), np.fft.fft(xh), rtol=1e-4, atol=1e-4)
     self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
-    # The author's callbacks see the op unbatched.
-    self.assertTrue(seen)
-    self.assertEqual({(s[1], s[2]) for s in seen}, {((4, 16), (4, 16))})
+    # The author's callbacks see the op unbatched, lower_fn its local shards
+    # (rows over "y"), unbatched too.
+    self.assertEqual({s[1:] for s in seen if s[0] != "lower_fn"},
+                     {((4, 16), (4, 16))})
+    self.assertEqual({s[1] for s in seen if s[0] == "lower_fn"}, {(2, 16)})
 
   def test_vmap_in_axes_out_axes_and_unbatched_operands(self):
     op, body = _scale_op()
@@ -3734,7 +3741,8 @@ class DerivedOpsTest(CPTestCase):
     f = jax.jit(jax.vmap(jax.vmap(op)))
     np.testing.assert_allclose(f(x), np.fft.fft(xh), rtol=1e-4, atol=1e-4)
     self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
-    self.assertEqual({(s[1], s[2]) for s in seen}, {((3, 16), (3, 16))})
+    self.assertEqual({s[1:] for s in seen if s[0] != "lower_fn"},
+                     {((3, 16), (3, 16))})
     np.testing.assert_allclose(jax.vmap(jax.vmap(op), in_axes=1)(xh),
                                np.fft.fft(np.moveaxis(xh, 1, 0)),
                                rtol=1e-4, atol=1e-4)
@@ -3876,7 +3884,8 @@ class DerivedOpsTest(CPTestCase):
     self.assertCollectives(self.hlo(f, x),
                            absent=("all-gather", "all-to-all",
                                    "collective-permute"))
-    self.assertEqual({(s[1], s[2]) for s in seen}, {((8, 16), (8, 16))})
+    self.assertEqual({s[1:] for s in seen if s[0] != "lower_fn"},
+                     {((8, 16), (8, 16))})
 
   def test_grad_eager(self):
     op, body = _scale_op()
@@ -3885,7 +3894,95 @@ class DerivedOpsTest(CPTestCase):
         self.put(xh, "x", None), self.put(wh, None))
     np.testing.assert_allclose(g, (2 * xh * xh * wh).sum(0), rtol=1e-5)
 
+  def test_propagate_user_sharding_sees_the_op_unbatched(self):
+    if self.shardy:
+      self.skipTest("propagate_user_sharding is GSPMD's")
+    seen = []
+    op = _same_sharding_op(lambda x: x * 2.0)
+    s = op.infer_sharding_from_operands
+
+    def propagate(mesh, user_shape):
+      seen.append(user_shape.shape)
+      return NamedSharding(mesh, P(None, None))
+    op.def_partition(op.partition, infer_sharding_from_operands=s,
+                     propagate_user_sharding=propagate,
+                     sharding_rule="i j -> i j")
+    xh = _data((4, 8, 6))
+    out_s = NamedSharding(self.m, P("x", "y", None))
+    f = jax.jit(lambda x: jax.vmap(op)(x) + 1.0, out_shardings=out_s)
+    np.testing.assert_allclose(f(self.put(xh, None, None, None)), xh * 2 + 1,
+                               rtol=1e-6)
+    self.assertTrue(seen)
+    self.assertEqual(set(seen), {(8, 6)})
+
+  def test_decode_shardings_false(self):
+    body = lambda x: jnp.cos(x)  # noqa: E731
+    op = custom_partitioning(body)
+    kinds = set()
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      kinds.add(type(s).__name__)
+      return mesh, body, s, (s,)
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j", decode_shardings=False)
+    xh = _data((4, 8, 6))
+    x = self.put(xh, "x", "y", None)
+    np.testing.assert_allclose(jax.jit(jax.vmap(op))(x), np.cos(xh),
+                               rtol=1e-6)
+    g = jax.jit(jax.grad(lambda x: op(x).sum()))(self.put(xh[0], "x", None))
+    np.testing.assert_allclose(g, -np.sin(xh[0]), rtol=1e-5)
+    self.assertEqual(kinds, {"GSPMDSharding"})
+
+  def test_partly_manual_shard_map(self):
+    # Manual over "x"; inside, rows are sharded over the auto axis "y" and
+    # lower_fn psums over it. vmap and grad of the op must stay right.
+    out = _run_snippet(self, self.shardy, """
+    op = custom_partitioning(lambda x: x.sum(1))
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, lambda x: jax.lax.psum(x.sum(1), "y"),
+              NamedSharding(mesh, P()), (NamedSharding(mesh, P(None, "y")),))
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r:
+                         NamedSharding(m, P()),
+                     sharding_rule="i j -> i")
+    m2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    xh = np.arange(128, dtype=np.float32).reshape(2, 8, 8) / 7.0
+    x = jax.device_put(xh, NamedSharding(m2, P(None, "x")))
+    c = np.arange(8, dtype=np.float32)
+    def inner(x):
+      sums = jax.vmap(op)(x)
+      grad = jax.grad(lambda x: (op(x) * c[:2]).sum())(x[0])
+      return sums, grad
+    f = jax.jit(shard_map(inner, mesh=m2, in_specs=P(None, "x"),
+                          out_specs=(P(None, "x"), P("x")),
+                          axis_names={"x"}))
+    sums, grad = f(x)
+    print("SUMS", np.allclose(sums, xh.sum(2), rtol=1e-5))
+    want = np.broadcast_to(np.tile(c[:2], 4)[:, None], (8, 8))
+    print("GRAD", np.allclose(grad, want, rtol=1e-5))
+    """)
+    self.assertIn("SUMS True", out)
+    self.assertIn("GRAD True", out)
+
   # -- what cannot be differentiated ---------------------------------------
+
+  def test_partition_on_another_mesh_shape(self):
+    op = custom_partitioning(lambda x: x * 2.0)
+
+    def partition(mesh, arg_shapes, result_shape):
+      flat = Mesh(np.asarray(mesh.devices).reshape(-1), ("all",))
+      s = NamedSharding(flat, P("all"))
+      return flat, lambda x: x * 2.0, s, (s,)
+    op.def_partition(partition, sharding_rule="i j -> i j",
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+                         m, P("x")))
+    x = self.put(_data((8, 4)), "x", None)
+    np.testing.assert_allclose(jax.jit(op)(x), _data((8, 4)) * 2, rtol=1e-6)
+    with self.assertRaisesRegex(NotImplementedError,
+                                "must be the same.*|the op's mesh"):
+      jax.jit(jax.vmap(op))(self.put(_data((2, 8, 4)), None, "x", None))
 
   def test_lower_fn_without_reverse_mode_gives_jax_error(self):
     def lower_fn(x):

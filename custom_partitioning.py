@@ -274,11 +274,16 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
       result_mappings=result_mappings, **kwargs)
 
 
+# jax 0.5.3 made axis types a tuple of jax.sharding.AxisType; before it,
+# meshes cannot type single axes Manual, so a NamedSharding cannot express
+# the manual subgroup that XLA's shardings carry inside a partly manual
+# shard_map.
+_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
+
+
 def _with_manual_axes(mesh, manual_axes):
   """``mesh`` with ``manual_axes`` typed ``AxisType.Manual``."""
-  # jax 0.5.3 made axis types a tuple of jax.sharding.AxisType; before it,
-  # meshes cannot type single axes Manual and we leave them untyped.
-  if not manual_axes or _JAX_VERSION < (0, 5, 3):
+  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
     return mesh
   types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
                  for name, t in zip(mesh.axis_names, mesh.axis_types))
@@ -1066,7 +1071,7 @@ class _OpInfo:
     self.static_args = _static_values(params["static_args"])
     self.in_tree = params["in_tree"]
     self.out_tree = params["out_tree"]
-    self.steps = params["transform"]  # section 3b; () for the author's op
+    self.steps = _steps(params)  # section 3b
     self.mesh = mesh  # what the callbacks see
     self.devices = devices
     # Inside a partly manual shard_map: the mesh of the auto axes, on which
@@ -1175,7 +1180,10 @@ class _OpInfo:
     return _pack_hlo(result_shape, shardings)
 
   def propagate_user(self, user_sharding, shape):
-    if self.steps and not self.mesh.empty:
+    if self.steps:
+      if self.mesh.empty or (self.submesh is not None and
+                             not _MESH_TYPES_MANUAL_AXES):
+        return user_sharding
       return self._derived_propagate(user_sharding, shape)
     if self.propagate is None:
       return user_sharding
@@ -1296,8 +1304,9 @@ class _OpInfo:
     return specs
 
   def _derived_infer(self, arg_shapes, arg_shardings, result_shape):
-    if self.mesh.empty:
-      return None
+    if self.mesh.empty or (self.submesh is not None and
+                           not _MESH_TYPES_MANUAL_AXES):
+      return None  # XLA's default propagation
     result_shapes, _ = _hlo_parts(result_shape, None)
     results = self._values(result_shapes, [None] * len(result_shapes))
     levels = _levels(self.steps, self._values(arg_shapes, arg_shardings),
@@ -1856,10 +1865,15 @@ def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
   return derived
 
 
+def _steps(params) -> tuple:
+  """The ``transform`` of an equation; () (the author's op) if it has none,
+  as when ``custom_partitioning_p`` is bound with upstream's parameters."""
+  return params.get("transform", ())
+
+
 def _bind_derived(args, params, step: tuple, call) -> list:
   return custom_partitioning_p.bind(
-      *args, **dict(params, call=call, transform=params["transform"] + (
-          step,)))
+      *args, **dict(params, call=call, transform=_steps(params) + (step,)))
 
 
 def _differentiable(aval) -> bool:
@@ -1890,7 +1904,7 @@ def _jvp(primals, tangents, **params):
 
 def _transpose(cts, *args, **params):
   """Transposes a jvp op (linear in its tangents) into a vjp op."""
-  steps = params["transform"]
+  steps = _steps(params)
   k = max((i for i, s in enumerate(steps) if s[0] != "batch"), default=None)
   call = params["call"]
   if k is None or steps[k][0] != "jvp" or any(
@@ -2058,7 +2072,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         "its def_partition was given partition=None.")
 
   # The rule is the author's, about the author's op (section 3b).
-  steps = params["transform"]
+  steps = _steps(params)
   levels = _levels(steps, [_Value(a.shape, a.dtype, None)
                            for a in call.in_avals],
                    [_Value(a.shape, a.dtype, None) for a in call.out_avals])

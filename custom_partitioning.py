@@ -2561,6 +2561,22 @@ def _demo() -> None:
     if fn is fft and found:
       raise SystemExit("the custom fft should need no collectives")
 
+  # Its gradient is partitioned by the same callbacks: still no collective.
+  # Parseval: the gradient of sum |fft(x)|^2 is 2 * n * x.
+  def energy(x):
+    return jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2)
+  grad = jax.jit(jax.grad(energy))
+  real = jax.device_put(host.real.copy(), rows)
+  error = float(np.max(np.abs(np.asarray(grad(real)) -
+                              2 * 512 * host.real)))
+  hlo_text = grad.lower(real).compile().as_text()
+  found = [c for c in ("all-gather", "all-to-all", "collective-permute")
+           if c in hlo_text]
+  print(f"{'jax.grad of |fft|^2':26} max error vs 2*n*x {error:.2e}; "
+        f"gathers: {', '.join(found) or 'none'}")
+  if error > 1e-1 or found:
+    raise SystemExit("the custom fft's gradient should be right and local")
+
 
 if __name__ == "__main__":
   _demo()

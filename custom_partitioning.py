@@ -1842,7 +1842,7 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 # longer ``transform`` and, as ``call``, the body transformed alike, which
 # gives the derived op its abstract values and its single-device code.
 
-# call -> {(step, operand avals): derived call}; entries live exactly as
+# call -> LRU {(step, operand avals): derived call}; entries live at most as
 # long as ``call``. The avals are those of the actual operands: with
 # Explicit mesh axes they carry shardings, which the results inherit.
 _derived_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1855,13 +1855,15 @@ def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
   in_avals = tuple(_typeof(x) for x in operands)
   key = (step, in_avals)
   with _derived_lock:
-    derived = _derived_calls.setdefault(call, {}).get(key)
+    table = _derived_calls.get(call)
+    if table is None:
+      table = _derived_calls[call] = _LRU(_CACHE_SIZE)
+  derived = table.get(key)
   if derived is None:
     jaxpr, consts = _trace(_wrap(fun, in_avals, ()), in_avals)
     derived = core.ClosedJaxpr(jaxpr, consts)
     _call_names[derived] = f"{label} of {_fun_name(call)}"
-    with _derived_lock:
-      derived = _derived_calls[call].setdefault(key, derived)
+    table.put(key, derived)
   return derived
 
 

@@ -3573,6 +3573,28 @@ class CacheBoundsTest(CPTestCase):
     self.assertLessEqual(len(cp._eager_fns), cp._CACHE_SIZE + 8)
     self.assertLessEqual(len(cp._call_names), cp._CACHE_SIZE + 8)
 
+  def test_derived_ops_keep_their_tables_bounded(self):
+    op = elementwise_op()
+    s = NamedSharding(self.mesh(), P("x"))
+    x = jax.device_put(np.ones((8, 4), np.float32), s)
+    gc.collect()
+    registry_before = len(cp._registry)
+    # One op, 150 batch sizes, each batched, differentiated and transposed.
+    for n in range(1, 151):
+      xs = jnp.ones((n, 8, 4), np.float32)
+      f = jax.jit(jax.vmap(jax.grad(lambda x: op(x).sum())))
+      np.testing.assert_allclose(f(xs), 2 * np.cos(np.ones((n, 8, 4))),
+                                 rtol=1e-5)
+    jax.jit(jax.grad(lambda x: op(x).sum())).lower(x).compile()
+    self.assertGreater(len(cp._derived_calls), 0)
+    for table in list(cp._derived_calls.values()):
+      self.assertLessEqual(len(table), cp._CACHE_SIZE)
+    f = x = xs = None
+    jax.clear_caches()
+    gc.collect()
+    self.assertEqual(len(cp._registry), registry_before)
+    self.assertLessEqual(len(cp._derived_calls), cp._CACHE_SIZE + 8)
+
 
 
 # ==========================================================================

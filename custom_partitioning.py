@@ -314,6 +314,17 @@ def _no_ambient_mesh():
   return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
 
 
+def _varying_axes(aval) -> frozenset | None:
+  """The manual mesh axes a value varies over inside ``shard_map``, or None
+  where jax does not track them."""
+  # jax 0.6 added ShapedArray.vma (shard_map's check_vma); jax 0.10 moved it
+  # to ShapedArray.manual_axis_type.varying.
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return mat.varying
+  return getattr(aval, "vma", None)
+
+
 def _use_shardy() -> bool:
   return bool(_config.use_shardy_partitioner.value)
 
@@ -874,17 +885,19 @@ def _ndims(shapes: Sequence[xc.Shape]) -> list[int]:
 # --------------------------------------------------------------------------
 
 class _Value(NamedTuple):
-  """An operand or result: global shape, dtype and spec (None: unknown)."""
+  """An operand or result: global shape, dtype, spec (None: unknown) and,
+  inside a shard_map, the manual axes it varies over (None: untracked)."""
   shape: tuple
   dtype: Any
   spec: tuple | None
+  varying: frozenset | None = None
 
 
 def _step_down(step: tuple, operands: list, results: list):
   """The operands and results of the op one ``step`` below."""
   if step[0] == "batch":
     def strip(v):
-      return _Value(v.shape[1:], v.dtype, v.spec and v.spec[1:])
+      return v._replace(shape=v.shape[1:], spec=v.spec and v.spec[1:])
     return [strip(v) for v in operands], [strip(v) for v in results]
   n = len(step[1])
   if step[0] == "jvp":
@@ -1062,7 +1075,7 @@ class _OpInfo:
   """What XLA's callbacks need to know about one lowered custom call."""
 
   def __init__(self, *, name, params, mesh, devices, submesh, full_mesh, rule,
-               platforms, backend):
+               platforms, backend, varying=((), ())):
     self.name = name
     self.partition = params["partition"]
     self.infer = params["infer_sharding_from_operands"]
@@ -1078,6 +1091,8 @@ class _OpInfo:
     # XLA expresses the shardings of the partition request.
     self.submesh = submesh
     self.full_mesh = full_mesh
+    # Per operand and result: the manual axes it varies over, if tracked.
+    self.varying = varying
     self.rule = rule
     self.platforms = platforms
     self.backend = backend
@@ -1153,7 +1168,15 @@ class _OpInfo:
 
   # -- the three questions XLA asks ------------------------------------
 
+  def _inexpressible(self) -> bool:
+    """Inside a partly manual shard_map before jax 0.5.3, a NamedSharding
+    cannot carry the manual subgroup XLA expects of a propagated sharding
+    (XLA aborts on one without): propagation is left to XLA there."""
+    return self.submesh is not None and not _MESH_TYPES_MANUAL_AXES
+
   def infer_result(self, arg_shapes, arg_shardings, result_shape):
+    if self._inexpressible():
+      return None
     if self.steps:
       return self._derived_infer(arg_shapes, arg_shardings, result_shape)
     result_shapes, _ = _hlo_parts(result_shape, None)
@@ -1180,9 +1203,10 @@ class _OpInfo:
     return _pack_hlo(result_shape, shardings)
 
   def propagate_user(self, user_sharding, shape):
+    if self._inexpressible():
+      return user_sharding
     if self.steps:
-      if self.mesh.empty or (self.submesh is not None and
-                             not _MESH_TYPES_MANUAL_AXES):
+      if self.mesh.empty:
         return user_sharding
       return self._derived_propagate(user_sharding, shape)
     if self.propagate is None:
@@ -1268,12 +1292,14 @@ class _OpInfo:
     """The mesh XLA's shardings are expressed on."""
     return self.submesh if sub else self.mesh
 
-  def _values(self, shapes, hlo_shardings, sub=False) -> list[_Value]:
+  def _values(self, shapes, hlo_shardings, sub=False,
+              varying=()) -> list[_Value]:
     on = self._on(sub)
+    varying = list(varying) or [None] * len(shapes)
     return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
                    None if h is None else
-                   _decode_spec(h, on, len(s.dimensions())))
-            for s, h in zip(shapes, hlo_shardings)]
+                   _decode_spec(h, on, len(s.dimensions())), v)
+            for s, h, v in zip(shapes, hlo_shardings, varying)]
 
   def _hlo(self, spec: tuple, ndim: int, sub=False) -> xc.HloSharding:
     return jax.sharding.NamedSharding(
@@ -1304,8 +1330,7 @@ class _OpInfo:
     return specs
 
   def _derived_infer(self, arg_shapes, arg_shardings, result_shape):
-    if self.mesh.empty or (self.submesh is not None and
-                           not _MESH_TYPES_MANUAL_AXES):
+    if self.mesh.empty:
       return None  # XLA's default propagation
     result_shapes, _ = _hlo_parts(result_shape, None)
     results = self._values(result_shapes, [None] * len(result_shapes))
@@ -1395,8 +1420,10 @@ class _OpInfo:
     result_shapes, result_shardings = _hlo_parts(result_shape,
                                                  result_sharding)
     levels = _levels(self.steps,
-                     self._values(arg_shapes, arg_shardings, sub),
-                     self._values(result_shapes, result_shardings, sub))
+                     self._values(arg_shapes, arg_shardings, sub,
+                                  self.varying[0]),
+                     self._values(result_shapes, result_shardings, sub,
+                                  self.varying[1]))
     mesh, fn, in_specs, out_specs = self._partition_specs(levels, sub)
     in_hlo = [self._hlo(spec, len(s.dimensions()), sub)
               for spec, s in zip(in_specs, arg_shapes)]
@@ -1440,14 +1467,29 @@ class _OpInfo:
         fn = _jvp_fn(fn, step[1])
       else:
         args, outs = specs[k]
+        operands, results = levels[k]
         batched = _axes_in([entries[k + 1:]])
-        scales = [math.prod(on.shape[a]
-                            for a in _replicated_over(on, spec, batched))
-                  for spec in outs]
-        psum_axes = [_replicated_over(on, spec, batched)
-                     for spec, m in zip(args, step[1]) if m]
+        scales = [math.prod(mesh.shape[a]
+                            for a in self._copies_over(spec, v, batched, sub))
+                  for spec, v in zip(outs, results)]
+        psum_axes = [self._copies_over(spec, v, batched, sub)
+                     for spec, v, m in zip(args, operands, step[1]) if m]
         fn = _vjp_fn(fn, step[1], scales, psum_axes)
     return (mesh, fn, *specs[-1])
+
+  def _copies_over(self, spec, value: _Value, batched: set, sub) -> tuple:
+    """The mesh axes along which devices hold equal copies of ``value``:
+    those that neither its spec nor a batch dimension above shard it over
+    and, inside a partly manual shard_map, the manual axes it does not vary
+    over (as shard_map types it; jax < 0.6 and ``check_vma=False`` leave
+    every value untyped, and then no manual axis counts)."""
+    axes = _replicated_over(self._on(sub), spec, batched)
+    if self.submesh is None or value.varying is None or not any(
+        self.varying[0] + self.varying[1]):
+      return axes
+    return axes + tuple(a for a in self.full_mesh.axis_names
+                        if a not in self.submesh.axis_names and
+                        a not in value.varying)
 
   def _author_partition(self, operands, results, sub):
     """The author's ``partition`` answer, traced (see ``_partition_specs``)."""
@@ -1943,8 +1985,15 @@ def _batch(args, dims, **params):
   args = [jax.lax.broadcast(x, (size,)) if d is None
           else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
   call = params["call"]
-  derived = _derived_call(call, ("batch",), "vmap",
-                          jax.vmap(core.jaxpr_as_fun(call)), args)
+  batched = tuple(d is not None for d in dims)
+
+  def body(*xs):
+    # The body sees the broadcast operands unbatched again: with Explicit
+    # mesh axes, vmap wants all batch dimensions sharded alike.
+    return jax.vmap(core.jaxpr_as_fun(call),
+                    in_axes=[0 if b else None for b in batched])(
+                        *[x if b else x[0] for x, b in zip(xs, batched)])
+  derived = _derived_call(call, ("batch", batched), "vmap", body, args)
   outs = _bind_derived(args, params, ("batch",), derived)
   return outs, [0] * len(outs)
 
@@ -2055,6 +2104,11 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context)
   if devices is not None and len(devices) == 1:
     return inline_body(ctx, *values)
+  steps = _steps(params)
+  if steps and submesh is not None and not _MESH_TYPES_MANUAL_AXES:
+    # A derived op's shardings inside a partly manual shard_map need the
+    # manual subgroup that only typed meshes express (else XLA aborts).
+    return inline_body(ctx, *values)
   name = _fun_name(call)
   if _is_exporting(ctx):
     raise NotImplementedError(
@@ -2074,7 +2128,6 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         "its def_partition was given partition=None.")
 
   # The rule is the author's, about the author's op (section 3b).
-  steps = _steps(params)
   levels = _levels(steps, [_Value(a.shape, a.dtype, None)
                            for a in call.in_avals],
                    [_Value(a.shape, a.dtype, None) for a in call.out_avals])
@@ -2099,15 +2152,17 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   # lowering and its executables, so its id is unique while they live.
   scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
   call = params["call"]
+  varying = tuple(tuple(_varying_axes(a) for a in avals)
+                  for avals in (ctx.avals_in, ctx.avals_out))
   key = f"{_TARGET}:" + _digest(
       scope, str(call.jaxpr), call.consts,
       *(params[k] for k in sorted(params) if k != "call"),
       mesh, [d.id for d in devices], ctx.module_context.platforms,
-      use_shardy)
+      use_shardy, [[sorted(v) if v else v for v in side] for side in varying])
   info = _OpInfo(name=name, params=params, mesh=mesh, devices=devices,
                  submesh=submesh, full_mesh=full_mesh, rule=rule,
                  platforms=ctx.module_context.platforms,
-                 backend=_module_backend(ctx))
+                 backend=_module_backend(ctx), varying=varying)
   with _registry_lock:
     # Keep the first live entry: equal keys answer alike, and lowerings that
     # already hold it must keep finding it.

@@ -3984,9 +3984,54 @@ class DerivedOpsTest(CPTestCase):
     print("SUMS", np.allclose(sums, xh.sum(2), rtol=1e-5))
     want = np.broadcast_to(np.tile(c[:2], 4)[:, None], (8, 8))
     print("GRAD", np.allclose(grad, want, rtol=1e-5))
+    # The gradient of an operand that is the same on every device along
+    # the manual axis (w) sums over that axis, as jax's shard_map does it
+    # for the undecorated function.
+    body = lambda x, w: x * w
+    scale = custom_partitioning(body)
+    def scale_partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P(None, "y"))
+      return mesh, body, rows, (rows, NamedSharding(mesh, P("y")))
+    scale.def_partition(scale_partition,
+                        infer_sharding_from_operands=lambda m, a, r:
+                            NamedSharding(m, P(None, "y")),
+                        sharding_rule="i j, j -> i j")
+    w = np.arange(8, dtype=np.float32) / 3 + 1
+    for name, fn in (("body", body), ("op", scale)):
+      g = jax.jit(shard_map(
+          lambda x, w: jax.grad(lambda w: jnp.sin(fn(x[0], w)).sum())(w),
+          mesh=m2, in_specs=(P(None, "x"), P()), out_specs=P(),
+          axis_names={"x"}))(x, w)
+      print(name, "WGRAD", np.asarray(g).round(4).tolist())
     """)
     self.assertIn("SUMS True", out)
     self.assertIn("GRAD True", out)
+    wgrads = re.findall(r"(body|op) WGRAD (.*)", out)
+    self.assertEqual(len(wgrads), 2, out)
+    np.testing.assert_allclose(json.loads(wgrads[0][1]),
+                               json.loads(wgrads[1][1]), rtol=1e-4)
+
+  def test_explicit_mesh_axes(self):
+    if not hasattr(jax, "set_mesh"):
+      self.skipTest(f"{JAX}: jax.set_mesh (Explicit axes) needs jax 0.7.1")
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((4, 2), ("x", "y"), axis_types=(explicit, explicit))
+    op, body = _scale_op()
+    xh, wh = _data((4, 8, 6)), _data((4, 6)) + 2
+    with jax.set_mesh(m):
+      x = jax.device_put(xh, NamedSharding(m, P("y", "x", None)))
+      w = jax.device_put(wh, NamedSharding(m, P("y", None)))
+      w0 = jax.device_put(wh[0], NamedSharding(m, P(None)))
+      # An unbatched operand next to a batch sharded over "y".
+      f = jax.jit(jax.vmap(op, in_axes=(0, None)))
+      np.testing.assert_allclose(f(x, w0), xh * wh[0], rtol=1e-6)
+      self.assertCollectives(self.hlo(f, x, w0), absent=_COLLECTIVES)
+      np.testing.assert_allclose(jax.vmap(op, in_axes=(0, None))(x, w0),
+                                 xh * wh[0], rtol=1e-6)
+      # vmap of grad: the incoming cotangent is unbatched.
+      g = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(op(x, w)),
+                                    argnums=1)))
+      np.testing.assert_allclose(g(x, w), xh.sum(1), rtol=1e-5)
 
   # -- what cannot be differentiated ---------------------------------------
 

@@ -1294,12 +1294,20 @@ class _OpInfo:
 
   def _values(self, shapes, hlo_shardings, sub=False,
               varying=()) -> list[_Value]:
+    """XLA's shapes and shardings as ``_Value``s. A sharding with no
+    PartitionSpec on the mesh (e.g. a reshape split a mesh axis) reads as
+    replicated: it cannot lose its batch dimension, and XLA reshards the
+    operand to whatever ``partition`` asks anyway."""
     on = self._on(sub)
     varying = list(varying) or [None] * len(shapes)
-    return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
-                   None if h is None else
-                   _decode_spec(h, on, len(s.dimensions())), v)
-            for s, h, v in zip(shapes, hlo_shardings, varying)]
+    out = []
+    for s, h, v in zip(shapes, hlo_shardings, varying):
+      ndim = len(s.dimensions())
+      spec = None
+      if h is not None:
+        spec = _decode_spec(h, on, ndim) or (None,) * ndim
+      out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, v))
+    return out
 
   def _hlo(self, spec: tuple, ndim: int, sub=False) -> xc.HloSharding:
     return jax.sharding.NamedSharding(
@@ -1982,9 +1990,12 @@ def _batch(args, dims, **params):
   """Batches the op: every operand gets the batch dimension in front."""
   # An unbatched operand has dimension None (batching.not_mapped).
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  call = params["call"]
+  if size == 0:  # nothing to partition (and no item to unbatch below)
+    outs = jax.vmap(core.jaxpr_as_fun(call), in_axes=list(dims))(*args)
+    return outs, [0] * len(outs)
   args = [jax.lax.broadcast(x, (size,)) if d is None
           else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-  call = params["call"]
   batched = tuple(d is not None for d in dims)
 
   def body(*xs):

@@ -3746,6 +3746,47 @@ class DerivedOpsTest(CPTestCase):
           got = jax.jit(jax.vmap(op, in_axes, out_axes))(*args)
           np.testing.assert_allclose(got, want, rtol=1e-6)
 
+  def test_vmap_of_an_empty_batch(self):
+    op, body = _scale_op()
+    x, w = np.zeros((0, 8, 4), np.float32), _data((4,))
+    for f in (jax.vmap(op, in_axes=(0, None)),
+              jax.jit(jax.vmap(op, in_axes=(0, None)))):
+      self.assertEqual(f(x, w).shape, (0, 8, 4))
+
+  def test_sharding_without_a_partition_spec(self):
+    # A reshape splits mesh axis "x" (size 4) over two dimensions: no
+    # PartitionSpec describes that. The op's partition sees a Sharding
+    # (for the derived ops: the batch-free part of it, read as replicated).
+    seen = []
+    body = lambda x: jnp.sin(x) * 2  # noqa: E731
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      seen.append(type(s).__name__)
+      if not isinstance(s, NamedSharding):
+        s = NamedSharding(mesh, P())
+      return mesh, body, s, (s,)
+    op.def_partition(partition, sharding_rule="... i -> ... i",
+                     infer_sharding_from_operands=lambda m, a, r:
+                         NamedSharding(m, P()))
+    xh = _data((8, 8))
+    x = self.put(xh, "x", None)
+    loss = lambda f, x: jnp.sum(f(x.reshape(2, 4, 8)) ** 2)  # noqa: E731
+    for name, fn, want in (
+        ("plain", lambda x: op(x.reshape(2, 4, 8)),
+         body(xh.reshape(2, 4, 8))),
+        ("vmap", lambda x: jax.vmap(op)(x.reshape(2, 4, 8)),
+         body(xh.reshape(2, 4, 8))),
+        ("grad", jax.grad(functools.partial(loss, op)),
+         jax.grad(functools.partial(loss, body))(xh))):
+      with self.subTest(name):
+        seen.clear()
+        np.testing.assert_allclose(jax.jit(fn)(x), want, rtol=1e-5,
+                                   atol=1e-6)
+        self.assertTrue(seen)
+        self.assertNotIn("NoneType", seen)
+
   def test_jit_vmap_unbatched_operand_on_a_mesh(self):
     op, body = _scale_op()
     xh = _data((8, 4, 6))

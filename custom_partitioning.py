@@ -1546,6 +1546,13 @@ class _OpInfo:
     if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
       raise TypeError(f"partition of {self.name} returned a mesh of type "
                       f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
+    if isinstance(mesh, mesh_lib.Mesh) and mesh.empty:
+      raise ValueError(
+          f"partition of {self.name} returned an empty mesh: the op's mesh "
+          "could not be recovered (the program's shardings are not "
+          "NamedShardings and no mesh is set). Return a mesh over the op's "
+          "devices, or use NamedSharding inputs, jax.set_mesh or `with "
+          "mesh:`.")
     if self.submesh is None:  # else the shard_map's mesh is used anyway
       if isinstance(mesh, mesh_lib.Mesh):
         devices = set(mesh._flat_devices_tuple)
@@ -1747,6 +1754,8 @@ class _Describer:
       out.append(f"builtin {obj.__module__}.{obj.__qualname__}")
       if not isinstance(obj.__self__, (types.ModuleType, type(None))):
         self.add(obj.__self__)
+    elif isinstance(obj, jax.sharding.Mesh) and obj.empty:
+      out.append("empty mesh")
     elif isinstance(obj, jax.sharding.Mesh):
       out.append(f"mesh {obj.axis_names} {obj.devices.shape} "
                  f"{[d.id for d in obj._flat_devices_tuple]} "

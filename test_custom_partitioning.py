@@ -3773,11 +3773,12 @@ class DerivedOpsTest(CPTestCase):
     xh = _data((8, 8))
     x = self.put(xh, "x", None)
     loss = lambda f, x: jnp.sum(f(x.reshape(2, 4, 8)) ** 2)  # noqa: E731
+    # (Results are reshaped back: jax 0.9 cannot name the split sharding of
+    # a jit's output under Shardy.)
     for name, fn, want in (
-        ("plain", lambda x: op(x.reshape(2, 4, 8)),
-         body(xh.reshape(2, 4, 8))),
-        ("vmap", lambda x: jax.vmap(op)(x.reshape(2, 4, 8)),
-         body(xh.reshape(2, 4, 8))),
+        ("plain", lambda x: op(x.reshape(2, 4, 8)).reshape(8, 8), body(xh)),
+        ("vmap", lambda x: jax.vmap(op)(x.reshape(2, 4, 8)).reshape(8, 8),
+         body(xh)),
         ("grad", jax.grad(functools.partial(loss, op)),
          jax.grad(functools.partial(loss, body))(xh))):
       with self.subTest(name):
@@ -4110,8 +4111,7 @@ class DerivedOpsTest(CPTestCase):
                          m, P("x")))
     x = self.put(_data((8, 4)), "x", None)
     np.testing.assert_allclose(jax.jit(op)(x), _data((8, 4)) * 2, rtol=1e-6)
-    with self.assertRaisesRegex(NotImplementedError,
-                                "must be the same.*|the op's mesh"):
+    with self.assertRaisesRegex(NotImplementedError, "must be the same"):
       jax.jit(jax.vmap(op))(self.put(_data((2, 8, 4)), None, "x", None))
 
   def test_lower_fn_without_reverse_mode_gives_jax_error(self):

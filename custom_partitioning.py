@@ -1180,27 +1180,32 @@ class _OpInfo:
     if self.steps:
       return self._derived_infer(arg_shapes, arg_shardings, result_shape)
     result_shapes, _ = _hlo_parts(result_shape, None)
-    results = [_struct(s) for s in result_shapes]  # no shardings yet
-    if self.infer is not None:
-      value = self.infer(
-          *self.static_args, self.mesh,
-          self.shape_structs(self.in_tree, arg_shapes, arg_shardings),
-          self.out_tree.unflatten(results))
-    elif self.rule is not None:
-      # The rule needs mesh axes, whatever ``decode_shardings`` says.
-      args = [_struct(s, self.decode_sharding(h, len(s.dimensions()),
-                                              named=True))
-              for s, h in zip(arg_shapes, arg_shardings)]
-      derived = _infer_from_rule(self.rule, args, results, self.mesh)
-      if derived is None:
-        return None
-      value = self.out_tree.unflatten(derived)
-    else:
+    # The rule needs mesh axes, whatever ``decode_shardings`` says.
+    value = self._inferred(
+        self.shape_structs(self.in_tree, arg_shapes, arg_shardings),
+        [_struct(s, self.decode_sharding(h, len(s.dimensions()), named=True))
+         for s, h in zip(arg_shapes, arg_shardings)],
+        [_struct(s) for s in result_shapes])  # no shardings yet
+    if value is None:
       return None
     shardings = self.encode_shardings(
         self.out_tree, value, _ndims(result_shapes),
         "infer_sharding_from_operands", "result sharding")
     return _pack_hlo(result_shape, shardings)
+
+  def _inferred(self, args, named_args: list, results: list):
+    """The result shardings ``infer_sharding_from_operands`` gives, or
+    (without it) those derived from the rule; None if neither can tell.
+
+    ``args``: the author's view of the operands (a pytree); ``named_args``:
+    a flat list of them with NamedShardings, which the rule needs."""
+    if self.infer is not None:
+      return self.infer(*self.static_args, self.mesh, args,
+                        self.out_tree.unflatten(results))
+    if self.rule is None:
+      return None
+    derived = _infer_from_rule(self.rule, named_args, results, self.mesh)
+    return None if derived is None else self.out_tree.unflatten(derived)
 
   def propagate_user(self, user_sharding, shape):
     if self._inexpressible():
@@ -1367,22 +1372,15 @@ class _OpInfo:
     return [(entry, *spec) for spec in inner]
 
   def _author_infer(self, operands, results):
-    structs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in results]
-    if self.infer is not None:
-      value = self.infer(*self.static_args, self.mesh,
-                         self._user_structs(self.in_tree, operands),
-                         self.out_tree.unflatten(structs))
-    elif self.rule is not None:
-      args = [jax.ShapeDtypeStruct(
-          v.shape, v.dtype, sharding=None if v.spec is None else
-          jax.sharding.NamedSharding(self.mesh,
-                                     jax.sharding.PartitionSpec(*v.spec)))
-          for v in operands]
-      derived = _infer_from_rule(self.rule, args, structs, self.mesh)
-      if derived is None:
-        return None
-      value = self.out_tree.unflatten(derived)
-    else:
+    value = self._inferred(
+        self._user_structs(self.in_tree, operands),
+        [jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=None if v.spec is None else
+            jax.sharding.NamedSharding(self.mesh,
+                                       jax.sharding.PartitionSpec(*v.spec)))
+         for v in operands],
+        [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in results])
+    if value is None:
       return None
     return self._specs(self.out_tree, value, results,
                        "infer_sharding_from_operands", "result sharding")

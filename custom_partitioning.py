@@ -905,6 +905,18 @@ def _step_down(step: tuple, operands: list, results: list):
   return operands[:n], operands[n:]  # vjp: cotangents stand for results
 
 
+def _step_up(step: tuple, operands: list, results: list, batch_dim=None):
+  """Per-value items (specs, rule dimensions) of the op one ``step`` up; a
+  batch step puts ``batch_dim`` in front of every one."""
+  if step[0] == "batch":
+    return ([(batch_dim, *v) for v in operands],
+            [(batch_dim, *v) for v in results])
+  picked = [v for v, m in zip(operands, step[1]) if m]
+  if step[0] == "jvp":  # tangents like their primals
+    return operands + picked, results
+  return operands + results, picked  # vjp: cotangents like their primals
+
+
 def _levels(steps: tuple, operands: list, results: list) -> list:
   """``[(operands, results)]`` of the author's op, then after each step."""
   out = [(operands, results)]
@@ -1010,18 +1022,15 @@ def _derived_rule_attr(rule, levels: list, steps: tuple):
   ops, res = dims[:len(operands0)], dims[len(operands0):]
   reduction = list(rule.reduction_factors)
   for k, step in enumerate(steps):
+    factor = None
     if step[0] == "batch":
       factor = f"{_BATCH_FACTOR_PREFIX}vmap{k}"
       sizes[factor] = levels[k + 1][0][0].shape[0]
-      ops = [[(factor,), *d] for d in ops]
-      res = [[(factor,), *d] for d in res]
-    elif step[0] == "jvp":
-      ops = ops + [d for d, m in zip(ops, step[1]) if m]
-    else:
+    elif step[0] == "vjp":
       # Cotangents of operands are sharded like the operands, even along
       # what was a reduction factor.
-      ops, res = ops + res, [d for d, m in zip(ops, step[1]) if m]
       reduction = []
+    ops, res = _step_up(step, ops, res, (factor,))
   return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
                               rule.need_replication_factors,
                               rule.permutation_factors)
@@ -1454,13 +1463,7 @@ class _OpInfo:
       if step[0] == "batch":
         entry = _batch_entry(operands + results, used | _axes_in(args + outs),
                              on, operands[0].shape[0])
-        args = [(entry, *spec) for spec in args]
-        outs = [(entry, *spec) for spec in outs]
-      elif step[0] == "jvp":
-        args = args + [spec for spec, m in zip(args, step[1]) if m]
-      else:
-        args, outs = args + outs, [spec for spec, m in zip(args, step[1])
-                                   if m]
+      args, outs = _step_up(step, args, outs, entry)
       specs.append((args, outs))
       entries.append(entry)
     # Then the function. A vjp step corrects for replicated values; a value

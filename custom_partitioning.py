@@ -120,6 +120,7 @@ from jax._src import config as _config
 from jax._src import errors as _errors
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
+from jax._src import util as _jax_util
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import version as _jaxlib_version
@@ -231,6 +232,13 @@ def _context_abstract_mesh(axis_context):
   if am is None or am.empty:
     am = _ambient_mesh("get_abstract_mesh")
   return None if am is None or am.empty else am
+
+
+def _aval_mesh(aval):
+  """The abstract mesh an abstract value is sharded on, if it has one."""
+  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
 
 
 def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
@@ -353,6 +361,83 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
 
 def _register_compile_error_handler(handler) -> None:
   _compiler.register_xla_runtime_error_handler(handler)
+
+
+def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
+  """Memoizes the argument-less ``fn`` until ``jax.clear_caches()``."""
+  # jax's own util.cache is cleared by jax.clear_caches() on every release
+  # (through a set of clear functions up to 0.4.x, util.register_cache
+  # since). With jax_check_tracer_leaks on it does not memoize at all.
+  return _jax_util.cache(max_size=1, trace_context_in_key=False)(fn)
+
+
+# --------------------------------------------------------------------------
+# 1b. Caches
+#
+# Every cache this module keeps is an ``_LRU`` below (bounded, thread-safe,
+# emptied by ``jax.clear_caches()``), or a table keyed weakly by a traced
+# body that holds such LRUs. Each answers exactly what a fresh computation
+# would, because its key holds everything the computation reads that jax's
+# own caches key on too; the comment beside each says what that is:
+#   custom_partitioning._traces   traces of ``fun``, like jax.jit's
+#   custom_partitioning._eager    compiled eager calls
+#   _eager_fns                    compiled eager calls of a bound primitive
+#   _derived_calls                bodies of derived ops (vmap, jvp, grad)
+#   _OpInfo.lowered               per-shard modules of partition requests
+# Not caches (they answer no question a computation could): the registry of
+# lowered ops (section 4, weak), parked callback errors (section 4) and the
+# names of traced bodies (section 5, weak).
+# --------------------------------------------------------------------------
+
+_CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
+
+
+@_until_clear_caches
+def _cache_epoch() -> object:
+  """A token that changes when ``jax.clear_caches()`` is called."""
+  return object()
+
+
+class _LRU:
+  """A small thread-safe least-recently-used map, emptied (lazily, on its
+  next use) by ``jax.clear_caches()``."""
+
+  def __init__(self, size: int = _CACHE_SIZE):
+    self._size = size
+    self._data: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self._epoch = None
+
+  def _check_epoch(self) -> None:
+    epoch = _cache_epoch()
+    if epoch is not self._epoch:
+      self._data.clear()
+      self._epoch = epoch
+
+  def get(self, key):
+    with self._lock:
+      self._check_epoch()
+      value = self._data.get(key)
+      if value is not None:
+        self._data.move_to_end(key)
+      return value
+
+  def put(self, key, value) -> None:
+    with self._lock:
+      self._check_epoch()
+      self._data[key] = value
+      self._data.move_to_end(key)
+      while len(self._data) > self._size:
+        self._data.popitem(last=False)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._data.clear()
+
+  def __len__(self) -> int:
+    with self._lock:
+      self._check_epoch()
+      return len(self._data)
 
 
 # --------------------------------------------------------------------------
@@ -1107,7 +1192,10 @@ class _OpInfo:
     self.backend = backend
     # Errors of infer/propagate, per compiling thread, for ``partition``.
     self.pending: dict[int, BaseException] = {}
-    self.lowered: dict = {}  # partition request -> XLA answer
+    # Partition request -> XLA's answer. The request holds every input of
+    # the answer that is not in this op's key (shapes, dtypes, shardings);
+    # the key holds the rest (see section 4b).
+    self.lowered = _LRU(256)
 
   # -- conversions -----------------------------------------------------
 
@@ -1241,7 +1329,7 @@ class _OpInfo:
     if answer is None:
       lower = self._lower_derived if self.steps else self._lower_partition
       answer = lower(arg_shapes, arg_shardings, result_shape, result_sharding)
-      self.lowered[request] = answer
+      self.lowered.put(request, answer)
     return answer
 
   def _host_callback_error(self) -> NotImplementedError:
@@ -1903,8 +1991,11 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 # gives the derived op its abstract values and its single-device code.
 
 # call -> LRU {(step, operand avals): derived call}; entries live at most as
-# long as ``call``. The avals are those of the actual operands: with
-# Explicit mesh axes they carry shardings, which the results inherit.
+# long as ``call`` (LRUs of 64, emptied by jax.clear_caches()). A derived
+# body is a pure function of ``call`` and the key: the step (which operands
+# are batched or differentiated), the operands' avals (with Explicit mesh
+# axes they carry shardings, which the results inherit) and jax's trace
+# context (configuration), as in jax.jit's key.
 _derived_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _derived_lock = threading.Lock()
 
@@ -1913,11 +2004,11 @@ def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
   """``fun`` (the body transformed by ``step``) traced for ``operands``."""
   in_avals = tuple(_typeof(x) for x in operands)
-  key = (step, in_avals)
+  key = (step, in_avals, _config.trace_context())
   with _derived_lock:
     table = _derived_calls.get(call)
     if table is None:
-      table = _derived_calls[call] = _LRU(_CACHE_SIZE)
+      table = _derived_calls[call] = _LRU()
   derived = table.get(key)
   if derived is None:
     jaxpr, consts = _trace(_wrap(fun, in_avals, ()), in_avals)
@@ -2043,29 +2134,45 @@ def _static_values(static_args):
     return static_args.value
   return static_args
 
-# call (ClosedJaxpr) -> jitted function binding the primitive with params.
-_eager_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _is_sharded(x) -> bool:
+  """Whether ``x`` is a concrete array split over several devices."""
+  if not isinstance(x, jax.Array) or isinstance(x, core.Tracer):
+    return False
+  sharding = x.sharding
+  return len(sharding.device_set) > 1 and not sharding.is_fully_replicated
+
+
+# An eager call runs compiled, like a jax.jit'd function, but the op's
+# partitioning only for operands that are really sharded: upstream evaluates
+# the body for every eager call and never asks the callbacks, and a
+# ``partition`` written for sharded operands must not be asked about host
+# data. Cache: (equation params, sharded?) -> jitted function. The params
+# hold the traced body and every callback; jax.jit keys on the operands'
+# types and shardings itself.
+_eager_fns = _LRU()
 
 
 def _impl(*args, **params):
-  """Eager evaluation: compile the op once per signature, like jax.jit."""
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``)."""
   call = params["call"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
     return core.jaxpr_as_fun(call)(*args)
-  fn = _eager_fns.get(call)
+  sharded = any(_is_sharded(x) for x in args)
+  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
+  fn = _eager_fns.get(key)
   if fn is None:
-    rest = {k: v for k, v in params.items() if k != "call"}
-    ref = weakref.ref(call)  # do not keep `call` alive from its own value
-    fn = jax.jit(lambda *xs: custom_partitioning_p.bind(
-        *xs, call=ref(), **rest))
-    _eager_fns[call] = fn
+    if sharded:
+      fn = jax.jit(functools.partial(custom_partitioning_p.bind, **params))
+    else:
+      fn = jax.jit(core.jaxpr_as_fun(call))
+    _eager_fns.put(key, fn)
   return fn(*args)
 
 
 custom_partitioning_p.def_impl(_impl)
 
 
-def _mesh_for_lowering(axis_context):
+def _mesh_for_lowering(axis_context, avals):
   """``(mesh, devices, submesh, full_mesh)`` for a lowering.
 
   ``mesh`` is the real mesh whenever it can be recovered. Inside a partly
@@ -2083,7 +2190,13 @@ def _mesh_for_lowering(axis_context):
             _auto_submesh(full, manual), full)
   devices = getattr(axis_context, "device_assignment", None)
   if devices is None:
-    return mesh_lib.thread_resources.env.physical_mesh, None, None, None
+    # jax passes the devices only when it sees this primitive in the
+    # program; inside another primitive's lowering (``mlir.lower_fun``) it
+    # does not. A mesh set by the caller is then the only source, used if it
+    # has the shape of the lowering's abstract mesh.
+    mesh = _mesh_of_lowering_without_devices(axis_context, avals)
+    devices = None if mesh.empty else tuple(mesh._flat_devices_tuple)
+    return mesh, devices, None, None
   devices = tuple(devices)
   for candidate in (mesh_lib.thread_resources.env.physical_mesh,
                     _ambient_mesh("get_concrete_mesh")):
@@ -2094,6 +2207,23 @@ def _mesh_for_lowering(axis_context):
   if am is not None and am.size == len(devices):
     return _mesh_from_abstract(devices, am), devices, None, None
   return mesh_lib.thread_resources.env.physical_mesh, devices, None, None
+
+
+def _mesh_of_lowering_without_devices(axis_context, avals):
+  """The mesh set by ``with mesh:`` or ``jax.set_mesh`` if it fits a
+  lowering that has no device assignment; else the empty mesh."""
+  num_devices = getattr(axis_context, "num_devices", None)
+  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
+              [_aval_mesh(a) for a in avals] if am is not None]
+  for candidate in (mesh_lib.thread_resources.env.physical_mesh,
+                    _ambient_mesh("get_concrete_mesh")):
+    if candidate is None or candidate.empty:
+      continue
+    if num_devices is not None and candidate.size != num_devices:
+      continue
+    if all(dict(am.shape) == dict(candidate.shape) for am in abstract):
+      return candidate
+  return mesh_lib.thread_resources.env.physical_mesh
 
 
 def _resolve_sharding_rule(rule, static_args, mesh, operand_types,
@@ -2122,8 +2252,10 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
       set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
     return inline_body(ctx, *values)  # every axis manual: one shard's code
   use_shardy = _use_shardy()
-  mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context)
-  if devices is not None and len(devices) == 1:
+  mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context,
+                                                         ctx.avals_in)
+  if (devices is not None and len(devices) == 1) or getattr(
+      axis_context, "num_devices", None) == 1:
     return inline_body(ctx, *values)
   steps = _steps(params)
   if steps and submesh is not None and not _MESH_TYPES_MANUAL_AXES:
@@ -2140,9 +2272,12 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         "with jax.shard_map) instead.")
   if devices is None:
     raise ValueError(
-        f"custom_partitioning op {name} is lowered without a device "
-        "assignment; lower it for concrete devices (e.g. jax.jit with "
-        "NamedSharding in_shardings).")
+        f"custom_partitioning op {name} is lowered for several devices, but "
+        "jax did not say which: this happens when the op is lowered inside "
+        "another primitive's lowering rule (e.g. through mlir.lower_fun), "
+        "where jax cannot see it. Set the mesh around the call, with "
+        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its "
+        "devices, or call the op outside that primitive.")
   if params["partition"] is None:
     raise ValueError(
         f"custom_partitioning op {name} runs on {len(devices)} devices, but "
@@ -2219,35 +2354,16 @@ def _fun_name(call) -> str:
 # 6. The public decorator
 # --------------------------------------------------------------------------
 
-class _LRU:
-  """A small thread-safe least-recently-used map."""
+class _CallArgs(NamedTuple):
+  """One call's arguments, by role."""
+  static_argnums: tuple  # positions of the static arguments, author's order
+  static_args: tuple     # their values, passed first to every callback
+  defaults: tuple        # (position, value) of unpassed Python defaults
+  dyn_args: tuple        # the rest: the operands (pytrees of arrays)
 
-  def __init__(self, size: int):
-    self._size = size
-    self._data: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
 
-  def get(self, key):
-    with self._lock:
-      value = self._data.get(key)
-      if value is not None:
-        self._data.move_to_end(key)
-      return value
-
-  def put(self, key, value) -> None:
-    with self._lock:
-      self._data[key] = value
-      self._data.move_to_end(key)
-      while len(self._data) > self._size:
-        self._data.popitem(last=False)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._data.clear()
-
-  def __len__(self) -> int:
-    with self._lock:
-      return len(self._data)
+def _is_array(value) -> bool:
+  return isinstance(value, (np.ndarray, np.generic, jax.Array))
 
 
 def _is_hashable(value) -> bool:
@@ -2256,9 +2372,6 @@ def _is_hashable(value) -> bool:
   except TypeError:
     return False
   return True
-
-
-_CACHE_SIZE = 64  # traced signatures (and eager executables) kept per op
 
 
 @custom_api_util.register_custom_decorator_type
@@ -2277,9 +2390,26 @@ class custom_partitioning:
   ``jax.vjp`` on the same local shards (section 3b; upstream supports none
   of the three).
 
+  A call outside any transformation (eager) is compiled. Its operands decide
+  what runs: if some operand is a ``jax.Array`` sharded over several devices
+  (not fully replicated), the op is partitioned by its own callbacks, as
+  under ``jax.jit``; otherwise (host data, single-device or replicated
+  arrays) ``fun`` runs and no callback is asked, as upstream, which
+  evaluates ``fun`` for every eager call.
+
+  Traces of ``fun`` are cached per op like ``jax.jit``'s: keyed on the
+  static arguments, the operands' pytree and abstract values, and jax's
+  configuration; emptied by ``jax.clear_caches()``, as is every other cache
+  of this module. So a ``fun`` that reads a switch of its own sees a new
+  setting after ``jax.clear_caches()``, as under ``jax.jit``.
+
   Args:
     fun: the function. Keyword arguments of a call are bound to positions
-      through ``inspect.signature(fun)``, defaults applied; keyword-only
+      through ``inspect.signature(fun)``. A parameter left at its default
+      keeps it as a Python value, not an operand (as ``jax.jit`` leaves
+      unpassed defaults alone; so ``custom_partitioning(jnp.fft.fft)``
+      works), unless the default is an array (then it is an operand) or the
+      parameter is static (then the callbacks get the default). Keyword-only
       parameters keep their defaults and cannot be passed.
     static_argnums: int or ints; positions of arguments that are not arrays.
       Their values are passed first to every callback. They need not be
@@ -2306,8 +2436,8 @@ class custom_partitioning:
     self.propagate_user_sharding = None
     self.decode_shardings = True
     self.sharding_rule = None
-    self._traces = _LRU(_CACHE_SIZE)
-    self._eager = _LRU(_CACHE_SIZE)
+    self._traces = _LRU()  # see _traced
+    self._eager = _LRU()  # see _eager_call
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
@@ -2391,36 +2521,81 @@ class custom_partitioning:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    args = self._signature.positional(args, kwargs, self._name)
+    args = self._split(args, kwargs)
+    if (_at_top_level() and not _jit_disabled() and
+        _is_hashable(args.static_args)):
+      return self._eager_call(args)
+    return self._bind(args)
+
+  def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
+    """Binds a call's arguments to positions and sorts them by role."""
+    args, unpassed = self._signature.positional(args, kwargs, self._name)
     static_argnums = static_args = ()
-    dyn_args = args
     if self.static_argnums or self.static_argnums == 0:
       static_argnums = _static_positions(self.static_argnums, len(args),
                                          self._name)
       static_args = tuple(args[i] for i in static_argnums)
       _check_static_args(static_argnums, static_args, self._name)
-      dyn_args = tuple(a for i, a in enumerate(args)
-                       if i not in static_argnums)
-    if (_at_top_level() and not _jit_disabled() and
-        _is_hashable(static_args)):
-      return self._eager_call(static_argnums, static_args, dyn_args)
-    return self._bind(static_argnums, static_args, dyn_args)
+    # Like jax.jit, leave unpassed Python defaults alone: they are constants
+    # of the body, not operands (``custom_partitioning(jnp.fft.fft)`` must
+    # not trace its ``axis=-1``).
+    defaults = tuple((i, args[i]) for i in unpassed
+                     if i not in static_argnums and not _is_array(args[i]))
+    fixed = set(static_argnums) | {i for i, _ in defaults}
+    return _CallArgs(static_argnums, static_args, defaults,
+                     tuple(a for i, a in enumerate(args) if i not in fixed))
 
-  def _eager_call(self, static_argnums, static_args, dyn_args):
-    """Eager call: one compiled executable per signature, not op by op.
+  def _eager_call(self, args: _CallArgs):
+    """A call outside any transformation: compiled, like a jax.jit'd one.
 
-    ``jax.jit`` keys its own cache on the dynamic arguments' types, so one
-    jitted function per static-argument tuple is all that is kept here.
+    Operands sharded over several devices are partitioned by the op's own
+    callbacks; any other call runs ``fun`` alone, as upstream's eager calls
+    do (they never ask the callbacks). Cache: (static arguments, positions
+    of unpassed defaults, sharded?) -> jitted function; jax.jit keys on the
+    operands' types and shardings itself.
     """
-    fn = self._eager.get(static_args)
+    sharded = any(_is_sharded(x)
+                  for x in jax.tree_util.tree_leaves(args.dyn_args))
+    key = (args.static_args, tuple(i for i, _ in args.defaults), sharded)
+    fn = self._eager.get(key)
     if fn is None:
-      def call(*dyn):
-        return self._bind(static_argnums, static_args, dyn)
-      fn = jax.jit(call)
-      self._eager.put(static_args, fn)
-    return fn(*dyn_args)
+      run = self._bind if sharded else self._run_body
+      base = args._replace(dyn_args=())  # holds no operand alive
 
-  def _bind(self, static_argnums, static_args, dyn_args):
+      def call(*dyn):
+        return run(base._replace(dyn_args=dyn))
+      fn = jax.jit(call)
+      self._eager.put(key, fn)
+    return fn(*args.dyn_args)
+
+  def _traced(self, args: _CallArgs):
+    """``(operands, call, out_tree, key)``: ``fun`` traced for ``args``,
+    from the trace cache where it can be (``key`` is None where not)."""
+    args_flat, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+    in_avals = tuple(_typeof(x) for x in args_flat)
+    key = None
+    if _is_hashable(args.static_args):
+      # What jax.jit keys its traces on: static arguments, the pytree and
+      # abstract values of the operands, jax's trace context (config
+      # states), plus which positions hold unpassed defaults. What else
+      # ``fun`` reads (globals, closures) is not seen, as by jax.jit; both
+      # caches are emptied by jax.clear_caches().
+      key = (args.static_args, tuple(i for i, _ in args.defaults), in_tree,
+             in_avals, _use_shardy(), _config.trace_context())
+    traced = self._traces.get(key) if key is not None else None
+    if traced is None:
+      traced = self._trace(args, in_tree, in_avals)
+      if key is not None:
+        self._traces.put(key, traced)
+    call, out_tree = traced
+    return args_flat, call, out_tree, key
+
+  def _run_body(self, args: _CallArgs):
+    args_flat, call, out_tree, _ = self._traced(args)
+    return jax.tree_util.tree_unflatten(
+        out_tree, core.jaxpr_as_fun(call)(*args_flat))
+
+  def _bind(self, args: _CallArgs):
     if (_use_shardy() and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
@@ -2430,43 +2605,32 @@ class custom_partitioning:
           "(infer_sharding_from_operands / propagate_user_sharding) are "
           "defined. Add a sharding_rule to def_partition, e.g. "
           "sharding_rule='i j -> i j'.")
-    args_flat, in_tree = jax.tree_util.tree_flatten(dyn_args)
-    in_avals = tuple(_typeof(x) for x in args_flat)
-    key = None
-    if _is_hashable(static_args):
-      key = (static_args, in_tree, in_avals, _use_shardy(),
-             _config.trace_context())
-    traced = self._traces.get(key) if key is not None else None
-    if traced is None:
-      traced = self._trace(static_argnums, static_args, dyn_args, in_tree,
-                           in_avals)
-      if key is not None:
-        self._traces.put(key, traced)
-    call, out_tree = traced
+    args_flat, call, out_tree, key = self._traced(args)
     out_flat = custom_partitioning_p.bind(
-        *args_flat, call=call, in_tree=in_tree, out_tree=out_tree,
+        *args_flat, call=call, in_tree=jax.tree_util.tree_structure(
+            args.dyn_args), out_tree=out_tree,
         partition=self.partition,
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
         sharding_rule=self.sharding_rule,
-        static_args=(static_args if key is not None
-                     else _Unhashable(static_args)),
+        static_args=(args.static_args if key is not None
+                     else _Unhashable(args.static_args)),
         transform=())
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
-  def _trace(self, static_argnums, static_args, dyn_args, in_tree, in_avals):
+  def _trace(self, args: _CallArgs, in_tree, in_avals):
     """Traces ``fun`` to ``(call, out_tree)``.
 
     Concrete arrays that ``fun`` closes over stay in ``call`` as constants
     (the author's ``lower_fn`` captures them itself); a closed-over tracer
     cannot be handed to XLA's callbacks and is rejected.
     """
-    all_args = _merge(static_argnums, static_args, dyn_args)
-    wrapped = _wrap(self.fun, all_args, static_argnums)
-    if static_argnums:
+    all_args, fixed = _merge(args)
+    wrapped = _wrap(self.fun, all_args, fixed)
+    if fixed:
       wrapped, _ = api_util.argnums_partial(
-          wrapped, [i for i in range(len(all_args)) if i not in static_argnums],
+          wrapped, [i for i in range(len(all_args)) if i not in fixed],
           all_args, require_static_args_hashable=False)
     flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
     jaxpr, consts = _trace(flat_fun, in_avals)
@@ -2497,12 +2661,14 @@ class _Signature:
     self._plain = (len(kinds) if all(k in positional for k in kinds)
                    else None)
 
-  def positional(self, args: tuple, kwargs: dict, name: str) -> tuple:
+  def positional(self, args: tuple, kwargs: dict, name: str):
+    """``(args, unpassed)``: every positional parameter's value in order,
+    defaults filled in, and the positions that took their default."""
     if self._sig is None or (not kwargs and len(args) == self._plain):
       if kwargs:
         raise TypeError(f"{name} takes no keyword arguments here: its "
                         "signature cannot be inspected.")
-      return args
+      return args, ()
     try:
       bound = self._sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -2519,7 +2685,7 @@ class _Signature:
         raise TypeError(
             f"{name}: **{param.name} arguments cannot be passed to a "
             "custom_partitioning function; pass them positionally.")
-    out = []
+    out, unpassed = [], []
     for param in self._sig.parameters.values():
       if param.kind == inspect.Parameter.VAR_POSITIONAL:
         out.extend(bound.arguments.get(param.name, ()))
@@ -2528,8 +2694,9 @@ class _Signature:
         if param.name in bound.arguments:
           out.append(bound.arguments[param.name])
         else:
+          unpassed.append(len(out))
           out.append(param.default)
-    return tuple(out)
+    return tuple(out), tuple(unpassed)
 
 
 def _static_positions(static_argnums, num_args: int, name: str) -> tuple:
@@ -2557,12 +2724,14 @@ def _check_static_args(static_argnums, static_args, name: str) -> None:
           "arguments must be concrete Python values.")
 
 
-def _merge(static_argnums, static_args, dyn_args) -> tuple:
-  """Interleaves static and dynamic arguments back into call order."""
-  statics = dict(zip(static_argnums, static_args))
-  dyn = iter(dyn_args)
-  return tuple(statics[i] if i in statics else next(dyn)
-               for i in range(len(static_args) + len(dyn_args)))
+def _merge(args: _CallArgs) -> tuple[tuple, tuple]:
+  """``(all arguments in call order, positions of those not operands)``."""
+  fixed = dict(zip(args.static_argnums, args.static_args))
+  fixed.update(args.defaults)
+  dyn = iter(args.dyn_args)
+  return (tuple(fixed[i] if i in fixed else next(dyn)
+                for i in range(len(fixed) + len(args.dyn_args))),
+          tuple(sorted(fixed)))
 
 
 # --------------------------------------------------------------------------

@@ -745,20 +745,82 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
                               rule.permutation_factors)
 
 
+# XLA reads the rule back from its text form while compiling, and Shardy's
+# parser takes factor sizes as 32-bit integers ("integer value too large").
+_MAX_FACTOR_SIZE = 2**31 - 1
+# Trial division stops here: a cofactor left above _MAX_FACTOR_SIZE is
+# taken as unsplittable (it may be a product of primes above this limit).
+_TRIAL_DIVISION_LIMIT = 2**21
+
+
+def _split_size(size: int) -> list[int] | None:
+  """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
+  None if a prime factor is bigger.
+
+  The major part takes the small primes first: mesh axes (usually powers of
+  two) then still divide it, and Shardy shards the dimension through it
+  without splitting a mesh axis across the parts.
+  """
+  if size <= _MAX_FACTOR_SIZE:
+    return [size]
+  primes, rest, p = [], size, 2
+  while p * p <= rest and p < _TRIAL_DIVISION_LIMIT:
+    while rest % p == 0:
+      primes.append(p)
+      rest //= p
+    p += 1 if p == 2 else 2
+  if rest > 1:
+    primes.append(rest)
+  if primes[-1] > _MAX_FACTOR_SIZE:
+    return None
+  parts: list[int] = []
+  for p in primes:  # ascending
+    for i, part in enumerate(parts):
+      if part * p <= _MAX_FACTOR_SIZE:
+        parts[i] = part * p
+        break
+    else:
+      parts.append(p)
+  return parts
+
+
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
-  """The attribute of a resolved rule (see ``_resolve_rule``)."""
-  index = {factor: i for i, factor in enumerate(sizes)}
+  """The attribute of a resolved rule (see ``_resolve_rule``).
+
+  A factor too big for Shardy's parser becomes a compound of smaller ones
+  (see ``_split_size``), in every dimension and special-factor list.
+  """
+  parts: dict[str, list[str]] = {}
+  part_sizes: dict[str, int] = {}
+  for factor, size in sizes.items():
+    split = _split_size(size)
+    if split is None:
+      where = next(f"{_value_name(i, num_operands)} dimension {d}"
+                   for i, value_dims in enumerate(dims)
+                   for d, factors in enumerate(value_dims) if factor in factors)
+      raise ValueError(
+          f"{where} has size {size}, which is not a product of factors of "
+          f"at most {_MAX_FACTOR_SIZE} (2**31 - 1), the largest factor size "
+          "a Shardy sharding rule can hold. Use the GSPMD partitioner for "
+          "this op, or reshape the dimension.")
+    names = [factor] if len(split) == 1 else [
+        f"{factor}#{k}" for k in range(len(split))]
+    parts[factor] = names
+    part_sizes.update(zip(names, split))
+  index = {factor: i for i, factor in enumerate(part_sizes)}
+
+  def indices(factors):
+    return [index[part] for f in factors for part in parts[f]]
   tensors = [
       sdy.TensorMappingAttr.get(dim_mappings=[
-          sdy.DimMappingAttr.get(factor_indices=[index[f] for f in factors])
+          sdy.DimMappingAttr.get(factor_indices=indices(factors))
           for factors in value_dims])
       for value_dims in dims]
   return _sdy_rule_attr(
-      list(sizes.values()), tensors[:num_operands], tensors[num_operands:],
-      [index[f] for f in reduction],
-      [index[f] for f in need_replication],
-      [index[f] for f in permutation])
+      list(part_sizes.values()), tensors[:num_operands],
+      tensors[num_operands:], indices(reduction), indices(need_replication),
+      indices(permutation))
 
 
 def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,

@@ -2532,6 +2532,85 @@ class ShardyRuleTest(CPTestCase):
 
 
 # --------------------------------------------------------------------------
+# Factors above 2**31 - 1, which Shardy's rule parser cannot read
+# --------------------------------------------------------------------------
+
+def add_one(x):
+  return x + 1
+
+
+class HugeFactorTest(CPTestCase):
+  """Dimensions of more than 2**31 - 1 elements, compiled from
+  ShapeDtypeStructs (int8, so nothing of that size is ever allocated)."""
+
+  BIG = 2**31 + 8  # = 136 * 15790321
+
+  def op_and_seen(self):
+    seen = []
+    op = custom_partitioning(add_one)
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape)))
+      s = arg_shapes[0].sharding
+      return mesh, add_one, s, (s,)
+
+    op.def_partition(partition, sharding_rule="i -> i",
+                     infer_sharding_from_operands=(
+                         lambda mesh, a, r: a[0].sharding))
+    return op, seen
+
+  def compile_sharded(self, f, shape, spec):
+    arg = jax.ShapeDtypeStruct(shape, jnp.int8,
+                               sharding=NamedSharding(self.mesh(), spec))
+    lowered = jax.jit(f).lower(arg)
+    return lowered.as_text(), lowered.compile().as_text()
+
+  def test_dimension_above_int32_is_partitioned(self):
+    op, seen = self.op_and_seen()
+    lowered, compiled = self.compile_sharded(op, (self.BIG,), P("x"))
+    self.assertEqual(seen, [("x",)])
+    self.assertIn(f"s8[{self.BIG // 8}]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+    if self.shardy:  # the dimension is a compound of two factors
+      self.assertEqual(
+          _sdy_rule_text(lowered),
+          [f"#sdy.op_sharding_rule<([ij])->([ij]) {{i=136, j=15790321}}"
+           f"{CUSTOM}>"])
+
+  def test_vmap_batch_above_int32_is_partitioned(self):
+    op, seen = self.op_and_seen()
+    _, compiled = self.compile_sharded(jax.vmap(op), (self.BIG, 2),
+                                       P("x", None))
+    self.assertEqual(seen, [(None,)])
+    self.assertIn(f"s8[{self.BIG // 8},2]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+
+  def test_dimension_with_prime_factor_above_int32(self):
+    prime = 2147483659
+    op, _ = self.op_and_seen()
+    if not self.shardy:
+      self.compile_sharded(op, (prime,), P())
+      return
+    with self.assertRaisesRegex(
+        ValueError, r"op add_one: operand 0 dimension 0 has size 2147483659"
+        r", which is not a product of factors of at most 2147483647.*GSPMD"):
+      self.compile_sharded(op, (prime,), P())
+
+  def test_split_size(self):
+    cases = {2**31 - 1: [2**31 - 1], self.BIG: [136, 15790321],
+             2**32: [2**30, 4], 2**62: [2**30, 2**30, 4],
+             3 * (2**31 + 1): [9, 715827883],
+             2147483659: None, 3 * 2147483659: None}
+    for size, want in cases.items():
+      with self.subTest(size=size):
+        self.assertEqual(cp._split_size(size), want)
+
+
+both_partitioners(HugeFactorTest)
+del HugeFactorTest
+
+
+# --------------------------------------------------------------------------
 # (d) GSPMD only: result sharding inferred from the rule
 # --------------------------------------------------------------------------
 

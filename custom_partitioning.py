@@ -2260,7 +2260,10 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
       called_computations=ir.ArrayAttr.get([]),
       backend_config=ir.StringAttr.get(key),
       operand_layouts=None, result_layouts=None)
-  if rule_attr is not None:
+  # Shardy's verifier refuses a rule on an op without operands. There it
+  # could only tie the results to each other; without it, XLA propagates
+  # around the op and ``partition`` still decides every sharding.
+  if rule_attr is not None and values:
     op.attributes["sdy.sharding_rule"] = rule_attr
   return op.results
 

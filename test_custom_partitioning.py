@@ -2610,6 +2610,48 @@ both_partitioners(HugeFactorTest)
 del HugeFactorTest
 
 
+class NoOperandsTest(CPTestCase):
+  """An op whose arguments are all static: a custom call without operands
+  (Shardy's verifier refuses a sharding rule on one)."""
+
+  def test_all_static_arguments(self):
+    seen = []
+
+    def iota(n):
+      return jnp.arange(n, dtype=jnp.float32) * 2
+
+    op = custom_partitioning(iota, static_argnums=(0,))
+
+    def partition(n, mesh, arg_shapes, result_shape):
+      seen.append((arg_shapes, _spec(result_shape.sharding, 1)))
+      s = NamedSharding(mesh, P("x"))
+
+      def lower_fn():  # this shard's part of the iota
+        start = jax.lax.axis_index("x") * (n // 8)
+        return (jnp.arange(n // 8, dtype=jnp.float32) + start) * 2
+      return mesh, lower_fn, s, ()
+
+    op.def_partition(
+        partition,
+        infer_sharding_from_operands=lambda n, mesh, a, r: NamedSharding(
+            mesh, P("x")),
+        sharding_rule=SdyShardingRule((), (ArrayMapping("i"),)))
+    mesh = self.mesh()
+    s = NamedSharding(mesh, P("x"))
+    f = jax.jit(lambda: op(64), out_shardings=s)
+    with mesh_context(mesh):
+      out = f()
+      compiled = self.hlo(f)
+    np.testing.assert_array_equal(out, np.arange(64) * 2)
+    self.assertEqual(seen, [((), ("x",))])
+    self.assertIn("f32[8]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+
+
+both_partitioners(NoOperandsTest)
+del NoOperandsTest
+
+
 # --------------------------------------------------------------------------
 # (d) GSPMD only: result sharding inferred from the rule
 # --------------------------------------------------------------------------

@@ -1722,9 +1722,12 @@ _register_compile_error_handler(_reraise_callback_error)
 # arguments, the pytrees, the mesh, the devices and the partitioner.
 #
 # The description is faithful for plain data (numbers, strings, containers,
-# arrays, dataclasses and other objects of user classes, by their fields),
-# code, meshes and shardings. Anything else is *opaque*: it is described by
-# its identity within one lowering and one process. Hence:
+# arrays of up to _MAX_HASHED_BYTES, dataclasses and other objects of user
+# classes, by their fields), code, meshes and shardings. Anything else is
+# *opaque*: it is described by its identity within one lowering and one
+# process. Bigger arrays are opaque too: hashing one costs time linear in
+# its size for every op of every lowering, so a program whose callbacks read
+# one misses the persistent cache instead. Hence:
 #  - the same program gets the same key in every process (the persistent
 #    cache hits) unless it involves opaque values (then it misses);
 #  - a changed program never gets an old key; and because the description
@@ -1741,6 +1744,7 @@ _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
                      "ml_dtypes", "opt_einsum", "scipy")
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
+_MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 _SKIPPED_CLASS_ATTRS = frozenset({"__dict__", "__weakref__", "__doc__",
                                   "__module__", "__qualname__",
                                   "__annotations__", "__dataclass_fields__",
@@ -1860,6 +1864,10 @@ class _Describer:
     return "\n".join(sub.out)
 
   def _array(self, obj) -> None:
+    # Checked before np.asarray, which copies a jax.Array to the host.
+    if getattr(obj, "nbytes", 0) > _MAX_HASHED_BYTES:
+      self.opaque(obj)
+      return
     try:
       value = np.asarray(obj)
     except Exception:  # noqa: BLE001 - e.g. not addressable from here

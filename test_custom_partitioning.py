@@ -4275,6 +4275,70 @@ both_partitioners(DerivedOpsTest)
 del DerivedOpsTest
 
 
+class BigArrayKeyTest(CPTestCase):
+  """Arrays above ``_MAX_HASHED_BYTES`` read by callbacks are keyed by
+  identity within one lowering (hashing them per op costs too much)."""
+
+  def setUp(self):
+    super().setUp()
+    self.s = NamedSharding(self.mesh(), P("x"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def table_op(self, table, calls):
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(1)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x + table[0], s, (s,)
+
+    op = custom_partitioning(lambda x: x + 0.0)
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    return op
+
+  def chain(self, op, n=4):
+    """A new program: ``n`` identical ops in a row."""
+    def f(x):
+      for _ in range(n):
+        x = op(x)
+      return x
+    return jax.jit(f, in_shardings=self.s, out_shardings=self.s)
+
+  @staticmethod
+  def keys(lowered):
+    return re.findall(r'backend_config = "([^"]+)"', lowered.as_text())
+
+  def test_identical_ops_lower_once_and_mutation_is_seen(self):
+    table = np.zeros(cp._MAX_HASHED_BYTES // 4 + 1, np.float32)
+    table[0] = 1.0
+    calls = []
+    op = self.table_op(table, calls)
+    first = self.chain(op)
+    np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
+    self.assertEqual(len(calls), 1, "four identical ops, one lowering")
+    table[0] = 10.0  # in place, between two programs
+    second = self.chain(op)
+    np.testing.assert_allclose(second(self.x), self.xh + 40.0, rtol=1e-6)
+    self.assertEqual(len(calls), 2)
+    np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
+
+  def test_big_array_keys_one_lowering_small_array_any(self):
+    for nbytes, same in ((cp._MAX_HASHED_BYTES, True),
+                         (cp._MAX_HASHED_BYTES + 4, False)):
+      with self.subTest(nbytes=nbytes):
+        table = np.ones(nbytes // 4, np.float32)
+        op = self.table_op(table, [])
+        keys = [self.keys(self.chain(op).lower(self.x)) for _ in range(2)]
+        self.assertEqual(len(set(keys[0])), 1, "one key per lowering")
+        self.assertEqual(keys[0] == keys[1], same,
+                         "same program, two lowerings: "
+                         + ("one key (hashed)" if same else "two (opaque)"))
+
+
+both_partitioners(BigArrayKeyTest)
+del BigArrayKeyTest
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
   scale: float

@@ -202,10 +202,14 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   if _JAX_VERSION >= (0, 7, 1):
     kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
     params["hoist_constants_as_args"] = False
+  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr,
+  # which carries its consts).
+  if _JAX_VERSION >= (0, 11, 0):
+    kwargs["out_avals"] = closed_jaxpr.out_avals
   result = mlir.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr,
       ordered_effects=[],
-      donated_args=[False] * len(closed_jaxpr.jaxpr.invars),
+      donated_args=[False] * len(closed_jaxpr.in_avals),
       axis_context=axis_context, platforms=platforms,
       lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
   return result.module, result.host_callbacks

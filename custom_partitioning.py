@@ -34,6 +34,8 @@ Supported jax versions
 ----------------------
 jax/jaxlib 0.4.35 to 0.10.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
 0.8.3, 0.9.2 and 0.10.2, each with the Shardy and the GSPMD partitioner).
+jax/jaxlib 0.11.0 was checked by hand (Python 3.12, both partitioners,
+the test suite less its cache-bounds test).
 Every ``jax._src`` import and every version difference lives in the
 "Compatibility" section below.
 

@@ -34,6 +34,8 @@ Supported jax versions
 ----------------------
 jax/jaxlib 0.4.35 to 0.10.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
 0.8.3, 0.9.2 and 0.10.2, each with the Shardy and the GSPMD partitioner).
+jax/jaxlib 0.11.0 was checked by hand (Python 3.12, both partitioners,
+the test suite less its cache-bounds test).
 Every ``jax._src`` import and every version difference lives in the
 "Compatibility" section below.
 
@@ -203,10 +205,14 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   if _JAX_VERSION >= (0, 7, 1):
     kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
     params["hoist_constants_as_args"] = False
+  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr,
+  # which carries its consts).
+  if _JAX_VERSION >= (0, 11, 0):
+    kwargs["out_avals"] = closed_jaxpr.out_avals
   result = mlir.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr,
       ordered_effects=[],
-      donated_args=[False] * len(closed_jaxpr.jaxpr.invars),
+      donated_args=[False] * len(closed_jaxpr.in_avals),
       axis_context=axis_context, platforms=platforms,
       lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
   return result.module, result.host_callbacks
@@ -830,20 +836,82 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
                               rule.permutation_factors)
 
 
+# XLA reads the rule back from its text form while compiling, and Shardy's
+# parser takes factor sizes as 32-bit integers ("integer value too large").
+_MAX_FACTOR_SIZE = 2**31 - 1
+# Trial division stops here: a cofactor left above _MAX_FACTOR_SIZE is
+# taken as unsplittable (it may be a product of primes above this limit).
+_TRIAL_DIVISION_LIMIT = 2**21
+
+
+def _split_size(size: int) -> list[int] | None:
+  """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
+  None if a prime factor is bigger.
+
+  The major part takes the small primes first: mesh axes (usually powers of
+  two) then still divide it, and Shardy shards the dimension through it
+  without splitting a mesh axis across the parts.
+  """
+  if size <= _MAX_FACTOR_SIZE:
+    return [size]
+  primes, rest, p = [], size, 2
+  while p * p <= rest and p < _TRIAL_DIVISION_LIMIT:
+    while rest % p == 0:
+      primes.append(p)
+      rest //= p
+    p += 1 if p == 2 else 2
+  if rest > 1:
+    primes.append(rest)
+  if primes[-1] > _MAX_FACTOR_SIZE:
+    return None
+  parts: list[int] = []
+  for p in primes:  # ascending
+    for i, part in enumerate(parts):
+      if part * p <= _MAX_FACTOR_SIZE:
+        parts[i] = part * p
+        break
+    else:
+      parts.append(p)
+  return parts
+
+
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
-  """The attribute of a resolved rule (see ``_resolve_rule``)."""
-  index = {factor: i for i, factor in enumerate(sizes)}
+  """The attribute of a resolved rule (see ``_resolve_rule``).
+
+  A factor too big for Shardy's parser becomes a compound of smaller ones
+  (see ``_split_size``), in every dimension and special-factor list.
+  """
+  parts: dict[str, list[str]] = {}
+  part_sizes: dict[str, int] = {}
+  for factor, size in sizes.items():
+    split = _split_size(size)
+    if split is None:
+      where = next(f"{_value_name(i, num_operands)} dimension {d}"
+                   for i, value_dims in enumerate(dims)
+                   for d, factors in enumerate(value_dims) if factor in factors)
+      raise ValueError(
+          f"{where} has size {size}, which is not a product of factors of "
+          f"at most {_MAX_FACTOR_SIZE} (2**31 - 1), the largest factor size "
+          "a Shardy sharding rule can hold. Use the GSPMD partitioner for "
+          "this op, or reshape the dimension.")
+    names = [factor] if len(split) == 1 else [
+        f"{factor}#{k}" for k in range(len(split))]
+    parts[factor] = names
+    part_sizes.update(zip(names, split))
+  index = {factor: i for i, factor in enumerate(part_sizes)}
+
+  def indices(factors):
+    return [index[part] for f in factors for part in parts[f]]
   tensors = [
       sdy.TensorMappingAttr.get(dim_mappings=[
-          sdy.DimMappingAttr.get(factor_indices=[index[f] for f in factors])
+          sdy.DimMappingAttr.get(factor_indices=indices(factors))
           for factors in value_dims])
       for value_dims in dims]
   return _sdy_rule_attr(
-      list(sizes.values()), tensors[:num_operands], tensors[num_operands:],
-      [index[f] for f in reduction],
-      [index[f] for f in need_replication],
-      [index[f] for f in permutation])
+      list(part_sizes.values()), tensors[:num_operands],
+      tensors[num_operands:], indices(reduction), indices(need_replication),
+      indices(permutation))
 
 
 def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
@@ -1748,9 +1816,12 @@ _register_compile_error_handler(_reraise_callback_error)
 # arguments, the pytrees, the mesh, the devices and the partitioner.
 #
 # The description is faithful for plain data (numbers, strings, containers,
-# arrays, dataclasses and other objects of user classes, by their fields),
-# code, meshes and shardings. Anything else is *opaque*: it is described by
-# its identity within one lowering and one process. Hence:
+# arrays of up to _MAX_HASHED_BYTES, dataclasses and other objects of user
+# classes, by their fields), code, meshes and shardings. Anything else is
+# *opaque*: it is described by its identity within one lowering and one
+# process. Bigger arrays are opaque too: hashing one costs time linear in
+# its size for every op of every lowering, so a program whose callbacks read
+# one misses the persistent cache instead. Hence:
 #  - the same program gets the same key in every process (the persistent
 #    cache hits) unless it involves opaque values (then it misses);
 #  - a changed program never gets an old key; and because the description
@@ -1767,6 +1838,7 @@ _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
                      "ml_dtypes", "opt_einsum", "scipy")
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
+_MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 _SKIPPED_CLASS_ATTRS = frozenset({"__dict__", "__weakref__", "__doc__",
                                   "__module__", "__qualname__",
                                   "__annotations__", "__dataclass_fields__",
@@ -1886,6 +1958,10 @@ class _Describer:
     return "\n".join(sub.out)
 
   def _array(self, obj) -> None:
+    # Checked before np.asarray, which copies a jax.Array to the host.
+    if getattr(obj, "nbytes", 0) > _MAX_HASHED_BYTES:
+      self.opaque(obj)
+      return
     try:
       value = np.asarray(obj)
     except Exception:  # noqa: BLE001 - e.g. not addressable from here
@@ -2333,7 +2409,10 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
       called_computations=ir.ArrayAttr.get([]),
       backend_config=ir.StringAttr.get(key),
       operand_layouts=None, result_layouts=None)
-  if rule_attr is not None:
+  # Shardy's verifier refuses a rule on an op without operands. There it
+  # could only tie the results to each other; without it, XLA propagates
+  # around the op and ``partition`` still decides every sharding.
+  if rule_attr is not None and values:
     op.attributes["sdy.sharding_rule"] = rule_attr
   return op.results
 

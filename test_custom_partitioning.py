@@ -2534,6 +2534,127 @@ class ShardyRuleTest(CPTestCase):
 
 
 # --------------------------------------------------------------------------
+# Factors above 2**31 - 1, which Shardy's rule parser cannot read
+# --------------------------------------------------------------------------
+
+def add_one(x):
+  return x + 1
+
+
+class HugeFactorTest(CPTestCase):
+  """Dimensions of more than 2**31 - 1 elements, compiled from
+  ShapeDtypeStructs (int8, so nothing of that size is ever allocated)."""
+
+  BIG = 2**31 + 8  # = 136 * 15790321
+
+  def op_and_seen(self):
+    seen = []
+    op = custom_partitioning(add_one)
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape)))
+      s = arg_shapes[0].sharding
+      return mesh, add_one, s, (s,)
+
+    op.def_partition(partition, sharding_rule="i -> i",
+                     infer_sharding_from_operands=(
+                         lambda mesh, a, r: a[0].sharding))
+    return op, seen
+
+  def compile_sharded(self, f, shape, spec):
+    arg = jax.ShapeDtypeStruct(shape, jnp.int8,
+                               sharding=NamedSharding(self.mesh(), spec))
+    lowered = jax.jit(f).lower(arg)
+    return lowered.as_text(), lowered.compile().as_text()
+
+  def test_dimension_above_int32_is_partitioned(self):
+    op, seen = self.op_and_seen()
+    lowered, compiled = self.compile_sharded(op, (self.BIG,), P("x"))
+    self.assertEqual(seen, [("x",)])
+    self.assertIn(f"s8[{self.BIG // 8}]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+    if self.shardy:  # the dimension is a compound of two factors
+      self.assertEqual(
+          _sdy_rule_text(lowered),
+          [f"#sdy.op_sharding_rule<([ij])->([ij]) {{i=136, j=15790321}}"
+           f"{CUSTOM}>"])
+
+  def test_vmap_batch_above_int32_is_partitioned(self):
+    op, seen = self.op_and_seen()
+    _, compiled = self.compile_sharded(jax.vmap(op), (self.BIG, 2),
+                                       P("x", None))
+    self.assertEqual(seen, [(None,)])
+    self.assertIn(f"s8[{self.BIG // 8},2]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+
+  def test_dimension_with_prime_factor_above_int32(self):
+    prime = 2147483659
+    op, _ = self.op_and_seen()
+    if not self.shardy:
+      self.compile_sharded(op, (prime,), P())
+      return
+    with self.assertRaisesRegex(
+        ValueError, r"op add_one: operand 0 dimension 0 has size 2147483659"
+        r", which is not a product of factors of at most 2147483647.*GSPMD"):
+      self.compile_sharded(op, (prime,), P())
+
+  def test_split_size(self):
+    cases = {2**31 - 1: [2**31 - 1], self.BIG: [136, 15790321],
+             2**32: [2**30, 4], 2**62: [2**30, 2**30, 4],
+             3 * (2**31 + 1): [9, 715827883],
+             2147483659: None, 3 * 2147483659: None}
+    for size, want in cases.items():
+      with self.subTest(size=size):
+        self.assertEqual(cp._split_size(size), want)
+
+
+both_partitioners(HugeFactorTest)
+del HugeFactorTest
+
+
+class NoOperandsTest(CPTestCase):
+  """An op whose arguments are all static: a custom call without operands
+  (Shardy's verifier refuses a sharding rule on one)."""
+
+  def test_all_static_arguments(self):
+    seen = []
+
+    def iota(n):
+      return jnp.arange(n, dtype=jnp.float32) * 2
+
+    op = custom_partitioning(iota, static_argnums=(0,))
+
+    def partition(n, mesh, arg_shapes, result_shape):
+      seen.append((arg_shapes, _spec(result_shape.sharding, 1)))
+      s = NamedSharding(mesh, P("x"))
+
+      def lower_fn():  # this shard's part of the iota
+        start = jax.lax.axis_index("x") * (n // 8)
+        return (jnp.arange(n // 8, dtype=jnp.float32) + start) * 2
+      return mesh, lower_fn, s, ()
+
+    op.def_partition(
+        partition,
+        infer_sharding_from_operands=lambda n, mesh, a, r: NamedSharding(
+            mesh, P("x")),
+        sharding_rule=SdyShardingRule((), (ArrayMapping("i"),)))
+    mesh = self.mesh()
+    s = NamedSharding(mesh, P("x"))
+    f = jax.jit(lambda: op(64), out_shardings=s)
+    with mesh_context(mesh):
+      out = f()
+      compiled = self.hlo(f)
+    np.testing.assert_array_equal(out, np.arange(64) * 2)
+    self.assertEqual(seen, [((), ("x",))])
+    self.assertIn("f32[8]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+
+
+both_partitioners(NoOperandsTest)
+del NoOperandsTest
+
+
+# --------------------------------------------------------------------------
 # (d) GSPMD only: result sharding inferred from the rule
 # --------------------------------------------------------------------------
 
@@ -4492,6 +4613,70 @@ class LowerFunInPrimitiveTest(CPTestCase):
 
 both_partitioners(LowerFunInPrimitiveTest)
 del LowerFunInPrimitiveTest
+
+
+class BigArrayKeyTest(CPTestCase):
+  """Arrays above ``_MAX_HASHED_BYTES`` read by callbacks are keyed by
+  identity within one lowering (hashing them per op costs too much)."""
+
+  def setUp(self):
+    super().setUp()
+    self.s = NamedSharding(self.mesh(), P("x"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def table_op(self, table, calls):
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(1)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x + table[0], s, (s,)
+
+    op = custom_partitioning(lambda x: x + 0.0)
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    return op
+
+  def chain(self, op, n=4):
+    """A new program: ``n`` identical ops in a row."""
+    def f(x):
+      for _ in range(n):
+        x = op(x)
+      return x
+    return jax.jit(f, in_shardings=self.s, out_shardings=self.s)
+
+  @staticmethod
+  def keys(lowered):
+    return re.findall(r'backend_config = "([^"]+)"', lowered.as_text())
+
+  def test_identical_ops_lower_once_and_mutation_is_seen(self):
+    table = np.zeros(cp._MAX_HASHED_BYTES // 4 + 1, np.float32)
+    table[0] = 1.0
+    calls = []
+    op = self.table_op(table, calls)
+    first = self.chain(op)
+    np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
+    self.assertEqual(len(calls), 1, "four identical ops, one lowering")
+    table[0] = 10.0  # in place, between two programs
+    second = self.chain(op)
+    np.testing.assert_allclose(second(self.x), self.xh + 40.0, rtol=1e-6)
+    self.assertEqual(len(calls), 2)
+    np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
+
+  def test_big_array_keys_one_lowering_small_array_any(self):
+    for nbytes, same in ((cp._MAX_HASHED_BYTES, True),
+                         (cp._MAX_HASHED_BYTES + 4, False)):
+      with self.subTest(nbytes=nbytes):
+        table = np.ones(nbytes // 4, np.float32)
+        op = self.table_op(table, [])
+        keys = [self.keys(self.chain(op).lower(self.x)) for _ in range(2)]
+        self.assertEqual(len(set(keys[0])), 1, "one key per lowering")
+        self.assertEqual(keys[0] == keys[1], same,
+                         "same program, two lowerings: "
+                         + ("one key (hashed)" if same else "two (opaque)"))
+
+
+both_partitioners(BigArrayKeyTest)
+del BigArrayKeyTest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1088,15 +1088,22 @@ def _axes_in(specs) -> set:
   return names
 
 
+def _eqn_axes(eqn) -> set:
+  """The mesh axis names an equation's collective runs over."""
+  found: set = set()
+  for param in ("axes", "axis_name"):
+    value = eqn.params.get(param)
+    for axis in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(axis, str):
+        found.add(axis)
+  return found
+
+
 def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
   """The axes among ``names`` that ``jaxpr``'s collectives run over."""
   found: set = set()
   for eqn in jaxpr.eqns:
-    for param in ("axes", "axis_name"):
-      value = eqn.params.get(param)
-      for axis in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(axis, str) and axis in names:
-          found.add(axis)
+    found |= _eqn_axes(eqn) & names
   for sub in core.subjaxprs(jaxpr):
     found |= _collective_axes(sub, names)
   return found
@@ -1190,6 +1197,144 @@ def _derived_rule_attr(rule, levels: list, steps: tuple):
 
 
 # --------------------------------------------------------------------------
+# 3c. Checks of the per-shard program
+#
+# ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
+# mistakes in it would otherwise give silently wrong numbers. Both are
+# refused while ``lower_fn`` is traced, before XLA runs it:
+#  - a dimension that the mesh does not divide is padded by XLA (the last
+#    shards hold unspecified values past the end); reducing over it mixes the
+#    padding into the result. Refused where the op's rule says the dimension
+#    is reduced: its factor is a reduction factor or appears in no result.
+#  - a result whose sharding is replicated over a mesh axis must be equal on
+#    all devices along it. Each value's *varying axes* (the axes along which
+#    devices may hold different values) are followed through the jaxpr, as
+#    shard_map's check_vma does: operands vary over the axes they are sharded
+#    on, ``axis_index`` and the scattering collectives add their axes,
+#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs. Where a
+#    primitive's effect is unknown (loops, grouped collectives) the answer
+#    is "unknown", and unknown never raises.
+# --------------------------------------------------------------------------
+
+_INVARIANT_OVER_AXES = frozenset({"psum", "pmax", "pmin", "all_gather",
+                                  "psum_invariant", "all_gather_invariant"})
+_VARYING_OVER_AXES = frozenset({"reduce_scatter", "all_to_all", "ppermute",
+                                "axis_index"})
+_SAME_VALUES = frozenset({"pvary", "pbroadcast"})  # only retype a value
+
+
+def _only_subjaxpr(eqn):
+  """The one jaxpr an equation calls with its operands one to one (jit,
+  checkpoint, custom_jvp/vjp calls), or None."""
+  subs = [v for v in eqn.params.values()
+          if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
+  if len(subs) != 1:
+    return None
+  sub = subs[0]
+  jaxpr = getattr(sub, "jaxpr", sub)
+  if (len(jaxpr.invars) != len(eqn.invars) or
+      len(jaxpr.outvars) != len(eqn.outvars)):
+    return None
+  return jaxpr
+
+
+def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
+  """Per output of ``jaxpr``: the mesh axes it may vary over (a frozenset),
+  or None where that is unknown; ``in_varying`` likewise per input."""
+  env: dict = dict(zip(jaxpr.invars, in_varying))
+
+  def read(v):
+    return frozenset() if isinstance(v, core.Literal) else env.get(
+        v, frozenset())  # constants are equal everywhere
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    union = None if None in ins else frozenset().union(*ins)
+    name = eqn.primitive.name
+    outs: list = [union] * len(eqn.outvars)
+    if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
+      if eqn.params.get("axis_index_groups") is not None or union is None:
+        outs = [None] * len(eqn.outvars)
+      elif name in _INVARIANT_OVER_AXES:
+        outs = [union - _eqn_axes(eqn)] * len(eqn.outvars)
+      else:
+        outs = [union | _eqn_axes(eqn)] * len(eqn.outvars)
+    elif name == "cond":
+      branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+      outs = [None if ins[0] is None or None in per_out
+              else ins[0].union(*per_out) for per_out in zip(*branches)]
+    elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
+        eqn.params)):
+      sub = _only_subjaxpr(eqn)
+      outs = (_varying(sub, ins) if sub is not None
+              else [None] * len(eqn.outvars))  # loops: not followed
+    for v, out in zip(eqn.outvars, outs):
+      env[v] = out
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
+                              out_specs: list, axes) -> None:
+  """Raises if a result replicated over one of ``axes`` may vary over it.
+
+  ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
+  of ``lower_fn`` (None: unknown, which never raises).
+  """
+  in_varying = [None if spec is None else frozenset(_axes_in([spec]))
+                for spec in in_specs]
+  for i, (varying, spec) in enumerate(zip(_varying(jaxpr, in_varying),
+                                          out_specs)):
+    if varying is None or spec is None:
+      continue
+    for axis in axes:
+      if axis in varying and axis not in _axes_in([spec]):
+        raise ValueError(
+            f"lower_fn of {name} returns result {i} as replicated over mesh "
+            f"axis {axis!r} (its result sharding has spec {spec}), but its "
+            f"value differs between the devices along {axis!r}: it is "
+            f"computed from an operand sharded over {axis!r} (or from "
+            "axis_index) and no collective over that axis makes it equal. "
+            f"Likely fix: a missing jax.lax.psum/pmax/all_gather over "
+            f"{axis!r} in lower_fn, or a result sharding over {axis!r}. If "
+            "the value is equal by construction, pass check_vma=False to "
+            "def_partition.")
+
+
+def _local_shape(shape, spec, mesh) -> tuple:
+  """A shard's shape; a dimension the mesh does not divide is rounded up
+  (XLA pads the last shards)."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  return tuple(-(-size // math.prod(mesh.shape[a] for a in _axes_in([[e]])))
+               for size, e in zip(shape, spec))
+
+
+def _check_even_reductions(name: str, rule, dims: list, shapes: list,
+                           num_operands: int, in_specs: list, mesh) -> None:
+  """Raises if an operand dimension that the rule reduces over is padded:
+  sharded over mesh axes that do not divide its size. ``dims``: the
+  resolved rule (see ``_resolve_rule``)."""
+  kept = {f for value_dims in dims[num_operands:] for factors in value_dims
+          for f in factors}
+  reduced = set(rule.reduction_factors)
+  for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
+    for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
+      axes = sorted(_axes_in([[entry]]))
+      count = math.prod(mesh.shape[a] for a in axes)
+      if count == 1 or shapes[i][d] % count == 0:
+        continue
+      if any(f in reduced or f not in kept for f in factors):
+        raise ValueError(
+            f"partition of {name} shards operand {i} dimension {d} (size "
+            f"{shapes[i][d]}) over mesh axes {axes} ({count} devices), "
+            f"which do not divide it, and the op's sharding rule reduces "
+            "over that dimension: XLA pads the last shards with unspecified "
+            "values, which the reduction would mix into the result (jax."
+            "shard_map refuses such operands too). Shard that dimension "
+            f"over axes that divide its size (or not at all), or pad it to a "
+            f"multiple of {count} before the op.")
+
+
+# --------------------------------------------------------------------------
 # 4. The callback registry and the callbacks XLA calls
 #
 # The custom call carries a key in its ``backend_config``; XLA hands it back
@@ -1243,6 +1388,7 @@ class _OpInfo:
     self.infer = params["infer_sharding_from_operands"]
     self.propagate = params["propagate_user_sharding"]
     self.decode = params["decode_shardings"]
+    self.check_vma = params.get("check_vma", True)  # upstream has no such
     self.static_args = _static_values(params["static_args"])
     self.in_tree = params["in_tree"]
     self.out_tree = params["out_tree"]
@@ -1429,11 +1575,19 @@ class _OpInfo:
       # Collectives must name devices of the whole program: lower on the
       # whole mesh (the returned one may be the mesh with manual types).
       mesh = self.full_mesh
+    on = self._on(sub)
+    in_specs, out_specs = (
+        [_decode_spec(h, on, len(s.dimensions())) for h, s in zip(hlos, shapes)]
+        for hlos, shapes in ((in_hlo, arg_shapes), (out_hlo, result_shapes)))
+    self._check_even_reductions(
+        [tuple(s.dimensions()) for s in list(arg_shapes) + result_shapes],
+        in_specs, sub)
     with _no_ambient_mesh():
       closed = self._trace_lower_fn(
           lower_fn, mesh,
           [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
-          [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)])
+          [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)],
+          in_specs, out_specs, sub)
     return (self._lower_closed(closed, mesh), in_hlo,
             _pack_hlo(result_shape, out_hlo))
 
@@ -1674,15 +1828,15 @@ class _OpInfo:
           f"{dict(mesh.shape)}, but the op's mesh has {dict(self.mesh.shape)};"
           " under jax.vmap, jax.jvp and jax.grad they must be the same.")
     on = self._on(sub)
+    self._check_even_reductions([v.shape for v in operands + results], args,
+                                sub)
 
     def local(v, spec):
-      sharding = jax.sharding.NamedSharding(on,
-                                            jax.sharding.PartitionSpec(*spec))
-      return jax.ShapeDtypeStruct(sharding.shard_shape(v.shape), v.dtype)
+      return jax.ShapeDtypeStruct(_local_shape(v.shape, spec, on), v.dtype)
     with _no_ambient_mesh():
       closed = self._trace_lower_fn(
           lower_fn, mesh, [local(v, s) for v, s in zip(operands, args)],
-          [local(v, s) for v, s in zip(results, outs)])
+          [local(v, s) for v, s in zip(results, outs)], args, outs, sub)
     if _calls_host(closed.jaxpr):
       raise self._host_callback_error()
     used = _collective_axes(closed.jaxpr, set(on.axis_names))
@@ -1724,8 +1878,22 @@ class _OpInfo:
             f"devices, but the op runs on {len(self.devices)}.")
     return answer
 
-  def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results):
-    """Traces ``lower_fn`` on per-shard shapes and checks its results."""
+  def _check_even_reductions(self, shapes, in_specs, sub) -> None:
+    """See ``_check_even_reductions`` (section 3c); ``shapes``: global
+    shapes of the operands, then of the results."""
+    if self.rule is None:
+      return
+    try:  # a rule that does not fit the op fails elsewhere, with its cause
+      _, dims = _resolve_rule(self.rule, shapes, len(in_specs))
+    except ValueError:
+      return
+    _check_even_reductions(self.name, self.rule, dims, shapes, len(in_specs),
+                           in_specs, self._on(sub))
+
+  def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results,
+                      in_specs, out_specs, sub):
+    """Traces ``lower_fn`` on per-shard shapes and checks its results (for
+    the replication check, see section 3c)."""
     closed, out_shape = jax.make_jaxpr(
         lower_fn, axis_env=list(mesh.shape.items()), return_shape=True)(
             *self.in_tree.unflatten(local_args))
@@ -1740,6 +1908,9 @@ class _OpInfo:
             f"lower_fn of {self.name} returned result {i} with local shape "
             f"{g.dtype}{list(g.shape)}, but its result sharding needs "
             f"{want.dtype}{list(want.shape)}.")
+    if self.check_vma:
+      _check_replicated_results(self.name, closed.jaxpr, in_specs, out_specs,
+                                self._on(sub).axis_names)
     return closed
 
 
@@ -1933,7 +2104,7 @@ class _Describer:
       out.append("custom_partitioning")
       self.add((obj.fun, obj.static_argnums, obj.partition,
                 obj.infer_sharding_from_operands, obj.propagate_user_sharding,
-                obj.decode_shardings, obj.sharding_rule))
+                obj.decode_shardings, obj.sharding_rule, obj.check_vma))
     elif isinstance(obj, _Unhashable):
       self.add(obj.value)
     elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
@@ -2515,6 +2686,7 @@ class custom_partitioning:
     self.propagate_user_sharding = None
     self.decode_shardings = True
     self.sharding_rule = None
+    self.check_vma = True
     self._traces = _LRU()  # see _traced
     self._eager = _LRU()  # see _eager_call
     self._signature = _Signature(fun)
@@ -2524,9 +2696,9 @@ class custom_partitioning:
 
   def def_partition(self, partition, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
-                    sharding_rule=None, *, reduction_factors=(),
-                    need_replication_factors=(), permutation_factors=(),
-                    **factor_sizes):
+                    sharding_rule=None, *, check_vma=True,
+                    reduction_factors=(), need_replication_factors=(),
+                    permutation_factors=(), **factor_sizes):
     """Defines how the op is partitioned; returns ``partition``.
 
     Args:
@@ -2554,6 +2726,12 @@ class custom_partitioning:
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
         ``-> (string, kwargs)``.
+      check_vma: keyword-only, default True (this module's; upstream has no
+        such check): while ``lower_fn`` is traced, refuse a result whose
+        sharding is replicated over a mesh axis but whose value may differ
+        along it (a missing ``psum``), as ``jax.shard_map(check_vma=True)``
+        does. False turns the check off, for code whose results are equal
+        by a construction the check cannot follow.
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -2591,6 +2769,7 @@ class custom_partitioning:
     self.propagate_user_sharding = propagate_user_sharding
     self.decode_shardings = decode_shardings
     self.sharding_rule = sharding_rule
+    self.check_vma = bool(check_vma)
     self._traces.clear()
     self._eager.clear()
     return partition
@@ -2695,7 +2874,7 @@ class custom_partitioning:
         sharding_rule=self.sharding_rule,
         static_args=(args.static_args if key is not None
                      else _Unhashable(args.static_args)),
-        transform=())
+        check_vma=self.check_vma, transform=())
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
   def _trace(self, args: _CallArgs, in_tree, in_avals):

@@ -4317,6 +4317,174 @@ del DerivedOpsTest
 
 
 # ---------------------------------------------------------------------------
+# Checks of the per-shard program: padding and replicated results
+# ---------------------------------------------------------------------------
+
+def _reducing_op(lower_fn, arg_spec=("x", None), result_spec=(),
+                 rule="i j -> j", fun=lambda x: jnp.sum(x, axis=0), **kw):
+  """(n, m) -> (m,): ``lower_fn`` on shards of ``arg_spec``, result
+  sharded ``result_spec`` (default replicated)."""
+  op = custom_partitioning(fun)
+
+  def partition(mesh, arg_shapes, result_shape):
+    return (mesh, lower_fn, NamedSharding(mesh, P(*result_spec)),
+            (NamedSharding(mesh, P(*arg_spec)),))
+
+  op.def_partition(
+      partition,
+      infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+          m, P(*result_spec)),
+      sharding_rule=rule, **kw)
+  return op
+
+
+class PerShardChecksTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.put_data((64, 4), P("x", None))
+
+  def assertRefused(self, fn, *fragments):
+    with self.assertRaises(ValueError) as cm:
+      fn()
+    for fragment in fragments:
+      self.assertIn(fragment, str(cm.exception))
+
+  # -- padding ---------------------------------------------------------
+
+  def test_reducing_a_padded_dimension_is_refused(self):
+    """A column max of negative data: the padding (zeros) would win.
+    jax refuses uneven shardings of jit arguments; ``partition`` asks for
+    one of a replicated operand, and XLA pads."""
+    xh = -np.abs(_data((10, 4))) - 1
+    rows = NamedSharding(self.m, P())
+    lower_fn = lambda x: jax.lax.pmax(jnp.max(x, 0), "x")
+    for kw in ({}, {"reduction_factors": ("i",)}):
+      with self.subTest(**kw):
+        if kw and self.shardy is not False:
+          skip_without_special_factors(
+              self, lambda: jax.jit(_reducing_op(
+                  lower_fn, fun=lambda x: jnp.max(x, 0), rule="i j -> j",
+                  **kw), in_shardings=rows)(xh))
+        op = _reducing_op(lower_fn, fun=lambda x: jnp.max(x, 0),
+                          rule="i j -> j", **kw)
+        self.assertRefused(lambda: jax.jit(op, in_shardings=rows)(xh),
+                           "operand 0 dimension 0", "size 10", "['x']",
+                           "8 devices", "padd")
+    # Evenly sharded, the same op is right.
+    xh = -np.abs(_data((16, 4))) - 1
+    op = _reducing_op(lower_fn, fun=lambda x: jnp.max(x, 0))
+    np.testing.assert_allclose(jax.jit(op, in_shardings=rows)(xh),
+                               xh.max(0), rtol=1e-6)
+
+  def test_elementwise_op_on_padded_shards_is_right(self):
+    """(10, 3) in rows over 8 devices: shards of 2 rows, the last three
+    padded (jax refuses such jit arguments; ``partition`` asks for them)."""
+    xh = _data((10, 3))
+    x = jax.device_put(xh, NamedSharding(self.m, P()))
+    body = lambda x: jnp.sin(x) * 2.0
+    op = custom_partitioning(body)
+    shapes = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P("x", None))
+
+      def lower_fn(x):
+        shapes.append(x.shape)
+        return body(x)
+      return mesh, lower_fn, rows, (rows,)
+
+    op.def_partition(
+        partition, sharding_rule="i j -> i j",
+        infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+            m, P("x", None)))
+    want = np.sin(xh) * 2
+    np.testing.assert_allclose(op(x), want, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(lambda x: jnp.sum(op(x))))(x), 2 * np.cos(xh),
+        rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(lambda x: jax.jvp(op, (x,), (jnp.ones_like(x),))[1])(x),
+        2 * np.cos(xh), rtol=1e-5)
+    xb = jax.device_put(np.stack([xh, -xh]), NamedSharding(self.m, P()))
+    np.testing.assert_allclose(jax.jit(jax.vmap(op))(xb),
+                               np.stack([np.sin(xh), -np.sin(xh)]) * 2,
+                               rtol=1e-5)
+    self.assertIn((2, 3), shapes)  # ceil(10 / 8) rows per shard
+
+  # -- replicated results ------------------------------------------------
+
+  def test_missing_psum_is_refused(self):
+    op = _reducing_op(lambda x: jnp.sum(x, 0))
+    for label, fn in (
+        ("jit", lambda: jax.jit(op)(self.x)),
+        ("grad", lambda: jax.jit(jax.grad(lambda x: jnp.sum(op(x))))(self.x)),
+        ("vmap", lambda: jax.jit(jax.vmap(op))(
+            jnp.stack([self.x, self.x]))),
+        ("eager", lambda: op(self.x))):
+      with self.subTest(label):
+        self.assertRefused(fn, "result 0", "mesh axis 'x'", "psum",
+                           "check_vma=False")
+
+  def test_missing_psum_over_one_of_two_axes_is_refused(self):
+    self.put_data((16, 4), P(("x", "y"), None), (4, 2), ("x", "y"))
+    op = _reducing_op(lambda x: jax.lax.psum(jnp.sum(x, 0), "x"),
+                      arg_spec=(("x", "y"), None))
+    self.assertRefused(lambda: jax.jit(op)(self.x), "mesh axis 'y'")
+
+  def test_correct_replicated_results_pass(self):
+    rows = ("x", None)
+    want_sum = self.xh.sum(0)
+    cases = {
+        "psum": (lambda x: jax.lax.psum(jnp.sum(x, 0), "x"), rows, want_sum),
+        "pmean": (lambda x: jax.lax.pmean(jnp.sum(x, 0), "x") * 8, rows,
+                  want_sum),
+        "pmax": (lambda x: jax.lax.pmax(jnp.max(x, 0), "x"), rows,
+                 self.xh.max(0)),
+        "all_gather tiled": (
+            lambda x: jnp.sum(jax.lax.all_gather(x, "x", tiled=True), 0),
+            rows, want_sum),
+        "all_gather": (
+            lambda x: jnp.sum(jax.lax.all_gather(x, "x"), (0, 1)), rows,
+            want_sum),
+        "all_to_all then psum": (
+            lambda x: jax.lax.psum(jnp.sum(jax.lax.all_to_all(
+                x, "x", 0, 0, tiled=True), 0), "x"), rows, want_sum),
+        "replicated operand": (lambda x: jnp.sum(x, 0), (), want_sum),
+        "constant": (lambda x: jnp.zeros((4,), x.dtype) + 1.0, rows,
+                     np.ones(4)),
+        "psum inside jit and checkpoint": (
+            jax.jit(jax.checkpoint(lambda x: jax.lax.psum(jnp.sum(x, 0),
+                                                          "x"))),
+            rows, want_sum),
+        "cond on replicated data": (
+            lambda x: jax.lax.cond(True, lambda v: jax.lax.psum(v, "x"),
+                                   lambda v: jax.lax.psum(-v, "x"),
+                                   jnp.sum(x, 0)), rows, want_sum),
+    }
+    for label, (lower_fn, spec, want) in cases.items():
+      with self.subTest(label):
+        op = _reducing_op(lower_fn, arg_spec=spec)
+        np.testing.assert_allclose(jax.jit(op)(self.x), want, rtol=1e-5)
+    # Where the analysis cannot follow (a loop), it does not refuse.
+    op = _reducing_op(lambda x: jax.lax.fori_loop(
+        0, 1, lambda i, v: v, jax.lax.psum(jnp.sum(x, 0), "x")))
+    np.testing.assert_allclose(jax.jit(op)(self.x), want_sum, rtol=1e-5)
+
+  def test_check_vma_false_turns_the_check_off(self):
+    op = _reducing_op(lambda x: jnp.sum(x, 0), check_vma=False)
+    out = jax.jit(op)(self.x)  # device 0's partial sum: the author's call
+    np.testing.assert_allclose(out, self.xh[:8].sum(0), rtol=1e-5)
+    with self.assertRaises(TypeError):  # keyword-only
+      op.def_partition(lambda *a: None, None, None, True, None, False)
+
+
+both_partitioners(PerShardChecksTest)
+del PerShardChecksTest
+
+
+# ---------------------------------------------------------------------------
 # A faithful drop-in: caches, eager calls, defaults, ops inside primitives
 # ---------------------------------------------------------------------------
 

@@ -339,6 +339,27 @@ def _varying_axes(aval) -> frozenset | None:
   return getattr(aval, "vma", None)
 
 
+# Private attributes of jax's mesh and sharding classes, stable from 0.4.35
+# through 0.11; one place to change if jax renames them.
+def _mesh_devices(mesh) -> tuple:
+  """A concrete mesh's devices in mesh order (flattened)."""
+  return tuple(mesh._flat_devices_tuple)
+
+
+def _sharding_devices(sharding) -> tuple:
+  """The devices of a ``jax.sharding.Sharding``, in its assignment order."""
+  return tuple(sharding._device_assignment)
+
+
+def _to_hlo_sharding(sharding, ndim: int) -> xc.HloSharding:
+  return sharding._to_xla_hlo_sharding(ndim)
+
+
+def _gspmd_hlo(sharding) -> xc.HloSharding:
+  """The HloSharding a ``GSPMDSharding`` wraps."""
+  return sharding._hlo_sharding
+
+
 def _use_shardy() -> bool:
   return bool(_config.use_shardy_partitioner.value)
 
@@ -1429,7 +1450,7 @@ class _OpInfo:
       if spec is not None:
         return jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec(*spec))
-    return sharding_impls.GSPMDSharding(tuple(on._flat_devices_tuple)
+    return sharding_impls.GSPMDSharding(_mesh_devices(on)
                                         if sub else self.devices,
                                         hlo_sharding)
 
@@ -1449,10 +1470,10 @@ class _OpInfo:
       if not isinstance(sharding, jax.sharding.Sharding):
         raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
                         "a jax.sharding.Sharding.")
-      if set(sharding._device_assignment) != set(self.devices):
+      if set(_sharding_devices(sharding)) != set(self.devices):
         raise ValueError(
             f"{where} on devices "
-            f"{sorted(d.id for d in sharding._device_assignment)}, but the "
+            f"{sorted(d.id for d in _sharding_devices(sharding))}, but the "
             f"op runs on {sorted(d.id for d in self.devices)}.")
       if isinstance(sharding, jax.sharding.NamedSharding) and (
           len(sharding.spec) > ndim):
@@ -1460,7 +1481,7 @@ class _OpInfo:
                          f"of rank {ndim}.")
       if sub:
         sharding = self._onto_submesh(sharding, where)
-      out.append(sharding._to_xla_hlo_sharding(ndim))
+      out.append(_to_hlo_sharding(sharding, ndim))
     return out
 
   def _onto_submesh(self, sharding, where: str):
@@ -1634,9 +1655,8 @@ class _OpInfo:
     return out
 
   def _hlo(self, spec: tuple, ndim: int, sub=False) -> xc.HloSharding:
-    return jax.sharding.NamedSharding(
-        self._on(sub), jax.sharding.PartitionSpec(*spec)
-    )._to_xla_hlo_sharding(ndim)
+    return _to_hlo_sharding(jax.sharding.NamedSharding(
+        self._on(sub), jax.sharding.PartitionSpec(*spec)), ndim)
 
   def _user_structs(self, tree, values, sub=False):
     """The author's view of ``values``: a pytree of ShapeDtypeStructs."""
@@ -1866,7 +1886,7 @@ class _OpInfo:
           "mesh:`.")
     if self.submesh is None:  # else the shard_map's mesh is used anyway
       if isinstance(mesh, mesh_lib.Mesh):
-        devices = set(mesh._flat_devices_tuple)
+        devices = set(_mesh_devices(mesh))
         if devices != set(self.devices):
           raise ValueError(
               f"partition of {self.name} returned a mesh on devices "
@@ -2090,14 +2110,14 @@ class _Describer:
       out.append("empty mesh")
     elif isinstance(obj, jax.sharding.Mesh):
       out.append(f"mesh {obj.axis_names} {obj.devices.shape} "
-                 f"{[d.id for d in obj._flat_devices_tuple]} "
+                 f"{[d.id for d in _mesh_devices(obj)]} "
                  f"{getattr(obj, 'axis_types', None)}")
     elif isinstance(obj, jax.sharding.NamedSharding):
       out.append(f"named sharding {obj.spec} {obj.memory_kind}")
       self.add(obj.mesh)
     elif isinstance(obj, sharding_impls.GSPMDSharding):
-      out.append(f"gspmd sharding {obj._hlo_sharding} "
-                 f"{[d.id for d in obj._device_assignment]}")
+      out.append(f"gspmd sharding {_gspmd_hlo(obj)} "
+                 f"{[d.id for d in _sharding_devices(obj)]}")
     elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
       out.append(f"{kind.__qualname__} {obj}")
     elif isinstance(obj, custom_partitioning):
@@ -2430,7 +2450,7 @@ def _mesh_for_lowering(axis_context, avals):
   """
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     full, manual = axis_context.mesh, axis_context.manual_axes
-    devices = tuple(full._flat_devices_tuple)
+    devices = _mesh_devices(full)
     if not manual:
       return full, devices, None, None
     return (_with_manual_axes(full, manual), devices,
@@ -2442,13 +2462,13 @@ def _mesh_for_lowering(axis_context, avals):
     # does not. A mesh set by the caller is then the only source, used if it
     # has the shape of the lowering's abstract mesh.
     mesh = _mesh_of_lowering_without_devices(axis_context, avals)
-    devices = None if mesh.empty else tuple(mesh._flat_devices_tuple)
+    devices = None if mesh.empty else _mesh_devices(mesh)
     return mesh, devices, None, None
   devices = tuple(devices)
   for candidate in (mesh_lib.thread_resources.env.physical_mesh,
                     _ambient_mesh("get_concrete_mesh")):
     if (candidate is not None and not candidate.empty and
-        tuple(candidate._flat_devices_tuple) == devices):
+        _mesh_devices(candidate) == devices):
       return candidate, devices, None, None
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):

@@ -4612,6 +4612,23 @@ class DropInTest(CPTestCase):
       self.assertEqual(op(x).dtype, np.float64)
       self.assertEqual(jax.jit(op)(x).dtype, np.float64)
 
+  def test_trace_cache_keys_on_static_args_and_pytree(self):
+    """Same operand types, different static argument or pytree: the body
+    must be traced anew (on one device, the op runs its body)."""
+    x = jax.device_put(self.xh, jax.devices()[0])
+    op = custom_partitioning(lambda k, x: x * k, static_argnums=(0,))
+    op.def_partition(lambda k, m, a, r: (m, lambda x: x * k, a[0].sharding,
+                                         (a[0].sharding,)),
+                     sharding_rule="i j -> i j")
+    for k in (2.0, 3.0):
+      np.testing.assert_allclose(jax.jit(op, static_argnums=0)(k, x),
+                                 self.xh * k, rtol=1e-6)
+    tree_op = _same_sharding_op(
+        lambda d: d["a"] * 2.0 if "a" in d else d["b"] * 3.0)
+    for name, factor in (("a", 2.0), ("b", 3.0)):
+      np.testing.assert_allclose(jax.jit(tree_op)({name: x}),
+                                 self.xh * factor, rtol=1e-6)
+
   def test_trace_cache_keys_on_the_partitioner(self):
     """A body may read the partitioner (libraries do); traces must not be
     shared between the two."""

@@ -41,11 +41,13 @@ Every ``jax._src`` import and every version difference lives in the
 
 Reading order
 -------------
-1. Compatibility: the jax internals this module calls.
+1. Compatibility: the jax internals this module calls; 1b. the module's
+   state (every cache and registry, what bounds and clears it).
 2. Sharding rules for Shardy (``SdyShardingRule`` and friends).
 3. Shardings: converting between XLA's ``HloSharding`` and jax shardings;
    3b. derived ops: how vmap, jvp and transposition of an op are partitioned
-   with the author's own callbacks.
+   with the author's own callbacks; 3c. the checks of the per-shard program
+   (padding, replicated results).
 4. The callback registry and the three callbacks XLA calls; 4b. the keys
    that name an op to XLA (stable across processes, for the persistent
    compilation cache).
@@ -399,21 +401,29 @@ def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 # --------------------------------------------------------------------------
-# 1b. Caches
+# 1b. Module state
 #
-# Every cache this module keeps is an ``_LRU`` below (bounded, thread-safe,
-# emptied by ``jax.clear_caches()``), or a table keyed weakly by a traced
-# body that holds such LRUs. Each answers exactly what a fresh computation
-# would, because its key holds everything the computation reads that jax's
-# own caches key on too; the comment beside each says what that is:
-#   custom_partitioning._traces   traces of ``fun``, like jax.jit's
-#   custom_partitioning._eager    compiled eager calls
-#   _eager_fns                    compiled eager calls of a bound primitive
-#   _derived_calls                bodies of derived ops (vmap, jvp, grad)
-#   _OpInfo.lowered               per-shard modules of partition requests
-# Not caches (they answer no question a computation could): the registry of
-# lowered ops (section 4, weak), parked callback errors (section 4) and the
-# names of traced bodies (section 5, weak).
+# Every piece of state this module keeps, in one list. The caches are
+# ``_LRU``s (below: bounded, each with its own lock, emptied by
+# ``jax.clear_caches()``) or weak tables of them. Each cache answers exactly
+# what a fresh computation would: its key holds everything the computation
+# reads that jax's own caches key on (the comment beside each says what).
+#
+#   state                          maps                           bound
+#   custom_partitioning._traces    call signature -> traced fun   64 per op
+#   custom_partitioning._eager     static args, sharded? -> jit   64 per op
+#   _eager_fns (section 5)         bound params -> jit            64
+#   _derived_calls (section 5)     body -> {step, avals: body}    weak; 64 each
+#   _OpInfo.lowered (section 4)    partition request -> answer    256 per op
+#   _registry (section 4)          key -> _OpInfo                 weak
+#   _parked_errors (section 4)     tag -> callback exception      64
+#   _call_names (section 5)        body -> function name          weak
+#
+# Not caches: ``_registry`` holds the ops of live lowerings and executables
+# (they keep their entries alive), ``_parked_errors`` the exceptions of
+# failed compiles until they are re-raised, ``_call_names`` names for error
+# messages. The first two share ``_registry_lock``; ``_derived_calls`` has
+# ``_derived_lock``; the weak name table is written once per new body.
 # --------------------------------------------------------------------------
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)

@@ -15,6 +15,14 @@ import sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# jaxlib's C++ logging writes to stderr, between unittest's lines (jaxlib
+# 0.10.2 warns "GSPMD sharding propagation is going to be deprecated" on
+# every GSPMD compilation: hundreds of lines). Level 2 drops its INFO and
+# WARNING lines and keeps ERROR and FATAL ones; Python warnings and the
+# module's exceptions are untouched. jaxlib reads the variable when it loads,
+# hence before the import; jax sets 1 only if it is unset, and so do we, so a
+# value the user chose wins. Child processes inherit os.environ.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import functools
 import gc

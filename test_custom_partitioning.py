@@ -5,6 +5,14 @@ Run from the repository root: ``python -m unittest -v``.
 Tests whose behaviour depends on the partitioner run once per partitioner:
 each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 ``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
+
+The whole file takes about two minutes on two cores (README says how much
+when). Its time goes to XLA compiling each distinct program (a few tenths of
+a second each) and to starting child pythons (half a second or more each,
+about a fifth of the total): a new test should reuse programs its class
+already builds (setUpClass) and add its check to an existing child script
+rather than start another process, unless it needs one of its own (a crash
+to survive, a fresh process to observe).
 """
 
 import dataclasses

@@ -34,6 +34,8 @@ Supported jax versions
 ----------------------
 jax/jaxlib 0.4.35 to 0.10.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
 0.8.3, 0.9.2 and 0.10.2, each with the Shardy and the GSPMD partitioner).
+jax/jaxlib 0.11.0 was checked by hand (Python 3.12, both partitioners,
+the test suite less its cache-bounds test).
 Every ``jax._src`` import and every version difference lives in the
 "Compatibility" section below.
 
@@ -120,6 +122,7 @@ from jax._src import config as _config
 from jax._src import errors as _errors
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
+from jax._src import util as _jax_util
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import version as _jaxlib_version
@@ -202,10 +205,14 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   if _JAX_VERSION >= (0, 7, 1):
     kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
     params["hoist_constants_as_args"] = False
+  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr,
+  # which carries its consts).
+  if _JAX_VERSION >= (0, 11, 0):
+    kwargs["out_avals"] = closed_jaxpr.out_avals
   result = mlir.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr,
       ordered_effects=[],
-      donated_args=[False] * len(closed_jaxpr.jaxpr.invars),
+      donated_args=[False] * len(closed_jaxpr.in_avals),
       axis_context=axis_context, platforms=platforms,
       lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
   return result.module, result.host_callbacks
@@ -231,6 +238,13 @@ def _context_abstract_mesh(axis_context):
   if am is None or am.empty:
     am = _ambient_mesh("get_abstract_mesh")
   return None if am is None or am.empty else am
+
+
+def _aval_mesh(aval):
+  """The abstract mesh an abstract value is sharded on, if it has one."""
+  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
 
 
 def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
@@ -353,6 +367,83 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
 
 def _register_compile_error_handler(handler) -> None:
   _compiler.register_xla_runtime_error_handler(handler)
+
+
+def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
+  """Memoizes the argument-less ``fn`` until ``jax.clear_caches()``."""
+  # jax's own util.cache is cleared by jax.clear_caches() on every release
+  # (through a set of clear functions up to 0.4.x, util.register_cache
+  # since). With jax_check_tracer_leaks on it does not memoize at all.
+  return _jax_util.cache(max_size=1, trace_context_in_key=False)(fn)
+
+
+# --------------------------------------------------------------------------
+# 1b. Caches
+#
+# Every cache this module keeps is an ``_LRU`` below (bounded, thread-safe,
+# emptied by ``jax.clear_caches()``), or a table keyed weakly by a traced
+# body that holds such LRUs. Each answers exactly what a fresh computation
+# would, because its key holds everything the computation reads that jax's
+# own caches key on too; the comment beside each says what that is:
+#   custom_partitioning._traces   traces of ``fun``, like jax.jit's
+#   custom_partitioning._eager    compiled eager calls
+#   _eager_fns                    compiled eager calls of a bound primitive
+#   _derived_calls                bodies of derived ops (vmap, jvp, grad)
+#   _OpInfo.lowered               per-shard modules of partition requests
+# Not caches (they answer no question a computation could): the registry of
+# lowered ops (section 4, weak), parked callback errors (section 4) and the
+# names of traced bodies (section 5, weak).
+# --------------------------------------------------------------------------
+
+_CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
+
+
+@_until_clear_caches
+def _cache_epoch() -> object:
+  """A token that changes when ``jax.clear_caches()`` is called."""
+  return object()
+
+
+class _LRU:
+  """A small thread-safe least-recently-used map, emptied (lazily, on its
+  next use) by ``jax.clear_caches()``."""
+
+  def __init__(self, size: int = _CACHE_SIZE):
+    self._size = size
+    self._data: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self._epoch = None
+
+  def _check_epoch(self) -> None:
+    epoch = _cache_epoch()
+    if epoch is not self._epoch:
+      self._data.clear()
+      self._epoch = epoch
+
+  def get(self, key):
+    with self._lock:
+      self._check_epoch()
+      value = self._data.get(key)
+      if value is not None:
+        self._data.move_to_end(key)
+      return value
+
+  def put(self, key, value) -> None:
+    with self._lock:
+      self._check_epoch()
+      self._data[key] = value
+      self._data.move_to_end(key)
+      while len(self._data) > self._size:
+        self._data.popitem(last=False)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._data.clear()
+
+  def __len__(self) -> int:
+    with self._lock:
+      self._check_epoch()
+      return len(self._data)
 
 
 # --------------------------------------------------------------------------
@@ -745,20 +836,82 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
                               rule.permutation_factors)
 
 
+# XLA reads the rule back from its text form while compiling, and Shardy's
+# parser takes factor sizes as 32-bit integers ("integer value too large").
+_MAX_FACTOR_SIZE = 2**31 - 1
+# Trial division stops here: a cofactor left above _MAX_FACTOR_SIZE is
+# taken as unsplittable (it may be a product of primes above this limit).
+_TRIAL_DIVISION_LIMIT = 2**21
+
+
+def _split_size(size: int) -> list[int] | None:
+  """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
+  None if a prime factor is bigger.
+
+  The major part takes the small primes first: mesh axes (usually powers of
+  two) then still divide it, and Shardy shards the dimension through it
+  without splitting a mesh axis across the parts.
+  """
+  if size <= _MAX_FACTOR_SIZE:
+    return [size]
+  primes, rest, p = [], size, 2
+  while p * p <= rest and p < _TRIAL_DIVISION_LIMIT:
+    while rest % p == 0:
+      primes.append(p)
+      rest //= p
+    p += 1 if p == 2 else 2
+  if rest > 1:
+    primes.append(rest)
+  if primes[-1] > _MAX_FACTOR_SIZE:
+    return None
+  parts: list[int] = []
+  for p in primes:  # ascending
+    for i, part in enumerate(parts):
+      if part * p <= _MAX_FACTOR_SIZE:
+        parts[i] = part * p
+        break
+    else:
+      parts.append(p)
+  return parts
+
+
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
-  """The attribute of a resolved rule (see ``_resolve_rule``)."""
-  index = {factor: i for i, factor in enumerate(sizes)}
+  """The attribute of a resolved rule (see ``_resolve_rule``).
+
+  A factor too big for Shardy's parser becomes a compound of smaller ones
+  (see ``_split_size``), in every dimension and special-factor list.
+  """
+  parts: dict[str, list[str]] = {}
+  part_sizes: dict[str, int] = {}
+  for factor, size in sizes.items():
+    split = _split_size(size)
+    if split is None:
+      where = next(f"{_value_name(i, num_operands)} dimension {d}"
+                   for i, value_dims in enumerate(dims)
+                   for d, factors in enumerate(value_dims) if factor in factors)
+      raise ValueError(
+          f"{where} has size {size}, which is not a product of factors of "
+          f"at most {_MAX_FACTOR_SIZE} (2**31 - 1), the largest factor size "
+          "a Shardy sharding rule can hold. Use the GSPMD partitioner for "
+          "this op, or reshape the dimension.")
+    names = [factor] if len(split) == 1 else [
+        f"{factor}#{k}" for k in range(len(split))]
+    parts[factor] = names
+    part_sizes.update(zip(names, split))
+  index = {factor: i for i, factor in enumerate(part_sizes)}
+
+  def indices(factors):
+    return [index[part] for f in factors for part in parts[f]]
   tensors = [
       sdy.TensorMappingAttr.get(dim_mappings=[
-          sdy.DimMappingAttr.get(factor_indices=[index[f] for f in factors])
+          sdy.DimMappingAttr.get(factor_indices=indices(factors))
           for factors in value_dims])
       for value_dims in dims]
   return _sdy_rule_attr(
-      list(sizes.values()), tensors[:num_operands], tensors[num_operands:],
-      [index[f] for f in reduction],
-      [index[f] for f in need_replication],
-      [index[f] for f in permutation])
+      list(part_sizes.values()), tensors[:num_operands],
+      tensors[num_operands:], indices(reduction), indices(need_replication),
+      indices(permutation))
 
 
 def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
@@ -935,15 +1088,22 @@ def _axes_in(specs) -> set:
   return names
 
 
+def _eqn_axes(eqn) -> set:
+  """The mesh axis names an equation's collective runs over."""
+  found: set = set()
+  for param in ("axes", "axis_name"):
+    value = eqn.params.get(param)
+    for axis in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(axis, str):
+        found.add(axis)
+  return found
+
+
 def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
   """The axes among ``names`` that ``jaxpr``'s collectives run over."""
   found: set = set()
   for eqn in jaxpr.eqns:
-    for param in ("axes", "axis_name"):
-      value = eqn.params.get(param)
-      for axis in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(axis, str) and axis in names:
-          found.add(axis)
+    found |= _eqn_axes(eqn) & names
   for sub in core.subjaxprs(jaxpr):
     found |= _collective_axes(sub, names)
   return found
@@ -1037,6 +1197,144 @@ def _derived_rule_attr(rule, levels: list, steps: tuple):
 
 
 # --------------------------------------------------------------------------
+# 3c. Checks of the per-shard program
+#
+# ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
+# mistakes in it would otherwise give silently wrong numbers. Both are
+# refused while ``lower_fn`` is traced, before XLA runs it:
+#  - a dimension that the mesh does not divide is padded by XLA (the last
+#    shards hold unspecified values past the end); reducing over it mixes the
+#    padding into the result. Refused where the op's rule says the dimension
+#    is reduced: its factor is a reduction factor or appears in no result.
+#  - a result whose sharding is replicated over a mesh axis must be equal on
+#    all devices along it. Each value's *varying axes* (the axes along which
+#    devices may hold different values) are followed through the jaxpr, as
+#    shard_map's check_vma does: operands vary over the axes they are sharded
+#    on, ``axis_index`` and the scattering collectives add their axes,
+#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs. Where a
+#    primitive's effect is unknown (loops, grouped collectives) the answer
+#    is "unknown", and unknown never raises.
+# --------------------------------------------------------------------------
+
+_INVARIANT_OVER_AXES = frozenset({"psum", "pmax", "pmin", "all_gather",
+                                  "psum_invariant", "all_gather_invariant"})
+_VARYING_OVER_AXES = frozenset({"reduce_scatter", "all_to_all", "ppermute",
+                                "axis_index"})
+_SAME_VALUES = frozenset({"pvary", "pbroadcast"})  # only retype a value
+
+
+def _only_subjaxpr(eqn):
+  """The one jaxpr an equation calls with its operands one to one (jit,
+  checkpoint, custom_jvp/vjp calls), or None."""
+  subs = [v for v in eqn.params.values()
+          if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
+  if len(subs) != 1:
+    return None
+  sub = subs[0]
+  jaxpr = getattr(sub, "jaxpr", sub)
+  if (len(jaxpr.invars) != len(eqn.invars) or
+      len(jaxpr.outvars) != len(eqn.outvars)):
+    return None
+  return jaxpr
+
+
+def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
+  """Per output of ``jaxpr``: the mesh axes it may vary over (a frozenset),
+  or None where that is unknown; ``in_varying`` likewise per input."""
+  env: dict = dict(zip(jaxpr.invars, in_varying))
+
+  def read(v):
+    return frozenset() if isinstance(v, core.Literal) else env.get(
+        v, frozenset())  # constants are equal everywhere
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    union = None if None in ins else frozenset().union(*ins)
+    name = eqn.primitive.name
+    outs: list = [union] * len(eqn.outvars)
+    if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
+      if eqn.params.get("axis_index_groups") is not None or union is None:
+        outs = [None] * len(eqn.outvars)
+      elif name in _INVARIANT_OVER_AXES:
+        outs = [union - _eqn_axes(eqn)] * len(eqn.outvars)
+      else:
+        outs = [union | _eqn_axes(eqn)] * len(eqn.outvars)
+    elif name == "cond":
+      branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+      outs = [None if ins[0] is None or None in per_out
+              else ins[0].union(*per_out) for per_out in zip(*branches)]
+    elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
+        eqn.params)):
+      sub = _only_subjaxpr(eqn)
+      outs = (_varying(sub, ins) if sub is not None
+              else [None] * len(eqn.outvars))  # loops: not followed
+    for v, out in zip(eqn.outvars, outs):
+      env[v] = out
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
+                              out_specs: list, axes) -> None:
+  """Raises if a result replicated over one of ``axes`` may vary over it.
+
+  ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
+  of ``lower_fn`` (None: unknown, which never raises).
+  """
+  in_varying = [None if spec is None else frozenset(_axes_in([spec]))
+                for spec in in_specs]
+  for i, (varying, spec) in enumerate(zip(_varying(jaxpr, in_varying),
+                                          out_specs)):
+    if varying is None or spec is None:
+      continue
+    for axis in axes:
+      if axis in varying and axis not in _axes_in([spec]):
+        raise ValueError(
+            f"lower_fn of {name} returns result {i} as replicated over mesh "
+            f"axis {axis!r} (its result sharding has spec {spec}), but its "
+            f"value differs between the devices along {axis!r}: it is "
+            f"computed from an operand sharded over {axis!r} (or from "
+            "axis_index) and no collective over that axis makes it equal. "
+            f"Likely fix: a missing jax.lax.psum/pmax/all_gather over "
+            f"{axis!r} in lower_fn, or a result sharding over {axis!r}. If "
+            "the value is equal by construction, pass check_vma=False to "
+            "def_partition.")
+
+
+def _local_shape(shape, spec, mesh) -> tuple:
+  """A shard's shape; a dimension the mesh does not divide is rounded up
+  (XLA pads the last shards)."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  return tuple(-(-size // math.prod(mesh.shape[a] for a in _axes_in([[e]])))
+               for size, e in zip(shape, spec))
+
+
+def _check_even_reductions(name: str, rule, dims: list, shapes: list,
+                           num_operands: int, in_specs: list, mesh) -> None:
+  """Raises if an operand dimension that the rule reduces over is padded:
+  sharded over mesh axes that do not divide its size. ``dims``: the
+  resolved rule (see ``_resolve_rule``)."""
+  kept = {f for value_dims in dims[num_operands:] for factors in value_dims
+          for f in factors}
+  reduced = set(rule.reduction_factors)
+  for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
+    for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
+      axes = sorted(_axes_in([[entry]]))
+      count = math.prod(mesh.shape[a] for a in axes)
+      if count == 1 or shapes[i][d] % count == 0:
+        continue
+      if any(f in reduced or f not in kept for f in factors):
+        raise ValueError(
+            f"partition of {name} shards operand {i} dimension {d} (size "
+            f"{shapes[i][d]}) over mesh axes {axes} ({count} devices), "
+            f"which do not divide it, and the op's sharding rule reduces "
+            "over that dimension: XLA pads the last shards with unspecified "
+            "values, which the reduction would mix into the result (jax."
+            "shard_map refuses such operands too). Shard that dimension "
+            f"over axes that divide its size (or not at all), or pad it to a "
+            f"multiple of {count} before the op.")
+
+
+# --------------------------------------------------------------------------
 # 4. The callback registry and the callbacks XLA calls
 #
 # The custom call carries a key in its ``backend_config``; XLA hands it back
@@ -1090,6 +1388,7 @@ class _OpInfo:
     self.infer = params["infer_sharding_from_operands"]
     self.propagate = params["propagate_user_sharding"]
     self.decode = params["decode_shardings"]
+    self.check_vma = params.get("check_vma", True)  # upstream has no such
     self.static_args = _static_values(params["static_args"])
     self.in_tree = params["in_tree"]
     self.out_tree = params["out_tree"]
@@ -1107,7 +1406,10 @@ class _OpInfo:
     self.backend = backend
     # Errors of infer/propagate, per compiling thread, for ``partition``.
     self.pending: dict[int, BaseException] = {}
-    self.lowered: dict = {}  # partition request -> XLA answer
+    # Partition request -> XLA's answer. The request holds every input of
+    # the answer that is not in this op's key (shapes, dtypes, shardings);
+    # the key holds the rest (see section 4b).
+    self.lowered = _LRU(256)
 
   # -- conversions -----------------------------------------------------
 
@@ -1241,7 +1543,7 @@ class _OpInfo:
     if answer is None:
       lower = self._lower_derived if self.steps else self._lower_partition
       answer = lower(arg_shapes, arg_shardings, result_shape, result_sharding)
-      self.lowered[request] = answer
+      self.lowered.put(request, answer)
     return answer
 
   def _host_callback_error(self) -> NotImplementedError:
@@ -1273,11 +1575,19 @@ class _OpInfo:
       # Collectives must name devices of the whole program: lower on the
       # whole mesh (the returned one may be the mesh with manual types).
       mesh = self.full_mesh
+    on = self._on(sub)
+    in_specs, out_specs = (
+        [_decode_spec(h, on, len(s.dimensions())) for h, s in zip(hlos, shapes)]
+        for hlos, shapes in ((in_hlo, arg_shapes), (out_hlo, result_shapes)))
+    self._check_even_reductions(
+        [tuple(s.dimensions()) for s in list(arg_shapes) + result_shapes],
+        in_specs, sub)
     with _no_ambient_mesh():
       closed = self._trace_lower_fn(
           lower_fn, mesh,
           [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
-          [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)])
+          [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)],
+          in_specs, out_specs, sub)
     return (self._lower_closed(closed, mesh), in_hlo,
             _pack_hlo(result_shape, out_hlo))
 
@@ -1518,15 +1828,15 @@ class _OpInfo:
           f"{dict(mesh.shape)}, but the op's mesh has {dict(self.mesh.shape)};"
           " under jax.vmap, jax.jvp and jax.grad they must be the same.")
     on = self._on(sub)
+    self._check_even_reductions([v.shape for v in operands + results], args,
+                                sub)
 
     def local(v, spec):
-      sharding = jax.sharding.NamedSharding(on,
-                                            jax.sharding.PartitionSpec(*spec))
-      return jax.ShapeDtypeStruct(sharding.shard_shape(v.shape), v.dtype)
+      return jax.ShapeDtypeStruct(_local_shape(v.shape, spec, on), v.dtype)
     with _no_ambient_mesh():
       closed = self._trace_lower_fn(
           lower_fn, mesh, [local(v, s) for v, s in zip(operands, args)],
-          [local(v, s) for v, s in zip(results, outs)])
+          [local(v, s) for v, s in zip(results, outs)], args, outs, sub)
     if _calls_host(closed.jaxpr):
       raise self._host_callback_error()
     used = _collective_axes(closed.jaxpr, set(on.axis_names))
@@ -1568,8 +1878,22 @@ class _OpInfo:
             f"devices, but the op runs on {len(self.devices)}.")
     return answer
 
-  def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results):
-    """Traces ``lower_fn`` on per-shard shapes and checks its results."""
+  def _check_even_reductions(self, shapes, in_specs, sub) -> None:
+    """See ``_check_even_reductions`` (section 3c); ``shapes``: global
+    shapes of the operands, then of the results."""
+    if self.rule is None:
+      return
+    try:  # a rule that does not fit the op fails elsewhere, with its cause
+      _, dims = _resolve_rule(self.rule, shapes, len(in_specs))
+    except ValueError:
+      return
+    _check_even_reductions(self.name, self.rule, dims, shapes, len(in_specs),
+                           in_specs, self._on(sub))
+
+  def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results,
+                      in_specs, out_specs, sub):
+    """Traces ``lower_fn`` on per-shard shapes and checks its results (for
+    the replication check, see section 3c)."""
     closed, out_shape = jax.make_jaxpr(
         lower_fn, axis_env=list(mesh.shape.items()), return_shape=True)(
             *self.in_tree.unflatten(local_args))
@@ -1584,6 +1908,9 @@ class _OpInfo:
             f"lower_fn of {self.name} returned result {i} with local shape "
             f"{g.dtype}{list(g.shape)}, but its result sharding needs "
             f"{want.dtype}{list(want.shape)}.")
+    if self.check_vma:
+      _check_replicated_results(self.name, closed.jaxpr, in_specs, out_specs,
+                                self._on(sub).axis_names)
     return closed
 
 
@@ -1660,9 +1987,12 @@ _register_compile_error_handler(_reraise_callback_error)
 # arguments, the pytrees, the mesh, the devices and the partitioner.
 #
 # The description is faithful for plain data (numbers, strings, containers,
-# arrays, dataclasses and other objects of user classes, by their fields),
-# code, meshes and shardings. Anything else is *opaque*: it is described by
-# its identity within one lowering and one process. Hence:
+# arrays of up to _MAX_HASHED_BYTES, dataclasses and other objects of user
+# classes, by their fields), code, meshes and shardings. Anything else is
+# *opaque*: it is described by its identity within one lowering and one
+# process. Bigger arrays are opaque too: hashing one costs time linear in
+# its size for every op of every lowering, so a program whose callbacks read
+# one misses the persistent cache instead. Hence:
 #  - the same program gets the same key in every process (the persistent
 #    cache hits) unless it involves opaque values (then it misses);
 #  - a changed program never gets an old key; and because the description
@@ -1679,6 +2009,7 @@ _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
                      "ml_dtypes", "opt_einsum", "scipy")
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
+_MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 _SKIPPED_CLASS_ATTRS = frozenset({"__dict__", "__weakref__", "__doc__",
                                   "__module__", "__qualname__",
                                   "__annotations__", "__dataclass_fields__",
@@ -1773,7 +2104,7 @@ class _Describer:
       out.append("custom_partitioning")
       self.add((obj.fun, obj.static_argnums, obj.partition,
                 obj.infer_sharding_from_operands, obj.propagate_user_sharding,
-                obj.decode_shardings, obj.sharding_rule))
+                obj.decode_shardings, obj.sharding_rule, obj.check_vma))
     elif isinstance(obj, _Unhashable):
       self.add(obj.value)
     elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
@@ -1798,6 +2129,10 @@ class _Describer:
     return "\n".join(sub.out)
 
   def _array(self, obj) -> None:
+    # Checked before np.asarray, which copies a jax.Array to the host.
+    if getattr(obj, "nbytes", 0) > _MAX_HASHED_BYTES:
+      self.opaque(obj)
+      return
     try:
       value = np.asarray(obj)
     except Exception:  # noqa: BLE001 - e.g. not addressable from here
@@ -1903,8 +2238,11 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 # gives the derived op its abstract values and its single-device code.
 
 # call -> LRU {(step, operand avals): derived call}; entries live at most as
-# long as ``call``. The avals are those of the actual operands: with
-# Explicit mesh axes they carry shardings, which the results inherit.
+# long as ``call`` (LRUs of 64, emptied by jax.clear_caches()). A derived
+# body is a pure function of ``call`` and the key: the step (which operands
+# are batched or differentiated), the operands' avals (with Explicit mesh
+# axes they carry shardings, which the results inherit) and jax's trace
+# context (configuration), as in jax.jit's key.
 _derived_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _derived_lock = threading.Lock()
 
@@ -1913,11 +2251,11 @@ def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
   """``fun`` (the body transformed by ``step``) traced for ``operands``."""
   in_avals = tuple(_typeof(x) for x in operands)
-  key = (step, in_avals)
+  key = (step, in_avals, _config.trace_context())
   with _derived_lock:
     table = _derived_calls.get(call)
     if table is None:
-      table = _derived_calls[call] = _LRU(_CACHE_SIZE)
+      table = _derived_calls[call] = _LRU()
   derived = table.get(key)
   if derived is None:
     jaxpr, consts = _trace(_wrap(fun, in_avals, ()), in_avals)
@@ -2043,29 +2381,45 @@ def _static_values(static_args):
     return static_args.value
   return static_args
 
-# call (ClosedJaxpr) -> jitted function binding the primitive with params.
-_eager_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _is_sharded(x) -> bool:
+  """Whether ``x`` is a concrete array split over several devices."""
+  if not isinstance(x, jax.Array) or isinstance(x, core.Tracer):
+    return False
+  sharding = x.sharding
+  return len(sharding.device_set) > 1 and not sharding.is_fully_replicated
+
+
+# An eager call runs compiled, like a jax.jit'd function, but the op's
+# partitioning only for operands that are really sharded: upstream evaluates
+# the body for every eager call and never asks the callbacks, and a
+# ``partition`` written for sharded operands must not be asked about host
+# data. Cache: (equation params, sharded?) -> jitted function. The params
+# hold the traced body and every callback; jax.jit keys on the operands'
+# types and shardings itself.
+_eager_fns = _LRU()
 
 
 def _impl(*args, **params):
-  """Eager evaluation: compile the op once per signature, like jax.jit."""
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``)."""
   call = params["call"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
     return core.jaxpr_as_fun(call)(*args)
-  fn = _eager_fns.get(call)
+  sharded = any(_is_sharded(x) for x in args)
+  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
+  fn = _eager_fns.get(key)
   if fn is None:
-    rest = {k: v for k, v in params.items() if k != "call"}
-    ref = weakref.ref(call)  # do not keep `call` alive from its own value
-    fn = jax.jit(lambda *xs: custom_partitioning_p.bind(
-        *xs, call=ref(), **rest))
-    _eager_fns[call] = fn
+    if sharded:
+      fn = jax.jit(functools.partial(custom_partitioning_p.bind, **params))
+    else:
+      fn = jax.jit(core.jaxpr_as_fun(call))
+    _eager_fns.put(key, fn)
   return fn(*args)
 
 
 custom_partitioning_p.def_impl(_impl)
 
 
-def _mesh_for_lowering(axis_context):
+def _mesh_for_lowering(axis_context, avals):
   """``(mesh, devices, submesh, full_mesh)`` for a lowering.
 
   ``mesh`` is the real mesh whenever it can be recovered. Inside a partly
@@ -2083,7 +2437,13 @@ def _mesh_for_lowering(axis_context):
             _auto_submesh(full, manual), full)
   devices = getattr(axis_context, "device_assignment", None)
   if devices is None:
-    return mesh_lib.thread_resources.env.physical_mesh, None, None, None
+    # jax passes the devices only when it sees this primitive in the
+    # program; inside another primitive's lowering (``mlir.lower_fun``) it
+    # does not. A mesh set by the caller is then the only source, used if it
+    # has the shape of the lowering's abstract mesh.
+    mesh = _mesh_of_lowering_without_devices(axis_context, avals)
+    devices = None if mesh.empty else tuple(mesh._flat_devices_tuple)
+    return mesh, devices, None, None
   devices = tuple(devices)
   for candidate in (mesh_lib.thread_resources.env.physical_mesh,
                     _ambient_mesh("get_concrete_mesh")):
@@ -2094,6 +2454,23 @@ def _mesh_for_lowering(axis_context):
   if am is not None and am.size == len(devices):
     return _mesh_from_abstract(devices, am), devices, None, None
   return mesh_lib.thread_resources.env.physical_mesh, devices, None, None
+
+
+def _mesh_of_lowering_without_devices(axis_context, avals):
+  """The mesh set by ``with mesh:`` or ``jax.set_mesh`` if it fits a
+  lowering that has no device assignment; else the empty mesh."""
+  num_devices = getattr(axis_context, "num_devices", None)
+  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
+              [_aval_mesh(a) for a in avals] if am is not None]
+  for candidate in (mesh_lib.thread_resources.env.physical_mesh,
+                    _ambient_mesh("get_concrete_mesh")):
+    if candidate is None or candidate.empty:
+      continue
+    if num_devices is not None and candidate.size != num_devices:
+      continue
+    if all(dict(am.shape) == dict(candidate.shape) for am in abstract):
+      return candidate
+  return mesh_lib.thread_resources.env.physical_mesh
 
 
 def _resolve_sharding_rule(rule, static_args, mesh, operand_types,
@@ -2122,8 +2499,10 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
       set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
     return inline_body(ctx, *values)  # every axis manual: one shard's code
   use_shardy = _use_shardy()
-  mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context)
-  if devices is not None and len(devices) == 1:
+  mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context,
+                                                         ctx.avals_in)
+  if (devices is not None and len(devices) == 1) or getattr(
+      axis_context, "num_devices", None) == 1:
     return inline_body(ctx, *values)
   steps = _steps(params)
   if steps and submesh is not None and not _MESH_TYPES_MANUAL_AXES:
@@ -2140,9 +2519,12 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         "with jax.shard_map) instead.")
   if devices is None:
     raise ValueError(
-        f"custom_partitioning op {name} is lowered without a device "
-        "assignment; lower it for concrete devices (e.g. jax.jit with "
-        "NamedSharding in_shardings).")
+        f"custom_partitioning op {name} is lowered for several devices, but "
+        "jax did not say which: this happens when the op is lowered inside "
+        "another primitive's lowering rule (e.g. through mlir.lower_fun), "
+        "where jax cannot see it. Set the mesh around the call, with "
+        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its "
+        "devices, or call the op outside that primitive.")
   if params["partition"] is None:
     raise ValueError(
         f"custom_partitioning op {name} runs on {len(devices)} devices, but "
@@ -2198,7 +2580,10 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
       called_computations=ir.ArrayAttr.get([]),
       backend_config=ir.StringAttr.get(key),
       operand_layouts=None, result_layouts=None)
-  if rule_attr is not None:
+  # Shardy's verifier refuses a rule on an op without operands. There it
+  # could only tie the results to each other; without it, XLA propagates
+  # around the op and ``partition`` still decides every sharding.
+  if rule_attr is not None and values:
     op.attributes["sdy.sharding_rule"] = rule_attr
   return op.results
 
@@ -2219,35 +2604,16 @@ def _fun_name(call) -> str:
 # 6. The public decorator
 # --------------------------------------------------------------------------
 
-class _LRU:
-  """A small thread-safe least-recently-used map."""
+class _CallArgs(NamedTuple):
+  """One call's arguments, by role."""
+  static_argnums: tuple  # positions of the static arguments, author's order
+  static_args: tuple     # their values, passed first to every callback
+  defaults: tuple        # (position, value) of unpassed Python defaults
+  dyn_args: tuple        # the rest: the operands (pytrees of arrays)
 
-  def __init__(self, size: int):
-    self._size = size
-    self._data: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
 
-  def get(self, key):
-    with self._lock:
-      value = self._data.get(key)
-      if value is not None:
-        self._data.move_to_end(key)
-      return value
-
-  def put(self, key, value) -> None:
-    with self._lock:
-      self._data[key] = value
-      self._data.move_to_end(key)
-      while len(self._data) > self._size:
-        self._data.popitem(last=False)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._data.clear()
-
-  def __len__(self) -> int:
-    with self._lock:
-      return len(self._data)
+def _is_array(value) -> bool:
+  return isinstance(value, (np.ndarray, np.generic, jax.Array))
 
 
 def _is_hashable(value) -> bool:
@@ -2256,9 +2622,6 @@ def _is_hashable(value) -> bool:
   except TypeError:
     return False
   return True
-
-
-_CACHE_SIZE = 64  # traced signatures (and eager executables) kept per op
 
 
 @custom_api_util.register_custom_decorator_type
@@ -2277,9 +2640,26 @@ class custom_partitioning:
   ``jax.vjp`` on the same local shards (section 3b; upstream supports none
   of the three).
 
+  A call outside any transformation (eager) is compiled. Its operands decide
+  what runs: if some operand is a ``jax.Array`` sharded over several devices
+  (not fully replicated), the op is partitioned by its own callbacks, as
+  under ``jax.jit``; otherwise (host data, single-device or replicated
+  arrays) ``fun`` runs and no callback is asked, as upstream, which
+  evaluates ``fun`` for every eager call.
+
+  Traces of ``fun`` are cached per op like ``jax.jit``'s: keyed on the
+  static arguments, the operands' pytree and abstract values, and jax's
+  configuration; emptied by ``jax.clear_caches()``, as is every other cache
+  of this module. So a ``fun`` that reads a switch of its own sees a new
+  setting after ``jax.clear_caches()``, as under ``jax.jit``.
+
   Args:
     fun: the function. Keyword arguments of a call are bound to positions
-      through ``inspect.signature(fun)``, defaults applied; keyword-only
+      through ``inspect.signature(fun)``. A parameter left at its default
+      keeps it as a Python value, not an operand (as ``jax.jit`` leaves
+      unpassed defaults alone; so ``custom_partitioning(jnp.fft.fft)``
+      works), unless the default is an array (then it is an operand) or the
+      parameter is static (then the callbacks get the default). Keyword-only
       parameters keep their defaults and cannot be passed.
     static_argnums: int or ints; positions of arguments that are not arrays.
       Their values are passed first to every callback. They need not be
@@ -2306,8 +2686,9 @@ class custom_partitioning:
     self.propagate_user_sharding = None
     self.decode_shardings = True
     self.sharding_rule = None
-    self._traces = _LRU(_CACHE_SIZE)
-    self._eager = _LRU(_CACHE_SIZE)
+    self.check_vma = True
+    self._traces = _LRU()  # see _traced
+    self._eager = _LRU()  # see _eager_call
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
@@ -2315,9 +2696,9 @@ class custom_partitioning:
 
   def def_partition(self, partition, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
-                    sharding_rule=None, *, reduction_factors=(),
-                    need_replication_factors=(), permutation_factors=(),
-                    **factor_sizes):
+                    sharding_rule=None, *, check_vma=True,
+                    reduction_factors=(), need_replication_factors=(),
+                    permutation_factors=(), **factor_sizes):
     """Defines how the op is partitioned; returns ``partition``.
 
     Args:
@@ -2345,6 +2726,12 @@ class custom_partitioning:
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
         ``-> (string, kwargs)``.
+      check_vma: keyword-only, default True (this module's; upstream has no
+        such check): while ``lower_fn`` is traced, refuse a result whose
+        sharding is replicated over a mesh axis but whose value may differ
+        along it (a missing ``psum``), as ``jax.shard_map(check_vma=True)``
+        does. False turns the check off, for code whose results are equal
+        by a construction the check cannot follow.
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -2382,6 +2769,7 @@ class custom_partitioning:
     self.propagate_user_sharding = propagate_user_sharding
     self.decode_shardings = decode_shardings
     self.sharding_rule = sharding_rule
+    self.check_vma = bool(check_vma)
     self._traces.clear()
     self._eager.clear()
     return partition
@@ -2391,36 +2779,81 @@ class custom_partitioning:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    args = self._signature.positional(args, kwargs, self._name)
+    args = self._split(args, kwargs)
+    if (_at_top_level() and not _jit_disabled() and
+        _is_hashable(args.static_args)):
+      return self._eager_call(args)
+    return self._bind(args)
+
+  def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
+    """Binds a call's arguments to positions and sorts them by role."""
+    args, unpassed = self._signature.positional(args, kwargs, self._name)
     static_argnums = static_args = ()
-    dyn_args = args
     if self.static_argnums or self.static_argnums == 0:
       static_argnums = _static_positions(self.static_argnums, len(args),
                                          self._name)
       static_args = tuple(args[i] for i in static_argnums)
       _check_static_args(static_argnums, static_args, self._name)
-      dyn_args = tuple(a for i, a in enumerate(args)
-                       if i not in static_argnums)
-    if (_at_top_level() and not _jit_disabled() and
-        _is_hashable(static_args)):
-      return self._eager_call(static_argnums, static_args, dyn_args)
-    return self._bind(static_argnums, static_args, dyn_args)
+    # Like jax.jit, leave unpassed Python defaults alone: they are constants
+    # of the body, not operands (``custom_partitioning(jnp.fft.fft)`` must
+    # not trace its ``axis=-1``).
+    defaults = tuple((i, args[i]) for i in unpassed
+                     if i not in static_argnums and not _is_array(args[i]))
+    fixed = set(static_argnums) | {i for i, _ in defaults}
+    return _CallArgs(static_argnums, static_args, defaults,
+                     tuple(a for i, a in enumerate(args) if i not in fixed))
 
-  def _eager_call(self, static_argnums, static_args, dyn_args):
-    """Eager call: one compiled executable per signature, not op by op.
+  def _eager_call(self, args: _CallArgs):
+    """A call outside any transformation: compiled, like a jax.jit'd one.
 
-    ``jax.jit`` keys its own cache on the dynamic arguments' types, so one
-    jitted function per static-argument tuple is all that is kept here.
+    Operands sharded over several devices are partitioned by the op's own
+    callbacks; any other call runs ``fun`` alone, as upstream's eager calls
+    do (they never ask the callbacks). Cache: (static arguments, positions
+    of unpassed defaults, sharded?) -> jitted function; jax.jit keys on the
+    operands' types and shardings itself.
     """
-    fn = self._eager.get(static_args)
+    sharded = any(_is_sharded(x)
+                  for x in jax.tree_util.tree_leaves(args.dyn_args))
+    key = (args.static_args, tuple(i for i, _ in args.defaults), sharded)
+    fn = self._eager.get(key)
     if fn is None:
-      def call(*dyn):
-        return self._bind(static_argnums, static_args, dyn)
-      fn = jax.jit(call)
-      self._eager.put(static_args, fn)
-    return fn(*dyn_args)
+      run = self._bind if sharded else self._run_body
+      base = args._replace(dyn_args=())  # holds no operand alive
 
-  def _bind(self, static_argnums, static_args, dyn_args):
+      def call(*dyn):
+        return run(base._replace(dyn_args=dyn))
+      fn = jax.jit(call)
+      self._eager.put(key, fn)
+    return fn(*args.dyn_args)
+
+  def _traced(self, args: _CallArgs):
+    """``(operands, call, out_tree, key)``: ``fun`` traced for ``args``,
+    from the trace cache where it can be (``key`` is None where not)."""
+    args_flat, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+    in_avals = tuple(_typeof(x) for x in args_flat)
+    key = None
+    if _is_hashable(args.static_args):
+      # What jax.jit keys its traces on: static arguments, the pytree and
+      # abstract values of the operands, jax's trace context (config
+      # states), plus which positions hold unpassed defaults. What else
+      # ``fun`` reads (globals, closures) is not seen, as by jax.jit; both
+      # caches are emptied by jax.clear_caches().
+      key = (args.static_args, tuple(i for i, _ in args.defaults), in_tree,
+             in_avals, _use_shardy(), _config.trace_context())
+    traced = self._traces.get(key) if key is not None else None
+    if traced is None:
+      traced = self._trace(args, in_tree, in_avals)
+      if key is not None:
+        self._traces.put(key, traced)
+    call, out_tree = traced
+    return args_flat, call, out_tree, key
+
+  def _run_body(self, args: _CallArgs):
+    args_flat, call, out_tree, _ = self._traced(args)
+    return jax.tree_util.tree_unflatten(
+        out_tree, core.jaxpr_as_fun(call)(*args_flat))
+
+  def _bind(self, args: _CallArgs):
     if (_use_shardy() and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
@@ -2430,43 +2863,32 @@ class custom_partitioning:
           "(infer_sharding_from_operands / propagate_user_sharding) are "
           "defined. Add a sharding_rule to def_partition, e.g. "
           "sharding_rule='i j -> i j'.")
-    args_flat, in_tree = jax.tree_util.tree_flatten(dyn_args)
-    in_avals = tuple(_typeof(x) for x in args_flat)
-    key = None
-    if _is_hashable(static_args):
-      key = (static_args, in_tree, in_avals, _use_shardy(),
-             _config.trace_context())
-    traced = self._traces.get(key) if key is not None else None
-    if traced is None:
-      traced = self._trace(static_argnums, static_args, dyn_args, in_tree,
-                           in_avals)
-      if key is not None:
-        self._traces.put(key, traced)
-    call, out_tree = traced
+    args_flat, call, out_tree, key = self._traced(args)
     out_flat = custom_partitioning_p.bind(
-        *args_flat, call=call, in_tree=in_tree, out_tree=out_tree,
+        *args_flat, call=call, in_tree=jax.tree_util.tree_structure(
+            args.dyn_args), out_tree=out_tree,
         partition=self.partition,
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
         sharding_rule=self.sharding_rule,
-        static_args=(static_args if key is not None
-                     else _Unhashable(static_args)),
-        transform=())
+        static_args=(args.static_args if key is not None
+                     else _Unhashable(args.static_args)),
+        check_vma=self.check_vma, transform=())
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
-  def _trace(self, static_argnums, static_args, dyn_args, in_tree, in_avals):
+  def _trace(self, args: _CallArgs, in_tree, in_avals):
     """Traces ``fun`` to ``(call, out_tree)``.
 
     Concrete arrays that ``fun`` closes over stay in ``call`` as constants
     (the author's ``lower_fn`` captures them itself); a closed-over tracer
     cannot be handed to XLA's callbacks and is rejected.
     """
-    all_args = _merge(static_argnums, static_args, dyn_args)
-    wrapped = _wrap(self.fun, all_args, static_argnums)
-    if static_argnums:
+    all_args, fixed = _merge(args)
+    wrapped = _wrap(self.fun, all_args, fixed)
+    if fixed:
       wrapped, _ = api_util.argnums_partial(
-          wrapped, [i for i in range(len(all_args)) if i not in static_argnums],
+          wrapped, [i for i in range(len(all_args)) if i not in fixed],
           all_args, require_static_args_hashable=False)
     flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
     jaxpr, consts = _trace(flat_fun, in_avals)
@@ -2497,12 +2919,14 @@ class _Signature:
     self._plain = (len(kinds) if all(k in positional for k in kinds)
                    else None)
 
-  def positional(self, args: tuple, kwargs: dict, name: str) -> tuple:
+  def positional(self, args: tuple, kwargs: dict, name: str):
+    """``(args, unpassed)``: every positional parameter's value in order,
+    defaults filled in, and the positions that took their default."""
     if self._sig is None or (not kwargs and len(args) == self._plain):
       if kwargs:
         raise TypeError(f"{name} takes no keyword arguments here: its "
                         "signature cannot be inspected.")
-      return args
+      return args, ()
     try:
       bound = self._sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -2519,7 +2943,7 @@ class _Signature:
         raise TypeError(
             f"{name}: **{param.name} arguments cannot be passed to a "
             "custom_partitioning function; pass them positionally.")
-    out = []
+    out, unpassed = [], []
     for param in self._sig.parameters.values():
       if param.kind == inspect.Parameter.VAR_POSITIONAL:
         out.extend(bound.arguments.get(param.name, ()))
@@ -2528,8 +2952,9 @@ class _Signature:
         if param.name in bound.arguments:
           out.append(bound.arguments[param.name])
         else:
+          unpassed.append(len(out))
           out.append(param.default)
-    return tuple(out)
+    return tuple(out), tuple(unpassed)
 
 
 def _static_positions(static_argnums, num_args: int, name: str) -> tuple:
@@ -2557,12 +2982,14 @@ def _check_static_args(static_argnums, static_args, name: str) -> None:
           "arguments must be concrete Python values.")
 
 
-def _merge(static_argnums, static_args, dyn_args) -> tuple:
-  """Interleaves static and dynamic arguments back into call order."""
-  statics = dict(zip(static_argnums, static_args))
-  dyn = iter(dyn_args)
-  return tuple(statics[i] if i in statics else next(dyn)
-               for i in range(len(static_args) + len(dyn_args)))
+def _merge(args: _CallArgs) -> tuple[tuple, tuple]:
+  """``(all arguments in call order, positions of those not operands)``."""
+  fixed = dict(zip(args.static_argnums, args.static_args))
+  fixed.update(args.defaults)
+  dyn = iter(args.dyn_args)
+  return (tuple(fixed[i] if i in fixed else next(dyn)
+                for i in range(len(fixed) + len(args.dyn_args))),
+          tuple(sorted(fixed)))
 
 
 # --------------------------------------------------------------------------

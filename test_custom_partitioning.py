@@ -1150,7 +1150,7 @@ del FallbackTest
 
 class HostCallbackTest(CPTestCase):
 
-  def _run(self, lower_fn_src, check):
+  def _run(self, lower_fn_src):
     code = textwrap.dedent("""
     from jax.experimental import io_callback
     hits = []
@@ -1177,29 +1177,31 @@ class HostCallbackTest(CPTestCase):
     out = _run_snippet(self, self.shardy, code)
     line = [l for l in out.splitlines() if l.startswith("RESULT")]
     self.assertTrue(line, out)
-    self.assertNotIn("WRONG", line[0])
-    if "OK" in line[0]:
-      check(int(line[0].split()[-1]))
+    # XLA cannot reach host callbacks of a per-shard module: the module
+    # refuses them before lowering, on every release, with this type.
+    self.assertTrue(line[0].startswith("RESULT CLEAN_ERROR NotImplementedError"),
+                    line[0])
+    self.assertIn("calls back to Python", line[0])
 
   def test_debug_callback(self):
     self._run("""
     def lower_fn(x):
       jax.debug.callback(lambda v: hits.append(1), x)
       return x * 2
-    """, lambda hits: self.assertGreaterEqual(hits, 2))
+    """)
 
   def test_pure_callback(self):
     self._run("""
     def lower_fn(x):
       return jax.pure_callback(host_double,
                                jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    """, lambda hits: self.assertGreaterEqual(hits, 2))
+    """)
 
   def test_io_callback(self):
     self._run("""
     def lower_fn(x):
       return io_callback(host_double, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    """, lambda hits: self.assertGreaterEqual(hits, 2))
+    """)
 
 
 both_partitioners(HostCallbackTest)
@@ -2567,6 +2569,127 @@ class ShardyRuleTest(CPTestCase):
 
 
 # --------------------------------------------------------------------------
+# Factors above 2**31 - 1, which Shardy's rule parser cannot read
+# --------------------------------------------------------------------------
+
+def add_one(x):
+  return x + 1
+
+
+class HugeFactorTest(CPTestCase):
+  """Dimensions of more than 2**31 - 1 elements, compiled from
+  ShapeDtypeStructs (int8, so nothing of that size is ever allocated)."""
+
+  BIG = 2**31 + 8  # = 136 * 15790321
+
+  def op_and_seen(self):
+    seen = []
+    op = custom_partitioning(add_one)
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(_spec(arg_shapes[0].sharding, len(arg_shapes[0].shape)))
+      s = arg_shapes[0].sharding
+      return mesh, add_one, s, (s,)
+
+    op.def_partition(partition, sharding_rule="i -> i",
+                     infer_sharding_from_operands=(
+                         lambda mesh, a, r: a[0].sharding))
+    return op, seen
+
+  def compile_sharded(self, f, shape, spec):
+    arg = jax.ShapeDtypeStruct(shape, jnp.int8,
+                               sharding=NamedSharding(self.mesh(), spec))
+    lowered = jax.jit(f).lower(arg)
+    return lowered.as_text(), lowered.compile().as_text()
+
+  def test_dimension_above_int32_is_partitioned(self):
+    op, seen = self.op_and_seen()
+    lowered, compiled = self.compile_sharded(op, (self.BIG,), P("x"))
+    self.assertEqual(seen, [("x",)])
+    self.assertIn(f"s8[{self.BIG // 8}]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+    if self.shardy:  # the dimension is a compound of two factors
+      self.assertEqual(
+          _sdy_rule_text(lowered),
+          [f"#sdy.op_sharding_rule<([ij])->([ij]) {{i=136, j=15790321}}"
+           f"{CUSTOM}>"])
+
+  def test_vmap_batch_above_int32_is_partitioned(self):
+    op, seen = self.op_and_seen()
+    _, compiled = self.compile_sharded(jax.vmap(op), (self.BIG, 2),
+                                       P("x", None))
+    self.assertEqual(seen, [(None,)])
+    self.assertIn(f"s8[{self.BIG // 8},2]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+
+  def test_dimension_with_prime_factor_above_int32(self):
+    prime = 2147483659
+    op, _ = self.op_and_seen()
+    if not self.shardy:
+      self.compile_sharded(op, (prime,), P())
+      return
+    with self.assertRaisesRegex(
+        ValueError, r"op add_one: operand 0 dimension 0 has size 2147483659"
+        r", which is not a product of factors of at most 2147483647.*GSPMD"):
+      self.compile_sharded(op, (prime,), P())
+
+  def test_split_size(self):
+    cases = {2**31 - 1: [2**31 - 1], self.BIG: [136, 15790321],
+             2**32: [2**30, 4], 2**62: [2**30, 2**30, 4],
+             3 * (2**31 + 1): [9, 715827883],
+             2147483659: None, 3 * 2147483659: None}
+    for size, want in cases.items():
+      with self.subTest(size=size):
+        self.assertEqual(cp._split_size(size), want)
+
+
+both_partitioners(HugeFactorTest)
+del HugeFactorTest
+
+
+class NoOperandsTest(CPTestCase):
+  """An op whose arguments are all static: a custom call without operands
+  (Shardy's verifier refuses a sharding rule on one)."""
+
+  def test_all_static_arguments(self):
+    seen = []
+
+    def iota(n):
+      return jnp.arange(n, dtype=jnp.float32) * 2
+
+    op = custom_partitioning(iota, static_argnums=(0,))
+
+    def partition(n, mesh, arg_shapes, result_shape):
+      seen.append((arg_shapes, _spec(result_shape.sharding, 1)))
+      s = NamedSharding(mesh, P("x"))
+
+      def lower_fn():  # this shard's part of the iota
+        start = jax.lax.axis_index("x") * (n // 8)
+        return (jnp.arange(n // 8, dtype=jnp.float32) + start) * 2
+      return mesh, lower_fn, s, ()
+
+    op.def_partition(
+        partition,
+        infer_sharding_from_operands=lambda n, mesh, a, r: NamedSharding(
+            mesh, P("x")),
+        sharding_rule=SdyShardingRule((), (ArrayMapping("i"),)))
+    mesh = self.mesh()
+    s = NamedSharding(mesh, P("x"))
+    f = jax.jit(lambda: op(64), out_shardings=s)
+    with mesh_context(mesh):
+      out = f()
+      compiled = self.hlo(f)
+    np.testing.assert_array_equal(out, np.arange(64) * 2)
+    self.assertEqual(seen, [((), ("x",))])
+    self.assertIn("f32[8]", compiled)
+    self.assertCollectives(compiled, absent=_COLLECTIVES)
+
+
+both_partitioners(NoOperandsTest)
+del NoOperandsTest
+
+
+# --------------------------------------------------------------------------
 # (d) GSPMD only: result sharding inferred from the rule
 # --------------------------------------------------------------------------
 
@@ -3545,6 +3668,45 @@ class ReuseTest(CPTestCase):
     self.assertEqual(len(calls), len(cases), calls)
     self.assertEqual(len(set(calls)), len(cases))
 
+  def test_result_sharding_alone_lowers_anew(self):
+    """Two calls whose requests differ only in the result sharding XLA
+    asks for: each gets its own per-shard module."""
+    calls = []
+    op = custom_partitioning(lambda x: 2.0 * x)
+
+    def partition(mesh, arg_shapes, result_shape):
+      spec = (tuple(result_shape.sharding.spec) + (None, None))[:2]
+      calls.append(spec)
+
+      def lower_fn(x):  # the whole operand in, this device's block out
+        y, i = 2.0 * x, jax.lax.axis_index("x")
+        for d in (0, 1):
+          if spec[d] == "x":
+            n = y.shape[d] // 8
+            return jax.lax.dynamic_slice_in_dim(y, i * n, n, d)
+        return y
+
+      return (mesh, lower_fn, NamedSharding(mesh, P(*spec)),
+              (NamedSharding(mesh, P()),))
+
+    op.def_partition(partition, infer_sharding_from_operands=lambda *_: None,
+                     propagate_user_sharding=lambda m, user: user.sharding,
+                     sharding_rule="i j -> i j")
+    m = self.mesh()
+    xh = _data((16, 16))
+    rep = NamedSharding(m, P())
+
+    def f(x):
+      return (jax.lax.with_sharding_constraint(op(x),
+                                               NamedSharding(m, P("x"))),
+              jax.lax.with_sharding_constraint(op(x * 1.0),
+                                               NamedSharding(m, P(None, "x"))))
+
+    a, b = jax.jit(f, in_shardings=rep)(jax.device_put(xh, rep))
+    np.testing.assert_allclose(a, 2 * xh, rtol=1e-6)
+    np.testing.assert_allclose(b, 2 * xh, rtol=1e-6)
+    self.assertEqual(sorted(calls, key=str), [("x", None), (None, "x")])
+
   def test_equal_keys_across_ops_only_for_equal_content(self):
     """Two separately built but identical ops share one registry key."""
     keys = set()
@@ -4187,6 +4349,537 @@ class DerivedOpsTest(CPTestCase):
 
 both_partitioners(DerivedOpsTest)
 del DerivedOpsTest
+
+
+# ---------------------------------------------------------------------------
+# Checks of the per-shard program: padding and replicated results
+# ---------------------------------------------------------------------------
+
+def _reducing_op(lower_fn, arg_spec=("x", None), result_spec=(),
+                 rule="i j -> j", fun=lambda x: jnp.sum(x, axis=0), **kw):
+  """(n, m) -> (m,): ``lower_fn`` on shards of ``arg_spec``, result
+  sharded ``result_spec`` (default replicated)."""
+  op = custom_partitioning(fun)
+
+  def partition(mesh, arg_shapes, result_shape):
+    return (mesh, lower_fn, NamedSharding(mesh, P(*result_spec)),
+            (NamedSharding(mesh, P(*arg_spec)),))
+
+  op.def_partition(
+      partition,
+      infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+          m, P(*result_spec)),
+      sharding_rule=rule, **kw)
+  return op
+
+
+class PerShardChecksTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.put_data((64, 4), P("x", None))
+
+  def assertRefused(self, fn, *fragments):
+    with self.assertRaises(ValueError) as cm:
+      fn()
+    for fragment in fragments:
+      self.assertIn(fragment, str(cm.exception))
+
+  # -- padding ---------------------------------------------------------
+
+  def test_reducing_a_padded_dimension_is_refused(self):
+    """A column max of negative data: the padding (zeros) would win.
+    jax refuses uneven shardings of jit arguments; ``partition`` asks for
+    one of a replicated operand, and XLA pads."""
+    xh = -np.abs(_data((10, 4))) - 1
+    rows = NamedSharding(self.m, P())
+    lower_fn = lambda x: jax.lax.pmax(jnp.max(x, 0), "x")
+    for kw in ({}, {"reduction_factors": ("i",)}):
+      with self.subTest(**kw):
+        if kw and self.shardy is not False:
+          skip_without_special_factors(
+              self, lambda: jax.jit(_reducing_op(
+                  lower_fn, fun=lambda x: jnp.max(x, 0), rule="i j -> j",
+                  **kw), in_shardings=rows)(xh))
+        op = _reducing_op(lower_fn, fun=lambda x: jnp.max(x, 0),
+                          rule="i j -> j", **kw)
+        self.assertRefused(lambda: jax.jit(op, in_shardings=rows)(xh),
+                           "operand 0 dimension 0", "size 10", "['x']",
+                           "8 devices", "padd")
+    # Evenly sharded, the same op is right.
+    xh = -np.abs(_data((16, 4))) - 1
+    op = _reducing_op(lower_fn, fun=lambda x: jnp.max(x, 0))
+    np.testing.assert_allclose(jax.jit(op, in_shardings=rows)(xh),
+                               xh.max(0), rtol=1e-6)
+
+  def test_elementwise_op_on_padded_shards_is_right(self):
+    """(10, 3) in rows over 8 devices: shards of 2 rows, the last three
+    padded (jax refuses such jit arguments; ``partition`` asks for them)."""
+    xh = _data((10, 3))
+    x = jax.device_put(xh, NamedSharding(self.m, P()))
+    body = lambda x: jnp.sin(x) * 2.0
+    op = custom_partitioning(body)
+    shapes = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P("x", None))
+
+      def lower_fn(x):
+        shapes.append(x.shape)
+        return body(x)
+      return mesh, lower_fn, rows, (rows,)
+
+    op.def_partition(
+        partition, sharding_rule="i j -> i j",
+        infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+            m, P("x", None)))
+    want = np.sin(xh) * 2
+    np.testing.assert_allclose(op(x), want, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(lambda x: jnp.sum(op(x))))(x), 2 * np.cos(xh),
+        rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(lambda x: jax.jvp(op, (x,), (jnp.ones_like(x),))[1])(x),
+        2 * np.cos(xh), rtol=1e-5)
+    xb = jax.device_put(np.stack([xh, -xh]), NamedSharding(self.m, P()))
+    np.testing.assert_allclose(jax.jit(jax.vmap(op))(xb),
+                               np.stack([np.sin(xh), -np.sin(xh)]) * 2,
+                               rtol=1e-5)
+    self.assertIn((2, 3), shapes)  # ceil(10 / 8) rows per shard
+
+  # -- replicated results ------------------------------------------------
+
+  def test_missing_psum_is_refused(self):
+    op = _reducing_op(lambda x: jnp.sum(x, 0))
+    for label, fn in (
+        ("jit", lambda: jax.jit(op)(self.x)),
+        ("grad", lambda: jax.jit(jax.grad(lambda x: jnp.sum(op(x))))(self.x)),
+        ("vmap", lambda: jax.jit(jax.vmap(op))(
+            jnp.stack([self.x, self.x]))),
+        ("eager", lambda: op(self.x))):
+      with self.subTest(label):
+        self.assertRefused(fn, "result 0", "mesh axis 'x'", "psum",
+                           "check_vma=False")
+
+  def test_missing_psum_over_one_of_two_axes_is_refused(self):
+    self.put_data((16, 4), P(("x", "y"), None), (4, 2), ("x", "y"))
+    op = _reducing_op(lambda x: jax.lax.psum(jnp.sum(x, 0), "x"),
+                      arg_spec=(("x", "y"), None))
+    self.assertRefused(lambda: jax.jit(op)(self.x), "mesh axis 'y'")
+
+  def test_correct_replicated_results_pass(self):
+    rows = ("x", None)
+    want_sum = self.xh.sum(0)
+    cases = {
+        "psum": (lambda x: jax.lax.psum(jnp.sum(x, 0), "x"), rows, want_sum),
+        "pmean": (lambda x: jax.lax.pmean(jnp.sum(x, 0), "x") * 8, rows,
+                  want_sum),
+        "pmax": (lambda x: jax.lax.pmax(jnp.max(x, 0), "x"), rows,
+                 self.xh.max(0)),
+        "all_gather tiled": (
+            lambda x: jnp.sum(jax.lax.all_gather(x, "x", tiled=True), 0),
+            rows, want_sum),
+        "all_gather": (
+            lambda x: jnp.sum(jax.lax.all_gather(x, "x"), (0, 1)), rows,
+            want_sum),
+        "all_to_all then psum": (
+            lambda x: jax.lax.psum(jnp.sum(jax.lax.all_to_all(
+                x, "x", 0, 0, tiled=True), 0), "x"), rows, want_sum),
+        "replicated operand": (lambda x: jnp.sum(x, 0), (), want_sum),
+        "constant": (lambda x: jnp.zeros((4,), x.dtype) + 1.0, rows,
+                     np.ones(4)),
+        "psum inside jit and checkpoint": (
+            jax.jit(jax.checkpoint(lambda x: jax.lax.psum(jnp.sum(x, 0),
+                                                          "x"))),
+            rows, want_sum),
+        "cond on replicated data": (
+            lambda x: jax.lax.cond(True, lambda v: jax.lax.psum(v, "x"),
+                                   lambda v: jax.lax.psum(-v, "x"),
+                                   jnp.sum(x, 0)), rows, want_sum),
+    }
+    for label, (lower_fn, spec, want) in cases.items():
+      with self.subTest(label):
+        op = _reducing_op(lower_fn, arg_spec=spec)
+        np.testing.assert_allclose(jax.jit(op)(self.x), want, rtol=1e-5)
+    # Where the analysis cannot follow (a loop), it does not refuse.
+    op = _reducing_op(lambda x: jax.lax.fori_loop(
+        0, 1, lambda i, v: v, jax.lax.psum(jnp.sum(x, 0), "x")))
+    np.testing.assert_allclose(jax.jit(op)(self.x), want_sum, rtol=1e-5)
+
+  def test_check_vma_false_turns_the_check_off(self):
+    op = _reducing_op(lambda x: jnp.sum(x, 0), check_vma=False)
+    out = jax.jit(op)(self.x)  # device 0's partial sum: the author's call
+    np.testing.assert_allclose(out, self.xh[:8].sum(0), rtol=1e-5)
+    with self.assertRaises(TypeError):  # keyword-only
+      op.def_partition(lambda *a: None, None, None, True, None, False)
+
+
+both_partitioners(PerShardChecksTest)
+del PerShardChecksTest
+
+
+# ---------------------------------------------------------------------------
+# A faithful drop-in: caches, eager calls, defaults, ops inside primitives
+# ---------------------------------------------------------------------------
+
+class _Switch:
+  """A library's module-level switch, read by ``fun`` and by ``lower_fn``."""
+  transpose = True
+
+
+def _switch_op(calls=None):
+  """``x.T`` or ``2 * x`` depending on ``_Switch.transpose``; the
+  callbacks follow the switch too, like a real library's."""
+
+  @custom_partitioning
+  def op(x):
+    return x.T * 1.0 if _Switch.transpose else 2.0 * x
+
+  def partition(mesh, arg_shapes, result_shape):
+    if calls is not None:
+      calls.append(arg_shapes[0].sharding.spec)
+    rows = NamedSharding(mesh, P("x", None))
+    if _Switch.transpose:
+      return mesh, lambda x: x.T * 1.0, NamedSharding(mesh, P(None, "x")), (
+          rows,)
+    return mesh, lambda x: 2.0 * x, rows, (rows,)
+
+  def infer(mesh, arg_shapes, result_shape):
+    return NamedSharding(mesh, P(None, "x") if _Switch.transpose
+                         else P("x", None))
+
+  def rule(mesh, operand_types, result_types):
+    return "i j -> j i" if _Switch.transpose else "i j -> i j"
+
+  op.def_partition(partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+  return op
+
+
+def _x64():
+  """jax's switch to 64-bit types, as each release spells it."""
+  if hasattr(jax, "enable_x64"):  # jax 0.8
+    return jax.enable_x64(True)
+  return jax.experimental.enable_x64()
+
+
+class DropInTest(CPTestCase):
+  """Behaviour code written against upstream relies on."""
+
+  def setUp(self):
+    super().setUp()
+    self.put_data((16, 8), P("x", None))
+    self.addCleanup(setattr, _Switch, "transpose", True)
+    self.addCleanup(jax.clear_caches)
+
+  def flip_and_check(self, run, want):
+    """Runs ``run()`` with the switch on, then off after clear_caches."""
+    for transpose in (True, False):
+      _Switch.transpose = transpose
+      jax.clear_caches()
+      with self.subTest(transpose=transpose):
+        got = np.asarray(run())
+        expected = want(transpose)
+        self.assertEqual(got.shape, expected.shape)
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+  def test_clear_caches_sees_a_flipped_switch_on_one_device(self):
+    op = _switch_op()
+    x = jax.device_put(self.xh[:3, :4], jax.devices()[0])
+    f = jax.jit(op)
+    self.flip_and_check(lambda: f(x),
+                        lambda t: self.xh[:3, :4].T if t
+                        else 2 * self.xh[:3, :4])
+
+  def test_clear_caches_sees_a_flipped_switch_on_eight_devices(self):
+    op = _switch_op()
+    f = jax.jit(op)
+    self.flip_and_check(lambda: f(self.x),
+                        lambda t: self.xh.T if t else 2 * self.xh)
+    self.flip_and_check(lambda: op(self.x),  # eager
+                        lambda t: self.xh.T if t else 2 * self.xh)
+
+  def test_clear_caches_sees_a_flipped_switch_under_grad_and_vmap(self):
+    op = _switch_op()
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(op(x) ** 2)))
+    # d/dx sum(x.T ** 2) = 2x; d/dx sum((2x) ** 2) = 8x
+    self.flip_and_check(lambda: grad(self.x),
+                        lambda t: (2 if t else 8) * self.xh)
+    xb = jax.device_put(np.stack([self.xh, -self.xh]),
+                        NamedSharding(self.m, P(None, "x", None)))
+    batched = jax.jit(jax.vmap(op))
+    want = np.stack([self.xh, -self.xh])
+    self.flip_and_check(lambda: batched(xb),
+                        lambda t: want.transpose(0, 2, 1) if t else 2 * want)
+
+  def test_persistent_cache_key_follows_a_switch_read_by_lower_fn(self):
+    """The switch only picks between two equal ``lower_fn``s: the body's
+    trace does not change, the custom call's key must."""
+    @custom_partitioning
+    def op(x):
+      return 2.0 * x
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return (mesh, (lambda x: x + x) if _Switch.transpose
+              else (lambda x: 2.0 * x), s, (s,))
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    keys = []
+    for transpose in (True, False, True):
+      _Switch.transpose = transpose
+      jax.clear_caches()  # else jax's own lowering cache answers
+      text = jax.jit(op, in_shardings=self.s).lower(self.x).as_text()
+      keys.append(re.findall(r'backend_config = "([^"]+)"', text))
+    self.assertEqual(len(keys[0]), 1, keys)
+    self.assertNotEqual(keys[0], keys[1])
+    self.assertEqual(keys[0], keys[2])
+
+  def test_trace_cache_keys_on_config_state(self):
+    op = _same_sharding_op(lambda x: x.astype(float) * 2)
+    x = jax.device_put(self.xh, jax.devices()[0])
+    self.assertEqual(op(x).dtype, np.float32)
+    self.assertEqual(jax.jit(op)(x).dtype, np.float32)
+    with _x64():
+      self.assertEqual(op(x).dtype, np.float64)
+      self.assertEqual(jax.jit(op)(x).dtype, np.float64)
+
+  def test_trace_cache_keys_on_the_partitioner(self):
+    """A body may read the partitioner (libraries do); traces must not be
+    shared between the two."""
+    op = _same_sharding_op(
+        lambda x: x * (2.0 if jax.config.jax_use_shardy_partitioner else 3.0))
+    f = jax.jit(lambda x: op(x), in_shardings=self.s)
+    np.testing.assert_allclose(f(self.x), self.xh * (2 if self.shardy else 3),
+                               rtol=1e-6)
+    other = not self.shardy
+    jax.config.update("jax_use_shardy_partitioner", other)
+    try:
+      g = jax.jit(lambda x: op(x), in_shardings=self.s)
+      np.testing.assert_allclose(g(self.x), self.xh * (2 if other else 3),
+                                 rtol=1e-6)
+    finally:
+      jax.config.update("jax_use_shardy_partitioner", self.shardy)
+
+  def partition_asserting_sharded(self, body, calls):
+    """``partition`` as real ops write it: reads its axis name from the
+    operand's sharding, so it fails on replicated operands."""
+    def partition(mesh, arg_shapes, result_shape):
+      axis = arg_shapes[0].sharding.spec[0]
+      assert axis is not None, "partition asked about replicated operands"
+      calls.append(axis)
+      s = NamedSharding(mesh, P(axis, None))
+      return mesh, body, s, (s,)
+    return partition
+
+  def test_eager_calls_on_unsharded_operands_run_fun(self):
+    calls = []
+    body = lambda x: jnp.sin(x) * 2.0
+    op = custom_partitioning(body)
+    op.def_partition(self.partition_asserting_sharded(body, calls),
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    want = np.sin(self.xh) * 2
+    np.testing.assert_allclose(
+        op(jax.device_put(self.xh, jax.devices()[1])), want, rtol=1e-5)
+    with mesh_context(self.m):
+      np.testing.assert_allclose(op(self.xh), want, rtol=1e-5)  # host data
+      np.testing.assert_allclose(
+          op(jax.device_put(self.xh, NamedSharding(self.m, P()))), want,
+          rtol=1e-5)  # replicated over all eight devices
+      # The primitive bound at top level (an eager jax.grad) alike.
+      np.testing.assert_allclose(
+          jax.grad(lambda x: jnp.sum(op(x)))(self.xh), np.cos(self.xh) * 2,
+          rtol=1e-5)
+    self.assertEqual(calls, [])
+    # Sharded operands: the op is partitioned by its own callbacks.
+    np.testing.assert_allclose(op(self.x), want, rtol=1e-5)
+    self.assertEqual(calls, ["x"])
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(op(x)))(self.x),
+                               np.cos(self.xh) * 2, rtol=1e-5)
+    self.assertGreater(len(calls), 1)
+
+  def test_unpassed_defaults_stay_python_values(self):
+    op = custom_partitioning(jnp.fft.fft)
+    seen = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(len(arg_shapes))
+      s = NamedSharding(mesh, P("x", None))
+      return mesh, jnp.fft.fft, s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=(
+                         lambda m, a, r: NamedSharding(m, P("x", None))),
+                     sharding_rule="... i -> ... i")
+    x = jax.device_put(self.xh.astype(np.complex64), self.s)
+    want = np.fft.fft(self.xh)
+    np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(op(x), want, rtol=1e-4, atol=1e-4)
+    self.assertEqual(seen, [1, 1])
+
+  def test_passed_and_unpassed_defaults_are_told_apart(self):
+    """``op(x, 5.0)`` passes ``a``; ``op(x, b=5.0)`` passes ``b``: the same
+    operand types, different bodies (on one device: no callback asked)."""
+    def body(x, a=1.0, b=10.0):
+      return x * a + b
+    op = _same_sharding_op(body, rule="i j, -> i j")
+    x = jax.device_put(self.xh, jax.devices()[0])
+    for run in (op, jax.jit(op)):
+      np.testing.assert_allclose(run(x, 5.0), self.xh * 5 + 10, rtol=1e-6)
+    for run in (lambda x, v: op(x, b=v), jax.jit(lambda x, v: op(x, b=v))):
+      np.testing.assert_allclose(run(x, 5.0), self.xh + 5, rtol=1e-6)
+    np.testing.assert_allclose(op(x), self.xh + 10, rtol=1e-6)
+
+  def test_derived_bodies_keyed_on_the_step(self):
+    """jvp in one operand, then in the other; vmap over one operand, then
+    over the other: same op, equal operand types. On one device the
+    derived op runs its body, on eight its partition."""
+    op = _same_sharding_op(lambda x, y: x * x * y, rule="i j, i j -> i j")
+    dx = jax.jit(lambda x, y, t: jax.jvp(lambda x: op(x, y), (x,), (t,))[1])
+    dy = jax.jit(lambda x, y, t: jax.jvp(lambda y: op(x, y), (y,), (t,))[1])
+    vx = jax.jit(jax.vmap(op, in_axes=(0, None)))
+    vy = jax.jit(jax.vmap(op, in_axes=(None, 0)))
+    xh, yh, bh = self.xh, self.xh + 1, np.stack([self.xh, 2 * self.xh])
+    for where, rows, batch in (
+        ("one device", jax.devices()[0], jax.devices()[0]),
+        ("eight devices", self.s, NamedSharding(self.m, P(None, "x")))):
+      with self.subTest(where):
+        x, y, b = (jax.device_put(v, s) for v, s in ((xh, rows), (yh, rows),
+                                                     (bh, batch)))
+        t = jax.device_put(np.ones_like(xh), rows)
+        np.testing.assert_allclose(dx(x, y, t), 2 * xh * yh, rtol=1e-5)
+        np.testing.assert_allclose(dy(x, y, t), xh * xh, rtol=1e-5)
+        np.testing.assert_allclose(vx(b, y), bh ** 2 * yh, rtol=1e-5)
+        np.testing.assert_allclose(vy(x, b), xh ** 2 * bh, rtol=1e-5)
+
+  def test_rule_derived_inference_reads_operands_in_order(self):
+    if self.shardy:
+      self.skipTest("GSPMD inference; Shardy reads the rule itself")
+    op = _same_sharding_op(lambda a, b: a + b, rule="i j, i j -> i j")
+    op.def_partition(op.partition, sharding_rule="i j, i j -> i j")
+    m = self.mesh((4, 2), ("a", "b"))
+    a = jax.device_put(self.xh, NamedSharding(m, P("a", None)))
+    b = jax.device_put(self.xh, NamedSharding(m, P("b", None)))
+    # Both operands shard factor i: the first one's axes win.
+    self.assertEqual(tuple(jax.jit(op)(a, b).sharding.spec)[:1], ("a",))
+    self.assertEqual(tuple(jax.jit(op)(b, a).sharding.spec)[:1], ("b",))
+
+
+both_partitioners(DropInTest)
+del DropInTest
+
+
+class LowerFunInPrimitiveTest(CPTestCase):
+  """An op used inside the lowering rule of the user's own primitive."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.op = _fft_op()
+    cls.prim = jax.extend.core.Primitive("user_fft_wrapper")
+    cls.prim.def_abstract_eval(
+        lambda x: cp.core.ShapedArray(x.shape, np.complex64))
+    _jax_mlir.register_lowering(
+        cls.prim,
+        _jax_mlir.lower_fun(cls.op, multiple_results=False))
+
+  def setUp(self):
+    super().setUp()
+    self.put_data((16, 8), P("x", None))
+    self.f = jax.jit(self.prim.bind, in_shardings=self.s,
+                     out_shardings=self.s)
+
+  def test_devices_from_the_callers_mesh(self):
+    x = jax.device_put(self.xh.astype(np.complex64), self.s)
+    with mesh_context(self.m):
+      out = self.f(x)
+      text = self.hlo(self.f, x)
+    np.testing.assert_allclose(out, np.fft.fft(self.xh), rtol=1e-4, atol=1e-4)
+    self.assertCollectives(text, absent=_COLLECTIVES)
+
+  def test_without_a_mesh_the_error_names_the_fix(self):
+    x = jax.device_put(self.xh.astype(np.complex64), self.s)
+    with self.assertRaises(ValueError) as cm:
+      self.f(x)
+    self.assertIn("set_mesh", str(cm.exception))
+    self.assertIn("lower_fun", str(cm.exception))
+
+  def test_one_device_needs_no_mesh(self):
+    x = jax.device_put(self.xh.astype(np.complex64), jax.devices()[0])
+    np.testing.assert_allclose(jax.jit(self.prim.bind)(x),
+                               np.fft.fft(self.xh), rtol=1e-4, atol=1e-4)
+
+
+both_partitioners(LowerFunInPrimitiveTest)
+del LowerFunInPrimitiveTest
+
+
+class BigArrayKeyTest(CPTestCase):
+  """Arrays above ``_MAX_HASHED_BYTES`` read by callbacks are keyed by
+  identity within one lowering (hashing them per op costs too much)."""
+
+  def setUp(self):
+    super().setUp()
+    self.s = NamedSharding(self.mesh(), P("x"))
+    self.xh = _data((8, 4))
+    self.x = jax.device_put(self.xh, self.s)
+
+  def table_op(self, table, calls):
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(1)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x + table[0], s, (s,)
+
+    op = custom_partitioning(lambda x: x + 0.0)
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    return op
+
+  def chain(self, op, n=4):
+    """A new program: ``n`` identical ops in a row."""
+    def f(x):
+      for _ in range(n):
+        x = op(x)
+      return x
+    return jax.jit(f, in_shardings=self.s, out_shardings=self.s)
+
+  @staticmethod
+  def keys(lowered):
+    return re.findall(r'backend_config = "([^"]+)"', lowered.as_text())
+
+  def test_identical_ops_lower_once_and_mutation_is_seen(self):
+    table = np.zeros(cp._MAX_HASHED_BYTES // 4 + 1, np.float32)
+    table[0] = 1.0
+    calls = []
+    op = self.table_op(table, calls)
+    first = self.chain(op)
+    np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
+    self.assertEqual(len(calls), 1, "four identical ops, one lowering")
+    table[0] = 10.0  # in place, between two programs
+    second = self.chain(op)
+    np.testing.assert_allclose(second(self.x), self.xh + 40.0, rtol=1e-6)
+    self.assertEqual(len(calls), 2)
+    np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
+
+  def test_big_array_keys_one_lowering_small_array_any(self):
+    for nbytes, same in ((cp._MAX_HASHED_BYTES, True),
+                         (cp._MAX_HASHED_BYTES + 4, False)):
+      with self.subTest(nbytes=nbytes):
+        table = np.ones(nbytes // 4, np.float32)
+        op = self.table_op(table, [])
+        keys = [self.keys(self.chain(op).lower(self.x)) for _ in range(2)]
+        self.assertEqual(len(set(keys[0])), 1, "one key per lowering")
+        self.assertEqual(keys[0] == keys[1], same,
+                         "same program, two lowerings: "
+                         + ("one key (hashed)" if same else "two (opaque)"))
+
+
+both_partitioners(BigArrayKeyTest)
+del BigArrayKeyTest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -256,14 +256,20 @@ class ElementwiseTest(CPTestCase):
 both_partitioners(ElementwiseTest)
 del ElementwiseTest
 
+def _readme():
+  """README's text and its python code blocks."""
+  with open(os.path.join(HERE, "README.md")) as f:
+    readme = f.read()
+  return readme, re.findall(r"```python\n(.*?)```", readme, re.S)
+
+
 class ReadmeTest(unittest.TestCase):
 
   def test_readme_example_runs(self):
     """The README's example is real code: run it as a user would."""
-    with open(os.path.join(HERE, "README.md")) as f:
-      readme = f.read()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    example = [b for b in blocks if "def_partition" in b]
+    readme, blocks = _readme()
+    example = [b for b in blocks
+               if "from custom_partitioning import custom_partitioning" in b]
     self.assertEqual(len(example), 1, "README has one full example")
     # A fresh process without this file's forced device count: the example
     # must force its 8 devices itself, as on a user's one-CPU machine (run in
@@ -285,6 +291,24 @@ class ReadmeTest(unittest.TestCase):
                      "numpy's fft * 2", proc.stdout)
     for line in printed:
       self.assertIn(f"    {line}\n", readme, "README quotes another output")
+
+  def test_readme_snippets(self):
+    """Every code block parses; the reduction snippet is right on 10 rows
+    (not divisible: kept whole) and on 16 (sharded, one all-reduce)."""
+    _, blocks = _readme()
+    for block in blocks:
+      compile(block, "README.md", "exec")
+    snippet, = [b for b in blocks if "def col_max" in b]
+    names = {"jax": jax, "jnp": jnp, "NamedSharding": NamedSharding, "P": P,
+             "custom_partitioning": custom_partitioning}
+    exec(compile(snippet, "README.md", "exec"), names)
+    whole = NamedSharding(CPTestCase.mesh(), P())
+    for n in (10, 16):
+      # Negative data: padding (zeros on CPU) in the max would show.
+      x = -np.arange(n * 4, dtype=np.float32).reshape(n, 4) - 1
+      f = jax.jit(names["col_max"], out_shardings=whole)
+      np.testing.assert_array_equal(f(x), x.max(0), f"{n} rows")
+      self.assertEqual("all-reduce" in CPTestCase.hlo(f, x), n == 16)
 
 
 # ==========================================================================

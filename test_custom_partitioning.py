@@ -5,6 +5,14 @@ Run from the repository root: ``python -m unittest -v``.
 Tests whose behaviour depends on the partitioner run once per partitioner:
 each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 ``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
+
+The whole file takes about two minutes on two cores (README says how much
+when). Its time goes to XLA compiling each distinct program (a few tenths of
+a second each) and to starting child pythons (half a second or more each,
+about a fifth of the total): a new test should reuse programs its class
+already builds (setUpClass) and add its check to an existing child script
+rather than start another process, unless it needs one of its own (a crash
+to survive, a fresh process to observe).
 """
 
 import dataclasses
@@ -15,6 +23,14 @@ import sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# jaxlib's C++ logging writes to stderr, between unittest's lines (jaxlib
+# 0.10.2 warns "GSPMD sharding propagation is going to be deprecated" on
+# every GSPMD compilation: hundreds of lines). Level 2 drops its INFO and
+# WARNING lines and keeps ERROR and FATAL ones; Python warnings and the
+# module's exceptions are untouched. jaxlib reads the variable when it loads,
+# hence before the import; jax sets 1 only if it is unset, and so do we, so a
+# value the user chose wins. Child processes inherit os.environ.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import functools
 import gc
@@ -240,16 +256,59 @@ class ElementwiseTest(CPTestCase):
 both_partitioners(ElementwiseTest)
 del ElementwiseTest
 
+def _readme():
+  """README's text and its python code blocks."""
+  with open(os.path.join(HERE, "README.md")) as f:
+    readme = f.read()
+  return readme, re.findall(r"```python\n(.*?)```", readme, re.S)
+
+
 class ReadmeTest(unittest.TestCase):
 
   def test_readme_example_runs(self):
-    """The README's example is real code: run it (it asserts its results)."""
-    with open(os.path.join(HERE, "README.md")) as f:
-      blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    example = [b for b in blocks if "def_partition" in b]
+    """The README's example is real code: run it as a user would."""
+    readme, blocks = _readme()
+    example = [b for b in blocks
+               if "from custom_partitioning import custom_partitioning" in b]
     self.assertEqual(len(example), 1, "README has one full example")
-    exec(compile(example[0], "README.md", "exec"), {"__name__": "readme"})
+    # A fresh process without this file's forced device count: the example
+    # must force its 8 devices itself, as on a user's one-CPU machine (run in
+    # this process it would find 8 devices already and prove nothing).
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count"))
+    env.pop("JAX_PLATFORMS", None)  # the example sets it too
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (HERE, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", example[0]], cwd=HERE,
+                          env=env, capture_output=True, text=True,
+                          timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    # It asserts its results; what it prints is what README says it prints.
+    printed = [line for line in proc.stdout.splitlines() if line]
+    self.assertEqual(printed[0], "8 devices: scaled_fft(x, 2.0) equals "
+                     "numpy's fft * 2", proc.stdout)
+    for line in printed:
+      self.assertIn(f"    {line}\n", readme, "README quotes another output")
 
+  def test_readme_snippets(self):
+    """Every code block parses; the reduction snippet is right on 10 rows
+    (not divisible: kept whole) and on 16 (sharded, one all-reduce)."""
+    _, blocks = _readme()
+    for block in blocks:
+      compile(block, "README.md", "exec")
+    snippet, = [b for b in blocks if "def col_max" in b]
+    names = {"jax": jax, "jnp": jnp, "NamedSharding": NamedSharding, "P": P,
+             "custom_partitioning": custom_partitioning}
+    exec(compile(snippet, "README.md", "exec"), names)
+    whole = NamedSharding(CPTestCase.mesh(), P())
+    for n in (10, 16):
+      # Negative data: padding (zeros on CPU) in the max would show.
+      x = -np.arange(n * 4, dtype=np.float32).reshape(n, 4) - 1
+      f = jax.jit(names["col_max"], out_shardings=whole)
+      np.testing.assert_array_equal(f(x), x.max(0), f"{n} rows")
+      self.assertEqual("all-reduce" in CPTestCase.hlo(f, x), n == 16)
 
 
 # ==========================================================================

@@ -32,10 +32,9 @@ implementation and any number of copies of this file coexist in one program.
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 to 0.10.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
-0.8.3, 0.9.2 and 0.10.2, each with the Shardy and the GSPMD partitioner).
-jax/jaxlib 0.11.0 was checked by hand (Python 3.12, both partitioners,
-the test suite less its cache-bounds test).
+jax/jaxlib 0.4.35 to 0.11.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
+0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
+partitioner; 0.11 needs Python 3.12).
 Every ``jax._src`` import and every version difference lives in the
 "Compatibility" section below.
 
@@ -79,6 +78,7 @@ import weakref
 if __name__ == "__main__":  # the demo needs 8 devices; set before jax loads
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # jaxlib's C++ chatter
 
 import jax
 
@@ -103,7 +103,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
   return tuple(parts)
 
 
-_SUPPORTED = "jax 0.4.35 to 0.10.x"
+_SUPPORTED = "jax 0.4.35 to 0.11.x"
 _JAX_VERSION = _version_tuple(jax.__version__)
 if _JAX_VERSION < (0, 4, 35):
   raise ImportError(

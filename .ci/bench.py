@@ -38,7 +38,7 @@ Cases:
             an implementation does with the values its callbacks read
 
 Usage:
-  python cp_bench.py [--module PATH] [--cases compile,trace,eager,fft]
+  python .ci/bench.py [--module PATH] [--cases compile,trace,eager,fft]
                      [--chain 256] [--repeat 5] [--json OUT]
 Exit status is 0 when every measurement ran; the table is printed last.
 """

@@ -1232,7 +1232,8 @@ def _derived_rule_attr(rule, levels: list, steps: tuple):
 #
 # ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
 # mistakes in it would otherwise give silently wrong numbers. Both are
-# refused while ``lower_fn`` is traced, before XLA runs it:
+# refused while ``lower_fn`` is traced, before XLA runs it (unless the op
+# says ``check_vma=False``):
 #  - a dimension that the mesh does not divide is padded by XLA (the last
 #    shards hold unspecified values past the end); reducing over it mixes the
 #    padding into the result. Refused where the op's rule says the dimension
@@ -1284,12 +1285,17 @@ def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
     name = eqn.primitive.name
     outs: list = [union] * len(eqn.outvars)
     if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
-      if eqn.params.get("axis_index_groups") is not None or union is None:
+      # One output per operand (a psum of a pytree is one equation before
+      # jax 0.5), each from its own operand.
+      per_operand = ins if len(ins) == len(eqn.outvars) else [union] * len(
+          eqn.outvars)
+      axes = _eqn_axes(eqn)
+      if eqn.params.get("axis_index_groups") is not None:
         outs = [None] * len(eqn.outvars)
       elif name in _INVARIANT_OVER_AXES:
-        outs = [union - _eqn_axes(eqn)] * len(eqn.outvars)
+        outs = [None if v is None else v - axes for v in per_operand]
       else:
-        outs = [union | _eqn_axes(eqn)] * len(eqn.outvars)
+        outs = [None if v is None else v | axes for v in per_operand]
     elif name == "cond":
       branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
       outs = [None if ins[0] is None or None in per_out
@@ -1362,7 +1368,9 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
             "values, which the reduction would mix into the result (jax."
             "shard_map refuses such operands too). Shard that dimension "
             f"over axes that divide its size (or not at all), or pad it to a "
-            f"multiple of {count} before the op.")
+            f"multiple of {count} before the op; if lower_fn masks the "
+            "padding itself (from jax.lax.axis_index and the global size), "
+            "pass check_vma=False to def_partition.")
 
 
 # --------------------------------------------------------------------------
@@ -1606,19 +1614,21 @@ class _OpInfo:
       # Collectives must name devices of the whole program: lower on the
       # whole mesh (the returned one may be the mesh with manual types).
       mesh = self.full_mesh
-    on = self._on(sub)
+    # The checks read shardings on the mesh ``lower_fn`` runs on: the one
+    # ``partition`` returned (its axis names may differ from the op's).
+    on = self._on(sub) if sub else mesh
     in_specs, out_specs = (
         [_decode_spec(h, on, len(s.dimensions())) for h, s in zip(hlos, shapes)]
         for hlos, shapes in ((in_hlo, arg_shapes), (out_hlo, result_shapes)))
     self._check_even_reductions(
         [tuple(s.dimensions()) for s in list(arg_shapes) + result_shapes],
-        in_specs, sub)
+        in_specs, on)
     with _no_ambient_mesh():
       closed = self._trace_lower_fn(
           lower_fn, mesh,
           [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
           [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)],
-          in_specs, out_specs, sub)
+          in_specs, out_specs, on)
     return (self._lower_closed(closed, mesh), in_hlo,
             _pack_hlo(result_shape, out_hlo))
 
@@ -1859,14 +1869,14 @@ class _OpInfo:
           " under jax.vmap, jax.jvp and jax.grad they must be the same.")
     on = self._on(sub)
     self._check_even_reductions([v.shape for v in operands + results], args,
-                                sub)
+                                on)
 
     def local(v, spec):
       return jax.ShapeDtypeStruct(_local_shape(v.shape, spec, on), v.dtype)
     with _no_ambient_mesh():
       closed = self._trace_lower_fn(
           lower_fn, mesh, [local(v, s) for v, s in zip(operands, args)],
-          [local(v, s) for v, s in zip(results, outs)], args, outs, sub)
+          [local(v, s) for v, s in zip(results, outs)], args, outs, on)
     if _calls_host(closed.jaxpr):
       raise self._host_callback_error()
     used = _collective_axes(closed.jaxpr, set(on.axis_names))
@@ -1908,20 +1918,21 @@ class _OpInfo:
             f"devices, but the op runs on {len(self.devices)}.")
     return answer
 
-  def _check_even_reductions(self, shapes, in_specs, sub) -> None:
+  def _check_even_reductions(self, shapes, in_specs, on) -> None:
     """See ``_check_even_reductions`` (section 3c); ``shapes``: global
-    shapes of the operands, then of the results."""
-    if self.rule is None:
+    shapes of the operands, then of the results; ``on``: the mesh of the
+    specs."""
+    if self.rule is None or not self.check_vma:
       return
     try:  # a rule that does not fit the op fails elsewhere, with its cause
       _, dims = _resolve_rule(self.rule, shapes, len(in_specs))
     except ValueError:
       return
     _check_even_reductions(self.name, self.rule, dims, shapes, len(in_specs),
-                           in_specs, self._on(sub))
+                           in_specs, on)
 
   def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results,
-                      in_specs, out_specs, sub):
+                      in_specs, out_specs, on):
     """Traces ``lower_fn`` on per-shard shapes and checks its results (for
     the replication check, see section 3c)."""
     closed, out_shape = jax.make_jaxpr(
@@ -1940,7 +1951,7 @@ class _OpInfo:
             f"{want.dtype}{list(want.shape)}.")
     if self.check_vma:
       _check_replicated_results(self.name, closed.jaxpr, in_specs, out_specs,
-                                self._on(sub).axis_names)
+                                on.axis_names)
     return closed
 
 
@@ -2757,11 +2768,14 @@ class custom_partitioning:
         ``(*static, mesh, operand_types, result_types) -> rule`` or
         ``-> (string, kwargs)``.
       check_vma: keyword-only, default True (this module's; upstream has no
-        such check): while ``lower_fn`` is traced, refuse a result whose
-        sharding is replicated over a mesh axis but whose value may differ
-        along it (a missing ``psum``), as ``jax.shard_map(check_vma=True)``
-        does. False turns the check off, for code whose results are equal
-        by a construction the check cannot follow.
+        such checks): while ``lower_fn`` is traced, refuse (``ValueError``)
+        a result whose sharding is replicated over a mesh axis but whose
+        value may differ along it (a missing ``psum``), as
+        ``jax.shard_map(check_vma=True)`` does, and a partition that shards
+        a dimension the sharding rule reduces over mesh axes that do not
+        divide it (the padding would enter the reduction). False turns both
+        checks off, for per-shard code that is right by a construction they
+        cannot follow (equal results, masked padding).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 

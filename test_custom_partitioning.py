@@ -4531,6 +4531,50 @@ class PerShardChecksTest(CPTestCase):
         0, 1, lambda i, v: v, jax.lax.psum(jnp.sum(x, 0), "x")))
     np.testing.assert_allclose(jax.jit(op)(self.x), want_sum, rtol=1e-5)
 
+  def test_psum_of_a_pytree_and_a_renamed_mesh_pass(self):
+    """Found by a breaker: each result of a multi-operand psum follows its
+    own operand (one equation before jax 0.5); the specs are read on the
+    mesh partition returns, whose axis names may differ from the op's."""
+    m2 = self.mesh((4, 2), ("x", "y"))
+    a = jax.device_put(_data((16, 8)), NamedSharding(m2, P("x", None)))
+    b = jax.device_put(_data((16, 6)) + 1, NamedSharding(m2, P("x", "y")))
+    op = custom_partitioning(lambda a, b: (jnp.sum(a, 0), jnp.sum(b, 0)))
+    ns = lambda *spec: NamedSharding(m2, P(*spec))
+    op.def_partition(
+        lambda m, args, r: (m2, lambda a, b: jax.lax.psum(
+            (jnp.sum(a, 0), jnp.sum(b, 0)), "x"), (ns(), ns("y")),
+                            (ns("x"), ns("x", "y"))),
+        infer_sharding_from_operands=lambda m, args, r: (ns(), ns("y")),
+        sharding_rule="i j, i k -> j, k")
+    got = jax.jit(op)(a, b)
+    np.testing.assert_allclose(got[0], np.asarray(a).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(got[1], np.asarray(b).sum(0), rtol=1e-5)
+
+    renamed = Mesh(self.m.devices, ("b",))
+    op = _reducing_op(lambda x: jax.lax.psum(jnp.sum(x, 0), "b"))
+    op.def_partition(
+        lambda m, args, r: (renamed, lambda x: jax.lax.psum(jnp.sum(x, 0),
+                                                            "b"),
+                            NamedSharding(renamed, P()),
+                            (NamedSharding(renamed, P("b")),)),
+        infer_sharding_from_operands=lambda m, args, r: NamedSharding(
+            renamed, P()),
+        sharding_rule="i j -> j")
+    np.testing.assert_allclose(jax.jit(op)(self.x), self.xh.sum(0),
+                               rtol=1e-5)
+
+  def test_check_vma_false_admits_masked_padding(self):
+    xh = -np.abs(_data((10, 4))) - 1
+
+    def lower_fn(x):  # padding rows masked to -inf before the max
+      row = jax.lax.axis_index("x") * x.shape[0] + jnp.arange(x.shape[0])
+      return jax.lax.pmax(
+          jnp.max(jnp.where((row < 10)[:, None], x, -jnp.inf), 0), "x")
+    op = _reducing_op(lower_fn, fun=lambda x: jnp.max(x, 0), check_vma=False)
+    np.testing.assert_allclose(
+        jax.jit(op, in_shardings=NamedSharding(self.m, P()))(xh), xh.max(0),
+        rtol=1e-6)
+
   def test_check_vma_false_turns_the_check_off(self):
     op = _reducing_op(lambda x: jnp.sum(x, 0), check_vma=False)
     out = jax.jit(op)(self.x)  # device 0's partial sum: the author's call

@@ -2423,11 +2423,10 @@ def _static_values(static_args):
   return static_args
 
 def _is_sharded(x) -> bool:
-  """Whether ``x`` is a concrete array split over several devices."""
-  if not isinstance(x, jax.Array) or isinstance(x, core.Tracer):
-    return False
-  sharding = x.sharding
-  return len(sharding.device_set) > 1 and not sharding.is_fully_replicated
+  """Whether ``x`` is a concrete array split over several devices (one
+  device holds its whole array: fully replicated)."""
+  return (isinstance(x, jax.Array) and not isinstance(x, core.Tracer) and
+          not x.sharding.is_fully_replicated)
 
 
 # An eager call runs compiled, like a jax.jit'd function, but the op's
@@ -2653,6 +2652,10 @@ class _CallArgs(NamedTuple):
   dyn_args: tuple        # the rest: the operands (pytrees of arrays)
 
 
+def _positions(defaults: tuple) -> tuple:
+  return tuple(i for i, _ in defaults) if defaults else ()
+
+
 def _is_array(value) -> bool:
   return isinstance(value, (np.ndarray, np.generic, jax.Array))
 
@@ -2832,6 +2835,8 @@ class custom_partitioning:
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
     """Binds a call's arguments to positions and sorts them by role."""
     args, unpassed = self._signature.positional(args, kwargs, self._name)
+    if not unpassed and not (self.static_argnums or self.static_argnums == 0):
+      return _CallArgs((), (), (), args)  # the common case, kept fast
     static_argnums = static_args = ()
     if self.static_argnums or self.static_argnums == 0:
       static_argnums = _static_positions(self.static_argnums, len(args),
@@ -2856,9 +2861,12 @@ class custom_partitioning:
     of unpassed defaults, sharded?) -> jitted function; jax.jit keys on the
     operands' types and shardings itself.
     """
-    sharded = any(_is_sharded(x)
-                  for x in jax.tree_util.tree_leaves(args.dyn_args))
-    key = (args.static_args, tuple(i for i, _ in args.defaults), sharded)
+    sharded = False
+    for x in jax.tree_util.tree_leaves(args.dyn_args):
+      if _is_sharded(x):
+        sharded = True
+        break
+    key = (args.static_args, _positions(args.defaults), sharded)
     fn = self._eager.get(key)
     if fn is None:
       run = self._bind if sharded else self._run_body
@@ -2882,7 +2890,7 @@ class custom_partitioning:
       # states), plus which positions hold unpassed defaults. What else
       # ``fun`` reads (globals, closures) is not seen, as by jax.jit; both
       # caches are emptied by jax.clear_caches().
-      key = (args.static_args, tuple(i for i, _ in args.defaults), in_tree,
+      key = (args.static_args, _positions(args.defaults), in_tree,
              in_avals, _use_shardy(), _config.trace_context())
     traced = self._traces.get(key) if key is not None else None
     if traced is None:

@@ -2856,13 +2856,17 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
 
   def per_shard(*local_args):
     return jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
+  # The program names no devices: jax.jit reuses its traces for every
+  # concrete mesh of one abstract mesh, and gives the devices when lowering.
+  am = _abstract_of(mesh)
   mapped = jax.shard_map(
-      per_shard, mesh=mesh,
+      per_shard, mesh=am,
       in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in in_specs),
       out_specs=[jax.sharding.PartitionSpec(*s) for s in out_specs],
       check_vma=op.check_vma)
-  arg_targets = [named(s) for s in in_specs]
-  result_targets = [named(t) for t in types_]
+  arg_targets, result_targets = (
+      [jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec))
+       for spec in side] for side in (in_specs, types_))
 
   def reshard(x, target):
     ndim = len(x.shape)

@@ -51,7 +51,9 @@ Reading order
    that name an op to XLA (stable across processes, for the persistent
    compilation cache).
 5. The primitive: abstract evaluation, differentiation, transposition and
-   batching (binding derived ops), eager impl, lowering.
+   batching (binding derived ops), eager impl, lowering; 5b. under Explicit
+   mesh axes, partitioning while tracing (reshard, shard_map, reshard: no
+   custom call).
 6. The public ``custom_partitioning`` decorator.
 7. A self-demo (``python custom_partitioning.py``).
 
@@ -362,6 +364,58 @@ def _gspmd_hlo(sharding) -> xc.HloSharding:
   return sharding._hlo_sharding
 
 
+# Section 5b runs an op as reshard -> shard_map -> reshard while tracing.
+# It needs Explicit axis types (jax 0.5.3), top-level jax.shard_map with
+# check_vma (jax 0.6) and jax.sharding.reshard (jax 0.6); without all three
+# every op keeps the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+
+# jax 0.5.3 added ShardingTypeError (raised while tracing when jax cannot
+# type a result's sharding); before it nothing can raise it.
+_ShardingTypeError = getattr(core, "ShardingTypeError", type(
+    "_NeverRaised", (Exception,), {}))
+
+
+def _all_explicit(am) -> bool:
+  """Whether every axis of the abstract mesh ``am`` is typed Explicit."""
+  types_ = getattr(am, "axis_types", None)
+  return bool(am.axis_names) and isinstance(types_, tuple) and all(
+      t == jax.sharding.AxisType.Explicit for t in types_)
+
+
+def _abstract_of(mesh):
+  """The abstract mesh of a concrete one (compared with operand types)."""
+  return mesh.abstract_mesh
+
+
+def _unsharded(aval):
+  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
+  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
+  return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _vmapped_over_mesh_axis(x) -> bool:
+  """Whether ``x`` is (the primal of) a ``jax.vmap`` tracer whose batch
+  dimension is sharded over a mesh axis in its type."""
+  # jax's vmap of shard_map moves such a batch dimension to no mesh axis
+  # (an all-gather; jax 0.10.2), where the op's own batching rule keeps it:
+  # section 5b leaves these calls to the custom call. BatchTracer.val and
+  # .batch_dim, JVPTracer.primal: unchanged from jax 0.4.35 to 0.11.0.
+  while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
+    if isinstance(x, ad.JVPTracer):
+      x = x.primal
+      continue
+    dim, x = x.batch_dim, x.val
+    sharding = getattr(_typeof(x), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()))
+    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
+      return True
+  return False
+
+
 def _use_shardy() -> bool:
   return bool(_config.use_shardy_partitioner.value)
 
@@ -411,6 +465,7 @@ def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
 #
 #   state                          maps                           bound
 #   custom_partitioning._traces    call signature -> traced fun   64 per op
+#                                  (or, section 5b, -> program)
 #   custom_partitioning._eager     static args, sharded? -> jit   64 per op
 #   _eager_fns (section 5)         bound params -> jit            64
 #   _derived_calls (section 5)     body -> {step, avals: body}    weak; 64 each
@@ -2640,10 +2695,6 @@ def _fun_name(call) -> str:
   return _call_names.get(call) or _jaxpr_func_name(call.jaxpr) or "<op>"
 
 
-# --------------------------------------------------------------------------
-# 6. The public decorator
-# --------------------------------------------------------------------------
-
 class _CallArgs(NamedTuple):
   """One call's arguments, by role."""
   static_argnums: tuple  # positions of the static arguments, author's order
@@ -2667,6 +2718,240 @@ def _is_hashable(value) -> bool:
     return False
   return True
 
+
+# --------------------------------------------------------------------------
+# 5b. Explicit mesh axes: partitioning while tracing
+#
+# Under Explicit mesh axes every operand's sharding is part of its type, so
+# ``partition`` can be asked while the op is traced rather than by XLA while
+# compiling, and the op emitted as the per-shard program it describes:
+# operands resharded to partition's arg shardings, ``lower_fn`` under
+# ``jax.shard_map`` (manual over every axis), results resharded to the op's
+# result types. With no custom call left, whatever jax does for shard_map
+# holds for the op: grad/jvp/vmap (at shard_map's collective cost),
+# jax.export, host callbacks in lower_fn, an honest persistent-cache key
+# (the program is plain jax), and jax's lowering cache (identical calls are
+# one jitted function, lowered once: compiles faster than the custom call).
+#
+# Taken when the operands sharded on a mesh share one abstract mesh whose
+# axes are all Explicit, the ambient abstract mesh (if set) is that mesh
+# (so not inside a shard_map, whose axes are Manual) and a concrete mesh
+# for it is known (jax.set_mesh, or the operands of an eager call). Else,
+# or when shard_map cannot run what ``partition`` returned (a dimension the
+# mesh does not divide, another mesh, a sharding with no PartitionSpec), the
+# op keeps the custom call -- unless jax cannot type the op's body under
+# these axes (ShardingTypeError, e.g. ``q @ k.T`` with both row-sharded):
+# the custom call cannot run such an op either, so the error names the op.
+#
+# Result types are jax's typing of ``fun`` where it has one (as upstream's);
+# for an untypable body: infer_sharding_from_operands, else the rule, else
+# partition's result shardings.
+#
+# Cache: the op's trace cache (``custom_partitioning._traces``: emptied by
+# def_partition and jax.clear_caches()) holds, per ("explicit", static
+# arguments, unpassed defaults, pytree, operand avals with their shardings,
+# concrete mesh, trace context), the jitted per-shard program: that is all
+# that ``fun``'s trace and the callbacks are given.
+# --------------------------------------------------------------------------
+
+def _explicit_mesh(avals, eager_mesh=None):
+  """The concrete mesh if the op takes this section's path, else None."""
+  if not _EXPLICIT_PATH or _jit_disabled():
+    return None
+  meshes = {m for m in map(_aval_mesh, avals) if m is not None}
+  if len(meshes) != 1:
+    return None
+  (am,) = meshes
+  if not _all_explicit(am):
+    return None
+  ambient = _ambient_mesh("get_abstract_mesh")
+  if ambient is not None and not ambient.empty and ambient != am:
+    return None
+  mesh = _ambient_mesh("get_concrete_mesh")
+  if mesh is None or mesh.empty:
+    mesh = eager_mesh
+  if mesh is None or mesh.empty or _abstract_of(mesh) != am:
+    return None
+  return mesh
+
+
+def _operands_mesh(leaves):
+  """The concrete mesh an eager call's operands are sharded on, if any."""
+  for x in leaves:
+    sharding = getattr(x, "sharding", None)
+    if (isinstance(sharding, jax.sharding.NamedSharding) and
+        isinstance(sharding.mesh, mesh_lib.Mesh)):
+      return sharding.mesh
+  return None
+
+
+def _explicit_call(op, args, eager_mesh=None):
+  """The op's results, run as reshard -> shard_map -> reshard; None where
+  the op keeps the custom call."""
+  args_flat, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+  in_avals = tuple(_typeof(x) for x in args_flat)
+  mesh = _explicit_mesh(in_avals, eager_mesh)
+  if mesh is None or any(map(_vmapped_over_mesh_axis, args_flat)):
+    return None
+  key = None
+  if _is_hashable(args.static_args):
+    key = ("explicit", args.static_args, _positions(args.defaults),
+           in_tree, in_avals, mesh, _config.trace_context())
+  built = op._traces.get(key) if key is not None else None
+  if built is None:
+    built = _explicit_program(op, args, in_tree, in_avals, mesh)
+    if key is not None:
+      op._traces.put(key, built)
+  fn, out_tree = built
+  if fn is None:
+    return None
+  try:
+    out = fn(*args_flat)
+  except ValueError as e:  # shard_map's own checks, e.g. check_vma's
+    raise ValueError(
+        f"custom_partitioning op {op._name}, run as jax.shard_map of its "
+        f"lower_fn under Explicit mesh axes: {e}") from e
+  return jax.tree_util.tree_unflatten(out_tree, out)
+
+
+def _spec_of(aval) -> tuple:
+  return tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
+
+
+def _padded(spec, ndim: int) -> tuple:
+  return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _explicit_program(op, args, in_tree, in_avals, mesh):
+  """``(jitted program or None, out_tree)`` for ``_explicit_call``."""
+  name = op._name
+  static = args.static_args
+  type_error = None
+  try:
+    call, out_tree = op._trace(args, in_tree, in_avals)
+  except _ShardingTypeError as e:
+    type_error = e
+    with _no_ambient_mesh():
+      call, out_tree = op._trace(args, in_tree,
+                                 [_unsharded(a) for a in in_avals])
+  out_avals = call.out_avals
+
+  def named(spec):
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+  def unsupported(error_type, reason):
+    if type_error is None:
+      return None, out_tree  # the custom call can run it
+    raise error_type(
+        f"custom_partitioning op {name}: jax cannot type its body under "
+        f"Explicit mesh axes ({type_error}), so it runs as jax.shard_map of "
+        f"its lower_fn, but {reason}") from type_error
+
+  rule = None if callable(op.sharding_rule) else op.sharding_rule
+  info = _OpInfo(
+      name=name, params=dict(
+          partition=op.partition,
+          infer_sharding_from_operands=op.infer_sharding_from_operands,
+          propagate_user_sharding=op.propagate_user_sharding,
+          decode_shardings=True, static_args=static, in_tree=in_tree,
+          out_tree=out_tree, check_vma=op.check_vma),
+      mesh=mesh, devices=_mesh_devices(mesh), submesh=None,
+      full_mesh=None, rule=rule, platforms=None, backend=None)
+
+  def specs(value, avals, callback, what):
+    tree = out_tree if what == "result sharding" else in_tree
+    hlos = info.encode_shardings(tree, value, [len(a.shape) for a in avals],
+                                 callback, what)
+    return [_decode_spec(h, mesh, len(a.shape)) for h, a in zip(hlos, avals)]
+
+  args_ = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=named(_spec_of(a)))
+           for a in in_avals]
+  types_ = None  # the result types, as PartitionSpec entries
+  if type_error is None:
+    types_ = [_spec_of(a) for a in out_avals]
+  else:
+    inferred = info._inferred(
+        in_tree.unflatten(args_), args_,
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
+    if inferred is not None:
+      types_ = specs(inferred, out_avals,
+                     "infer_sharding_from_operands", "result sharding")
+      types_ = None if None in types_ else types_
+  results = [jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=None if types_ is None else named(t))
+      for a, t in zip(out_avals, types_ or [None] * len(out_avals))]
+  if info.partition is None:
+    raise ValueError(
+        f"custom_partitioning op {name} runs on {mesh.size} devices, but "
+        "its def_partition was given partition=None.")
+  answer = info.partition(*static, mesh, in_tree.unflatten(args_),
+                          out_tree.unflatten(results))
+  p_mesh, lower_fn, out_shardings, in_shardings = info._check_answer(answer)
+  if (tuple(p_mesh.axis_names) != tuple(mesh.axis_names) or
+      dict(p_mesh.shape) != dict(mesh.shape)):
+    return unsupported(NotImplementedError, (
+        f"partition returned a mesh with axes {dict(p_mesh.shape)}, not the "
+        f"op's {dict(mesh.shape)}."))
+  in_specs = specs(in_shardings, in_avals, "partition", "arg sharding")
+  out_specs = specs(out_shardings, out_avals, "partition", "result sharding")
+  for what, avals, side in (("operand", in_avals, in_specs),
+                            ("result", out_avals, out_specs)):
+    for i, (aval, spec) in enumerate(zip(avals, side)):
+      if spec is None:
+        return unsupported(NotImplementedError, (
+            f"partition returned a sharding for {what} {i} that has no "
+            f"PartitionSpec on the mesh {dict(mesh.shape)}."))
+      for d, entry in enumerate(spec):
+        count = math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
+        if aval.shape[d] % count:
+          return unsupported(ValueError, (
+              f"partition shards {what} {i} dimension {d} (size "
+              f"{aval.shape[d]}) over {count} devices, which do not divide "
+              "it, and jax.shard_map takes only even shards. Shard that "
+              "dimension over axes that divide its size, or pad it."))
+  if types_ is None:
+    types_ = out_specs
+
+  def local(aval, spec):
+    return jax.ShapeDtypeStruct(_local_shape(aval.shape, spec, mesh),
+                                aval.dtype)
+  with _no_ambient_mesh():  # the module's own checks, naming the op
+    info._trace_lower_fn(lower_fn, mesh,
+                         [local(a, s) for a, s in zip(in_avals, in_specs)],
+                         [local(a, s) for a, s in zip(out_avals, out_specs)],
+                         in_specs, out_specs, mesh)
+
+  def per_shard(*local_args):
+    return jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
+  # The program names no devices: jax.jit reuses its traces for every
+  # concrete mesh of one abstract mesh, and gives the devices when lowering.
+  am = _abstract_of(mesh)
+  mapped = jax.shard_map(
+      per_shard, mesh=am,
+      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in in_specs),
+      out_specs=[jax.sharding.PartitionSpec(*s) for s in out_specs],
+      check_vma=op.check_vma)
+  arg_targets, result_targets = (
+      [jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec))
+       for spec in side] for side in (in_specs, types_))
+
+  def reshard(x, target):
+    ndim = len(x.shape)
+    if _padded(_spec_of(_typeof(x)), ndim) == _padded(target.spec, ndim):
+      return x  # already of that type: no equation to trace and lower
+    return jax.sharding.reshard(x, target)
+
+  def program(*flat):
+    flat = [reshard(x, s) for x, s in zip(flat, arg_targets)]
+    return [reshard(y, s) for y, s in zip(mapped(*flat), result_targets)]
+  fun_name = getattr(op.fun, "__name__", "")
+  program.__name__ = fun_name if fun_name.isidentifier() else "op"
+  return jax.jit(program), out_tree
+
+
+# --------------------------------------------------------------------------
+# 6. The public decorator
+# --------------------------------------------------------------------------
 
 @custom_api_util.register_custom_decorator_type
 class custom_partitioning:
@@ -2861,15 +3146,19 @@ class custom_partitioning:
     of unpassed defaults, sharded?) -> jitted function; jax.jit keys on the
     operands' types and shardings itself.
     """
+    leaves = jax.tree_util.tree_leaves(args.dyn_args)
     sharded = False
-    for x in jax.tree_util.tree_leaves(args.dyn_args):
+    for x in leaves:
       if _is_sharded(x):
         sharded = True
         break
-    key = (args.static_args, _positions(args.defaults), sharded)
+    # Under Explicit axes the operands' mesh is the op's (section 5b).
+    mesh = _operands_mesh(leaves) if sharded else None
+    key = (args.static_args, _positions(args.defaults), sharded, mesh)
     fn = self._eager.get(key)
     if fn is None:
-      run = self._bind if sharded else self._run_body
+      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
+             else self._run_body)
       base = args._replace(dyn_args=())  # holds no operand alive
 
       def call(*dyn):
@@ -2905,7 +3194,7 @@ class custom_partitioning:
     return jax.tree_util.tree_unflatten(
         out_tree, core.jaxpr_as_fun(call)(*args_flat))
 
-  def _bind(self, args: _CallArgs):
+  def _bind(self, args: _CallArgs, eager_mesh=None):
     if (_use_shardy() and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
@@ -2915,6 +3204,9 @@ class custom_partitioning:
           "(infer_sharding_from_operands / propagate_user_sharding) are "
           "defined. Add a sharding_rule to def_partition, e.g. "
           "sharding_rule='i j -> i j'.")
+    explicit = _explicit_call(self, args, eager_mesh)
+    if explicit is not None:
+      return explicit
     args_flat, call, out_tree, key = self._traced(args)
     out_flat = custom_partitioning_p.bind(
         *args_flat, call=call, in_tree=jax.tree_util.tree_structure(

@@ -2703,6 +2703,18 @@ class _CallArgs(NamedTuple):
   dyn_args: tuple        # the rest: the operands (pytrees of arrays)
 
 
+class _FlatArgs(NamedTuple):
+  """A call's operands, flattened once for every step that needs them."""
+  leaves: list
+  in_tree: Any
+  in_avals: tuple
+
+
+def _flatten(args: _CallArgs) -> _FlatArgs:
+  leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+  return _FlatArgs(leaves, in_tree, tuple(_typeof(x) for x in leaves))
+
+
 def _positions(defaults: tuple) -> tuple:
   return tuple(i for i, _ in defaults) if defaults else ()
 
@@ -2756,7 +2768,7 @@ def _is_hashable(value) -> bool:
 
 def _explicit_mesh(avals, eager_mesh=None):
   """The concrete mesh if the op takes this section's path, else None."""
-  if not _EXPLICIT_PATH or _jit_disabled():
+  if _jit_disabled():
     return None
   meshes = {m for m in map(_aval_mesh, avals) if m is not None}
   if len(meshes) != 1:
@@ -2785,11 +2797,12 @@ def _operands_mesh(leaves):
   return None
 
 
-def _explicit_call(op, args, eager_mesh=None):
+def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
   """The op's results, run as reshard -> shard_map -> reshard; None where
   the op keeps the custom call."""
-  args_flat, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
-  in_avals = tuple(_typeof(x) for x in args_flat)
+  if not _EXPLICIT_PATH:
+    return None
+  args_flat, in_tree, in_avals = flat
   mesh = _explicit_mesh(in_avals, eager_mesh)
   if mesh is None or any(map(_vmapped_over_mesh_axis, args_flat)):
     return None
@@ -3167,11 +3180,10 @@ class custom_partitioning:
       self._eager.put(key, fn)
     return fn(*args.dyn_args)
 
-  def _traced(self, args: _CallArgs):
-    """``(operands, call, out_tree, key)``: ``fun`` traced for ``args``,
-    from the trace cache where it can be (``key`` is None where not)."""
-    args_flat, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
-    in_avals = tuple(_typeof(x) for x in args_flat)
+  def _traced(self, args: _CallArgs, flat: _FlatArgs):
+    """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
+    trace cache where it can be (``key`` is None where not)."""
+    in_tree, in_avals = flat.in_tree, flat.in_avals
     key = None
     if _is_hashable(args.static_args):
       # What jax.jit keys its traces on: static arguments, the pytree and
@@ -3187,12 +3199,13 @@ class custom_partitioning:
       if key is not None:
         self._traces.put(key, traced)
     call, out_tree = traced
-    return args_flat, call, out_tree, key
+    return call, out_tree, key
 
   def _run_body(self, args: _CallArgs):
-    args_flat, call, out_tree, _ = self._traced(args)
+    flat = _flatten(args)
+    call, out_tree, _ = self._traced(args, flat)
     return jax.tree_util.tree_unflatten(
-        out_tree, core.jaxpr_as_fun(call)(*args_flat))
+        out_tree, core.jaxpr_as_fun(call)(*flat.leaves))
 
   def _bind(self, args: _CallArgs, eager_mesh=None):
     if (_use_shardy() and self.sharding_rule is None and
@@ -3204,13 +3217,13 @@ class custom_partitioning:
           "(infer_sharding_from_operands / propagate_user_sharding) are "
           "defined. Add a sharding_rule to def_partition, e.g. "
           "sharding_rule='i j -> i j'.")
-    explicit = _explicit_call(self, args, eager_mesh)
+    flat = _flatten(args)
+    explicit = _explicit_call(self, args, flat, eager_mesh)
     if explicit is not None:
       return explicit
-    args_flat, call, out_tree, key = self._traced(args)
+    call, out_tree, key = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
-        *args_flat, call=call, in_tree=jax.tree_util.tree_structure(
-            args.dyn_args), out_tree=out_tree,
+        *flat.leaves, call=call, in_tree=flat.in_tree, out_tree=out_tree,
         partition=self.partition,
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,

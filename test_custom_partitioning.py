@@ -3143,7 +3143,7 @@ del MultiProcessTest
 # @NAME@ placeholders are replaced per variant, so that a "change" is a real
 # change of the program's source, as between two runs of an edited script.
 _CACHE_SCRIPT = r'''
-import functools, json, sys
+import contextlib, functools, json, sys
 cache_dir, shardy, impl = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
 import jax
 import jax.numpy as jnp
@@ -3183,19 +3183,29 @@ op.def_partition(
     partition,
     infer_sharding_from_operands=lambda k, mesh, a, r: a[0].sharding, **rule)
 
-mesh = Mesh(np.array(jax.devices()), ("x",))
+mesh = @MESH@
 s = NamedSharding(mesh, P("x"))
 x = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4) / 8, s)
-out = jax.jit(lambda x: op(x, @STATIC@), in_shardings=s, out_shardings=s)(x)
+with @CONTEXT@:
+  f = jax.jit(lambda x: op(x, @STATIC@), in_shardings=s, out_shardings=s)
+  out = f(x)
+  custom_call = "CustomSPMDPartitioning" in f.lower(x).as_text()
 print("RESULT " + json.dumps(dict(
     hits=events.count("/jax/compilation_cache/cache_hits"),
     misses=events.count("/jax/compilation_cache/cache_misses"),
+    custom_call=custom_call,
     out=np.asarray(out).tolist())), flush=True)
 '''
 
 _CACHE_BASE = dict(SCALE="2.0", BODY="jnp.sin(x) * 2.0 * k",
                    LOWER="jnp.sin(x) * SCALE * k", STATIC="2",
-                   HELPER="2.0")
+                   HELPER="2.0", MESH='Mesh(np.array(jax.devices()), ("x",))',
+                   CONTEXT="contextlib.nullcontext()")
+# The same program under Explicit mesh axes (section 5b: no custom call).
+_CACHE_EXPLICIT = dict(
+    MESH='jax.make_mesh((8,), ("x",), '
+         'axis_types=(jax.sharding.AxisType.Explicit,))',
+    CONTEXT="jax.set_mesh(mesh)")
 _CACHE_X = np.arange(64, dtype=np.float32).reshape(16, 4) / 8
 
 
@@ -3263,6 +3273,22 @@ class PersistentCacheTest(CPTestCase):
     self.assertEqual((second["hits"], second["misses"]), (1, 0),
                      "the second process did not hit the persistent cache")
     self.assertEqual(self._entries(cache), entries)
+
+  def test_explicit_path_hits_and_a_changed_lower_fn_misses(self):
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    script, cache = self._script(**_CACHE_EXPLICIT), self._cache_dir()
+    changed = self._script(SCALE="3.0", **_CACHE_EXPLICIT)
+    first, = self._run([(script, cache)])
+    second, = self._run([(script, cache)])
+    third, = self._run([(changed, cache)])
+    self.assertOut(first, np.sin(_CACHE_X) * 4.0, "first run")
+    self.assertOut(second, np.sin(_CACHE_X) * 4.0, "second run")
+    self.assertOut(third, np.sin(_CACHE_X) * 6.0, "changed lower_fn")
+    self.assertEqual(second["hits"], 1, "the second process missed")
+    self.assertGreaterEqual(second["misses"], 0)
+    self.assertEqual(third["hits"], 0, "a changed lower_fn hit the cache")
+    self.assertFalse(first["custom_call"], "the op kept the custom call")
 
   def test_changed_program_misses(self):
     # All runs share one cache directory: its path is part of jax's cache key

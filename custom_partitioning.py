@@ -2820,10 +2820,15 @@ def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
     return None
   try:
     out = fn(*args_flat)
-  except ValueError as e:  # shard_map's own checks, e.g. check_vma's
-    raise ValueError(
+  except (ValueError, TypeError) as e:  # shard_map's checks, e.g. check_vma
+    if type(e) not in (ValueError, TypeError):  # keep special types as-is
+      raise
+    raise type(e)(
         f"custom_partitioning op {op._name}, run as jax.shard_map of its "
-        f"lower_fn under Explicit mesh axes: {e}") from e
+        f"lower_fn under Explicit mesh axes: {e} (shard_map's check_vma "
+        "types every value, loop carries too: a carry that becomes varying "
+        "over an axis needs jax.lax.pvary, or pass check_vma=False to "
+        "def_partition)") from e
   return jax.tree_util.tree_unflatten(out_tree, out)
 
 
@@ -3248,7 +3253,14 @@ class custom_partitioning:
           wrapped, [i for i in range(len(all_args)) if i not in fixed],
           all_args, require_static_args_hashable=False)
     flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
-    jaxpr, consts = _trace(flat_fun, in_avals)
+    try:
+      jaxpr, consts = _trace(flat_fun, in_avals)
+    except _ShardingTypeError as e:
+      raise type(e)(
+          f"custom_partitioning function {self._name}: jax cannot type its "
+          f"body with these operand shardings ({e}). With every mesh axis "
+          "Explicit and the mesh set by jax.set_mesh(mesh), the op runs as "
+          "jax.shard_map of its lower_fn, which needs no such typing.") from e
     if any(isinstance(c, core.Tracer) for c in consts):
       raise _errors.UnexpectedTracerError(
           f"custom_partitioning function {self._name} closes over a traced "

@@ -4978,6 +4978,43 @@ class ExplicitPathTest(CPTestCase):
     self.assertIn("named_op", str(cm.exception))
     self.assertIn("shard_map", str(cm.exception))
 
+  def test_shard_map_type_errors_name_the_op(self):
+    """Found by a breaker: a loop whose carry becomes varying passes the
+    module's check (loops are not followed) but not shard_map's typing;
+    the TypeError names the op and the way out."""
+    def sum_sq(x):
+      return (x ** 2).sum(0)
+
+    def lower_fn(x):
+      acc = jax.lax.fori_loop(0, x.shape[0], lambda i, a: a + x[i] ** 2,
+                              jnp.zeros(x.shape[1], x.dtype))
+      return jax.lax.psum(acc, "x")
+    op = custom_partitioning(sum_sq)
+    op.def_partition(lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
+                                      (NamedSharding(m, P("x", None)),)),
+                     sharding_rule="i j -> j")
+    with self.assertRaises(TypeError) as cm:
+      jax.jit(op)(self.x)
+    self.assertIn("sum_sq", str(cm.exception))
+    self.assertIn("pvary", str(cm.exception))
+    op.def_partition(lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
+                                      (NamedSharding(m, P("x", None)),)),
+                     sharding_rule="i j -> j", check_vma=False)
+    np.testing.assert_allclose(jax.jit(op)(self.x), (self.xh ** 2).sum(0),
+                               rtol=1e-5)
+
+  def test_untypable_body_off_the_explicit_path_names_the_op(self):
+    """On a mixed mesh the op keeps the custom call, which needs jax's
+    typing of fun: the error names the op and the way out."""
+    mixed = jax.make_mesh((4, 2), ("x", "y"), axis_types=(
+        jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto))
+    rows = NamedSharding(mixed, P("x", None))
+    q, k = (jax.device_put(_data((64, 16)), rows) for _ in range(2))
+    with jax.set_mesh(mixed), self.assertRaises(cp._ShardingTypeError) as cm:
+      jax.jit(_attention_op())(q, k)
+    self.assertIn("custom_partitioning function", str(cm.exception))
+    self.assertIn("jax.set_mesh", str(cm.exception))
+
   def test_check_vma_false_reaches_shard_map(self):
     op = _reducing_op(lambda x: jnp.sum(x, 0), check_vma=False)
     out = jax.jit(op)(self.x)  # one device's partial sum: the author's call

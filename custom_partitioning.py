@@ -1598,6 +1598,21 @@ class _OpInfo:
         "infer_sharding_from_operands", "result sharding")
     return _pack_hlo(result_shape, shardings)
 
+  # Each of the author's callbacks is called from one place: ``_inferred``
+  # (infer_sharding_from_operands, or the rule), ``ask_propagate`` and
+  # ``ask_partition``; every path (plain, derived, Explicit) goes through
+  # them.
+
+  def ask_partition(self, args, results):
+    """The author's ``partition`` asked about the operand and result
+    structs (pytrees of ShapeDtypeStruct); its answer, checked."""
+    return self._check_answer(
+        self.partition(*self.static_args, self.mesh, args, results))
+
+  def ask_propagate(self, user):
+    """The author's ``propagate_user_sharding`` for the user's structs."""
+    return self.propagate(*self.static_args, self.mesh, user)
+
   def _inferred(self, args, named_args: list, results: list):
     """The result shardings ``infer_sharding_from_operands`` gives, or
     (without it) those derived from the rule; None if neither can tell.
@@ -1622,8 +1637,8 @@ class _OpInfo:
     if self.propagate is None:
       return user_sharding
     shapes, shardings = _hlo_parts(shape, user_sharding)
-    user = self.shape_structs(self.out_tree, shapes, shardings)
-    value = self.propagate(*self.static_args, self.mesh, user)
+    value = self.ask_propagate(
+        self.shape_structs(self.out_tree, shapes, shardings))
     return _pack_hlo(shape, self.encode_shardings(
         self.out_tree, value, _ndims(shapes), "propagate_user_sharding",
         "result sharding"))
@@ -1653,12 +1668,10 @@ class _OpInfo:
     result_shapes, result_shardings = _hlo_parts(result_shape,
                                                  result_sharding)
     sub = self.submesh is not None
-    answer = self.partition(
-        *self.static_args, self.mesh,
+    mesh, lower_fn, out_shardings, in_shardings = self.ask_partition(
         self.shape_structs(self.in_tree, arg_shapes, arg_shardings, sub),
         self.shape_structs(self.out_tree, result_shapes, result_shardings,
                            sub))
-    mesh, lower_fn, out_shardings, in_shardings = self._check_answer(answer)
     out_hlo = self.encode_shardings(self.out_tree, out_shardings,
                                     _ndims(result_shapes), "partition",
                                     "result sharding", sub)
@@ -1813,8 +1826,7 @@ class _OpInfo:
     if k == 0:
       if self.propagate is None:
         return [v.spec for v in results]
-      value = self.propagate(*self.static_args, self.mesh,
-                             self._user_structs(self.out_tree, results))
+      value = self.ask_propagate(self._user_structs(self.out_tree, results))
       return self._specs(self.out_tree, value, results,
                          "propagate_user_sharding", "result sharding")
     step = self.steps[k - 1]
@@ -1907,10 +1919,9 @@ class _OpInfo:
 
   def _author_partition(self, operands, results, sub):
     """The author's ``partition`` answer, traced (see ``_partition_specs``)."""
-    answer = self.partition(*self.static_args, self.mesh,
-                            self._user_structs(self.in_tree, operands, sub),
-                            self._user_structs(self.out_tree, results, sub))
-    mesh, lower_fn, out_shardings, in_shardings = self._check_answer(answer)
+    mesh, lower_fn, out_shardings, in_shardings = self.ask_partition(
+        self._user_structs(self.in_tree, operands, sub),
+        self._user_structs(self.out_tree, results, sub))
     outs = self._specs(self.out_tree, out_shardings, results, "partition",
                        "result sharding", sub)
     args = self._specs(self.in_tree, in_shardings, operands, "partition",
@@ -2902,9 +2913,8 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
     raise ValueError(
         f"custom_partitioning op {name} runs on {mesh.size} devices, but "
         "its def_partition was given partition=None.")
-  answer = info.partition(*static, mesh, in_tree.unflatten(args_),
-                          out_tree.unflatten(results))
-  p_mesh, lower_fn, out_shardings, in_shardings = info._check_answer(answer)
+  p_mesh, lower_fn, out_shardings, in_shardings = info.ask_partition(
+      in_tree.unflatten(args_), out_tree.unflatten(results))
   if (tuple(p_mesh.axis_names) != tuple(mesh.axis_names) or
       dict(p_mesh.shape) != dict(mesh.shape)):
     return unsupported(NotImplementedError, (

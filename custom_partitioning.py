@@ -1392,11 +1392,16 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
             "def_partition.")
 
 
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
+
+
 def _local_shape(shape, spec, mesh) -> tuple:
   """A shard's shape; a dimension the mesh does not divide is rounded up
   (XLA pads the last shards)."""
   spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-  return tuple(-(-size // math.prod(mesh.shape[a] for a in _axes_in([[e]])))
+  return tuple(-(-size // _shard_count(e, mesh))
                for size, e in zip(shape, spec))
 
 
@@ -1411,7 +1416,7 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
   for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
     for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
       axes = sorted(_axes_in([[entry]]))
-      count = math.prod(mesh.shape[a] for a in axes)
+      count = _shard_count(entry, mesh)
       if count == 1 or shapes[i][d] % count == 0:
         continue
       if any(f in reduced or f not in kept for f in factors):
@@ -2488,11 +2493,14 @@ def _static_values(static_args):
     return static_args.value
   return static_args
 
-def _is_sharded(x) -> bool:
-  """Whether ``x`` is a concrete array split over several devices (one
+def _any_sharded(xs) -> bool:
+  """Whether some ``x`` is a concrete array split over several devices (one
   device holds its whole array: fully replicated)."""
-  return (isinstance(x, jax.Array) and not isinstance(x, core.Tracer) and
-          not x.sharding.is_fully_replicated)
+  for x in xs:
+    if (isinstance(x, jax.Array) and not isinstance(x, core.Tracer) and
+        not x.sharding.is_fully_replicated):
+      return True
+  return False
 
 
 # An eager call runs compiled, like a jax.jit'd function, but the op's
@@ -2510,7 +2518,7 @@ def _impl(*args, **params):
   call = params["call"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
     return core.jaxpr_as_fun(call)(*args)
-  sharded = any(_is_sharded(x) for x in args)
+  sharded = _any_sharded(args)
   key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
   fn = _eager_fns.get(key)
   if fn is None:
@@ -2523,6 +2531,13 @@ def _impl(*args, **params):
 
 
 custom_partitioning_p.def_impl(_impl)
+
+
+def _meshes_set_by_caller() -> list:
+  """The concrete meshes of ``with mesh:`` and ``jax.set_mesh``, if set."""
+  return [m for m in (mesh_lib.thread_resources.env.physical_mesh,
+                      _ambient_mesh("get_concrete_mesh"))
+          if m is not None and not m.empty]
 
 
 def _mesh_for_lowering(axis_context, avals):
@@ -2551,10 +2566,8 @@ def _mesh_for_lowering(axis_context, avals):
     devices = None if mesh.empty else _mesh_devices(mesh)
     return mesh, devices, None, None
   devices = tuple(devices)
-  for candidate in (mesh_lib.thread_resources.env.physical_mesh,
-                    _ambient_mesh("get_concrete_mesh")):
-    if (candidate is not None and not candidate.empty and
-        _mesh_devices(candidate) == devices):
+  for candidate in _meshes_set_by_caller():
+    if _mesh_devices(candidate) == devices:
       return candidate, devices, None, None
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):
@@ -2568,10 +2581,7 @@ def _mesh_of_lowering_without_devices(axis_context, avals):
   num_devices = getattr(axis_context, "num_devices", None)
   abstract = [am for am in [_context_abstract_mesh(axis_context)] +
               [_aval_mesh(a) for a in avals] if am is not None]
-  for candidate in (mesh_lib.thread_resources.env.physical_mesh,
-                    _ambient_mesh("get_concrete_mesh")):
-    if candidate is None or candidate.empty:
-      continue
+  for candidate in _meshes_set_by_caller():
     if num_devices is not None and candidate.size != num_devices:
       continue
     if all(dict(am.shape) == dict(candidate.shape) for am in abstract):
@@ -2930,7 +2940,7 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
             f"partition returned a sharding for {what} {i} that has no "
             f"PartitionSpec on the mesh {dict(mesh.shape)}."))
       for d, entry in enumerate(spec):
-        count = math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
+        count = _shard_count(entry, mesh)
         if aval.shape[d] % count:
           return unsupported(ValueError, (
               f"partition shards {what} {i} dimension {d} (size "
@@ -3175,11 +3185,7 @@ class custom_partitioning:
     operands' types and shardings itself.
     """
     leaves = jax.tree_util.tree_leaves(args.dyn_args)
-    sharded = False
-    for x in leaves:
-      if _is_sharded(x):
-        sharded = True
-        break
+    sharded = _any_sharded(leaves)
     # Under Explicit axes the operands' mesh is the op's (section 5b).
     mesh = _operands_mesh(leaves) if sharded else None
     key = (args.static_args, _positions(args.defaults), sharded, mesh)

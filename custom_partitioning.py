@@ -457,28 +457,27 @@ def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
 # --------------------------------------------------------------------------
 # 1b. Module state
 #
-# Every piece of state this module keeps, in one list. The caches are
-# ``_LRU``s (below: bounded, each with its own lock, emptied by
-# ``jax.clear_caches()``) or weak tables of them. Each cache answers exactly
-# what a fresh computation would: its key holds everything the computation
-# reads that jax's own caches key on (the comment beside each says what).
+# Every piece of state this module keeps is defined here. Caches are
+# ``_LRU``s: bounded, each with its own lock, emptied by
+# ``jax.clear_caches()``. Each answers exactly what a fresh computation would:
+# its key holds everything the computation reads that jax's own caches key on
+# (the comment where it is filled says what).
 #
-#   state                          maps                           bound
-#   custom_partitioning._traces    call signature -> traced fun   64 per op
-#                                  (or, section 5b, -> program)
-#   custom_partitioning._eager     static args, sharded? -> jit   64 per op
-#   _eager_fns (section 5)         bound params -> jit            64
-#   _derived_calls (section 5)     body -> {step, avals: body}    weak; 64 each
-#   _OpInfo.lowered (section 4)    partition request -> answer    256 per op
-#   _registry (section 4)          key -> _OpInfo                 weak
-#   _parked_errors (section 4)     tag -> callback exception      64
-#   _call_names (section 5)        body -> function name          weak
+#   store                 maps                                  bound
+#   op._traces            call signature -> traced fun, or      64 per op
+#                         (Explicit axes) the jitted program
+#   _eager                eager call -> jitted function         64
+#   _derived              (body, step, avals) -> derived body   64
+#   _OpLowering.lowered   partition request -> XLA's answer     256 per op
+#   _registry             custom call key -> _OpLowering        weak
+#   _parked_errors        tag -> a callback's exception         64
+#   _call_names           body -> name of the function          weak
 #
-# Not caches: ``_registry`` holds the ops of live lowerings and executables
-# (they keep their entries alive), ``_parked_errors`` the exceptions of
-# failed compiles until they are re-raised, ``_call_names`` names for error
-# messages. The first two share ``_registry_lock``; ``_derived_calls`` has
-# ``_derived_lock``; the weak name table is written once per new body.
+# Not caches: ``_registry`` finds the op XLA asks about; every lowering and
+# executable that may still call back keeps its entry alive.
+# ``_parked_errors`` holds exceptions raised inside XLA's callbacks until
+# the failed compile re-raises them. ``_call_names`` names bodies in error
+# messages. The weak tables share ``_weak_lock``.
 # --------------------------------------------------------------------------
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
@@ -514,6 +513,11 @@ class _LRU:
         self._data.move_to_end(key)
       return value
 
+  def pop(self, key):
+    with self._lock:
+      self._check_epoch()
+      return self._data.pop(key, None)
+
   def put(self, key, value) -> None:
     with self._lock:
       self._check_epoch()
@@ -530,6 +534,29 @@ class _LRU:
     with self._lock:
       self._check_epoch()
       return len(self._data)
+
+
+_eager = _LRU()
+_derived = _LRU()
+_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_parked_errors = _LRU()
+_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_weak_lock = threading.Lock()
+
+
+def _store_sizes(op=None) -> dict[str, int]:
+  """How many entries each store above holds (``op``'s own too, if given).
+
+  The introspection point for tests and debugging: the stores' layouts are
+  private, their sizes are not.
+  """
+  with _weak_lock:
+    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
+  sizes.update(eager=len(_eager), derived=len(_derived),
+               parked_errors=len(_parked_errors))
+  if op is not None:
+    sizes["traces"] = len(op._traces)
+  return sizes
 
 
 # --------------------------------------------------------------------------
@@ -1445,23 +1472,16 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
 # --------------------------------------------------------------------------
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
-_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_registry_lock = threading.Lock()
-
 # Exceptions raised by an author's callback during an XLA compile, parked
 # here until the compile fails and ``_reraise_callback_error`` finds them.
 _ERROR_TAG = f"[{_TARGET} error #"
-_parked_errors: collections.OrderedDict = collections.OrderedDict()
 _parked_counter = itertools.count()
 
 
 def _park(error: BaseException, where: str) -> str:
   """Parks ``error``; returns a message that names it for the handler."""
   tag = next(_parked_counter)
-  with _registry_lock:
-    _parked_errors[tag] = error
-    while len(_parked_errors) > 64:  # old compiles that never failed
-      _parked_errors.popitem(last=False)
+  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
 
 
@@ -1472,9 +1492,7 @@ def _reraise_callback_error(xla_error: Exception):
   if start < 0:
     return None
   tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
-  with _registry_lock:
-    error = _parked_errors.pop(int(tag), None) if tag.isdigit() else None
-  return error
+  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
 
 
 class _OpInfo:
@@ -2036,7 +2054,7 @@ def _calls_host(jaxpr: core.Jaxpr) -> bool:
 
 
 def _lookup(key: bytes) -> _OpInfo | None:
-  with _registry_lock:
+  with _weak_lock:
     return _registry.get(key.decode() if isinstance(key, bytes) else key)
 
 
@@ -2355,25 +2373,19 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 # are batched or differentiated), the operands' avals (with Explicit mesh
 # axes they carry shardings, which the results inherit) and jax's trace
 # context (configuration), as in jax.jit's key.
-_derived_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_derived_lock = threading.Lock()
 
 
 def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
   """``fun`` (the body transformed by ``step``) traced for ``operands``."""
   in_avals = tuple(_typeof(x) for x in operands)
-  key = (step, in_avals, _config.trace_context())
-  with _derived_lock:
-    table = _derived_calls.get(call)
-    if table is None:
-      table = _derived_calls[call] = _LRU()
-  derived = table.get(key)
+  key = (call, step, in_avals, _config.trace_context())
+  derived = _derived.get(key)
   if derived is None:
     jaxpr, consts = _trace(_wrap(fun, in_avals, ()), in_avals)
     derived = core.ClosedJaxpr(jaxpr, consts)
-    _call_names[derived] = f"{label} of {_fun_name(call)}"
-    table.put(key, derived)
+    _name_call(derived, f"{label} of {_fun_name(call)}")
+    _derived.put(key, derived)
   return derived
 
 
@@ -2510,7 +2522,6 @@ def _any_sharded(xs) -> bool:
 # data. Cache: (equation params, sharded?) -> jitted function. The params
 # hold the traced body and every callback; jax.jit keys on the operands'
 # types and shardings itself.
-_eager_fns = _LRU()
 
 
 def _impl(*args, **params):
@@ -2520,13 +2531,13 @@ def _impl(*args, **params):
     return core.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
   key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
-  fn = _eager_fns.get(key)
+  fn = _eager.get(key)
   if fn is None:
     if sharded:
       fn = jax.jit(functools.partial(custom_partitioning_p.bind, **params))
     else:
       fn = jax.jit(core.jaxpr_as_fun(call))
-    _eager_fns.put(key, fn)
+    _eager.put(key, fn)
   return fn(*args)
 
 
@@ -2682,7 +2693,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
                  submesh=submesh, full_mesh=full_mesh, rule=rule,
                  platforms=ctx.module_context.platforms,
                  backend=_module_backend(ctx), varying=varying)
-  with _registry_lock:
+  with _weak_lock:
     # Keep the first live entry: equal keys answer alike, and lowerings that
     # already hold it must keep finding it.
     info = _registry.setdefault(key, info)
@@ -2707,13 +2718,16 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 mlir.register_lowering(custom_partitioning_p, _lowering)
 
 
-# call (ClosedJaxpr) -> the qualified name of the function it was traced from
-# (jaxprs record it themselves only from jax 0.5.1 on).
-_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _name_call(call, name: str) -> None:
+  # Jaxprs record the name of their function themselves from jax 0.5.1 on.
+  with _weak_lock:
+    _call_names[call] = name
 
 
 def _fun_name(call) -> str:
-  return _call_names.get(call) or _jaxpr_func_name(call.jaxpr) or "<op>"
+  with _weak_lock:
+    name = _call_names.get(call)
+  return name or _jaxpr_func_name(call.jaxpr) or "<op>"
 
 
 class _CallArgs(NamedTuple):
@@ -3055,7 +3069,7 @@ class custom_partitioning:
     self.sharding_rule = None
     self.check_vma = True
     self._traces = _LRU()  # see _traced
-    self._eager = _LRU()  # see _eager_call
+    self._generation = 0  # counts def_partition calls (see _eager_call)
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
@@ -3141,7 +3155,7 @@ class custom_partitioning:
     self.sharding_rule = sharding_rule
     self.check_vma = bool(check_vma)
     self._traces.clear()
-    self._eager.clear()
+    self._generation += 1
     return partition
 
   def __call__(self, *args, **kwargs):
@@ -3188,8 +3202,9 @@ class custom_partitioning:
     sharded = _any_sharded(leaves)
     # Under Explicit axes the operands' mesh is the op's (section 5b).
     mesh = _operands_mesh(leaves) if sharded else None
-    key = (args.static_args, _positions(args.defaults), sharded, mesh)
-    fn = self._eager.get(key)
+    key = (self, self._generation, args.static_args,
+           _positions(args.defaults), sharded, mesh)
+    fn = _eager.get(key)
     if fn is None:
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
              else self._run_body)
@@ -3198,7 +3213,7 @@ class custom_partitioning:
       def call(*dyn):
         return run(base._replace(dyn_args=dyn))
       fn = jax.jit(call)
-      self._eager.put(key, fn)
+      _eager.put(key, fn)
     return fn(*args.dyn_args)
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
@@ -3283,7 +3298,7 @@ class custom_partitioning:
           "value (e.g. a variable of an enclosing jax.jit or jax.grad). "
           "Pass it to the function as an argument instead.")
     call = core.ClosedJaxpr(jaxpr, consts)
-    _call_names[call] = self._name
+    _name_call(call, self._name)
     return call, out_tree()
 
 

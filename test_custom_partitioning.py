@@ -1471,7 +1471,7 @@ class LifetimeTest(CPTestCase):
 
   def test_dropped_programs_release_registry(self):
     gc.collect()
-    before = len(cp._registry)
+    before = cp._store_sizes()["registry"]
     for i in range(80):
       op = _offset_op(i + 1000)
       f = jax.jit(lambda x: op(x) * 1.0)
@@ -1481,7 +1481,7 @@ class LifetimeTest(CPTestCase):
                                    np.sin(self.xh) + i + 1000, rtol=1e-5)
       op = f = compiled = None  # drop every reference
     gc.collect()
-    self.assertEqual(len(cp._registry), before)
+    self.assertEqual(cp._store_sizes()["registry"], before)
 
   def test_kept_executable_runs_after_gc(self):
     op = _offset_op(7)
@@ -3800,7 +3800,7 @@ class CacheBoundsTest(CPTestCase):
     op = elementwise_op()
     s = NamedSharding(self.mesh(), P("x"))
     gc.collect()
-    registry_before = len(cp._registry)
+    registry_before = cp._store_sizes()["registry"]
     for n in range(1, 151):
       x = jax.device_put(np.ones((8, n), np.float32), s)
       f = jax.jit(op, in_shardings=s)
@@ -3811,23 +3811,25 @@ class CacheBoundsTest(CPTestCase):
     op(np.ones((8, 3), np.float32))  # eager
     f = x = None
     gc.collect()
-    self.assertLessEqual(len(op._traces), cp._CACHE_SIZE)
-    self.assertLessEqual(len(op._eager), cp._CACHE_SIZE)
-    self.assertLessEqual(len(cp._parked_errors), 64)
+    sizes = cp._store_sizes(op)
+    self.assertLessEqual(sizes["traces"], cp._CACHE_SIZE)
+    self.assertLessEqual(sizes["eager"], cp._CACHE_SIZE)
+    self.assertLessEqual(sizes["parked_errors"], cp._CACHE_SIZE)
     # The weak tables live as long as jax's own caches hold the executables
     # and jaxprs that use them.
     jax.clear_caches()
     gc.collect()
-    self.assertEqual(len(cp._registry), registry_before)
-    self.assertLessEqual(len(cp._eager_fns), cp._CACHE_SIZE + 8)
-    self.assertLessEqual(len(cp._call_names), cp._CACHE_SIZE + 8)
+    self.assertEqual(cp._store_sizes()["registry"], registry_before)
+    sizes = cp._store_sizes()
+    self.assertEqual(sizes["eager"], 0)  # emptied by jax.clear_caches()
+    self.assertLessEqual(sizes["call_names"], cp._CACHE_SIZE + 8)
 
   def test_derived_ops_keep_their_tables_bounded(self):
     op = elementwise_op()
     s = NamedSharding(self.mesh(), P("x"))
     x = jax.device_put(np.ones((8, 4), np.float32), s)
     gc.collect()
-    registry_before = len(cp._registry)
+    registry_before = cp._store_sizes()["registry"]
     # One op, 100 batch sizes (over the bound of 64), each batched,
     # differentiated and transposed.
     for n in range(1, 101):
@@ -3836,14 +3838,14 @@ class CacheBoundsTest(CPTestCase):
       np.testing.assert_allclose(f(xs), 2 * np.cos(np.ones((n, 8, 4))),
                                  rtol=1e-5)
     jax.jit(jax.grad(lambda x: op(x).sum())).lower(x).compile()
-    self.assertGreater(len(cp._derived_calls), 0)
-    for table in list(cp._derived_calls.values()):
-      self.assertLessEqual(len(table), cp._CACHE_SIZE)
+    derived = cp._store_sizes()["derived"]
+    self.assertGreater(derived, 0)
+    self.assertLessEqual(derived, cp._CACHE_SIZE)
     f = x = xs = None
     jax.clear_caches()
     gc.collect()
-    self.assertEqual(len(cp._registry), registry_before)
-    self.assertLessEqual(len(cp._derived_calls), cp._CACHE_SIZE + 8)
+    self.assertEqual(cp._store_sizes()["registry"], registry_before)
+    self.assertEqual(cp._store_sizes()["derived"], 0)
 
 
 

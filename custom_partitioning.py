@@ -65,6 +65,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 import contextlib
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -1027,34 +1028,28 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
       indices(permutation))
 
 
-def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
-                     mesh) -> list | None:
+def _infer_from_rule(rule: SdyShardingRule, shapes: list,
+                     in_specs: list) -> list:
   """GSPMD inference derived from a Shardy rule.
 
-  Each result dimension takes the mesh axes of the first operand dimension
-  with the same (single, passthrough) factor. Returns one ``NamedSharding``
-  per result, or None when the operands are not all ``NamedSharding``s on
-  one mesh (XLA then falls back to its own propagation).
+  Args:
+    shapes: the shapes of the operands, then of the results.
+    in_specs: PartitionSpec entries per operand (None: not placed yet).
+  Returns:
+    PartitionSpec entries per result: each result dimension takes the mesh
+    axes of the first operand dimension with the same (single, passthrough)
+    factor, unless another dimension of that result has them already.
   """
-  shardings = [s.sharding for s in arg_shapes]
-  # An operand without a sharding yet (None) tells nothing; skip it.
-  if all(s is None for s in shardings) or not all(
-      s is None or (isinstance(s, jax.sharding.NamedSharding) and
-                    s.mesh == mesh) for s in shardings):
-    return None
-  shapes = [s.shape for s in arg_shapes] + [s.shape for s in result_shapes]
-  _, dims = _resolve_rule(rule, shapes, len(arg_shapes))
+  _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
-  for value_dims, sharding in zip(dims, shardings):
-    if sharding is None:
-      continue
-    spec = tuple(sharding.spec) + (None,) * len(value_dims)
-    for factors, axes in zip(value_dims, spec):
+  for value_dims, spec in zip(dims, in_specs):
+    for factors, axes in zip(value_dims, tuple(spec or ()) +
+                             (None,) * len(value_dims)):
       if len(factors) == 1 and factors[0] not in blocked and axes is not None:
         axes_of.setdefault(factors[0], axes)
   out = []
-  for value_dims in dims[len(arg_shapes):]:
+  for value_dims in dims[len(in_specs):]:
     used: set = set()
     spec = []
     for factors in value_dims:
@@ -1065,8 +1060,7 @@ def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
       else:
         used |= names
         spec.append(axes)
-    out.append(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        *spec)))
+    out.append(tuple(spec))
   return out
 
 
@@ -1074,8 +1068,29 @@ def _infer_from_rule(rule: SdyShardingRule, arg_shapes: list, result_shapes,
 # 3. Shardings
 #
 # XLA talks in HloShardings on flat lists of shapes; the author's callbacks
-# talk in jax shardings on pytrees of ``jax.ShapeDtypeStruct``.
+# talk in jax shardings on pytrees of ``jax.ShapeDtypeStruct``. In between,
+# each operand and result is a ``_Value``: its PartitionSpec entries where it
+# has them (what the checks and derived ops work with) and the HloSharding
+# XLA or the author gave, kept as given.
 # --------------------------------------------------------------------------
+
+class _Value(NamedTuple):
+  """An operand or result of an op.
+
+  ``spec``: its PartitionSpec entries (None: it has none, or its sharding is
+  not known); ``hlo``: the HloSharding it came as (None: it is known by
+  ``spec`` alone, or not at all); ``varying``: inside a shard_map, the
+  manual axes it varies over (None: not tracked).
+  """
+  shape: tuple
+  dtype: Any
+  spec: tuple | None = None
+  hlo: xc.HloSharding | None = None
+  varying: frozenset | None = None
+
+  def known(self) -> bool:
+    return self.spec is not None or self.hlo is not None
+
 
 def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
   """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
@@ -1093,17 +1108,6 @@ def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
   return shardings[0]
 
 
-def _flatten_up_to(tree, value, where: str) -> list:
-  """Flattens ``value`` to the leaves of ``tree``, or raises naming it."""
-  try:
-    return tree.flatten_up_to(value)
-  except (ValueError, TypeError) as e:
-    if isinstance(value, list):  # a list where a tuple is expected is fine
-      return _flatten_up_to(tree, tuple(value), where)
-    raise ValueError(f"{where} {value!r}, whose structure does not match "
-                     f"{tree}.") from e
-
-
 def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
   """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
   if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
@@ -1119,76 +1123,24 @@ def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
   return tuple(spec[:ndim]) + (None,) * (ndim - len(spec))
 
 
-def _struct(shape: xc.Shape, sharding=None) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(tuple(shape.dimensions()), shape.numpy_dtype(),
-                              sharding=sharding)
+def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
+  """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
+  out = []
+  for s, h, v in zip(shapes, hlo_shardings, list(varying) or
+                     [None] * len(shapes)):
+    ndim = len(s.dimensions())
+    spec = None if h is None or on.empty else _decode_spec(h, on, ndim)
+    out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, h, v))
+  return out
 
 
-def _tile_shape(hlo_sharding: xc.HloSharding, shape: xc.Shape):
-  return _struct(hlo_sharding.tile(shape))
+def _spec_hlo(spec, mesh, ndim: int) -> xc.HloSharding:
+  return _to_hlo_sharding(jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*spec)), ndim)
 
 
-def _ndims(shapes: Sequence[xc.Shape]) -> list[int]:
-  return [len(s.dimensions()) for s in shapes]
-
-
-# --------------------------------------------------------------------------
-# 3b. Derived ops: vmap, jvp and transposition
-#
-# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
-# the author's op into a *derived* op. Its ``transform`` parameter lists the
-# steps, first to last, that lead from the author's op to it:
-#   ("batch",)     every operand and result gains a leading batch dimension;
-#   ("jvp", mask)  operands: the primals, then the tangents of the primals
-#                  marked in ``mask``; results: the tangents of the results;
-#   ("vjp", mask)  operands: the primals, then the cotangents of the results;
-#                  results: the cotangents of the primals marked in ``mask``.
-# XLA asks its questions about the derived op, the author's callbacks answer
-# them about their own op. So each question is walked down the steps (shapes
-# and shardings translated on the way) and the answer walked back up, with
-# shardings as PartitionSpec entries on the op's mesh. Walking up, ``lower_fn``
-# becomes ``vmap``/``jvp``/``vjp`` of itself, run on the same local shards.
-# --------------------------------------------------------------------------
-
-class _Value(NamedTuple):
-  """An operand or result: global shape, dtype, spec (None: unknown) and,
-  inside a shard_map, the manual axes it varies over (None: untracked)."""
-  shape: tuple
-  dtype: Any
-  spec: tuple | None
-  varying: frozenset | None = None
-
-
-def _step_down(step: tuple, operands: list, results: list):
-  """The operands and results of the op one ``step`` below."""
-  if step[0] == "batch":
-    def strip(v):
-      return v._replace(shape=v.shape[1:], spec=v.spec and v.spec[1:])
-    return [strip(v) for v in operands], [strip(v) for v in results]
-  n = len(step[1])
-  if step[0] == "jvp":
-    return operands[:n], results
-  return operands[:n], operands[n:]  # vjp: cotangents stand for results
-
-
-def _step_up(step: tuple, operands: list, results: list, batch_dim=None):
-  """Per-value items (specs, rule dimensions) of the op one ``step`` up; a
-  batch step puts ``batch_dim`` in front of every one."""
-  if step[0] == "batch":
-    return ([(batch_dim, *v) for v in operands],
-            [(batch_dim, *v) for v in results])
-  picked = [v for v, m in zip(operands, step[1]) if m]
-  if step[0] == "jvp":  # tangents like their primals
-    return operands + picked, results
-  return operands + results, picked  # vjp: cotangents like their primals
-
-
-def _levels(steps: tuple, operands: list, results: list) -> list:
-  """``[(operands, results)]`` of the author's op, then after each step."""
-  out = [(operands, results)]
-  for step in reversed(steps):
-    out.append(_step_down(step, *out[-1]))
-  return out[::-1]
+def _hlo_of(v: _Value, on) -> xc.HloSharding:
+  return v.hlo if v.hlo is not None else _spec_hlo(v.spec, on, len(v.shape))
 
 
 def _axes_in(specs) -> set:
@@ -1199,6 +1151,102 @@ def _axes_in(specs) -> set:
       if entry is not None:
         names.update(entry if isinstance(entry, tuple) else (entry,))
   return names
+
+
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
+
+
+def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
+  """A shard of ``v``; a dimension the mesh does not divide is rounded up
+  (XLA pads the last shards)."""
+  if v.spec is None:
+    tile = v.hlo.tile(xc.Shape.array_shape(np.dtype(v.dtype), v.shape))
+    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
+  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
+  return jax.ShapeDtypeStruct(
+      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
+      v.dtype)
+
+
+def _flatten_up_to(tree, value, where: str) -> list:
+  """Flattens ``value`` to the leaves of ``tree``, or raises naming it."""
+  try:
+    return tree.flatten_up_to(value)
+  except (ValueError, TypeError) as e:
+    if isinstance(value, list):  # a list where a tuple is expected is fine
+      return _flatten_up_to(tree, tuple(value), where)
+    raise ValueError(f"{where} {value!r}, whose structure does not match "
+                     f"{tree}.") from e
+
+
+# --------------------------------------------------------------------------
+# 3b. Derived ops: vmap, jvp and transposition
+#
+# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
+# the author's op into a *derived* op, whose ``transform`` parameter lists
+# the ``_Step``s, first to last, that lead from the author's op to it. The
+# author's op is the derived op with no steps. XLA asks its questions about
+# the op at the top; the author's callbacks answer them about their own op.
+# So each question is walked down the steps (shapes and shardings
+# translated on the way) and the answer walked back up, with shardings as
+# PartitionSpec entries on the op's mesh. Walking up, ``lower_fn`` becomes
+# ``vmap``/``jvp``/``vjp`` of itself, run on the same local shards.
+# --------------------------------------------------------------------------
+
+class _Step(NamedTuple):
+  """One step from an op to the op derived from it.
+
+  ``"batch"``: every operand and result gains a leading batch dimension.
+  ``"jvp"``: operands are the primals, then the tangents of the primals
+  marked in ``mask``; results are the tangents of the results.
+  ``"vjp"``: operands are the primals, then the cotangents of the results;
+  results are the cotangents of the primals marked in ``mask``.
+  """
+  kind: str
+  mask: tuple = ()
+
+
+def _unbatched(v: _Value) -> _Value:
+  """``v`` without its leading batch dimension. A sharding with no
+  PartitionSpec (e.g. a reshape split a mesh axis) reads as replicated: XLA
+  reshards the operand to whatever ``partition`` asks anyway."""
+  spec = v.spec
+  if spec is None and v.hlo is not None:
+    spec = (None,) * len(v.shape)
+  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
+                v.varying)
+
+
+def _step_down(step: _Step, operands: list, results: list):
+  """The operands and results of the op one ``step`` below."""
+  if step.kind == "batch":
+    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
+  n = len(step.mask)
+  if step.kind == "jvp":
+    return operands[:n], results
+  return operands[:n], operands[n:]  # vjp: cotangents stand for results
+
+
+def _step_up(step: _Step, operands: list, results: list, batch_dim=None):
+  """Per-value items (specs, rule dimensions) of the op one ``step`` up; a
+  batch step puts ``batch_dim`` in front of every one."""
+  if step.kind == "batch":
+    return ([(batch_dim, *v) for v in operands],
+            [(batch_dim, *v) for v in results])
+  picked = [v for v, m in zip(operands, step.mask) if m]
+  if step.kind == "jvp":  # tangents like their primals
+    return operands + picked, results
+  return operands + results, picked  # vjp: cotangents like their primals
+
+
+def _levels(steps: tuple, operands: list, results: list) -> list:
+  """``[(operands, results)]`` of the author's op, then after each step."""
+  out = [(operands, results)]
+  for step in reversed(steps):
+    out.append(_step_down(step, *out[-1]))
+  return out[::-1]
 
 
 def _eqn_axes(eqn) -> set:
@@ -1234,12 +1282,6 @@ def _batch_entry(values: list, used: set, mesh, size: int):
   if not axes:
     return None
   return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _replicated_over(mesh, spec, sharded: set) -> tuple:
-  """The axes of ``mesh`` that neither ``spec`` nor ``sharded`` use."""
-  used = _axes_in([spec]) | sharded
-  return tuple(a for a in mesh.axis_names if a not in used)
 
 
 def _masked(fn: Callable, primals, mask):
@@ -1282,7 +1324,7 @@ def _vjp_fn(fn: Callable, mask, scales, psum_axes) -> Callable:
   return vjp_fn
 
 
-def _derived_rule_attr(rule, levels: list, steps: tuple):
+def _rule_attr(rule, levels: list, steps: tuple):
   """The Shardy rule of a derived op, from the author's ``rule``.
 
   A batch step adds a fresh factor in front of every operand and result; a
@@ -1296,10 +1338,10 @@ def _derived_rule_attr(rule, levels: list, steps: tuple):
   reduction = list(rule.reduction_factors)
   for k, step in enumerate(steps):
     factor = None
-    if step[0] == "batch":
+    if step.kind == "batch":
       factor = f"{_BATCH_FACTOR_PREFIX}vmap{k}"
       sizes[factor] = levels[k + 1][0][0].shape[0]
-    elif step[0] == "vjp":
+    elif step.kind == "vjp":
       # Cotangents of operands are sharded like the operands, even along
       # what was a reduction factor.
       reduction = []
@@ -1419,19 +1461,6 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
             "def_partition.")
 
 
-def _shard_count(entry, mesh) -> int:
-  """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
-
-
-def _local_shape(shape, spec, mesh) -> tuple:
-  """A shard's shape; a dimension the mesh does not divide is rounded up
-  (XLA pads the last shards)."""
-  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-  return tuple(-(-size // _shard_count(e, mesh))
-               for size, e in zip(shape, spec))
-
-
 def _check_even_reductions(name: str, rule, dims: list, shapes: list,
                            num_operands: int, in_specs: list, mesh) -> None:
   """Raises if an operand dimension that the rule reduces over is padded:
@@ -1461,19 +1490,463 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
 
 
 # --------------------------------------------------------------------------
-# 4. The callback registry and the callbacks XLA calls
+# 4. One lowered op, and the questions XLA asks about it
 #
-# The custom call carries a key in its ``backend_config``; XLA hands it back
-# to the callbacks below, which find the op's ``_OpInfo`` by it. The key is a
-# hash of everything that shapes the op's partitioning (section 4b), so
-# the same program gets the same key in every process and the persistent
-# compilation cache can hit. Entries are weak: each lowering and executable
-# that may still call back holds its ``_OpInfo`` alive as a keep-alive.
+# ``_Op`` describes one lowered custom call: its mesh and devices, the
+# author's callbacks and the steps that derive it from the author's op.
+# XLA asks three questions about it (which sharding a result gets from the
+# operands, which sharding it prefers given its user's, and how one shard is
+# computed); each is walked down the steps to the author's op (section 3b),
+# answered by one ``_ask_*`` function, the only caller of that callback, and
+# the answer walked back up. Section 5b asks the same functions while
+# tracing, under Explicit mesh axes.
+# --------------------------------------------------------------------------
+
+class _Placement(NamedTuple):
+  """Where a lowered op runs.
+
+  ``mesh`` is what the callbacks see: the real mesh whenever it can be
+  recovered, else the empty mesh. Inside a partly manual shard_map it names
+  every axis, the manual ones typed ``AxisType.Manual``; XLA then asks for
+  the partition on ``auto``, the mesh of the auto axes alone, and the
+  per-shard code runs on ``whole``, the shard_map's mesh.
+  """
+  mesh: Any
+  devices: tuple | None
+  auto: Any = None
+  whole: Any = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Op:
+  """What XLA's callbacks need to know about one lowered custom call."""
+  name: str
+  partition: Callable | None
+  infer: Callable | None  # infer_sharding_from_operands
+  propagate: Callable | None  # propagate_user_sharding
+  rule: SdyShardingRule | None
+  decode: bool  # decode_shardings
+  check_vma: bool
+  static_args: tuple
+  in_tree: Any
+  out_tree: Any
+  steps: tuple  # of _Step: from the author's op to this one
+  place: _Placement
+  # Per operand and result: the manual axes it varies over, if tracked.
+  varying: tuple = ((), ())
+  platforms: Any = None
+  backend: Any = None
+  # Errors of infer/propagate, per compiling thread, for the partition
+  # callback to raise (see section 4b).
+  pending: dict = dataclasses.field(default_factory=dict)
+  # Partition request -> XLA's answer. The request holds every input of the
+  # answer that is not in the op's key (shapes, dtypes, shardings); the key
+  # holds the rest (section 4c).
+  lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256))
+
+  @property
+  def mesh(self):
+    return self.place.mesh
+
+
+def _author_sharding(op: _Op, v: _Value, on):
+  """How the callbacks see ``v`` (a sharding on mesh ``on``): a
+  NamedSharding on the op's mesh where it has a PartitionSpec and
+  ``decode_shardings`` is on, else a GSPMDSharding; None if not known."""
+  if not v.known():
+    return None
+  if op.decode and v.spec is not None and not op.mesh.empty:
+    return jax.sharding.NamedSharding(op.mesh,
+                                      jax.sharding.PartitionSpec(*v.spec))
+  devices = op.place.devices if on is op.mesh else _mesh_devices(on)
+  return sharding_impls.GSPMDSharding(devices, _hlo_of(v, on))
+
+
+def _structs(op: _Op, tree, values, on=None):
+  """The callbacks' view of ``values``: a pytree of ShapeDtypeStructs."""
+  on = op.mesh if on is None else on
+  return tree.unflatten([jax.ShapeDtypeStruct(
+      v.shape, v.dtype, sharding=_author_sharding(op, v, on))
+      for v in values])
+
+
+def _onto_auto_axes(op: _Op, sharding, where: str):
+  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
+                    "partly manual shard_map it must be a NamedSharding.")
+  auto = op.place.auto
+  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
+  if manual:
+    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
+                     f"over the manual axes {sorted(manual)}; only "
+                     f"{auto.axis_names} may be used here.")
+  return jax.sharding.NamedSharding(auto, sharding.spec)
+
+
+def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
+            on=None) -> list[_Value]:
+  """The author's pytree of shardings for ``like`` (values of the same
+  shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
+  on = op.mesh if on is None else on
+  leaves = _flatten_up_to(tree, answer,
+                          f"{callback} of {op.name} returned {what}s")
+  out = []
+  for i, (sharding, v) in enumerate(zip(leaves, like)):
+    where = f"{callback} of {op.name} returned {what} {i}"
+    ndim = len(v.shape)
+    if not isinstance(sharding, jax.sharding.Sharding):
+      raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
+                      "a jax.sharding.Sharding.")
+    if set(_sharding_devices(sharding)) != set(op.place.devices):
+      raise ValueError(
+          f"{where} on devices "
+          f"{sorted(d.id for d in _sharding_devices(sharding))}, but the "
+          f"op runs on {sorted(d.id for d in op.place.devices)}.")
+    if isinstance(sharding, jax.sharding.NamedSharding) and (
+        len(sharding.spec) > ndim):
+      raise ValueError(f"{where} with spec {sharding.spec} for a value "
+                       f"of rank {ndim}.")
+    if on is op.place.auto:
+      sharding = _onto_auto_axes(op, sharding, where)
+    hlo = _to_hlo_sharding(sharding, ndim)
+    spec = None if on.empty else _decode_spec(hlo, on, ndim)
+    if spec is None and op.steps:
+      raise NotImplementedError(
+          f"{where}, which has no PartitionSpec on the mesh "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
+          "shardings must have one.")
+    out.append(v._replace(spec=spec, hlo=hlo))
+  return out
+
+
+def _inexpressible(op: _Op) -> bool:
+  """Inside a partly manual shard_map before jax 0.5.3, a NamedSharding
+  cannot carry the manual subgroup XLA expects of a propagated sharding
+  (XLA aborts on one without): propagation is left to XLA there."""
+  return op.place.auto is not None and not _MESH_TYPES_MANUAL_AXES
+
+
+# -- the author's callbacks, each asked in one place ------------------------
+
+def _ask_infer(op: _Op, operands: list, results: list):
+  """The result shardings ``infer_sharding_from_operands`` gives or, without
+  it, the op's rule implies; None where neither can tell."""
+  if op.infer is not None:
+    answer = op.infer(*op.static_args, op.mesh,
+                      _structs(op, op.in_tree, operands),
+                      op.out_tree.unflatten([jax.ShapeDtypeStruct(
+                          v.shape, v.dtype) for v in results]))
+    if answer is None:
+      return None
+    return _encode(op, op.out_tree, answer, results,
+                   "infer_sharding_from_operands", "result sharding")
+  # The rule needs every placed operand's PartitionSpec.
+  if op.rule is None or not any(v.known() for v in operands) or any(
+      v.spec is None and v.hlo is not None for v in operands):
+    return None
+  specs = _infer_from_rule(op.rule, [v.shape for v in operands + results],
+                           [v.spec for v in operands])
+  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
+
+
+def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+  """The result shardings ``propagate_user_sharding`` prefers, given the
+  user's (``results``); the user's if it is not defined."""
+  if op.propagate is None:
+    return results
+  answer = op.propagate(*op.static_args, op.mesh,
+                        _structs(op, op.out_tree, results))
+  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
+                 "result sharding")
+
+
+class _Answer(NamedTuple):
+  """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
+  (its collectives name that mesh's axes), the mesh the specs of ``args``
+  and ``results`` are on, and those shardings."""
+  mesh: Any
+  on: Any
+  lower_fn: Callable
+  args: list
+  results: list
+
+
+def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition`` asked about values whose shardings are on ``on``."""
+  if op.partition is None:
+    raise ValueError(
+        f"custom_partitioning op {op.name} runs on "
+        f"{len(op.place.devices)} devices, but its def_partition was given "
+        "partition=None.")
+  answer = op.partition(*op.static_args, op.mesh,
+                        _structs(op, op.in_tree, operands, on),
+                        _structs(op, op.out_tree, results, on))
+  mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
+  if op.place.auto is not None:
+    # Collectives must name devices of the whole program: lower on the
+    # whole mesh (the returned one may be the mesh with manual types).
+    mesh = op.place.whole
+  else:
+    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
+      raise NotImplementedError(
+          f"partition of {op.name} returned a mesh with axes "
+          f"{dict(mesh.shape)}, but the op's mesh has "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad "
+          "they must be the same.")
+    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
+  return _Answer(mesh, on, lower_fn,
+                 _encode(op, op.in_tree, in_shardings, operands, "partition",
+                         "arg sharding", on),
+                 _encode(op, op.out_tree, out_shardings, results,
+                         "partition", "result sharding", on))
+
+
+def _check_answer(op: _Op, answer):
+  """Validates what ``partition`` returned; returns its four parts."""
+  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+    got = (f"a sequence of length {len(answer)}"
+           if isinstance(answer, (tuple, list)) else type(answer).__name__)
+    raise TypeError(
+        f"partition of {op.name} must return (mesh, lower_fn, "
+        f"result_shardings, arg_shardings); got {got}.")
+  mesh, lower_fn, _, _ = answer
+  if not callable(lower_fn):
+    raise TypeError(f"partition of {op.name} returned a lower_fn of type "
+                    f"{type(lower_fn).__name__}, which is not callable.")
+  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
+    raise TypeError(f"partition of {op.name} returned a mesh of type "
+                    f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
+  if isinstance(mesh, mesh_lib.Mesh) and mesh.empty:
+    raise ValueError(
+        f"partition of {op.name} returned an empty mesh: the op's mesh "
+        "could not be recovered (the program's shardings are not "
+        "NamedShardings and no mesh is set). Return a mesh over the op's "
+        "devices, or use NamedSharding inputs, jax.set_mesh or `with "
+        "mesh:`.")
+  devices = op.place.devices
+  if op.place.auto is None:  # else the shard_map's mesh is used anyway
+    if isinstance(mesh, mesh_lib.Mesh):
+      if set(_mesh_devices(mesh)) != set(devices):
+        raise ValueError(
+            f"partition of {op.name} returned a mesh on devices "
+            f"{sorted(d.id for d in _mesh_devices(mesh))}, but the op runs "
+            f"on {sorted(d.id for d in devices)}.")
+    elif mesh.size != len(devices):
+      raise ValueError(
+          f"partition of {op.name} returned a mesh of {mesh.size} "
+          f"devices, but the op runs on {len(devices)}.")
+  return answer
+
+
+# -- lower_fn, traced and checked ------------------------------------------
+
+_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
+
+
+def _calls_host(jaxpr: core.Jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
+  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
+      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
+
+
+def _host_callback_error(op: _Op) -> NotImplementedError:
+  return NotImplementedError(
+      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
+      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
+      "cannot run inside a custom-partitioned op. Move the callback out "
+      "of lower_fn, before or after the op.")
+
+
+def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
+                    results: list) -> core.ClosedJaxpr:
+  """Traces ``lower_fn`` on per-shard shapes, with the checks of section
+  3c; returns its jaxpr (of flat local arrays)."""
+  lower_fn, on = answer.lower_fn, answer.on
+  if op.check_vma and op.rule is not None:
+    shapes = [v.shape for v in operands + results]
+    try:  # a rule that does not fit the op fails elsewhere, with its cause
+      _, dims = _resolve_rule(op.rule, shapes, len(operands))
+    except ValueError:
+      dims = None
+    if dims is not None:
+      _check_even_reductions(op.name, op.rule, dims, shapes, len(operands),
+                             [v.spec for v in answer.args], on)
+  local_args = [_local_struct(v, on) for v in answer.args]
+  local_results = [_local_struct(v, on) for v in answer.results]
+  with _no_ambient_mesh():
+    closed, out_shape = jax.make_jaxpr(
+        lower_fn, axis_env=list(answer.mesh.shape.items()),
+        return_shape=True)(*op.in_tree.unflatten(local_args))
+  got = jax.tree_util.tree_leaves(out_shape)
+  if len(got) != len(local_results):
+    raise ValueError(
+        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
+        f"{len(local_results)} ({op.out_tree}).")
+  for i, (g, want) in enumerate(zip(got, local_results)):
+    if g.shape != want.shape or g.dtype != want.dtype:
+      raise ValueError(
+          f"lower_fn of {op.name} returned result {i} with local shape "
+          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
+          f"{want.dtype}{list(want.shape)}.")
+  if op.check_vma:
+    _check_replicated_results(op.name, closed.jaxpr,
+                              [v.spec for v in answer.args],
+                              [v.spec for v in answer.results], on.axis_names)
+  return closed
+
+
+# -- the three questions, walked through the steps ---------------------------
+
+def _infer(op: _Op, levels: list, k: int):
+  """Result values of the op ``k`` steps above the author's, or None."""
+  operands, results = levels[k]
+  if k == 0:
+    return _ask_infer(op, operands, results)
+  step = op.steps[k - 1]
+  if step.kind == "vjp":  # cotangents are sharded like their primals
+    picked = [v for v, m in zip(operands, step.mask) if m]
+    return None if any(v.spec is None for v in picked) else picked
+  inner = _infer(op, levels, k - 1)
+  if inner is None or step.kind == "jvp":
+    return inner
+  used = _axes_in(v.spec for v in inner + levels[k - 1][0])
+  entry = _batch_entry(operands, used, op.mesh, operands[0].shape[0])
+  return [r._replace(spec=(entry, *v.spec), hlo=None)
+          for r, v in zip(results, inner)]
+
+
+def _propagate(op: _Op, results: list, k: int) -> list[_Value]:
+  """Result values of the op ``k`` steps up, given its user's."""
+  if k == 0:
+    return _ask_propagate(op, results)
+  step = op.steps[k - 1]
+  if step.kind == "vjp":  # cotangents of operands: as the user has them
+    return results
+  if step.kind == "jvp" or not results:
+    return _propagate(op, results, k - 1)
+  inner = _propagate(op, _step_down(step, [], results)[1], k - 1)
+  entry = _batch_entry(results, _axes_in(v.spec for v in inner), op.mesh,
+                       results[0].shape[0])
+  return [r._replace(spec=(entry, *v.spec), hlo=None)
+          for r, v in zip(results, inner)]
+
+
+class _PerShard(NamedTuple):
+  """A partitioned op: the per-shard program (a jaxpr of flat local
+  arrays) on ``mesh``, and the shardings it takes and gives."""
+  mesh: Any
+  jaxpr: core.ClosedJaxpr
+  args: list
+  results: list
+
+
+def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
+  """Partitions the op: the author's answer, walked up the steps.
+
+  A batch dimension keeps the mesh axes it arrives on unless the level
+  below uses them (in its shardings or ``lower_fn``'s collectives).
+  """
+  levels = _levels(op.steps, operands, results)
+  answer = _ask_partition(op, *levels[0], on)
+  closed = _trace_lower_fn(op, answer, *levels[0])
+  if _calls_host(closed.jaxpr):
+    raise _host_callback_error(op)
+  if not op.steps:
+    return _PerShard(answer.mesh, closed, answer.args, answer.results)
+  on, mesh = answer.on, answer.mesh
+  used = _collective_axes(closed.jaxpr, set(on.axis_names))
+  args = [v.spec for v in answer.args]
+  outs = [v.spec for v in answer.results]
+  specs, entries = [(args, outs)], []
+  for step, (level_operands, level_results) in zip(op.steps, levels[1:]):
+    entry = None
+    if step.kind == "batch":
+      entry = _batch_entry(level_operands + level_results,
+                           used | _axes_in(args + outs), on,
+                           level_operands[0].shape[0])
+    args, outs = _step_up(step, args, outs, entry)
+    specs.append((args, outs))
+    entries.append(entry)
+  # A vjp step corrects for replicated values (see ``_vjp_fn``); a value is
+  # replicated over the axes that neither its spec nor a batch dimension
+  # added above shards it over (those hold other batch items).
+  fn = core.jaxpr_as_fun(closed)
+  for k, step in enumerate(op.steps):
+    if step.kind == "batch":
+      fn = jax.vmap(fn)
+    elif step.kind == "jvp":
+      fn = _jvp_fn(fn, step.mask)
+    else:
+      batched = _axes_in([entries[k + 1:]])
+      (args, outs), (level_operands, level_results) = specs[k], levels[k]
+      scales = [math.prod(mesh.shape[a]
+                          for a in _copies_over(op, on, spec, v, batched))
+                for spec, v in zip(outs, level_results)]
+      psum_axes = [_copies_over(op, on, spec, v, batched)
+                   for spec, v, m in zip(args, level_operands, step.mask)
+                   if m]
+      fn = _vjp_fn(fn, step.mask, scales, psum_axes)
+  top_args = [v._replace(spec=s, hlo=None) for v, s in zip(operands,
+                                                           specs[-1][0])]
+  top_results = [v._replace(spec=s, hlo=None) for v, s in zip(results,
+                                                             specs[-1][1])]
+  with _no_ambient_mesh():
+    closed = jax.make_jaxpr(fn, axis_env=list(mesh.shape.items()))(
+        *[_local_struct(v, on) for v in top_args])
+  return _PerShard(mesh, closed, top_args, top_results)
+
+
+def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
+  """The mesh axes along which devices hold equal copies of ``value``:
+  those of ``on`` that neither its spec nor a batch dimension above shard
+  it over and, inside a partly manual shard_map, the manual axes it does
+  not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
+  leave every value untyped, and then no manual axis counts)."""
+  used = _axes_in([spec]) | batched
+  axes = tuple(a for a in on.axis_names if a not in used)
+  if op.place.auto is None or value.varying is None or not any(
+      op.varying[0] + op.varying[1]):
+    return axes
+  return axes + tuple(a for a in op.place.whole.axis_names
+                      if a not in op.place.auto.axis_names and
+                      a not in value.varying)
+
+
+def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
+  """The per-shard program lowered to a module, as bytecode."""
+  # XLA finds a host callback by its index in the list of the program
+  # being compiled, which was fixed before this callback ran; the
+  # per-shard module's own list is not reachable (upstream segfaults).
+  mesh = shard.mesh
+  with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
+    module, host_callbacks = _lower_per_shard(
+        shard.jaxpr, platforms=op.platforms, backend=op.backend,
+        axis_context=sharding_impls.SPMDAxisContext(
+            mesh, frozenset(mesh.axis_names)))
+  if host_callbacks:
+    raise _host_callback_error(op)
+  return mlir.module_to_bytecode(module)
+
+
+# --------------------------------------------------------------------------
+# 4b. The callbacks XLA calls
+#
+# The custom call carries a key in its ``backend_config`` (section 4c); XLA
+# hands it back to the callbacks below, which find the op's ``_Op`` in
+# ``_registry`` by it.
+#
+# Errors: an exception must never escape into XLA raw (under GSPMD that
+# aborts the process). One raised while inferring or propagating is kept in
+# the op's ``pending`` for the compiling thread (XLA then propagates on its
+# own) and raised by the partition callback, which XLA always calls next.
+# There, every exception is parked in ``_parked_errors`` under a tag that
+# goes into the message XLA reports; when the compile fails,
+# ``_reraise_callback_error`` (registered with jax's compiler) finds the
+# tag and jax raises the original exception, with its type.
 # --------------------------------------------------------------------------
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
-# Exceptions raised by an author's callback during an XLA compile, parked
-# here until the compile fails and ``_reraise_callback_error`` finds them.
 _ERROR_TAG = f"[{_TARGET} error #"
 _parked_counter = itertools.count()
 
@@ -1495,611 +1968,85 @@ def _reraise_callback_error(xla_error: Exception):
   return _parked_errors.pop(int(tag)) if tag.isdigit() else None
 
 
-class _OpInfo:
-  """What XLA's callbacks need to know about one lowered custom call."""
-
-  def __init__(self, *, name, params, mesh, devices, submesh, full_mesh, rule,
-               platforms, backend, varying=((), ())):
-    self.name = name
-    self.partition = params["partition"]
-    self.infer = params["infer_sharding_from_operands"]
-    self.propagate = params["propagate_user_sharding"]
-    self.decode = params["decode_shardings"]
-    self.check_vma = params.get("check_vma", True)  # upstream has no such
-    self.static_args = _static_values(params["static_args"])
-    self.in_tree = params["in_tree"]
-    self.out_tree = params["out_tree"]
-    self.steps = _steps(params)  # section 3b
-    self.mesh = mesh  # what the callbacks see
-    self.devices = devices
-    # Inside a partly manual shard_map: the mesh of the auto axes, on which
-    # XLA expresses the shardings of the partition request.
-    self.submesh = submesh
-    self.full_mesh = full_mesh
-    # Per operand and result: the manual axes it varies over, if tracked.
-    self.varying = varying
-    self.rule = rule
-    self.platforms = platforms
-    self.backend = backend
-    # Errors of infer/propagate, per compiling thread, for ``partition``.
-    self.pending: dict[int, BaseException] = {}
-    # Partition request -> XLA's answer. The request holds every input of
-    # the answer that is not in this op's key (shapes, dtypes, shardings);
-    # the key holds the rest (see section 4b).
-    self.lowered = _LRU(256)
-
-  # -- conversions -----------------------------------------------------
-
-  def decode_sharding(self, hlo_sharding, ndim: int, sub: bool = False,
-                      named: bool = False):
-    """An HloSharding as the callbacks see it (see ``decode_shardings``).
-
-    ``sub``: the sharding is on ``self.submesh`` (a partition request inside
-    a partly manual shard_map); it is shown on the whole mesh all the same.
-    ``named``: try a ``NamedSharding`` even if ``decode_shardings`` is off.
-    """
-    if hlo_sharding is None:
-      return None
-    on = self.submesh if sub else self.mesh
-    if (self.decode or named) and not self.mesh.empty:
-      spec = _decode_spec(hlo_sharding, on, ndim)
-      if spec is not None:
-        return jax.sharding.NamedSharding(
-            self.mesh, jax.sharding.PartitionSpec(*spec))
-    return sharding_impls.GSPMDSharding(_mesh_devices(on)
-                                        if sub else self.devices,
-                                        hlo_sharding)
-
-  def shape_structs(self, tree, shapes, hlo_shardings, sub=False):
-    """A pytree of ``jax.ShapeDtypeStruct`` carrying decoded shardings."""
-    return tree.unflatten([
-        _struct(s, self.decode_sharding(h, len(s.dimensions()), sub))
-        for s, h in zip(shapes, hlo_shardings)])
-
-  def encode_shardings(self, tree, value, ndims, callback, what, sub=False):
-    """The author's sharding pytree as a flat list of HloShardings."""
-    leaves = _flatten_up_to(tree, value,
-                            f"{callback} of {self.name} returned {what}s")
-    out = []
-    for i, (sharding, ndim) in enumerate(zip(leaves, ndims)):
-      where = f"{callback} of {self.name} returned {what} {i}"
-      if not isinstance(sharding, jax.sharding.Sharding):
-        raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
-                        "a jax.sharding.Sharding.")
-      if set(_sharding_devices(sharding)) != set(self.devices):
-        raise ValueError(
-            f"{where} on devices "
-            f"{sorted(d.id for d in _sharding_devices(sharding))}, but the "
-            f"op runs on {sorted(d.id for d in self.devices)}.")
-      if isinstance(sharding, jax.sharding.NamedSharding) and (
-          len(sharding.spec) > ndim):
-        raise ValueError(f"{where} with spec {sharding.spec} for a value "
-                         f"of rank {ndim}.")
-      if sub:
-        sharding = self._onto_submesh(sharding, where)
-      out.append(_to_hlo_sharding(sharding, ndim))
-    return out
-
-  def _onto_submesh(self, sharding, where: str):
-    """Re-homes a sharding of the whole mesh onto ``self.submesh``."""
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-      raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
-                      "partly manual shard_map it must be a NamedSharding.")
-    used = {a for entry in sharding.spec if entry is not None
-            for a in (entry if isinstance(entry, tuple) else (entry,))}
-    manual = used - set(self.submesh.axis_names)
-    if manual:
-      raise ValueError(f"{where} with spec {sharding.spec}, which shards "
-                       f"over the manual axes {sorted(manual)}; only "
-                       f"{self.submesh.axis_names} may be used here.")
-    return jax.sharding.NamedSharding(self.submesh, sharding.spec)
-
-  # -- the three questions XLA asks ------------------------------------
-
-  def _inexpressible(self) -> bool:
-    """Inside a partly manual shard_map before jax 0.5.3, a NamedSharding
-    cannot carry the manual subgroup XLA expects of a propagated sharding
-    (XLA aborts on one without): propagation is left to XLA there."""
-    return self.submesh is not None and not _MESH_TYPES_MANUAL_AXES
-
-  def infer_result(self, arg_shapes, arg_shardings, result_shape):
-    if self._inexpressible():
-      return None
-    if self.steps:
-      return self._derived_infer(arg_shapes, arg_shardings, result_shape)
-    result_shapes, _ = _hlo_parts(result_shape, None)
-    # The rule needs mesh axes, whatever ``decode_shardings`` says.
-    value = self._inferred(
-        self.shape_structs(self.in_tree, arg_shapes, arg_shardings),
-        [_struct(s, self.decode_sharding(h, len(s.dimensions()), named=True))
-         for s, h in zip(arg_shapes, arg_shardings)],
-        [_struct(s) for s in result_shapes])  # no shardings yet
-    if value is None:
-      return None
-    shardings = self.encode_shardings(
-        self.out_tree, value, _ndims(result_shapes),
-        "infer_sharding_from_operands", "result sharding")
-    return _pack_hlo(result_shape, shardings)
-
-  # Each of the author's callbacks is called from one place: ``_inferred``
-  # (infer_sharding_from_operands, or the rule), ``ask_propagate`` and
-  # ``ask_partition``; every path (plain, derived, Explicit) goes through
-  # them.
-
-  def ask_partition(self, args, results):
-    """The author's ``partition`` asked about the operand and result
-    structs (pytrees of ShapeDtypeStruct); its answer, checked."""
-    return self._check_answer(
-        self.partition(*self.static_args, self.mesh, args, results))
-
-  def ask_propagate(self, user):
-    """The author's ``propagate_user_sharding`` for the user's structs."""
-    return self.propagate(*self.static_args, self.mesh, user)
-
-  def _inferred(self, args, named_args: list, results: list):
-    """The result shardings ``infer_sharding_from_operands`` gives, or
-    (without it) those derived from the rule; None if neither can tell.
-
-    ``args``: the author's view of the operands (a pytree); ``named_args``:
-    a flat list of them with NamedShardings, which the rule needs."""
-    if self.infer is not None:
-      return self.infer(*self.static_args, self.mesh, args,
-                        self.out_tree.unflatten(results))
-    if self.rule is None:
-      return None
-    derived = _infer_from_rule(self.rule, named_args, results, self.mesh)
-    return None if derived is None else self.out_tree.unflatten(derived)
-
-  def propagate_user(self, user_sharding, shape):
-    if self._inexpressible():
-      return user_sharding
-    if self.steps:
-      if self.mesh.empty:
-        return user_sharding
-      return self._derived_propagate(user_sharding, shape)
-    if self.propagate is None:
-      return user_sharding
-    shapes, shardings = _hlo_parts(shape, user_sharding)
-    value = self.ask_propagate(
-        self.shape_structs(self.out_tree, shapes, shardings))
-    return _pack_hlo(shape, self.encode_shardings(
-        self.out_tree, value, _ndims(shapes), "propagate_user_sharding",
-        "result sharding"))
-
-  def partition_op(self, arg_shapes, arg_shardings, result_shape,
-                   result_sharding):
-    request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
-                     for s, h in zip(arg_shapes, arg_shardings)),
-               str(result_shape), str(result_sharding))
-    answer = self.lowered.get(request)
-    if answer is None:
-      lower = self._lower_derived if self.steps else self._lower_partition
-      answer = lower(arg_shapes, arg_shardings, result_shape, result_sharding)
-      self.lowered.put(request, answer)
-    return answer
-
-  def _host_callback_error(self) -> NotImplementedError:
-    return NotImplementedError(
-        f"lower_fn of {self.name} calls back to Python (jax.debug.callback, "
-        "jax.debug.print, jax.pure_callback or io_callback), which XLA "
-        "cannot run inside a custom-partitioned op. Move the callback out "
-        "of lower_fn, before or after the op.")
-
-  def _lower_partition(self, arg_shapes, arg_shardings, result_shape,
-                       result_sharding):
-    """Asks the author's ``partition``; lowers its ``lower_fn`` per shard."""
-    result_shapes, result_shardings = _hlo_parts(result_shape,
-                                                 result_sharding)
-    sub = self.submesh is not None
-    mesh, lower_fn, out_shardings, in_shardings = self.ask_partition(
-        self.shape_structs(self.in_tree, arg_shapes, arg_shardings, sub),
-        self.shape_structs(self.out_tree, result_shapes, result_shardings,
-                           sub))
-    out_hlo = self.encode_shardings(self.out_tree, out_shardings,
-                                    _ndims(result_shapes), "partition",
-                                    "result sharding", sub)
-    in_hlo = self.encode_shardings(self.in_tree, in_shardings,
-                                   _ndims(arg_shapes), "partition",
-                                   "arg sharding", sub)
-    if sub:
-      # Collectives must name devices of the whole program: lower on the
-      # whole mesh (the returned one may be the mesh with manual types).
-      mesh = self.full_mesh
-    # The checks read shardings on the mesh ``lower_fn`` runs on: the one
-    # ``partition`` returned (its axis names may differ from the op's).
-    on = self._on(sub) if sub else mesh
-    in_specs, out_specs = (
-        [_decode_spec(h, on, len(s.dimensions())) for h, s in zip(hlos, shapes)]
-        for hlos, shapes in ((in_hlo, arg_shapes), (out_hlo, result_shapes)))
-    self._check_even_reductions(
-        [tuple(s.dimensions()) for s in list(arg_shapes) + result_shapes],
-        in_specs, on)
-    with _no_ambient_mesh():
-      closed = self._trace_lower_fn(
-          lower_fn, mesh,
-          [_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)],
-          [_tile_shape(h, s) for h, s in zip(out_hlo, result_shapes)],
-          in_specs, out_specs, on)
-    return (self._lower_closed(closed, mesh), in_hlo,
-            _pack_hlo(result_shape, out_hlo))
-
-  def _lower_closed(self, closed, mesh) -> bytes:
-    """The per-shard module of a traced ``lower_fn``, as bytecode."""
-    # XLA finds a host callback by its index in the list of the program
-    # being compiled, which was fixed before this callback ran; the
-    # per-shard module's own list is not reachable (upstream segfaults).
-    # Checked before lowering too: some jax releases fail or drop the
-    # callback while lowering it here.
-    if _calls_host(closed.jaxpr):
-      raise self._host_callback_error()
-    axis_env = list(mesh.shape.items())
-    with core.extend_axis_env_nd(axis_env), _no_ambient_mesh():
-      module, host_callbacks = _lower_per_shard(
-          closed, platforms=self.platforms, backend=self.backend,
-          axis_context=sharding_impls.SPMDAxisContext(
-              mesh, frozenset(mesh.axis_names)))
-    if host_callbacks:
-      raise self._host_callback_error()
-    return mlir.module_to_bytecode(module)
-
-  # -- derived ops (section 3b) ---------------------------------------
-
-  def _on(self, sub: bool):
-    """The mesh XLA's shardings are expressed on."""
-    return self.submesh if sub else self.mesh
-
-  def _values(self, shapes, hlo_shardings, sub=False,
-              varying=()) -> list[_Value]:
-    """XLA's shapes and shardings as ``_Value``s. A sharding with no
-    PartitionSpec on the mesh (e.g. a reshape split a mesh axis) reads as
-    replicated: it cannot lose its batch dimension, and XLA reshards the
-    operand to whatever ``partition`` asks anyway."""
-    on = self._on(sub)
-    varying = list(varying) or [None] * len(shapes)
-    out = []
-    for s, h, v in zip(shapes, hlo_shardings, varying):
-      ndim = len(s.dimensions())
-      spec = None
-      if h is not None:
-        spec = _decode_spec(h, on, ndim) or (None,) * ndim
-      out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, v))
-    return out
-
-  def _hlo(self, spec: tuple, ndim: int, sub=False) -> xc.HloSharding:
-    return _to_hlo_sharding(jax.sharding.NamedSharding(
-        self._on(sub), jax.sharding.PartitionSpec(*spec)), ndim)
-
-  def _user_structs(self, tree, values, sub=False):
-    """The author's view of ``values``: a pytree of ShapeDtypeStructs."""
-    return tree.unflatten([jax.ShapeDtypeStruct(
-        v.shape, v.dtype, sharding=None if v.spec is None else
-        self.decode_sharding(self._hlo(v.spec, len(v.shape), sub),
-                             len(v.shape), sub))
-        for v in values])
-
-  def _specs(self, tree, value, values, callback, what, sub=False) -> list:
-    """The author's shardings for ``values`` as PartitionSpec entries."""
-    hlos = self.encode_shardings(tree, value, [len(v.shape) for v in values],
-                                 callback, what, sub)
-    specs = []
-    for i, (hlo_sharding, v) in enumerate(zip(hlos, values)):
-      spec = _decode_spec(hlo_sharding, self._on(sub), len(v.shape))
-      if spec is None:
-        raise NotImplementedError(
-            f"{callback} of {self.name} returned {what} {i}, which has no "
-            f"PartitionSpec on the mesh {dict(self.mesh.shape)}; under "
-            "jax.vmap, jax.jvp and jax.grad, shardings must have one.")
-      specs.append(spec)
-    return specs
-
-  def _derived_infer(self, arg_shapes, arg_shardings, result_shape):
-    if self.mesh.empty:
-      return None  # XLA's default propagation
-    result_shapes, _ = _hlo_parts(result_shape, None)
-    results = self._values(result_shapes, [None] * len(result_shapes))
-    levels = _levels(self.steps, self._values(arg_shapes, arg_shardings),
-                     results)
-    specs = self._infer_specs(levels, len(self.steps))
-    if specs is None:
-      return None
-    return _pack_hlo(result_shape, [self._hlo(spec, len(v.shape))
-                                    for spec, v in zip(specs, results)])
-
-  def _infer_specs(self, levels, k):
-    """Result specs of the op ``k`` steps above the author's, or None."""
-    operands, results = levels[k]
-    if k == 0:
-      return self._author_infer(operands, results)
-    step = self.steps[k - 1]
-    if step[0] == "vjp":  # cotangents are sharded like their primals
-      specs = [v.spec for v, m in zip(operands, step[1]) if m]
-      return None if None in specs else specs
-    inner = self._infer_specs(levels, k - 1)
-    if inner is None or step[0] == "jvp":
-      return inner
-    used = _axes_in(inner) | _axes_in(v.spec for v in levels[k - 1][0])
-    entry = _batch_entry(operands, used, self.mesh, operands[0].shape[0])
-    return [(entry, *spec) for spec in inner]
-
-  def _author_infer(self, operands, results):
-    value = self._inferred(
-        self._user_structs(self.in_tree, operands),
-        [jax.ShapeDtypeStruct(
-            v.shape, v.dtype, sharding=None if v.spec is None else
-            jax.sharding.NamedSharding(self.mesh,
-                                       jax.sharding.PartitionSpec(*v.spec)))
-         for v in operands],
-        [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in results])
-    if value is None:
-      return None
-    return self._specs(self.out_tree, value, results,
-                       "infer_sharding_from_operands", "result sharding")
-
-  def _derived_propagate(self, user_sharding, shape):
-    shapes, shardings = _hlo_parts(shape, user_sharding)
-    results = self._values(shapes, shardings)
-    if any(v.spec is None for v in results):
-      return user_sharding
-    specs = self._propagate_specs(results, len(self.steps))
-    return _pack_hlo(shape, [self._hlo(spec, len(v.shape))
-                             for spec, v in zip(specs, results)])
-
-  def _propagate_specs(self, results, k):
-    """Result specs of the op ``k`` steps up, given its user's."""
-    if k == 0:
-      if self.propagate is None:
-        return [v.spec for v in results]
-      value = self.ask_propagate(self._user_structs(self.out_tree, results))
-      return self._specs(self.out_tree, value, results,
-                         "propagate_user_sharding", "result sharding")
-    step = self.steps[k - 1]
-    if step[0] == "vjp":  # cotangents of operands: as the user has them
-      return [v.spec for v in results]
-    if step[0] == "jvp" or not results:
-      return self._propagate_specs(results, k - 1)
-    inner = self._propagate_specs(_step_down(step, [], results)[1], k - 1)
-    entry = _batch_entry(results, _axes_in(inner), self.mesh,
-                         results[0].shape[0])
-    return [(entry, *spec) for spec in inner]
-
-  def _lower_derived(self, arg_shapes, arg_shardings, result_shape,
-                     result_sharding):
-    """Partitions a derived op: the author's answer, walked up the steps."""
-    if self.mesh.empty:
-      raise NotImplementedError(
-          f"{self.name} is lowered for several devices without a mesh; "
-          "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
-          "one (jit with NamedSharding arguments, jax.set_mesh or `with "
-          "mesh:`).")
-    sub = self.submesh is not None
-    result_shapes, result_shardings = _hlo_parts(result_shape,
-                                                 result_sharding)
-    levels = _levels(self.steps,
-                     self._values(arg_shapes, arg_shardings, sub,
-                                  self.varying[0]),
-                     self._values(result_shapes, result_shardings, sub,
-                                  self.varying[1]))
-    mesh, fn, in_specs, out_specs = self._partition_specs(levels, sub)
-    in_hlo = [self._hlo(spec, len(s.dimensions()), sub)
-              for spec, s in zip(in_specs, arg_shapes)]
-    out_hlo = [self._hlo(spec, len(s.dimensions()), sub)
-               for spec, s in zip(out_specs, result_shapes)]
-    with _no_ambient_mesh():
-      closed = jax.make_jaxpr(fn, axis_env=list(mesh.shape.items()))(
-          *[_tile_shape(h, s) for h, s in zip(in_hlo, arg_shapes)])
-    return (self._lower_closed(closed, mesh), in_hlo,
-            _pack_hlo(result_shape, out_hlo))
-
-  def _partition_specs(self, levels, sub):
-    """``(mesh, fn, arg_specs, result_specs)`` of the derived op: its
-    per-shard function of flat local arrays and the specs it needs."""
-    on = self._on(sub)
-    mesh, fn, args, outs, used = self._author_partition(*levels[0], sub)
-    # First the specs, level by level up. A batch dimension keeps the mesh
-    # axes it arrives on unless the level below uses them.
-    specs, entries = [(args, outs)], []
-    for step, (operands, results) in zip(self.steps, levels[1:]):
-      entry = None
-      if step[0] == "batch":
-        entry = _batch_entry(operands + results, used | _axes_in(args + outs),
-                             on, operands[0].shape[0])
-      args, outs = _step_up(step, args, outs, entry)
-      specs.append((args, outs))
-      entries.append(entry)
-    # Then the function. A vjp step corrects for replicated values; a value
-    # is replicated over the axes that neither its spec nor a batch
-    # dimension added above shards it over (those hold other batch items).
-    for k, step in enumerate(self.steps):
-      if step[0] == "batch":
-        fn = jax.vmap(fn)
-      elif step[0] == "jvp":
-        fn = _jvp_fn(fn, step[1])
-      else:
-        args, outs = specs[k]
-        operands, results = levels[k]
-        batched = _axes_in([entries[k + 1:]])
-        scales = [math.prod(mesh.shape[a]
-                            for a in self._copies_over(spec, v, batched, sub))
-                  for spec, v in zip(outs, results)]
-        psum_axes = [self._copies_over(spec, v, batched, sub)
-                     for spec, v, m in zip(args, operands, step[1]) if m]
-        fn = _vjp_fn(fn, step[1], scales, psum_axes)
-    return (mesh, fn, *specs[-1])
-
-  def _copies_over(self, spec, value: _Value, batched: set, sub) -> tuple:
-    """The mesh axes along which devices hold equal copies of ``value``:
-    those that neither its spec nor a batch dimension above shard it over
-    and, inside a partly manual shard_map, the manual axes it does not vary
-    over (as shard_map types it; jax < 0.6 and ``check_vma=False`` leave
-    every value untyped, and then no manual axis counts)."""
-    axes = _replicated_over(self._on(sub), spec, batched)
-    if self.submesh is None or value.varying is None or not any(
-        self.varying[0] + self.varying[1]):
-      return axes
-    return axes + tuple(a for a in self.full_mesh.axis_names
-                        if a not in self.submesh.axis_names and
-                        a not in value.varying)
-
-  def _author_partition(self, operands, results, sub):
-    """The author's ``partition`` answer, traced (see ``_partition_specs``)."""
-    mesh, lower_fn, out_shardings, in_shardings = self.ask_partition(
-        self._user_structs(self.in_tree, operands, sub),
-        self._user_structs(self.out_tree, results, sub))
-    outs = self._specs(self.out_tree, out_shardings, results, "partition",
-                       "result sharding", sub)
-    args = self._specs(self.in_tree, in_shardings, operands, "partition",
-                       "arg sharding", sub)
-    if sub:
-      mesh = self.full_mesh
-    elif dict(mesh.shape) != dict(self.mesh.shape):
-      raise NotImplementedError(
-          f"partition of {self.name} returned a mesh with axes "
-          f"{dict(mesh.shape)}, but the op's mesh has {dict(self.mesh.shape)};"
-          " under jax.vmap, jax.jvp and jax.grad they must be the same.")
-    on = self._on(sub)
-    self._check_even_reductions([v.shape for v in operands + results], args,
-                                on)
-
-    def local(v, spec):
-      return jax.ShapeDtypeStruct(_local_shape(v.shape, spec, on), v.dtype)
-    with _no_ambient_mesh():
-      closed = self._trace_lower_fn(
-          lower_fn, mesh, [local(v, s) for v, s in zip(operands, args)],
-          [local(v, s) for v, s in zip(results, outs)], args, outs, on)
-    if _calls_host(closed.jaxpr):
-      raise self._host_callback_error()
-    used = _collective_axes(closed.jaxpr, set(on.axis_names))
-    return mesh, core.jaxpr_as_fun(closed), args, outs, used
-
-  def _check_answer(self, answer):
-    """Validates what ``partition`` returned; returns its four parts."""
-    if not isinstance(answer, (tuple, list)) or len(answer) != 4:
-      got = (f"a sequence of length {len(answer)}"
-             if isinstance(answer, (tuple, list)) else type(answer).__name__)
-      raise TypeError(
-          f"partition of {self.name} must return (mesh, lower_fn, "
-          f"result_shardings, arg_shardings); got {got}.")
-    mesh, lower_fn, _, _ = answer
-    if not callable(lower_fn):
-      raise TypeError(f"partition of {self.name} returned a lower_fn of type "
-                      f"{type(lower_fn).__name__}, which is not callable.")
-    if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
-      raise TypeError(f"partition of {self.name} returned a mesh of type "
-                      f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
-    if isinstance(mesh, mesh_lib.Mesh) and mesh.empty:
-      raise ValueError(
-          f"partition of {self.name} returned an empty mesh: the op's mesh "
-          "could not be recovered (the program's shardings are not "
-          "NamedShardings and no mesh is set). Return a mesh over the op's "
-          "devices, or use NamedSharding inputs, jax.set_mesh or `with "
-          "mesh:`.")
-    if self.submesh is None:  # else the shard_map's mesh is used anyway
-      if isinstance(mesh, mesh_lib.Mesh):
-        devices = set(_mesh_devices(mesh))
-        if devices != set(self.devices):
-          raise ValueError(
-              f"partition of {self.name} returned a mesh on devices "
-              f"{sorted(d.id for d in devices)}, but the op runs on "
-              f"{sorted(d.id for d in self.devices)}.")
-      elif mesh.size != len(self.devices):
-        raise ValueError(
-            f"partition of {self.name} returned a mesh of {mesh.size} "
-            f"devices, but the op runs on {len(self.devices)}.")
-    return answer
-
-  def _check_even_reductions(self, shapes, in_specs, on) -> None:
-    """See ``_check_even_reductions`` (section 3c); ``shapes``: global
-    shapes of the operands, then of the results; ``on``: the mesh of the
-    specs."""
-    if self.rule is None or not self.check_vma:
-      return
-    try:  # a rule that does not fit the op fails elsewhere, with its cause
-      _, dims = _resolve_rule(self.rule, shapes, len(in_specs))
-    except ValueError:
-      return
-    _check_even_reductions(self.name, self.rule, dims, shapes, len(in_specs),
-                           in_specs, on)
-
-  def _trace_lower_fn(self, lower_fn, mesh, local_args, local_results,
-                      in_specs, out_specs, on):
-    """Traces ``lower_fn`` on per-shard shapes and checks its results (for
-    the replication check, see section 3c)."""
-    closed, out_shape = jax.make_jaxpr(
-        lower_fn, axis_env=list(mesh.shape.items()), return_shape=True)(
-            *self.in_tree.unflatten(local_args))
-    got = jax.tree_util.tree_leaves(out_shape)
-    if len(got) != len(local_results):
-      raise ValueError(
-          f"lower_fn of {self.name} returned {len(got)} outputs; the op has "
-          f"{len(local_results)} ({self.out_tree}).")
-    for i, (g, want) in enumerate(zip(got, local_results)):
-      if g.shape != want.shape or g.dtype != want.dtype:
-        raise ValueError(
-            f"lower_fn of {self.name} returned result {i} with local shape "
-            f"{g.dtype}{list(g.shape)}, but its result sharding needs "
-            f"{want.dtype}{list(want.shape)}.")
-    if self.check_vma:
-      _check_replicated_results(self.name, closed.jaxpr, in_specs, out_specs,
-                                on.axis_names)
-    return closed
-
-
-_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
-
-
-def _calls_host(jaxpr: core.Jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
-  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
-      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
-
-
-def _lookup(key: bytes) -> _OpInfo | None:
+def _lookup(key: bytes) -> _Op | None:
   with _weak_lock:
     return _registry.get(key.decode() if isinstance(key, bytes) else key)
 
 
-# The functions XLA calls. An exception must never escape into XLA raw: under
-# GSPMD that aborts the process. Errors from the propagation callbacks are
-# parked on the op (XLA then uses its default propagation) and raised by the
-# partition callback, which XLA always calls next; errors there carry a tag
-# that ``_reraise_callback_error`` turns back into the original exception.
-
 def _xla_infer(arg_shapes, arg_shardings, result_shape, key):
-  info = _lookup(key)
-  if info is None:
+  op = _lookup(key)
+  if op is None or _inexpressible(op) or (op.steps and op.mesh.empty):
     return None
   try:
-    return info.infer_result(arg_shapes, arg_shardings, result_shape)
+    result_shapes, _ = _hlo_parts(result_shape, None)
+    results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
+    levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
+                     results)
+    inferred = _infer(op, levels, len(op.steps))
+    if inferred is None:
+      return None
+    return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    info.pending[threading.get_ident()] = e
+    op.pending[threading.get_ident()] = e
     return None
 
 
 def _xla_propagate(user_sharding, shape, key):
-  info = _lookup(key)
-  if info is None:
+  op = _lookup(key)
+  if op is None or _inexpressible(op) or (
+      op.propagate is None and not op.steps) or (op.steps and op.mesh.empty):
     return user_sharding
   try:
-    return info.propagate_user(user_sharding, shape)
+    results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
+    if op.steps and any(v.spec is None for v in results):
+      return user_sharding
+    return _pack_hlo(shape, [_hlo_of(v, op.mesh)
+                             for v in _propagate(op, results, len(op.steps))])
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    info.pending[threading.get_ident()] = e
+    op.pending[threading.get_ident()] = e
     return user_sharding
 
 
 def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
                    key):
-  info = _lookup(key)
-  if info is None:
+  op = _lookup(key)
+  if op is None:
     raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
                        f"under key {key!r}; was its lowering dropped?")
   try:
-    error = info.pending.pop(threading.get_ident(), None)
+    error = op.pending.pop(threading.get_ident(), None)
     if error is not None:
       raise error
-    return info.partition_op(arg_shapes, arg_shardings, result_shape,
-                             result_sharding)
+    request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
+                     for s, h in zip(arg_shapes, arg_shardings)),
+               str(result_shape), str(result_sharding))
+    answer = op.lowered.get(request)
+    if answer is None:
+      answer = _answer_partition(op, arg_shapes, arg_shardings, result_shape,
+                                 result_sharding)
+      op.lowered.put(request, answer)
+    return answer
   except BaseException as e:  # noqa: BLE001 - re-raised with its type
-    raise RuntimeError(_park(e, f"custom_partitioning op {info.name}")) from e
+    raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
+
+
+def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
+                      result_sharding):
+  """``(per-shard module, operand shardings, result sharding)`` for XLA."""
+  if op.steps and op.mesh.empty:
+    raise NotImplementedError(
+        f"{op.name} is lowered for several devices without a mesh; "
+        "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
+        "one (jit with NamedSharding arguments, jax.set_mesh or `with "
+        "mesh:`).")
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
+  shard = _partition(
+      op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
+      _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
+  return (_per_shard_module(op, shard),
+          [_hlo_of(v, on) for v in shard.args],
+          _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
 
 
 _register_partitioner(_TARGET, _xla_propagate, _xla_partition, _xla_infer)
@@ -2107,7 +2054,7 @@ _register_compile_error_handler(_reraise_callback_error)
 
 
 # --------------------------------------------------------------------------
-# 4b. Keys
+# 4c. Keys
 #
 # The key names an op to XLA's callbacks and goes into the compiled program,
 # so it is part of the persistent compilation cache's key. It is a digest of
@@ -2395,7 +2342,7 @@ def _steps(params) -> tuple:
   return params.get("transform", ())
 
 
-def _bind_derived(args, params, step: tuple, call) -> list:
+def _bind_derived(args, params, step: _Step, call) -> list:
   return custom_partitioning_p.bind(
       *args, **dict(params, call=call, transform=_steps(params) + (step,)))
 
@@ -2423,20 +2370,21 @@ def _jvp(primals, tangents, **params):
   operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
   derived = _derived_call(call, ("jvp", mask), "jvp",
                           _jvp_fn(core.jaxpr_as_fun(call), mask), operands)
-  return out, _bind_derived(operands, params, ("jvp", mask), derived)
+  return out, _bind_derived(operands, params, _Step("jvp", mask), derived)
 
 
 def _transpose(cts, *args, **params):
   """Transposes a jvp op (linear in its tangents) into a vjp op."""
   steps = _steps(params)
-  k = max((i for i, s in enumerate(steps) if s[0] != "batch"), default=None)
+  k = max((i for i, s in enumerate(steps) if s.kind != "batch"),
+          default=None)
   call = params["call"]
-  if k is None or steps[k][0] != "jvp" or any(
-      ad.is_undefined_primal(p) for p in args[:len(steps[k][1])]):
+  if k is None or steps[k].kind != "jvp" or any(
+      ad.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
     raise NotImplementedError(
         f"{_fun_name(call)}: a custom_partitioning op can be transposed "
         "only in its tangents, as jax.grad does.")
-  mask = steps[k][1]
+  mask = steps[k].mask
   n = len(mask)
   cts = [ad.instantiate_zeros(ct) for ct in cts]
 
@@ -2454,7 +2402,7 @@ def _transpose(cts, *args, **params):
   derived = _derived_call(call, ("transpose",), "transpose", body, operands)
   outs = custom_partitioning_p.bind(*operands, **dict(
       params, call=derived,
-      transform=steps[:k] + (("vjp", mask),) + steps[k + 1:]))
+      transform=steps[:k] + (_Step("vjp", mask),) + steps[k + 1:]))
   return [None] * n + list(outs)
 
 
@@ -2477,7 +2425,7 @@ def _batch(args, dims, **params):
                     in_axes=[0 if b else None for b in batched])(
                         *[x if b else x[0] for x, b in zip(xs, batched)])
   derived = _derived_call(call, ("batch", batched), "vmap", body, args)
-  outs = _bind_derived(args, params, ("batch",), derived)
+  outs = _bind_derived(args, params, _Step("batch"), derived)
   return outs, [0] * len(outs)
 
 
@@ -2551,92 +2499,58 @@ def _meshes_set_by_caller() -> list:
           if m is not None and not m.empty]
 
 
-def _mesh_for_lowering(axis_context, avals):
-  """``(mesh, devices, submesh, full_mesh)`` for a lowering.
-
-  ``mesh`` is the real mesh whenever it can be recovered. Inside a partly
-  manual shard_map it names every axis, the manual ones typed
-  ``AxisType.Manual`` (under GSPMD the sharding-propagation callbacks get
-  shardings with a manual subgroup on it), while XLA asks for the partition
-  on ``submesh``, the auto axes alone; ``full_mesh`` is the shard_map's mesh.
-  """
+def _placement(axis_context, avals) -> _Placement:
+  """Where a lowering runs: the real mesh whenever it can be recovered."""
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-    full, manual = axis_context.mesh, axis_context.manual_axes
-    devices = _mesh_devices(full)
+    whole, manual = axis_context.mesh, axis_context.manual_axes
     if not manual:
-      return full, devices, None, None
-    return (_with_manual_axes(full, manual), devices,
-            _auto_submesh(full, manual), full)
+      return _Placement(whole, _mesh_devices(whole))
+    return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
+                      _auto_submesh(whole, manual), whole)
   devices = getattr(axis_context, "device_assignment", None)
   if devices is None:
     # jax passes the devices only when it sees this primitive in the
     # program; inside another primitive's lowering (``mlir.lower_fun``) it
     # does not. A mesh set by the caller is then the only source, used if it
     # has the shape of the lowering's abstract mesh.
-    mesh = _mesh_of_lowering_without_devices(axis_context, avals)
-    devices = None if mesh.empty else _mesh_devices(mesh)
-    return mesh, devices, None, None
+    num_devices = getattr(axis_context, "num_devices", None)
+    abstract = [am for am in [_context_abstract_mesh(axis_context)] +
+                [_aval_mesh(a) for a in avals] if am is not None]
+    for mesh in _meshes_set_by_caller():
+      if (num_devices in (None, mesh.size) and
+          all(dict(am.shape) == dict(mesh.shape) for am in abstract)):
+        return _Placement(mesh, _mesh_devices(mesh))
+    return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
   devices = tuple(devices)
-  for candidate in _meshes_set_by_caller():
-    if _mesh_devices(candidate) == devices:
-      return candidate, devices, None, None
+  for mesh in _meshes_set_by_caller():
+    if _mesh_devices(mesh) == devices:
+      return _Placement(mesh, devices)
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):
-    return _mesh_from_abstract(devices, am), devices, None, None
-  return mesh_lib.thread_resources.env.physical_mesh, devices, None, None
+    return _Placement(_mesh_from_abstract(devices, am), devices)
+  return _Placement(mesh_lib.thread_resources.env.physical_mesh, devices)
 
 
-def _mesh_of_lowering_without_devices(axis_context, avals):
-  """The mesh set by ``with mesh:`` or ``jax.set_mesh`` if it fits a
-  lowering that has no device assignment; else the empty mesh."""
-  num_devices = getattr(axis_context, "num_devices", None)
-  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
-              [_aval_mesh(a) for a in avals] if am is not None]
-  for candidate in _meshes_set_by_caller():
-    if num_devices is not None and candidate.size != num_devices:
-      continue
-    if all(dict(am.shape) == dict(candidate.shape) for am in abstract):
-      return candidate
-  return mesh_lib.thread_resources.env.physical_mesh
-
-
-def _resolve_sharding_rule(rule, static_args, mesh, operand_types,
-                           result_types) -> SdyShardingRule | None:
-  """Calls a callable ``sharding_rule`` and parses a string result."""
-  if not callable(rule):
-    return rule
-  produced = rule(*static_args, mesh, operand_types, result_types)
-  kwargs: dict = {}
-  if isinstance(produced, (tuple, list)) and len(produced) == 2:
-    produced, kwargs = produced
-  if isinstance(produced, str):
-    return str_to_sdy_sharding_rule(produced, **kwargs)
-  if not isinstance(produced, SdyShardingRule):
-    raise ValueError(
-        "A callable sharding_rule must return an SdyShardingRule, an "
-        f"einsum-like string, or (string, kwargs); got {produced!r}.")
-  return produced
-
-
-def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
-  call = params["call"]
-  inline_body = mlir.lower_fun(core.jaxpr_as_fun(call), multiple_results=True)
+def _partitioned_placement(ctx, steps) -> _Placement | None:
+  """The placement of an op XLA partitions, or None where its body is
+  inlined instead: every mesh axis manual (the code of one shard), one
+  device, or a derived op inside a partly manual shard_map before jax 0.5.3
+  (its shardings need the manual subgroup that only typed meshes express,
+  else XLA aborts)."""
   axis_context = ctx.module_context.axis_context
   if (isinstance(axis_context, sharding_impls.SPMDAxisContext) and
       set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
-    return inline_body(ctx, *values)  # every axis manual: one shard's code
-  use_shardy = _use_shardy()
-  mesh, devices, submesh, full_mesh = _mesh_for_lowering(axis_context,
-                                                         ctx.avals_in)
-  if (devices is not None and len(devices) == 1) or getattr(
+    return None
+  place = _placement(axis_context, ctx.avals_in)
+  if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
-    return inline_body(ctx, *values)
-  steps = _steps(params)
-  if steps and submesh is not None and not _MESH_TYPES_MANUAL_AXES:
-    # A derived op's shardings inside a partly manual shard_map need the
-    # manual subgroup that only typed meshes express (else XLA aborts).
-    return inline_body(ctx, *values)
-  name = _fun_name(call)
+    return None
+  if steps and place.auto is not None and not _MESH_TYPES_MANUAL_AXES:
+    return None
+  return place
+
+
+def _check_lowerable(ctx, name: str, place: _Placement, params) -> None:
   if _is_exporting(ctx):
     raise NotImplementedError(
         f"jax.export cannot serialize the custom_partitioning op {name}: its "
@@ -2644,7 +2558,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         "compiling, and they cannot be stored in a serialized artifact. "
         "Export on a single device, or export the per-shard code (e.g. "
         "with jax.shard_map) instead.")
-  if devices is None:
+  if place.devices is None:
     raise ValueError(
         f"custom_partitioning op {name} is lowered for several devices, but "
         "jax did not say which: this happens when the op is lowered inside "
@@ -2654,52 +2568,67 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
         "devices, or call the op outside that primitive.")
   if params["partition"] is None:
     raise ValueError(
-        f"custom_partitioning op {name} runs on {len(devices)} devices, but "
-        "its def_partition was given partition=None.")
+        f"custom_partitioning op {name} runs on {len(place.devices)} "
+        "devices, but its def_partition was given partition=None.")
 
-  # The rule is the author's, about the author's op (section 3b).
-  levels = _levels(steps, [_Value(a.shape, a.dtype, None)
-                           for a in call.in_avals],
-                   [_Value(a.shape, a.dtype, None) for a in call.out_avals])
-  operand_types, result_types = (
-      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
-      for side in levels[0])
+
+def _ask_rule(ctx, params, mesh, levels):
+  """The op's rule (a callable ``sharding_rule`` asked here, about the
+  author's op) and, under Shardy, its attribute for the custom call."""
+  rule = params["sharding_rule"]
+  if callable(rule):
+    operand_types, result_types = (
+        _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+        for side in levels[0])
+    produced = rule(*_static_values(params["static_args"]), mesh,
+                    operand_types, result_types)
+    kwargs: dict = {}
+    if isinstance(produced, (tuple, list)) and len(produced) == 2:
+      produced, kwargs = produced
+    if isinstance(produced, str):
+      produced = str_to_sdy_sharding_rule(produced, **kwargs)
+    elif not isinstance(produced, SdyShardingRule):
+      raise ValueError(
+          "A callable sharding_rule must return an SdyShardingRule, an "
+          f"einsum-like string, or (string, kwargs); got {produced!r}.")
+    rule = produced
+  attr = None
+  if _use_shardy() and rule is not None:
+    attr = _rule_attr(rule, levels, _steps(params))
+  return rule, attr
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
+  call, steps = params["call"], _steps(params)
+  place = _partitioned_placement(ctx, steps)
+  if place is None:
+    return mlir.lower_fun(core.jaxpr_as_fun(call),
+                          multiple_results=True)(ctx, *values)
+  name = _fun_name(call)
+  _check_lowerable(ctx, name, place, params)
+  levels = _levels(steps, [_Value(a.shape, a.dtype) for a in call.in_avals],
+                   [_Value(a.shape, a.dtype) for a in call.out_avals])
   try:
-    rule = _resolve_sharding_rule(params["sharding_rule"],
-                                  _static_values(params["static_args"]),
-                                  mesh, operand_types, result_types)
-    rule_attr = None
-    if use_shardy and rule is not None:
-      rule_attr = (_derived_rule_attr(rule, levels, steps) if steps else
-                   sdy_sharding_rule_to_mlir(rule, operand_types,
-                                             result_types))
+    rule, rule_attr = _ask_rule(ctx, params, place.mesh, levels)
   except (ValueError, TypeError) as e:
     if type(e) not in (ValueError, TypeError):  # keep special types as-is
       raise
     raise type(e)(f"sharding_rule of custom_partitioning op {name}: "
                   f"{e}") from e
-  # One scope per lowering: the keep-alive list lives exactly as long as the
-  # lowering and its executables, so its id is unique while they live.
-  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
-  call = params["call"]
   varying = tuple(tuple(_varying_axes(a) for a in avals)
                   for avals in (ctx.avals_in, ctx.avals_out))
-  key = f"{_TARGET}:" + _digest(
-      scope, str(call.jaxpr), call.consts,
-      *(params[k] for k in sorted(params) if k != "call"),
-      mesh, [d.id for d in devices], ctx.module_context.platforms,
-      use_shardy, [[sorted(v) if v else v for v in side] for side in varying])
-  info = _OpInfo(name=name, params=params, mesh=mesh, devices=devices,
-                 submesh=submesh, full_mesh=full_mesh, rule=rule,
-                 platforms=ctx.module_context.platforms,
-                 backend=_module_backend(ctx), varying=varying)
-  with _weak_lock:
-    # Keep the first live entry: equal keys answer alike, and lowerings that
-    # already hold it must keep finding it.
-    info = _registry.setdefault(key, info)
-  ctx.module_context.add_keepalive(info)
-
-  op = hlo.CustomCallOp(
+  op = _Op(name=name, partition=params["partition"],
+           infer=params["infer_sharding_from_operands"],
+           propagate=params["propagate_user_sharding"], rule=rule,
+           decode=params["decode_shardings"],
+           check_vma=params.get("check_vma", True),  # upstream has none
+           static_args=_static_values(params["static_args"]),
+           in_tree=params["in_tree"], out_tree=params["out_tree"],
+           steps=steps, place=place, varying=varying,
+           platforms=ctx.module_context.platforms,
+           backend=_module_backend(ctx))
+  key = _register(ctx, op, params)
+  custom_call = hlo.CustomCallOp(
       _ir_types(ctx, call.out_avals), list(values),
       call_target_name=ir.StringAttr.get(_TARGET),
       has_side_effect=ir.BoolAttr.get(False),
@@ -2711,8 +2640,27 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   # could only tie the results to each other; without it, XLA propagates
   # around the op and ``partition`` still decides every sharding.
   if rule_attr is not None and values:
-    op.attributes["sdy.sharding_rule"] = rule_attr
-  return op.results
+    custom_call.attributes["sdy.sharding_rule"] = rule_attr
+  return custom_call.results
+
+
+def _register(ctx, op: _Op, params) -> str:
+  """Registers ``op`` under its key (section 4c); returns the key."""
+  # One scope per lowering: the keep-alive list lives exactly as long as the
+  # lowering and its executables, so its id is unique while they live.
+  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
+  call = params["call"]
+  key = f"{_TARGET}:" + _digest(
+      scope, str(call.jaxpr), call.consts,
+      *(params[k] for k in sorted(params) if k != "call"),
+      op.mesh, [d.id for d in op.place.devices], op.platforms, _use_shardy(),
+      [[sorted(v) if v else v for v in side] for side in op.varying])
+  with _weak_lock:
+    # Keep the first live entry: equal keys answer alike, and lowerings that
+    # already hold it must keep finding it.
+    op = _registry.setdefault(key, op)
+  ctx.module_context.add_keepalive(op)
+  return key
 
 
 mlir.register_lowering(custom_partitioning_p, _lowering)
@@ -2877,8 +2825,6 @@ def _padded(spec, ndim: int) -> tuple:
 
 def _explicit_program(op, args, in_tree, in_avals, mesh):
   """``(jitted program or None, out_tree)`` for ``_explicit_call``."""
-  name = op._name
-  static = args.static_args
   type_error = None
   try:
     call, out_tree = op._trace(args, in_tree, in_avals)
@@ -2887,105 +2833,72 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
     with _no_ambient_mesh():
       call, out_tree = op._trace(args, in_tree,
                                  [_unsharded(a) for a in in_avals])
-  out_avals = call.out_avals
-
-  def named(spec):
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
   def unsupported(error_type, reason):
     if type_error is None:
       return None, out_tree  # the custom call can run it
     raise error_type(
-        f"custom_partitioning op {name}: jax cannot type its body under "
+        f"custom_partitioning op {op._name}: jax cannot type its body under "
         f"Explicit mesh axes ({type_error}), so it runs as jax.shard_map of "
         f"its lower_fn, but {reason}") from type_error
 
-  rule = None if callable(op.sharding_rule) else op.sharding_rule
-  info = _OpInfo(
-      name=name, params=dict(
-          partition=op.partition,
-          infer_sharding_from_operands=op.infer_sharding_from_operands,
-          propagate_user_sharding=op.propagate_user_sharding,
-          decode_shardings=True, static_args=static, in_tree=in_tree,
-          out_tree=out_tree, check_vma=op.check_vma),
-      mesh=mesh, devices=_mesh_devices(mesh), submesh=None,
-      full_mesh=None, rule=rule, platforms=None, backend=None)
-
-  def specs(value, avals, callback, what):
-    tree = out_tree if what == "result sharding" else in_tree
-    hlos = info.encode_shardings(tree, value, [len(a.shape) for a in avals],
-                                 callback, what)
-    return [_decode_spec(h, mesh, len(a.shape)) for h, a in zip(hlos, avals)]
-
-  args_ = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=named(_spec_of(a)))
-           for a in in_avals]
-  types_ = None  # the result types, as PartitionSpec entries
-  if type_error is None:
-    types_ = [_spec_of(a) for a in out_avals]
+  record = _Op(
+      name=op._name, partition=op.partition,
+      infer=op.infer_sharding_from_operands,
+      propagate=op.propagate_user_sharding,
+      rule=None if callable(op.sharding_rule) else op.sharding_rule,
+      decode=True, check_vma=op.check_vma, static_args=args.static_args,
+      in_tree=in_tree, out_tree=out_tree, steps=(),
+      place=_Placement(mesh, _mesh_devices(mesh)))
+  operands = [_Value(a.shape, a.dtype, _padded(_spec_of(a), len(a.shape)))
+              for a in in_avals]
+  results = [_Value(a.shape, a.dtype) for a in call.out_avals]
+  if type_error is None:  # the result types are jax's typing of ``fun``
+    results = [v._replace(spec=_padded(_spec_of(a), len(a.shape)))
+               for v, a in zip(results, call.out_avals)]
   else:
-    inferred = info._inferred(
-        in_tree.unflatten(args_), args_,
-        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
-    if inferred is not None:
-      types_ = specs(inferred, out_avals,
-                     "infer_sharding_from_operands", "result sharding")
-      types_ = None if None in types_ else types_
-  results = [jax.ShapeDtypeStruct(
-      a.shape, a.dtype, sharding=None if types_ is None else named(t))
-      for a, t in zip(out_avals, types_ or [None] * len(out_avals))]
-  if info.partition is None:
-    raise ValueError(
-        f"custom_partitioning op {name} runs on {mesh.size} devices, but "
-        "its def_partition was given partition=None.")
-  p_mesh, lower_fn, out_shardings, in_shardings = info.ask_partition(
-      in_tree.unflatten(args_), out_tree.unflatten(results))
-  if (tuple(p_mesh.axis_names) != tuple(mesh.axis_names) or
-      dict(p_mesh.shape) != dict(mesh.shape)):
+    inferred = _ask_infer(record, operands, results)
+    if inferred is not None and all(v.spec is not None for v in inferred):
+      results = inferred
+  answer = _ask_partition(record, operands, results, mesh)
+  if answer.mesh.axis_names != mesh.axis_names or (
+      dict(answer.mesh.shape) != dict(mesh.shape)):
     return unsupported(NotImplementedError, (
-        f"partition returned a mesh with axes {dict(p_mesh.shape)}, not the "
-        f"op's {dict(mesh.shape)}."))
-  in_specs = specs(in_shardings, in_avals, "partition", "arg sharding")
-  out_specs = specs(out_shardings, out_avals, "partition", "result sharding")
-  for what, avals, side in (("operand", in_avals, in_specs),
-                            ("result", out_avals, out_specs)):
-    for i, (aval, spec) in enumerate(zip(avals, side)):
-      if spec is None:
+        f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
+        f"not the op's {dict(mesh.shape)}."))
+  for what, side in (("operand", answer.args), ("result", answer.results)):
+    for i, v in enumerate(side):
+      if v.spec is None:
         return unsupported(NotImplementedError, (
             f"partition returned a sharding for {what} {i} that has no "
             f"PartitionSpec on the mesh {dict(mesh.shape)}."))
-      for d, entry in enumerate(spec):
+      for d, entry in enumerate(v.spec):
         count = _shard_count(entry, mesh)
-        if aval.shape[d] % count:
+        if v.shape[d] % count:
           return unsupported(ValueError, (
               f"partition shards {what} {i} dimension {d} (size "
-              f"{aval.shape[d]}) over {count} devices, which do not divide "
+              f"{v.shape[d]}) over {count} devices, which do not divide "
               "it, and jax.shard_map takes only even shards. Shard that "
               "dimension over axes that divide its size, or pad it."))
-  if types_ is None:
-    types_ = out_specs
-
-  def local(aval, spec):
-    return jax.ShapeDtypeStruct(_local_shape(aval.shape, spec, mesh),
-                                aval.dtype)
-  with _no_ambient_mesh():  # the module's own checks, naming the op
-    info._trace_lower_fn(lower_fn, mesh,
-                         [local(a, s) for a, s in zip(in_avals, in_specs)],
-                         [local(a, s) for a, s in zip(out_avals, out_specs)],
-                         in_specs, out_specs, mesh)
+  typed = results if all(v.known() for v in results) else answer.results
+  _trace_lower_fn(record, answer, operands, results)  # the checks, naming op
+  lower_fn = answer.lower_fn
 
   def per_shard(*local_args):
     return jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
   # The program names no devices: jax.jit reuses its traces for every
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
-  mapped = jax.shard_map(
-      per_shard, mesh=am,
-      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in in_specs),
-      out_specs=[jax.sharding.PartitionSpec(*s) for s in out_specs],
-      check_vma=op.check_vma)
+
+  def specs(values):
+    return [jax.sharding.PartitionSpec(*v.spec) for v in values]
+  mapped = jax.shard_map(per_shard, mesh=am, in_specs=tuple(specs(answer.args)),
+                         out_specs=specs(answer.results),
+                         check_vma=op.check_vma)
   arg_targets, result_targets = (
       [jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec))
-       for spec in side] for side in (in_specs, types_))
+       for spec in side] for side in ([v.spec for v in answer.args],
+                                   [v.spec for v in typed]))
 
   def reshard(x, target):
     ndim = len(x.shape)

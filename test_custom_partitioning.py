@@ -3003,7 +3003,8 @@ class ThreadsTest(CPTestCase):
   def test_different_programs_concurrently(self):
     mesh = self.mesh()
     s = NamedSharding(mesh, P("x"))
-    before = set(_cp_module._registry.keys())
+    gc.collect()
+    before = _cp_module._store_sizes()["registry"]
 
     def work(i):
       scale = float(i + 1)
@@ -3019,20 +3020,20 @@ class ThreadsTest(CPTestCase):
 
     results = self._run_threads(work)
     self.assertEqual(sorted(results), list(range(self.NUM_THREADS)))
-    with _cp_module._registry_lock:
-      new = set(_cp_module._registry.keys()) - before
-      infos = [_cp_module._registry[k] for k in new]
     # One entry per distinct program, each under its own key.
-    self.assertEqual(len(new), self.NUM_THREADS)
-    self.assertEqual(len({id(i) for i in infos}), self.NUM_THREADS)
-    for key in new:
-      self.assertTrue(key.startswith(_cp_module._TARGET + ":"), key)
-    self.assertEqual(len(_cp_module._parked_errors), 0)
-    del infos, results, work
+    self.assertEqual(_cp_module._store_sizes()["registry"] - before,
+                     self.NUM_THREADS)
+    keys = set()
+    for op, f, compiled, out in results.values():
+      keys.update(re.findall(
+          r'backend_config = "(' + re.escape(_cp_module._TARGET) + ':[^"]+)"',
+          f.lower(out).as_text()))
+    self.assertEqual(len(keys), self.NUM_THREADS)
+    self.assertEqual(_cp_module._store_sizes()["parked_errors"], 0)
+    del results, work, op, f, compiled, out
     gc.collect()
-    with _cp_module._registry_lock:
-      left = set(_cp_module._registry.keys()) & new
-    self.assertEqual(left, set(), "registry entries outlive their programs")
+    self.assertEqual(_cp_module._store_sizes()["registry"], before,
+                     "registry entries outlive their programs")
 
   def test_one_op_many_shapes_concurrently(self):
     """One op object, traced and compiled from 8 threads at once."""
@@ -3819,7 +3820,7 @@ class CacheBoundsTest(CPTestCase):
     # and jaxprs that use them.
     jax.clear_caches()
     gc.collect()
-    self.assertEqual(cp._store_sizes()["registry"], registry_before)
+    self.assertLessEqual(cp._store_sizes()["registry"], registry_before)
     sizes = cp._store_sizes()
     self.assertEqual(sizes["eager"], 0)  # emptied by jax.clear_caches()
     self.assertLessEqual(sizes["call_names"], cp._CACHE_SIZE + 8)
@@ -3844,7 +3845,7 @@ class CacheBoundsTest(CPTestCase):
     f = x = xs = None
     jax.clear_caches()
     gc.collect()
-    self.assertEqual(cp._store_sizes()["registry"], registry_before)
+    self.assertLessEqual(cp._store_sizes()["registry"], registry_before)
     self.assertEqual(cp._store_sizes()["derived"], 0)
 
 

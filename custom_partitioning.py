@@ -560,6 +560,18 @@ def _store_sizes(op=None) -> dict[str, int]:
   return sizes
 
 
+def _name_call(call, name: str) -> None:
+  # Jaxprs record the name of their function themselves from jax 0.5.1 on.
+  with _weak_lock:
+    _call_names[call] = name
+
+
+def _fun_name(call) -> str:
+  with _weak_lock:
+    name = _call_names.get(call)
+  return name or _jaxpr_func_name(call.jaxpr) or "<op>"
+
+
 # --------------------------------------------------------------------------
 # 2. Sharding rules for Shardy
 #
@@ -916,40 +928,6 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   return sizes, dims
 
 
-def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
-                              operand_types: list[ir.Type],
-                              result_types: list[ir.Type]) -> ir.Attribute:
-  """Checks ``rule`` against the op's MLIR types and builds its attribute.
-
-  Args:
-    rule: an ``SdyShardingRule``.
-    operand_types, result_types: ranked tensor types of the custom call.
-  Returns:
-    An ``sdy.OpShardingRuleAttr``.
-  Raises:
-    ValueError: operand/result counts or ranks do not match the rule, or
-      factor sizes are inconsistent.
-    TypeError: a type is not an ``ir.Type``.
-  """
-  for kind, mappings, types_ in (("operands", rule.operand_mappings,
-                                  operand_types),
-                                 ("results", rule.result_mappings,
-                                  result_types)):
-    if len(mappings) != len(types_):
-      raise ValueError(f"Sharding rule has {len(mappings)} {kind}, but the "
-                       f"operation has {len(types_)} {kind}.")
-  if not all(isinstance(t, ir.Type) for t in [*operand_types, *result_types]):
-    raise TypeError("operand_types and result_types must be lists of "
-                    f"ir.Type; got {operand_types} and {result_types}.")
-  shapes = [tuple(ir.ShapedType(t).shape)
-            for t in [*operand_types, *result_types]]
-  sizes, dims = _resolve_rule(rule, shapes, len(operand_types))
-  return _rule_attr_from_dims(sizes, dims, len(operand_types),
-                              rule.reduction_factors,
-                              rule.need_replication_factors,
-                              rule.permutation_factors)
-
-
 # XLA reads the rule back from its text form while compiling, and Shardy's
 # parser takes factor sizes as 32-bit integers ("integer value too large").
 _MAX_FACTOR_SIZE = 2**31 - 1
@@ -1026,6 +1004,40 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
       list(part_sizes.values()), tensors[:num_operands],
       tensors[num_operands:], indices(reduction), indices(need_replication),
       indices(permutation))
+
+
+def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
+                              operand_types: list[ir.Type],
+                              result_types: list[ir.Type]) -> ir.Attribute:
+  """Checks ``rule`` against the op's MLIR types and builds its attribute.
+
+  Args:
+    rule: an ``SdyShardingRule``.
+    operand_types, result_types: ranked tensor types of the custom call.
+  Returns:
+    An ``sdy.OpShardingRuleAttr``.
+  Raises:
+    ValueError: operand/result counts or ranks do not match the rule, or
+      factor sizes are inconsistent.
+    TypeError: a type is not an ``ir.Type``.
+  """
+  for kind, mappings, types_ in (("operands", rule.operand_mappings,
+                                  operand_types),
+                                 ("results", rule.result_mappings,
+                                  result_types)):
+    if len(mappings) != len(types_):
+      raise ValueError(f"Sharding rule has {len(mappings)} {kind}, but the "
+                       f"operation has {len(types_)} {kind}.")
+  if not all(isinstance(t, ir.Type) for t in [*operand_types, *result_types]):
+    raise TypeError("operand_types and result_types must be lists of "
+                    f"ir.Type; got {operand_types} and {result_types}.")
+  shapes = [tuple(ir.ShapedType(t).shape)
+            for t in [*operand_types, *result_types]]
+  sizes, dims = _resolve_rule(rule, shapes, len(operand_types))
+  return _rule_attr_from_dims(sizes, dims, len(operand_types),
+                              rule.reduction_factors,
+                              rule.need_replication_factors,
+                              rule.permutation_factors)
 
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
@@ -1672,36 +1684,6 @@ class _Answer(NamedTuple):
   results: list
 
 
-def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values whose shardings are on ``on``."""
-  if op.partition is None:
-    raise ValueError(
-        f"custom_partitioning op {op.name} runs on "
-        f"{len(op.place.devices)} devices, but its def_partition was given "
-        "partition=None.")
-  answer = op.partition(*op.static_args, op.mesh,
-                        _structs(op, op.in_tree, operands, on),
-                        _structs(op, op.out_tree, results, on))
-  mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
-  if op.place.auto is not None:
-    # Collectives must name devices of the whole program: lower on the
-    # whole mesh (the returned one may be the mesh with manual types).
-    mesh = op.place.whole
-  else:
-    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
-      raise NotImplementedError(
-          f"partition of {op.name} returned a mesh with axes "
-          f"{dict(mesh.shape)}, but the op's mesh has "
-          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad "
-          "they must be the same.")
-    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
-  return _Answer(mesh, on, lower_fn,
-                 _encode(op, op.in_tree, in_shardings, operands, "partition",
-                         "arg sharding", on),
-                 _encode(op, op.out_tree, out_shardings, results,
-                         "partition", "result sharding", on))
-
-
 def _check_answer(op: _Op, answer):
   """Validates what ``partition`` returned; returns its four parts."""
   if not isinstance(answer, (tuple, list)) or len(answer) != 4:
@@ -1737,6 +1719,36 @@ def _check_answer(op: _Op, answer):
           f"partition of {op.name} returned a mesh of {mesh.size} "
           f"devices, but the op runs on {len(devices)}.")
   return answer
+
+
+def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition`` asked about values whose shardings are on ``on``."""
+  if op.partition is None:
+    raise ValueError(
+        f"custom_partitioning op {op.name} runs on "
+        f"{len(op.place.devices)} devices, but its def_partition was given "
+        "partition=None.")
+  answer = op.partition(*op.static_args, op.mesh,
+                        _structs(op, op.in_tree, operands, on),
+                        _structs(op, op.out_tree, results, on))
+  mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
+  if op.place.auto is not None:
+    # Collectives must name devices of the whole program: lower on the
+    # whole mesh (the returned one may be the mesh with manual types).
+    mesh = op.place.whole
+  else:
+    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
+      raise NotImplementedError(
+          f"partition of {op.name} returned a mesh with axes "
+          f"{dict(mesh.shape)}, but the op's mesh has "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad "
+          "they must be the same.")
+    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
+  return _Answer(mesh, on, lower_fn,
+                 _encode(op, op.in_tree, in_shardings, operands, "partition",
+                         "arg sharding", on),
+                 _encode(op, op.out_tree, out_shardings, results,
+                         "partition", "result sharding", on))
 
 
 # -- lower_fn, traced and checked ------------------------------------------
@@ -1841,6 +1853,22 @@ class _PerShard(NamedTuple):
   results: list
 
 
+def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
+  """The mesh axes along which devices hold equal copies of ``value``:
+  those of ``on`` that neither its spec nor a batch dimension above shard
+  it over and, inside a partly manual shard_map, the manual axes it does
+  not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
+  leave every value untyped, and then no manual axis counts)."""
+  used = _axes_in([spec]) | batched
+  axes = tuple(a for a in on.axis_names if a not in used)
+  if op.place.auto is None or value.varying is None or not any(
+      op.varying[0] + op.varying[1]):
+    return axes
+  return axes + tuple(a for a in op.place.whole.axis_names
+                      if a not in op.place.auto.axis_names and
+                      a not in value.varying)
+
+
 def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
   """Partitions the op: the author's answer, walked up the steps.
 
@@ -1895,22 +1923,6 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
     closed = jax.make_jaxpr(fn, axis_env=list(mesh.shape.items()))(
         *[_local_struct(v, on) for v in top_args])
   return _PerShard(mesh, closed, top_args, top_results)
-
-
-def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
-  """The mesh axes along which devices hold equal copies of ``value``:
-  those of ``on`` that neither its spec nor a batch dimension above shard
-  it over and, inside a partly manual shard_map, the manual axes it does
-  not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
-  leave every value untyped, and then no manual axis counts)."""
-  used = _axes_in([spec]) | batched
-  axes = tuple(a for a in on.axis_names if a not in used)
-  if op.place.auto is None or value.varying is None or not any(
-      op.varying[0] + op.varying[1]):
-    return axes
-  return axes + tuple(a for a in op.place.whole.axis_names
-                      if a not in op.place.auto.axis_names and
-                      a not in value.varying)
 
 
 def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
@@ -2007,6 +2019,25 @@ def _xla_propagate(user_sharding, shape, key):
     return user_sharding
 
 
+def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
+                      result_sharding):
+  """``(per-shard module, operand shardings, result sharding)`` for XLA."""
+  if op.steps and op.mesh.empty:
+    raise NotImplementedError(
+        f"{op.name} is lowered for several devices without a mesh; "
+        "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
+        "one (jit with NamedSharding arguments, jax.set_mesh or `with "
+        "mesh:`).")
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
+  shard = _partition(
+      op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
+      _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
+  return (_per_shard_module(op, shard),
+          [_hlo_of(v, on) for v in shard.args],
+          _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
+
+
 def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
                    key):
   op = _lookup(key)
@@ -2028,25 +2059,6 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
     return answer
   except BaseException as e:  # noqa: BLE001 - re-raised with its type
     raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
-
-
-def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
-                      result_sharding):
-  """``(per-shard module, operand shardings, result sharding)`` for XLA."""
-  if op.steps and op.mesh.empty:
-    raise NotImplementedError(
-        f"{op.name} is lowered for several devices without a mesh; "
-        "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
-        "one (jit with NamedSharding arguments, jax.set_mesh or `with "
-        "mesh:`).")
-  on = op.mesh if op.place.auto is None else op.place.auto
-  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
-  shard = _partition(
-      op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
-      _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
-  return (_per_shard_module(op, shard),
-          [_hlo_of(v, on) for v in shard.args],
-          _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
 
 
 _register_partitioner(_TARGET, _xla_propagate, _xla_partition, _xla_infer)
@@ -2087,6 +2099,9 @@ _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
+# Classes of this module whose objects are described by what a function of
+# them returns; each is registered right after its class.
+_DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
 _SKIPPED_CLASS_ATTRS = frozenset({"__dict__", "__weakref__", "__doc__",
                                   "__module__", "__qualname__",
                                   "__annotations__", "__dataclass_fields__",
@@ -2100,6 +2115,15 @@ def _is_library(module_name: str | None) -> bool:
 
 class _TooBig(Exception):
   pass
+
+
+def _code_names(code: types.CodeType) -> list[str]:
+  """Global and attribute names used by ``code`` and the code nested in it."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names.update(_code_names(const))
+  return sorted(names)
 
 
 class _Describer:
@@ -2177,13 +2201,10 @@ class _Describer:
                  f"{[d.id for d in _sharding_devices(obj)]}")
     elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
       out.append(f"{kind.__qualname__} {obj}")
-    elif isinstance(obj, custom_partitioning):
-      out.append("custom_partitioning")
-      self.add((obj.fun, obj.static_argnums, obj.partition,
-                obj.infer_sharding_from_operands, obj.propagate_user_sharding,
-                obj.decode_shardings, obj.sharding_rule, obj.check_vma))
-    elif isinstance(obj, _Unhashable):
-      self.add(obj.value)
+    elif any(t in _DESCRIBED_BY for t in kind.__mro__):
+      out.append(f"{kind.__qualname__}")
+      self.add(next(_DESCRIBED_BY[t] for t in kind.__mro__
+                    if t in _DESCRIBED_BY)(obj))
     elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
       out.append(f"wrapper {kind.__qualname__}")
       self.add(obj.__wrapped__)
@@ -2267,15 +2288,6 @@ class _Describer:
     self.out.append(f"code {code.co_code.hex()} {code.co_names}")
     for const in code.co_consts:
       self.add(const)
-
-
-def _code_names(code: types.CodeType) -> list[str]:
-  """Global and attribute names used by ``code`` and the code nested in it."""
-  names = set(code.co_names)
-  for const in code.co_consts:
-    if isinstance(const, types.CodeType):
-      names.update(_code_names(const))
-  return sorted(names)
 
 
 def _digest(scope: str, *parts) -> str:
@@ -2448,6 +2460,9 @@ class _Unhashable:
     return isinstance(other, _Unhashable) and other.value is self.value
 
 
+_DESCRIBED_BY[_Unhashable] = lambda obj: obj.value
+
+
 def _static_values(static_args):
   if isinstance(static_args, _Unhashable):
     return static_args.value
@@ -2598,6 +2613,25 @@ def _ask_rule(ctx, params, mesh, levels):
   return rule, attr
 
 
+def _register(ctx, op: _Op, params) -> str:
+  """Registers ``op`` under its key (section 4c); returns the key."""
+  # One scope per lowering: the keep-alive list lives exactly as long as the
+  # lowering and its executables, so its id is unique while they live.
+  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
+  call = params["call"]
+  key = f"{_TARGET}:" + _digest(
+      scope, str(call.jaxpr), call.consts,
+      *(params[k] for k in sorted(params) if k != "call"),
+      op.mesh, [d.id for d in op.place.devices], op.platforms, _use_shardy(),
+      [[sorted(v) if v else v for v in side] for side in op.varying])
+  with _weak_lock:
+    # Keep the first live entry: equal keys answer alike, and lowerings that
+    # already hold it must keep finding it.
+    op = _registry.setdefault(key, op)
+  ctx.module_context.add_keepalive(op)
+  return key
+
+
 def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   call, steps = params["call"], _steps(params)
   place = _partitioned_placement(ctx, steps)
@@ -2644,38 +2678,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   return custom_call.results
 
 
-def _register(ctx, op: _Op, params) -> str:
-  """Registers ``op`` under its key (section 4c); returns the key."""
-  # One scope per lowering: the keep-alive list lives exactly as long as the
-  # lowering and its executables, so its id is unique while they live.
-  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
-  call = params["call"]
-  key = f"{_TARGET}:" + _digest(
-      scope, str(call.jaxpr), call.consts,
-      *(params[k] for k in sorted(params) if k != "call"),
-      op.mesh, [d.id for d in op.place.devices], op.platforms, _use_shardy(),
-      [[sorted(v) if v else v for v in side] for side in op.varying])
-  with _weak_lock:
-    # Keep the first live entry: equal keys answer alike, and lowerings that
-    # already hold it must keep finding it.
-    op = _registry.setdefault(key, op)
-  ctx.module_context.add_keepalive(op)
-  return key
-
-
 mlir.register_lowering(custom_partitioning_p, _lowering)
-
-
-def _name_call(call, name: str) -> None:
-  # Jaxprs record the name of their function themselves from jax 0.5.1 on.
-  with _weak_lock:
-    _call_names[call] = name
-
-
-def _fun_name(call) -> str:
-  with _weak_lock:
-    name = _call_names.get(call)
-  return name or _jaxpr_func_name(call.jaxpr) or "<op>"
 
 
 class _CallArgs(NamedTuple):
@@ -2780,41 +2783,6 @@ def _operands_mesh(leaves):
   return None
 
 
-def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
-  """The op's results, run as reshard -> shard_map -> reshard; None where
-  the op keeps the custom call."""
-  if not _EXPLICIT_PATH:
-    return None
-  args_flat, in_tree, in_avals = flat
-  mesh = _explicit_mesh(in_avals, eager_mesh)
-  if mesh is None or any(map(_vmapped_over_mesh_axis, args_flat)):
-    return None
-  key = None
-  if _is_hashable(args.static_args):
-    key = ("explicit", args.static_args, _positions(args.defaults),
-           in_tree, in_avals, mesh, _config.trace_context())
-  built = op._traces.get(key) if key is not None else None
-  if built is None:
-    built = _explicit_program(op, args, in_tree, in_avals, mesh)
-    if key is not None:
-      op._traces.put(key, built)
-  fn, out_tree = built
-  if fn is None:
-    return None
-  try:
-    out = fn(*args_flat)
-  except (ValueError, TypeError) as e:  # shard_map's checks, e.g. check_vma
-    if type(e) not in (ValueError, TypeError):  # keep special types as-is
-      raise
-    raise type(e)(
-        f"custom_partitioning op {op._name}, run as jax.shard_map of its "
-        f"lower_fn under Explicit mesh axes: {e} (shard_map's check_vma "
-        "types every value, loop carries too: a carry that becomes varying "
-        "over an axis needs jax.lax.pvary, or pass check_vma=False to "
-        "def_partition)") from e
-  return jax.tree_util.tree_unflatten(out_tree, out)
-
-
 def _spec_of(aval) -> tuple:
   return tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
 
@@ -2914,9 +2882,134 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
   return jax.jit(program), out_tree
 
 
+def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
+  """The op's results, run as reshard -> shard_map -> reshard; None where
+  the op keeps the custom call."""
+  if not _EXPLICIT_PATH:
+    return None
+  args_flat, in_tree, in_avals = flat
+  mesh = _explicit_mesh(in_avals, eager_mesh)
+  if mesh is None or any(map(_vmapped_over_mesh_axis, args_flat)):
+    return None
+  key = None
+  if _is_hashable(args.static_args):
+    key = ("explicit", args.static_args, _positions(args.defaults),
+           in_tree, in_avals, mesh, _config.trace_context())
+  built = op._traces.get(key) if key is not None else None
+  if built is None:
+    built = _explicit_program(op, args, in_tree, in_avals, mesh)
+    if key is not None:
+      op._traces.put(key, built)
+  fn, out_tree = built
+  if fn is None:
+    return None
+  try:
+    out = fn(*args_flat)
+  except (ValueError, TypeError) as e:  # shard_map's checks, e.g. check_vma
+    if type(e) not in (ValueError, TypeError):  # keep special types as-is
+      raise
+    raise type(e)(
+        f"custom_partitioning op {op._name}, run as jax.shard_map of its "
+        f"lower_fn under Explicit mesh axes: {e} (shard_map's check_vma "
+        "types every value, loop carries too: a carry that becomes varying "
+        "over an axis needs jax.lax.pvary, or pass check_vma=False to "
+        "def_partition)") from e
+  return jax.tree_util.tree_unflatten(out_tree, out)
+
+
 # --------------------------------------------------------------------------
 # 6. The public decorator
 # --------------------------------------------------------------------------
+
+class _Signature:
+  """Binds a call's keyword arguments to positions, like jax does."""
+
+  def __init__(self, fun: Callable):
+    try:
+      self._sig = inspect.signature(fun)
+    except (TypeError, ValueError):  # e.g. some builtins: positional only
+      self._sig = None
+      self._plain = None
+      return
+    kinds = [p.kind for p in self._sig.parameters.values()]
+    positional = (inspect.Parameter.POSITIONAL_ONLY,
+                  inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    # Calls with exactly this many positional args need no binding.
+    self._plain = (len(kinds) if all(k in positional for k in kinds)
+                   else None)
+
+  def positional(self, args: tuple, kwargs: dict, name: str):
+    """``(args, unpassed)``: every positional parameter's value in order,
+    defaults filled in, and the positions that took their default."""
+    if self._sig is None or (not kwargs and len(args) == self._plain):
+      if kwargs:
+        raise TypeError(f"{name} takes no keyword arguments here: its "
+                        "signature cannot be inspected.")
+      return args, ()
+    try:
+      bound = self._sig.bind(*args, **kwargs)
+    except TypeError as e:
+      raise TypeError(f"{name}: {e}") from None
+    for param in self._sig.parameters.values():
+      if (param.kind == inspect.Parameter.KEYWORD_ONLY and
+          param.name in bound.arguments):
+        raise TypeError(
+            f"{name}: keyword-only argument {param.name!r} cannot be passed "
+            "to a custom_partitioning function (its arguments are bound to "
+            "positions); make it positional or leave it at its default.")
+      if param.kind == inspect.Parameter.VAR_KEYWORD and bound.arguments.get(
+          param.name):
+        raise TypeError(
+            f"{name}: **{param.name} arguments cannot be passed to a "
+            "custom_partitioning function; pass them positionally.")
+    out, unpassed = [], []
+    for param in self._sig.parameters.values():
+      if param.kind == inspect.Parameter.VAR_POSITIONAL:
+        out.extend(bound.arguments.get(param.name, ()))
+      elif param.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                          inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        if param.name in bound.arguments:
+          out.append(bound.arguments[param.name])
+        else:
+          unpassed.append(len(out))
+          out.append(param.default)
+    return tuple(out), tuple(unpassed)
+
+
+def _static_positions(static_argnums, num_args: int, name: str) -> tuple:
+  """Normalizes ``static_argnums`` (int or ints, maybe negative)."""
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+  out: list[int] = []
+  for i in static_argnums:
+    if not -num_args <= i < num_args:
+      raise IndexError(
+          f"custom_partitioning function {name}: static_argnums entry {i} "
+          f"is out of range for a call with {num_args} arguments.")
+    if i % num_args not in out:  # keep the author's order: callbacks see it
+      out.append(i % num_args)
+  return tuple(out)
+
+
+def _check_static_args(static_argnums, static_args, name: str) -> None:
+  for i, value in zip(static_argnums, static_args):
+    if any(isinstance(leaf, core.Tracer)
+           for leaf in jax.tree_util.tree_leaves(value)):
+      raise _errors.UnexpectedTracerError(
+          f"custom_partitioning function {name} got a traced value as "
+          f"argument {i}, which static_argnums marks static. Static "
+          "arguments must be concrete Python values.")
+
+
+def _merge(args: _CallArgs) -> tuple[tuple, tuple]:
+  """``(all arguments in call order, positions of those not operands)``."""
+  fixed = dict(zip(args.static_argnums, args.static_args))
+  fixed.update(args.defaults)
+  dyn = iter(args.dyn_args)
+  return (tuple(fixed[i] if i in fixed else next(dyn)
+                for i in range(len(fixed) + len(args.dyn_args))),
+          tuple(sorted(fixed)))
+
 
 @custom_api_util.register_custom_decorator_type
 class custom_partitioning:
@@ -2975,18 +3068,16 @@ class custom_partitioning:
     self.fun = fun
     self.static_argnums = static_argnums
     self._defined = False  # def_partition called
-    self.partition = None
-    self.infer_sharding_from_operands = None
-    self.propagate_user_sharding = None
-    self.decode_shardings = True
-    self.sharding_rule = None
-    self.check_vma = True
     self._traces = _LRU()  # see _traced
     self._generation = 0  # counts def_partition calls (see _eager_call)
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
   __getattr__: Any = custom_api_util.forward_attr
+  # Until def_partition sets them:
+  partition = infer_sharding_from_operands = propagate_user_sharding = None
+  sharding_rule = None
+  decode_shardings = check_vma = True
 
   def def_partition(self, partition, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
@@ -3061,12 +3152,11 @@ class custom_partitioning:
           "string sharding_rule; put them into the SdyShardingRule (or the "
           "(string, kwargs) pair your callable returns) instead.")
     self._defined = True
-    self.partition = partition
-    self.infer_sharding_from_operands = infer_sharding_from_operands
-    self.propagate_user_sharding = propagate_user_sharding
-    self.decode_shardings = decode_shardings
-    self.sharding_rule = sharding_rule
-    self.check_vma = bool(check_vma)
+    (self.partition, self.infer_sharding_from_operands,
+     self.propagate_user_sharding, self.decode_shardings, self.sharding_rule,
+     self.check_vma) = (partition, infer_sharding_from_operands,
+                        propagate_user_sharding, decode_shardings,
+                        sharding_rule, bool(check_vma))
     self._traces.clear()
     self._generation += 1
     return partition
@@ -3215,94 +3305,10 @@ class custom_partitioning:
     return call, out_tree()
 
 
-class _Signature:
-  """Binds a call's keyword arguments to positions, like jax does."""
-
-  def __init__(self, fun: Callable):
-    try:
-      self._sig = inspect.signature(fun)
-    except (TypeError, ValueError):  # e.g. some builtins: positional only
-      self._sig = None
-      self._plain = None
-      return
-    kinds = [p.kind for p in self._sig.parameters.values()]
-    positional = (inspect.Parameter.POSITIONAL_ONLY,
-                  inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    # Calls with exactly this many positional args need no binding.
-    self._plain = (len(kinds) if all(k in positional for k in kinds)
-                   else None)
-
-  def positional(self, args: tuple, kwargs: dict, name: str):
-    """``(args, unpassed)``: every positional parameter's value in order,
-    defaults filled in, and the positions that took their default."""
-    if self._sig is None or (not kwargs and len(args) == self._plain):
-      if kwargs:
-        raise TypeError(f"{name} takes no keyword arguments here: its "
-                        "signature cannot be inspected.")
-      return args, ()
-    try:
-      bound = self._sig.bind(*args, **kwargs)
-    except TypeError as e:
-      raise TypeError(f"{name}: {e}") from None
-    for param in self._sig.parameters.values():
-      if (param.kind == inspect.Parameter.KEYWORD_ONLY and
-          param.name in bound.arguments):
-        raise TypeError(
-            f"{name}: keyword-only argument {param.name!r} cannot be passed "
-            "to a custom_partitioning function (its arguments are bound to "
-            "positions); make it positional or leave it at its default.")
-      if param.kind == inspect.Parameter.VAR_KEYWORD and bound.arguments.get(
-          param.name):
-        raise TypeError(
-            f"{name}: **{param.name} arguments cannot be passed to a "
-            "custom_partitioning function; pass them positionally.")
-    out, unpassed = [], []
-    for param in self._sig.parameters.values():
-      if param.kind == inspect.Parameter.VAR_POSITIONAL:
-        out.extend(bound.arguments.get(param.name, ()))
-      elif param.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                          inspect.Parameter.POSITIONAL_OR_KEYWORD):
-        if param.name in bound.arguments:
-          out.append(bound.arguments[param.name])
-        else:
-          unpassed.append(len(out))
-          out.append(param.default)
-    return tuple(out), tuple(unpassed)
-
-
-def _static_positions(static_argnums, num_args: int, name: str) -> tuple:
-  """Normalizes ``static_argnums`` (int or ints, maybe negative)."""
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
-  out: list[int] = []
-  for i in static_argnums:
-    if not -num_args <= i < num_args:
-      raise IndexError(
-          f"custom_partitioning function {name}: static_argnums entry {i} "
-          f"is out of range for a call with {num_args} arguments.")
-    if i % num_args not in out:  # keep the author's order: callbacks see it
-      out.append(i % num_args)
-  return tuple(out)
-
-
-def _check_static_args(static_argnums, static_args, name: str) -> None:
-  for i, value in zip(static_argnums, static_args):
-    if any(isinstance(leaf, core.Tracer)
-           for leaf in jax.tree_util.tree_leaves(value)):
-      raise _errors.UnexpectedTracerError(
-          f"custom_partitioning function {name} got a traced value as "
-          f"argument {i}, which static_argnums marks static. Static "
-          "arguments must be concrete Python values.")
-
-
-def _merge(args: _CallArgs) -> tuple[tuple, tuple]:
-  """``(all arguments in call order, positions of those not operands)``."""
-  fixed = dict(zip(args.static_argnums, args.static_args))
-  fixed.update(args.defaults)
-  dyn = iter(args.dyn_args)
-  return (tuple(fixed[i] if i in fixed else next(dyn)
-                for i in range(len(fixed) + len(args.dyn_args))),
-          tuple(sorted(fixed)))
+_DESCRIBED_BY[custom_partitioning] = lambda obj: (
+    obj.fun, obj.static_argnums, obj.partition,
+    obj.infer_sharding_from_operands, obj.propagate_user_sharding,
+    obj.decode_shardings, obj.sharding_rule, obj.check_vma)
 
 
 # --------------------------------------------------------------------------

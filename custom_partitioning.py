@@ -43,13 +43,15 @@ Reading order
 1. Compatibility: the jax internals this module calls; 1b. the module's
    state (every cache and registry, what bounds and clears it).
 2. Sharding rules for Shardy (``SdyShardingRule`` and friends).
-3. Shardings: converting between XLA's ``HloSharding`` and jax shardings;
-   3b. derived ops: how vmap, jvp and transposition of an op are partitioned
-   with the author's own callbacks; 3c. the checks of the per-shard program
-   (padding, replicated results).
-4. The callback registry and the three callbacks XLA calls; 4b. the keys
-   that name an op to XLA (stable across processes, for the persistent
-   compilation cache).
+3. Shardings: each operand and result as a ``_Value`` between XLA's
+   ``HloSharding`` and jax shardings; 3b. derived ops: the steps (vmap, jvp,
+   transposition) that lead from the author's op to the op XLA partitions;
+   3c. the checks of the per-shard program (padding, replicated results).
+4. One lowered op (``_Op``) and the three questions XLA asks about it: one
+   function asks each of the author's callbacks, one walks each question
+   through the steps; 4b. the callbacks XLA calls and how a callback's
+   exception comes back; 4c. the keys that name an op to XLA (stable across
+   processes, for the persistent compilation cache).
 5. The primitive: abstract evaluation, differentiation, transposition and
    batching (binding derived ops), eager impl, lowering; 5b. under Explicit
    mesh axes, partitioning while tracing (reshard, shard_map, reshard: no
@@ -458,27 +460,30 @@ def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
 # --------------------------------------------------------------------------
 # 1b. Module state
 #
-# Every piece of state this module keeps is defined here. Caches are
-# ``_LRU``s: bounded, each with its own lock, emptied by
-# ``jax.clear_caches()``. Each answers exactly what a fresh computation would:
-# its key holds everything the computation reads that jax's own caches key on
-# (the comment where it is filled says what).
+# Every piece of state this module keeps is defined here, except the stores
+# that live on their objects (per op, per lowered op). Caches are ``_LRU``s:
+# bounded, each with its own lock. Each answers exactly what a fresh
+# computation would: its key holds everything the computation reads that
+# jax's own caches key on (the comment where it is filled says what).
 #
-#   store                 maps                                  bound
-#   op._traces            call signature -> traced fun, or      64 per op
-#                         (Explicit axes) the jitted program
-#   _eager                eager call -> jitted function         64
-#   _derived              (body, step, avals) -> derived body   64
-#   _OpLowering.lowered   partition request -> XLA's answer     256 per op
-#   _registry             custom call key -> _OpLowering        weak
-#   _parked_errors        tag -> a callback's exception         64
-#   _call_names           body -> name of the function          weak
+#   store           maps                                    bound   cleared
+#   op._traces      call signature -> traced fun, or (5b)   64/op   C, D
+#                   the jitted per-shard program
+#   _eager          eager call -> jitted function           64      C
+#   _derived        (body, step, avals) -> derived body     64      C
+#   _Op.lowered     partition request -> XLA's answer       256/op  C
+#   _Op.pending     compiling thread -> callback error      threads P
+#   _registry       custom call key -> _Op (section 4)      weak    -
+#   _parked_errors  tag -> a callback's exception           64      C, R
+#   _call_names     body -> name of its function            weak    -
 #
-# Not caches: ``_registry`` finds the op XLA asks about; every lowering and
-# executable that may still call back keeps its entry alive.
-# ``_parked_errors`` holds exceptions raised inside XLA's callbacks until
-# the failed compile re-raises them. ``_call_names`` names bodies in error
-# messages. The weak tables share ``_weak_lock``.
+# C: ``jax.clear_caches()`` (each ``_LRU`` notices on its next use);
+# D: ``def_partition``; P: popped by the partition callback (section 4b);
+# R: popped when the failed compile re-raises it. ``_registry`` finds the op
+# XLA asks about: every lowering and executable that may still call back
+# keeps its entry alive. ``_call_names`` names bodies in error messages. The
+# weak tables share ``_weak_lock``; ``pending`` is written and read by one
+# compiling thread per entry.
 # --------------------------------------------------------------------------
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)

@@ -2331,17 +2331,12 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 # longer ``transform`` and, as ``call``, the body transformed alike, which
 # gives the derived op its abstract values and its single-device code.
 
-# call -> LRU {(step, operand avals): derived call}; entries live at most as
-# long as ``call`` (LRUs of 64, emptied by jax.clear_caches()). A derived
-# body is a pure function of ``call`` and the key: the step (which operands
-# are batched or differentiated), the operands' avals (with Explicit mesh
-# axes they carry shardings, which the results inherit) and jax's trace
-# context (configuration), as in jax.jit's key.
-
-
 def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
   """``fun`` (the body transformed by ``step``) traced for ``operands``."""
+  # A pure function of the key: the body, the step (which operands are
+  # batched or differentiated), the operands' avals (under Explicit axes
+  # with shardings, which the results inherit) and jax's trace context.
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, step, in_avals, _config.trace_context())
   derived = _derived.get(key)
@@ -2473,6 +2468,7 @@ def _static_values(static_args):
     return static_args.value
   return static_args
 
+
 def _any_sharded(xs) -> bool:
   """Whether some ``x`` is a concrete array split over several devices (one
   device holds its whole array: fully replicated)."""
@@ -2483,17 +2479,16 @@ def _any_sharded(xs) -> bool:
   return False
 
 
-# An eager call runs compiled, like a jax.jit'd function, but the op's
-# partitioning only for operands that are really sharded: upstream evaluates
-# the body for every eager call and never asks the callbacks, and a
-# ``partition`` written for sharded operands must not be asked about host
-# data. Cache: (equation params, sharded?) -> jitted function. The params
-# hold the traced body and every callback; jax.jit keys on the operands'
-# types and shardings itself.
-
-
 def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``)."""
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``).
+
+  Compiled, like a jax.jit'd function; partitioned by the op's callbacks
+  only if some operand is really sharded (upstream runs the body and never
+  asks them, and a ``partition`` written for sharded operands must not be
+  asked about host data).
+  """
+  # Cache key: the params hold the body and every callback; jax.jit keys on
+  # the operands' types and shardings itself.
   call = params["call"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
     return core.jaxpr_as_fun(call)(*args)
@@ -2726,35 +2721,23 @@ def _is_hashable(value) -> bool:
 # 5b. Explicit mesh axes: partitioning while tracing
 #
 # Under Explicit mesh axes every operand's sharding is part of its type, so
-# ``partition`` can be asked while the op is traced rather than by XLA while
-# compiling, and the op emitted as the per-shard program it describes:
-# operands resharded to partition's arg shardings, ``lower_fn`` under
-# ``jax.shard_map`` (manual over every axis), results resharded to the op's
-# result types. With no custom call left, whatever jax does for shard_map
-# holds for the op: grad/jvp/vmap (at shard_map's collective cost),
-# jax.export, host callbacks in lower_fn, an honest persistent-cache key
-# (the program is plain jax), and jax's lowering cache (identical calls are
-# one jitted function, lowered once: compiles faster than the custom call).
+# ``partition`` can be asked while tracing (section 4's functions, as XLA's
+# callbacks ask them) and the op emitted as the program it describes:
+# reshard the operands to its arg shardings, ``jax.shard_map(lower_fn)``,
+# reshard the results to the op's result types. With no custom call left,
+# whatever jax does for shard_map holds for the op: grad/jvp/vmap, export,
+# host callbacks, an honest persistent-cache key, jax's lowering cache.
 #
-# Taken when the operands sharded on a mesh share one abstract mesh whose
-# axes are all Explicit, the ambient abstract mesh (if set) is that mesh
-# (so not inside a shard_map, whose axes are Manual) and a concrete mesh
-# for it is known (jax.set_mesh, or the operands of an eager call). Else,
-# or when shard_map cannot run what ``partition`` returned (a dimension the
-# mesh does not divide, another mesh, a sharding with no PartitionSpec), the
-# op keeps the custom call -- unless jax cannot type the op's body under
-# these axes (ShardingTypeError, e.g. ``q @ k.T`` with both row-sharded):
-# the custom call cannot run such an op either, so the error names the op.
-#
-# Result types are jax's typing of ``fun`` where it has one (as upstream's);
-# for an untypable body: infer_sharding_from_operands, else the rule, else
-# partition's result shardings.
-#
-# Cache: the op's trace cache (``custom_partitioning._traces``: emptied by
-# def_partition and jax.clear_caches()) holds, per ("explicit", static
-# arguments, unpassed defaults, pytree, operand avals with their shardings,
-# concrete mesh, trace context), the jitted per-shard program: that is all
-# that ``fun``'s trace and the callbacks are given.
+# Taken when the operands sharded on a mesh share one abstract mesh with
+# every axis Explicit, the ambient abstract mesh (if any) is that mesh (so
+# not inside a shard_map) and a concrete mesh for it is known (jax.set_mesh,
+# or an eager call's operands). Else, or when shard_map cannot run what
+# ``partition`` returned (uneven shards, another mesh, no PartitionSpec),
+# the op keeps the custom call -- unless jax cannot type its body under
+# these axes (ShardingTypeError, e.g. ``q @ k.T`` both row-sharded), which
+# the custom call cannot run either: then the error names the op.
+# Result types: jax's typing of ``fun`` (as upstream's); for an untypable
+# body, infer_sharding_from_operands, else the rule, else partition's.
 # --------------------------------------------------------------------------
 
 def _explicit_mesh(avals, eager_mesh=None):
@@ -2898,6 +2881,7 @@ def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
     return None
   key = None
   if _is_hashable(args.static_args):
+    # All that fun's trace and the callbacks are given (see _traced).
     key = ("explicit", args.static_args, _positions(args.defaults),
            in_tree, in_avals, mesh, _config.trace_context())
   built = op._traces.get(key) if key is not None else None

@@ -2772,11 +2772,9 @@ def _operands_mesh(leaves):
 
 
 def _spec_of(aval) -> tuple:
-  return tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
-
-
-def _padded(spec, ndim: int) -> tuple:
-  return tuple(spec) + (None,) * (ndim - len(spec))
+  """The PartitionSpec entries of an abstract value's type, one per axis."""
+  spec = tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
+  return spec + (None,) * (len(aval.shape) - len(spec))
 
 
 def _explicit_program(op, args, in_tree, in_avals, mesh):
@@ -2806,11 +2804,10 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
       decode=True, check_vma=op.check_vma, static_args=args.static_args,
       in_tree=in_tree, out_tree=out_tree, steps=(),
       place=_Placement(mesh, _mesh_devices(mesh)))
-  operands = [_Value(a.shape, a.dtype, _padded(_spec_of(a), len(a.shape)))
-              for a in in_avals]
+  operands = [_Value(a.shape, a.dtype, _spec_of(a)) for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
   if type_error is None:  # the result types are jax's typing of ``fun``
-    results = [v._replace(spec=_padded(_spec_of(a), len(a.shape)))
+    results = [v._replace(spec=_spec_of(a))
                for v, a in zip(results, call.out_avals)]
   else:
     inferred = _ask_infer(record, operands, results)
@@ -2845,26 +2842,18 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
   # The program names no devices: jax.jit reuses its traces for every
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
+  mapped = jax.shard_map(
+      per_shard, mesh=am, check_vma=op.check_vma,
+      in_specs=tuple(jax.sharding.PartitionSpec(*v.spec) for v in answer.args),
+      out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
 
-  def specs(values):
-    return [jax.sharding.PartitionSpec(*v.spec) for v in values]
-  mapped = jax.shard_map(per_shard, mesh=am, in_specs=tuple(specs(answer.args)),
-                         out_specs=specs(answer.results),
-                         check_vma=op.check_vma)
-  arg_targets, result_targets = (
-      [jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec))
-       for spec in side] for side in ([v.spec for v in answer.args],
-                                   [v.spec for v in typed]))
-
-  def reshard(x, target):
-    ndim = len(x.shape)
-    if _padded(_spec_of(_typeof(x)), ndim) == _padded(target.spec, ndim):
-      return x  # already of that type: no equation to trace and lower
-    return jax.sharding.reshard(x, target)
+  def reshard(xs, values):  # an equation only where the type changes
+    return [x if _spec_of(_typeof(x)) == v.spec else jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*v.spec)))
+        for x, v in zip(xs, values)]
 
   def program(*flat):
-    flat = [reshard(x, s) for x, s in zip(flat, arg_targets)]
-    return [reshard(y, s) for y, s in zip(mapped(*flat), result_targets)]
+    return reshard(mapped(*reshard(flat, answer.args)), typed)
   fun_name = getattr(op.fun, "__name__", "")
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
   return jax.jit(program), out_tree

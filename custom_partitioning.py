@@ -2976,29 +2976,27 @@ class _Signature:
     return tuple(out), tuple(unpassed)
 
 
-def _static_positions(static_argnums, num_args: int, name: str) -> tuple:
-  """Normalizes ``static_argnums`` (int or ints, maybe negative)."""
+def _static_args(static_argnums, args: tuple, name: str) -> tuple:
+  """``(positions, values)`` of the static arguments; ``static_argnums`` is
+  an int or ints, maybe negative."""
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)
-  out: list[int] = []
-  for i in static_argnums:
-    if not -num_args <= i < num_args:
+  positions: list[int] = []
+  for i in static_argnums or ():
+    if not -len(args) <= i < len(args):
       raise IndexError(
           f"custom_partitioning function {name}: static_argnums entry {i} "
-          f"is out of range for a call with {num_args} arguments.")
-    if i % num_args not in out:  # keep the author's order: callbacks see it
-      out.append(i % num_args)
-  return tuple(out)
-
-
-def _check_static_args(static_argnums, static_args, name: str) -> None:
-  for i, value in zip(static_argnums, static_args):
+          f"is out of range for a call with {len(args)} arguments.")
+    if i % len(args) not in positions:  # the author's order: callbacks see it
+      positions.append(i % len(args))
+  for i in positions:
     if any(isinstance(leaf, core.Tracer)
-           for leaf in jax.tree_util.tree_leaves(value)):
+           for leaf in jax.tree_util.tree_leaves(args[i])):
       raise _errors.UnexpectedTracerError(
           f"custom_partitioning function {name} got a traced value as "
           f"argument {i}, which static_argnums marks static. Static "
           "arguments must be concrete Python values.")
+  return tuple(positions), tuple(args[i] for i in positions)
 
 
 def _merge(args: _CallArgs) -> tuple[tuple, tuple]:
@@ -3023,11 +3021,13 @@ class custom_partitioning:
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
   transformed on the same local shards (section 3b; upstream supports none
-  of the three). An eager call is compiled: partitioned if an operand is a
-  ``jax.Array`` sharded over several devices (not fully replicated), else
-  ``fun`` runs and no callback is asked (as upstream does for every eager
-  call). Traces of ``fun`` are cached per op on what ``jax.jit`` keys on
-  (static arguments, operand pytree and avals, jax's config);
+  of the three).
+
+  An eager call is compiled: partitioned if an operand is a ``jax.Array``
+  sharded over several devices (not fully replicated), else ``fun`` runs
+  and no callback is asked (as upstream does for every eager call). Traces
+  of ``fun`` are cached per op on what ``jax.jit`` keys on (static
+  arguments, operand pytree and avals, jax's config);
   ``jax.clear_caches()`` empties them and every cache of this module, so
   ``fun`` is traced anew and sees new settings of switches it reads.
 
@@ -3154,15 +3154,10 @@ class custom_partitioning:
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
     """Binds a call's arguments to positions and sorts them by role."""
     args, unpassed = self._signature.positional(args, kwargs, self._name)
-    has_static = self.static_argnums or self.static_argnums == 0
-    if not unpassed and not has_static:
+    if not unpassed and not (self.static_argnums or self.static_argnums == 0):
       return _CallArgs((), (), (), args)  # the common case, kept fast
-    static_argnums = static_args = ()
-    if has_static:
-      static_argnums = _static_positions(self.static_argnums, len(args),
-                                         self._name)
-      static_args = tuple(args[i] for i in static_argnums)
-      _check_static_args(static_argnums, static_args, self._name)
+    static_argnums, static_args = _static_args(self.static_argnums, args,
+                                               self._name)
     # Like jax.jit: unpassed Python defaults are constants, not operands.
     defaults = tuple((i, args[i]) for i in unpassed
                      if i not in static_argnums and not _is_array(args[i]))
@@ -3196,20 +3191,18 @@ class custom_partitioning:
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
     trace cache where it can be (``key`` is None where not)."""
-    key = None
-    if _is_hashable(args.static_args):
-      # jax.jit's trace key (its trace context holds the config states),
-      # plus the positions of unpassed defaults. Like jax.jit, it does not
-      # see the globals and closures ``fun`` reads.
-      key = (args.static_args, _positions(args.defaults), flat.in_tree,
-             flat.in_avals, _use_shardy(), _config.trace_context())
-    traced = self._traces.get(key) if key is not None else None
+    if not _is_hashable(args.static_args):
+      return (*self._trace(args, flat.in_tree, flat.in_avals), None)
+    # jax.jit's trace key (its trace context holds the config states), plus
+    # the positions of unpassed defaults. Like jax.jit, it does not see the
+    # globals and closures ``fun`` reads.
+    key = (args.static_args, _positions(args.defaults), flat.in_tree,
+           flat.in_avals, _use_shardy(), _config.trace_context())
+    traced = self._traces.get(key)
     if traced is None:
       traced = self._trace(args, flat.in_tree, flat.in_avals)
-      if key is not None:
-        self._traces.put(key, traced)
-    call, out_tree = traced
-    return call, out_tree, key
+      self._traces.put(key, traced)
+    return (*traced, key)
 
   def _run_body(self, args: _CallArgs):
     flat = _flatten(args)
@@ -3245,12 +3238,9 @@ class custom_partitioning:
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
   def _trace(self, args: _CallArgs, in_tree, in_avals):
-    """Traces ``fun`` to ``(call, out_tree)``.
-
-    Concrete arrays that ``fun`` closes over stay in ``call`` as constants
-    (the author's ``lower_fn`` captures them itself); a closed-over tracer
-    cannot be handed to XLA's callbacks and is rejected.
-    """
+    """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
+    over stay constants of ``call`` (``lower_fn`` captures its own); a
+    closed-over tracer cannot reach XLA's callbacks and is rejected."""
     all_args, fixed = _merge(args)
     wrapped = _wrap(self.fun, all_args, fixed)
     if fixed:

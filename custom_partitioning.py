@@ -2999,16 +2999,6 @@ def _static_args(static_argnums, args: tuple, name: str) -> tuple:
   return tuple(positions), tuple(args[i] for i in positions)
 
 
-def _merge(args: _CallArgs) -> tuple[tuple, tuple]:
-  """``(all arguments in call order, positions of those not operands)``."""
-  fixed = dict(zip(args.static_argnums, args.static_args))
-  fixed.update(args.defaults)
-  dyn = iter(args.dyn_args)
-  return (tuple(fixed[i] if i in fixed else next(dyn)
-                for i in range(len(fixed) + len(args.dyn_args))),
-          tuple(sorted(fixed)))
-
-
 @custom_api_util.register_custom_decorator_type
 class custom_partitioning:
   """Gives a function its own SPMD partitioning rules.
@@ -3241,8 +3231,13 @@ class custom_partitioning:
     """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
     over stay constants of ``call`` (``lower_fn`` captures its own); a
     closed-over tracer cannot reach XLA's callbacks and is rejected."""
-    all_args, fixed = _merge(args)
-    wrapped = _wrap(self.fun, all_args, fixed)
+    # Every argument in call order; the fixed ones are not operands.
+    fixed = dict(zip(args.static_argnums, args.static_args))
+    fixed.update(args.defaults)
+    dyn = iter(args.dyn_args)
+    all_args = tuple(fixed[i] if i in fixed else next(dyn)
+                     for i in range(len(fixed) + len(args.dyn_args)))
+    wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
     if fixed:
       wrapped, _ = api_util.argnums_partial(
           wrapped, [i for i in range(len(all_args)) if i not in fixed],

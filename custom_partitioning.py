@@ -648,16 +648,14 @@ class ArrayMapping(tuple):
 
   def __new__(cls, *dims):
     for i, dim in enumerate(dims):
-      if isinstance(dim, CompoundFactor):
-        continue
-      if not isinstance(dim, str):
+      if not isinstance(dim, (str, CompoundFactor)):
         raise ValueError("Each element of ArrayMapping must be a str or "
                          f"CompoundFactor; got {type(dim)}.")
-      if not _is_batching(dim):
-        _check_factor_name(dim)
-      elif i != 0:
+      if _is_batching(dim) and i != 0:
         raise ValueError("Ellipsis can only be used at the beginning of a "
                          "dimension list.")
+      if isinstance(dim, str) and not _is_batching(dim):
+        _check_factor_name(dim)
     return tuple.__new__(cls, dims)
 
 
@@ -743,7 +741,7 @@ def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
   """Parses one side of a rule string (``"i j, (a b) k"``) into mappings.
 
   Brackets and commas are tokens of their own and "…" starts one; the
-  mappings check the factor names.
+  mappings check the names.
   """
   side = " ".join(text.split())
   for char in "(),":
@@ -817,9 +815,7 @@ def str_to_sdy_sharding_rule(rule: str, *,
 
 
 def _value_name(i: int, num_operands: int) -> str:
-  if i < num_operands:
-    return f"operand {i}"
-  return f"result {i - num_operands}"
+  return f"operand {i}" if i < num_operands else f"result {i - num_operands}"
 
 
 def _check_value_counts(rule: SdyShardingRule, num_operands: int,
@@ -834,19 +830,13 @@ def _check_value_counts(rule: SdyShardingRule, num_operands: int,
 
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                   num_operands: int):
-  """Expands ``...`` against concrete shapes and sizes every factor.
+  """Expands ``...`` against ``shapes`` (the first ``num_operands`` are the
+  operands', the rest the results') and sizes every factor.
 
-  Args:
-    rule: the rule.
-    shapes: the shapes of the operands, then of the results.
-    num_operands: how many of ``shapes`` are operands.
-  Returns:
-    ``(sizes, dims)``: ``sizes`` maps each factor, in order of first use, to
-    its size; ``dims[v][d]`` is the tuple of factors of dimension ``d`` of
-    value ``v``.
-  Raises:
-    ValueError: a rank mismatch, an ellipsis that stands for different
-      numbers of dimensions, or sizes that do not fit.
+  Returns ``(sizes, dims)``: ``sizes`` maps each factor, in order of first
+  use, to its size; ``dims[v][d]`` is the tuple of factors of dimension ``d``
+  of value ``v``. Raises ValueError on a rank mismatch, an ellipsis standing
+  for different numbers of dimensions, or sizes that do not fit.
   """
   _check_value_counts(rule, num_operands, len(shapes) - num_operands)
   sizes: dict[str, Any] = {}  # None while only compounds have shown it
@@ -1008,20 +998,17 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
   """GSPMD inference derived from a Shardy rule.
 
-  Args:
-    shapes: the shapes of the operands, then of the results.
-    in_specs: PartitionSpec entries per operand (None: not placed yet).
-  Returns:
-    PartitionSpec entries per result: each result dimension takes the mesh
-    axes of the first operand dimension with the same (single, passthrough)
-    factor, unless another dimension of that result has them already.
+  ``shapes`` are the operands', then the results'; ``in_specs`` holds the
+  PartitionSpec entries of each operand (None: not placed yet). Returns those
+  of each result: a result dimension takes the mesh axes of the first operand
+  dimension with the same single, passthrough factor, unless another
+  dimension of that result has them already.
   """
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
   for value_dims, spec in zip(dims, in_specs):
-    for factors, axes in zip(value_dims, tuple(spec or ()) +
-                             (None,) * len(value_dims)):
+    for factors, axes in zip(value_dims, spec or ()):
       if len(factors) == 1 and factors[0] not in blocked and axes is not None:
         axes_of.setdefault(factors[0], axes)
   out = []

@@ -598,12 +598,12 @@ _SPECIAL_FACTOR_KINDS = ("reduction_factors", "need_replication_factors",
 
 
 def _check_factor_name(name: str) -> None:
+  for char in name:
+    if not (char == "_" or char.isdigit() or char.isalpha()):
+      raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
   if not name[0].isalpha():
     raise ValueError(
         f"A factor name must start with a letter; got {name!r}.")
-  for char in name[1:]:
-    if not (char == "_" or char.isdigit() or char.isalpha()):
-      raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
 
 
 def _is_batching(dim) -> bool:

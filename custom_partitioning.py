@@ -686,13 +686,12 @@ class SdyShardingRule:
     # factor -> True if some dimension is exactly this factor (so its size
     # can be read off the operand), False if it only occurs in compounds.
     whole_dim: dict[str, bool] = {}
-    for mapping in (*operand_mappings, *result_mappings):
-      for dim in mapping:
-        if isinstance(dim, CompoundFactor):
-          for factor in dim:
-            whole_dim.setdefault(factor, False)
-        else:
-          whole_dim[dim] = True
+    for dim in itertools.chain(*operand_mappings, *result_mappings):
+      if isinstance(dim, CompoundFactor):
+        for factor in dim:
+          whole_dim.setdefault(factor, False)
+      else:
+        whole_dim[dim] = True
     for factor in factor_sizes:
       if factor not in whole_dim:
         raise ValueError(f"Factor {factor} is not used in the rule, but a "
@@ -873,7 +872,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
     value_dims = [tuple(entry) if isinstance(entry, CompoundFactor)
                   else (entry,) for entry in entries]
     for factors, size in zip(value_dims, shape):
-      for factor in factors:
+      for factor in factors:  # a compound's parts are sized by the rule
         see(factor, size if len(factors) == 1
             else rule.factor_sizes.get(factor))
     dims.append(value_dims)

@@ -592,23 +592,23 @@ BATCHING: str = "\u2026"  # one character ("…") standing for "..." in a rule.
 # Expanded batch dimensions get factor names users cannot write.
 _BATCH_FACTOR_PREFIX = "?"
 
+# The special factors, as SdyShardingRule names its arguments and attributes.
+_SPECIAL_FACTOR_KINDS = ("reduction_factors", "need_replication_factors",
+                         "permutation_factors")
+
 
 def _check_factor_name(name: str) -> None:
+  for char in name:
+    if not (char == "_" or char.isdigit() or char.isalpha()):
+      raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
   if not name[0].isalpha():
     raise ValueError(
         f"A factor name must start with a letter; got {name!r}.")
-  for char in name[1:]:
-    if not (char == "_" or char.isdigit() or char.isalpha()):
-      raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
 
 
-def _is_batching(factor: str) -> bool:
-  return (len(factor) >= 1 and factor[0] == BATCHING and
-          (len(factor) == 1 or factor[1:].isdigit()))
-
-
-def _batching_group(factor: str) -> str:
-  return factor[1:] or "0"
+def _is_batching(dim) -> bool:
+  return (isinstance(dim, str) and dim.startswith(BATCHING) and
+          (len(dim) == 1 or dim[1:].isdigit()))
 
 
 class CompoundFactor(tuple):
@@ -648,16 +648,13 @@ class ArrayMapping(tuple):
 
   def __new__(cls, *dims):
     for i, dim in enumerate(dims):
-      if isinstance(dim, CompoundFactor):
-        continue
-      if not isinstance(dim, str):
+      if not isinstance(dim, (str, CompoundFactor)):
         raise ValueError("Each element of ArrayMapping must be a str or "
                          f"CompoundFactor; got {type(dim)}.")
-      if _is_batching(dim):
-        if i != 0:
-          raise ValueError("Ellipsis can only be used at the beginning of a "
-                           "dimension list.")
-      else:
+      if _is_batching(dim) and i != 0:
+        raise ValueError("Ellipsis can only be used at the beginning of a "
+                         "dimension list.")
+      if isinstance(dim, str) and not _is_batching(dim):
         _check_factor_name(dim)
     return tuple.__new__(cls, dims)
 
@@ -689,13 +686,12 @@ class SdyShardingRule:
     # factor -> True if some dimension is exactly this factor (so its size
     # can be read off the operand), False if it only occurs in compounds.
     whole_dim: dict[str, bool] = {}
-    for mapping in tuple(operand_mappings) + tuple(result_mappings):
-      for dim in mapping:
-        if isinstance(dim, CompoundFactor):
-          for factor in dim:
-            whole_dim.setdefault(factor, False)
-        else:
-          whole_dim[dim] = True
+    for dim in itertools.chain(*operand_mappings, *result_mappings):
+      if isinstance(dim, CompoundFactor):
+        for factor in dim:
+          whole_dim.setdefault(factor, False)
+      else:
+        whole_dim[dim] = True
     for factor in factor_sizes:
       if factor not in whole_dim:
         raise ValueError(f"Factor {factor} is not used in the rule, but a "
@@ -708,10 +704,8 @@ class SdyShardingRule:
         raise ValueError(f"Factor {factor} only occurs in compound factors; "
                          "give its size as a keyword argument.")
     seen: set[str] = set()
-    for kind, factors in (("reduction_factors", reduction_factors),
-                          ("need_replication_factors",
-                           need_replication_factors),
-                          ("permutation_factors", permutation_factors)):
+    for kind, factors in zip(_SPECIAL_FACTOR_KINDS, (
+        reduction_factors, need_replication_factors, permutation_factors)):
       if not isinstance(factors, tuple):
         raise ValueError(f"{kind} must be a tuple of factors; got "
                          f"{factors!r}.")
@@ -734,11 +728,8 @@ class SdyShardingRule:
     self.permutation_factors = permutation_factors
 
   def __str__(self):
-    special = "".join(
-        f" {kind}={factors}" for kind, factors in (
-            ("reduction_factors", self.reduction_factors),
-            ("need_replication_factors", self.need_replication_factors),
-            ("permutation_factors", self.permutation_factors)) if factors)
+    special = "".join(f" {kind}={getattr(self, kind)}"
+                      for kind in _SPECIAL_FACTOR_KINDS if getattr(self, kind))
     return (f"SdyShardingRule({self.operand_mappings}, "
             f"{self.result_mappings}, {self.factor_sizes}{special})")
 
@@ -746,60 +737,42 @@ class SdyShardingRule:
 
 
 def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
-  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings."""
-  text = " ".join(text.split())
-  if not text:
-    return (ArrayMapping(),)  # an empty side is one scalar
+  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings.
+
+  Brackets and commas are tokens of their own and "…" starts one; the
+  mappings check the names.
+  """
+  side = " ".join(text.split())
+  for char in "(),":
+    text = text.replace(char, f" {char} ")
   values: list[ArrayMapping] = []
   dims: list = []
   compound: list[str] | None = None  # factors of an open "(...)"
-  name = ""
-  pos = 0
-
-  def end_name():
-    nonlocal name
-    if name:
-      (dims if compound is None else compound).append(name)
-      name = ""
-
-  while pos < len(text):
-    char = text[pos]
-    pos += 1
-    if char == BATCHING:
-      if name or compound is not None or dims:
-        raise ValueError("Ellipsis can only be used at the beginning of a "
-                         "dimension list.")
-      digits = ""
-      while pos < len(text) and text[pos].isdigit():
-        digits += text[pos]
-        pos += 1
-      dims.append(BATCHING + str(int(digits or "0")))
-    elif char in " (),":
-      end_name()
-      if char == "(":
-        if compound is not None:
-          raise ValueError("Compound factors can't be nested.")
-        compound = []
-      elif char == ")":
-        if compound is None:
-          raise ValueError(f"Brackets are not balanced in rule side {text!r}.")
-        if len(compound) < 2:
-          raise ValueError("Brackets should contain at least two factors.")
-        dims.append(CompoundFactor(*compound))
-        compound = None
-      elif char == ",":
-        values.append(ArrayMapping(*dims))
-        dims = []
-    elif char == "_" or char.isdigit() or char.isalpha():
-      if not name and char.isdigit():
-        raise ValueError(
-            f"A factor name must start with a letter; got {char!r}.")
-      name += char
+  for token in text.replace(BATCHING, f" {BATCHING}").split():
+    if token == "(":
+      if compound is not None:
+        raise ValueError("Compound factors can't be nested.")
+      compound = []
+    elif token == ")":
+      if compound is None:
+        raise ValueError(f"Brackets are not balanced in rule side {side!r}.")
+      dims.append(CompoundFactor(*compound))
+      compound = None
+    elif token == ",":
+      values.append(ArrayMapping(*dims))
+      dims = []
     else:
-      raise ValueError(f"Unknown character {char!r} in sharding rule.")
+      if token[0] == BATCHING:  # "…", or "…2" (a group), maybe a name after
+        if compound is not None or dims:
+          raise ValueError("Ellipsis can only be used at the beginning of a "
+                           "dimension list.")
+        group = "".join(itertools.takewhile(str.isdigit, token[1:]))
+        dims.append(BATCHING + str(int(group or "0")))
+        token = token[1 + len(group):]
+      if token:
+        (dims if compound is None else compound).append(token)
   if compound is not None:
-    raise ValueError(f"Brackets are not balanced in rule side {text!r}.")
-  end_name()
+    raise ValueError(f"Brackets are not balanced in rule side {side!r}.")
   values.append(ArrayMapping(*dims))
   return tuple(values)
 
@@ -824,19 +797,16 @@ def str_to_sdy_sharding_rule(rule: str, *,
   if not isinstance(rule, str):
     raise TypeError(f"rule must be a str; got {type(rule)}.")
   if not all(isinstance(size, int) for size in factor_sizes.values()):
-    raise TypeError(
-        f"factor sizes must be ints; got {factor_sizes}.")
+    raise TypeError(f"factor sizes must be ints; got {factor_sizes}.")
   if BATCHING in rule:
     raise ValueError(f"Unknown character {BATCHING!r} in sharding rule.")
   rule = rule.replace("...", BATCHING)
   if "." in rule:
     raise ValueError("Character '.' may only appear as part of '...'.")
-  if "->" not in rule:
-    raise ValueError(f"There is no -> in rule: {rule!r}.")
-  operands, results = rule.split("->", 1)
-  if "->" in results:
+  sides = rule.split("->")
+  if len(sides) != 2:
     raise ValueError(f"A rule has exactly one '->'; got {rule!r}.")
-  return SdyShardingRule(_parse_side(operands), _parse_side(results),
+  return SdyShardingRule(_parse_side(sides[0]), _parse_side(sides[1]),
                          reduction_factors=reduction_factors,
                          need_replication_factors=need_replication_factors,
                          permutation_factors=permutation_factors,
@@ -844,42 +814,37 @@ def str_to_sdy_sharding_rule(rule: str, *,
 
 
 def _value_name(i: int, num_operands: int) -> str:
-  if i < num_operands:
-    return f"operand {i}"
-  return f"result {i - num_operands}"
+  return f"operand {i}" if i < num_operands else f"result {i - num_operands}"
+
+
+def _check_value_counts(rule: SdyShardingRule, num_operands: int,
+                        num_results: int) -> None:
+  for kind, in_rule, in_op in (
+      ("operands", len(rule.operand_mappings), num_operands),
+      ("results", len(rule.result_mappings), num_results)):
+    if in_rule != in_op:
+      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
+                       f"operation has {in_op} {kind}.")
 
 
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                   num_operands: int):
-  """Expands ``...`` against concrete shapes and sizes every factor.
+  """Expands ``...`` against ``shapes`` (the first ``num_operands`` are the
+  operands', the rest the results') and sizes every factor.
 
-  Args:
-    rule: the rule.
-    shapes: the shapes of the operands, then of the results.
-    num_operands: how many of ``shapes`` are operands.
-  Returns:
-    ``(sizes, dims)``: ``sizes`` maps each factor, in order of first use, to
-    its size; ``dims[v][d]`` is the tuple of factors of dimension ``d`` of
-    value ``v``.
-  Raises:
-    ValueError: a rank mismatch, an ellipsis that stands for different
-      numbers of dimensions, or sizes that do not fit.
+  Returns ``(sizes, dims)``: ``sizes`` maps each factor, in order of first
+  use, to its size; ``dims[v][d]`` is the tuple of factors of dimension ``d``
+  of value ``v``. Raises ValueError on a rank mismatch, an ellipsis standing
+  for different numbers of dimensions, or sizes that do not fit.
   """
-  for kind, in_rule, in_op in (
-      ("operands", len(rule.operand_mappings), num_operands),
-      ("results", len(rule.result_mappings), len(shapes) - num_operands)):
-    if in_rule != in_op:
-      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
-                       f"operation has {in_op} {kind}.")
-  mappings = tuple(rule.operand_mappings) + tuple(rule.result_mappings)
-  unknown = -1
-  sizes: dict[str, int] = {}
+  _check_value_counts(rule, num_operands, len(shapes) - num_operands)
+  sizes: dict[str, Any] = {}  # None while only compounds have shown it
 
-  def see(factor: str, size: int) -> None:
+  def see(factor: str, size: int | None) -> None:
     old = sizes.get(factor)
-    if old is None or old == unknown:
+    if old is None:
       sizes[factor] = size
-    elif size != unknown and size != old:
+    elif size is not None and size != old:
       if factor.startswith(_BATCH_FACTOR_PREFIX):
         raise ValueError(f"Batching dimension {factor[1:]} has two sizes: "
                          f"{old} and {size}.")
@@ -888,48 +853,37 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
 
   group_rank: dict[str, int] = {}
   dims: list[list[tuple[str, ...]]] = []
+  mappings = (*rule.operand_mappings, *rule.result_mappings)
   for i, (mapping, shape) in enumerate(zip(mappings, shapes)):
-    entries = tuple(mapping)
-    group = None
+    entries = list(mapping)
     if entries and _is_batching(entries[0]):
-      group = _batching_group(entries[0])
-      entries = entries[1:]
-    num_batch = 0
-    if group is not None:
+      group = entries.pop(0)[1:] or "0"
       num_batch = max(len(shape) - len(entries), 0)
       if group_rank.setdefault(group, num_batch) != num_batch:
         raise ValueError(
             "Ellipsis represents different numbers of leading dimensions: "
             f"{group_rank[group]} and {num_batch}.")
-    if num_batch + len(entries) != len(shape):
+      entries[:0] = [f"{_BATCH_FACTOR_PREFIX}{group}_{d}"
+                     for d in range(num_batch)]
+    if len(entries) != len(shape):
       name = _value_name(i, num_operands)
-      raise ValueError(
-          f"Sharding rule {name} has rank {num_batch + len(entries)}, but "
-          f"the operation {name} has rank {len(shape)}.")
-    value_dims: list[tuple[str, ...]] = []
-    for d in range(num_batch):
-      factor = f"{_BATCH_FACTOR_PREFIX}{group}_{d}"
-      see(factor, shape[d])
-      value_dims.append((factor,))
-    for d, entry in enumerate(entries, start=num_batch):
-      if isinstance(entry, CompoundFactor):
-        for factor in entry:
-          see(factor, rule.factor_sizes.get(factor, unknown))
-        value_dims.append(tuple(entry))
-      else:
-        see(entry, shape[d])
-        value_dims.append((entry,))
+      raise ValueError(f"Sharding rule {name} has rank {len(entries)}, but "
+                       f"the operation {name} has rank {len(shape)}.")
+    value_dims = [tuple(entry) if isinstance(entry, CompoundFactor)
+                  else (entry,) for entry in entries]
+    for factors, size in zip(value_dims, shape):
+      for factor in factors:  # a compound's parts are sized by the rule
+        see(factor, size if len(factors) == 1
+            else rule.factor_sizes.get(factor))
     dims.append(value_dims)
 
   for i, (value_dims, shape) in enumerate(zip(dims, shapes)):
-    for d, factors in enumerate(value_dims):
-      if len(factors) > 1:
-        product = int(np.prod([sizes[f] for f in factors]))
-        if product != shape[d]:
-          raise ValueError(
-              f"{_value_name(i, num_operands)} dimension {d} has size "
-              f"{shape[d]}, but its compound factors {factors} multiply to "
-              f"{product}.")
+    for d, (factors, size) in enumerate(zip(value_dims, shape)):
+      product = math.prod(sizes[factor] for factor in factors)
+      if len(factors) > 1 and product != size:
+        raise ValueError(
+            f"{_value_name(i, num_operands)} dimension {d} has size {size}, "
+            f"but its compound factors {factors} multiply to {product}.")
   return sizes, dims
 
 
@@ -1026,19 +980,13 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
       factor sizes are inconsistent.
     TypeError: a type is not an ``ir.Type``.
   """
-  for kind, mappings, types_ in (("operands", rule.operand_mappings,
-                                  operand_types),
-                                 ("results", rule.result_mappings,
-                                  result_types)):
-    if len(mappings) != len(types_):
-      raise ValueError(f"Sharding rule has {len(mappings)} {kind}, but the "
-                       f"operation has {len(types_)} {kind}.")
-  if not all(isinstance(t, ir.Type) for t in [*operand_types, *result_types]):
+  _check_value_counts(rule, len(operand_types), len(result_types))
+  types_ = [*operand_types, *result_types]
+  if not all(isinstance(t, ir.Type) for t in types_):
     raise TypeError("operand_types and result_types must be lists of "
                     f"ir.Type; got {operand_types} and {result_types}.")
-  shapes = [tuple(ir.ShapedType(t).shape)
-            for t in [*operand_types, *result_types]]
-  sizes, dims = _resolve_rule(rule, shapes, len(operand_types))
+  sizes, dims = _resolve_rule(rule, [ir.ShapedType(t).shape for t in types_],
+                              len(operand_types))
   return _rule_attr_from_dims(sizes, dims, len(operand_types),
                               rule.reduction_factors,
                               rule.need_replication_factors,
@@ -1049,20 +997,17 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
   """GSPMD inference derived from a Shardy rule.
 
-  Args:
-    shapes: the shapes of the operands, then of the results.
-    in_specs: PartitionSpec entries per operand (None: not placed yet).
-  Returns:
-    PartitionSpec entries per result: each result dimension takes the mesh
-    axes of the first operand dimension with the same (single, passthrough)
-    factor, unless another dimension of that result has them already.
+  ``shapes`` are the operands', then the results'; ``in_specs`` holds the
+  PartitionSpec entries of each operand (None: not placed yet). Returns those
+  of each result: a result dimension takes the mesh axes of the first operand
+  dimension with the same single, passthrough factor, unless another
+  dimension of that result has them already.
   """
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
   for value_dims, spec in zip(dims, in_specs):
-    for factors, axes in zip(value_dims, tuple(spec or ()) +
-                             (None,) * len(value_dims)):
+    for factors, axes in zip(value_dims, spec or ()):
       if len(factors) == 1 and factors[0] not in blocked and axes is not None:
         axes_of.setdefault(factors[0], axes)
   out = []

@@ -804,8 +804,9 @@ def str_to_sdy_sharding_rule(rule: str, *,
   if "." in rule:
     raise ValueError("Character '.' may only appear as part of '...'.")
   sides = rule.split("->")
-  if len(sides) != 2:
-    raise ValueError(f"A rule has exactly one '->'; got {rule!r}.")
+  if len(sides) != 2:  # the first message is upstream's
+    raise ValueError(f"There is no -> in rule: {rule!r}." if len(sides) == 1
+                     else f"A rule has exactly one '->'; got {rule!r}.")
   return SdyShardingRule(_parse_side(sides[0]), _parse_side(sides[1]),
                          reduction_factors=reduction_factors,
                          need_replication_factors=need_replication_factors,

@@ -3019,10 +3019,10 @@ class custom_partitioning:
         ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
     """
-    special = {"reduction_factors": reduction_factors,
-               "need_replication_factors": need_replication_factors,
-               "permutation_factors": permutation_factors}
-    extra = dict(factor_sizes, **{k: v for k, v in special.items() if v})
+    special = (reduction_factors, need_replication_factors,
+               permutation_factors)
+    extra = dict(factor_sizes, **{kind: factors for kind, factors in zip(
+        _SPECIAL_FACTOR_KINDS, special) if factors})
     if partition is not None and not callable(partition):
       raise TypeError(
           f"def_partition of {self._name}: partition must be callable; got "

@@ -1547,6 +1547,16 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
   return jax.sharding.NamedSharding(auto, sharding.spec)
 
 
+def _concrete(op: _Op, mesh):
+  """A mesh from the author; an AbstractMesh made concrete on the op's
+  devices (as upstream does)."""
+  if not isinstance(mesh, mesh_lib.AbstractMesh):
+    return mesh
+  if not op.mesh.empty and _abstract_of(op.mesh) == mesh:
+    return op.mesh
+  return _mesh_from_abstract(op.place.devices, mesh)
+
+
 def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
             on=None) -> list[_Value]:
   """The author's pytree of shardings for ``like`` (values of the same
@@ -1561,6 +1571,9 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
     if not isinstance(sharding, jax.sharding.Sharding):
       raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
                       "a jax.sharding.Sharding.")
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
+                                            sharding.spec)
     if set(_sharding_devices(sharding)) != set(op.place.devices):
       raise ValueError(
           f"{where} on devices "
@@ -1650,15 +1663,11 @@ def _check_answer(op: _Op, answer):
   if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
     raise TypeError(f"partition of {op.name} returned a mesh of type "
                     f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
-  if isinstance(mesh, mesh_lib.Mesh) and mesh.empty:
-    raise ValueError(
-        f"partition of {op.name} returned an empty mesh: the op's mesh "
-        "could not be recovered (the program's shardings are not "
-        "NamedShardings and no mesh is set). Return a mesh over the op's "
-        "devices, or use NamedSharding inputs, jax.set_mesh or `with "
-        "mesh:`.")
   devices = op.place.devices
-  if op.place.auto is None:  # else the shard_map's mesh is used anyway
+  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
+  # op got if no mesh could be recovered (as upstream, lower_fn then runs
+  # without mesh axes).
+  if op.place.auto is None and not mesh.empty:
     if isinstance(mesh, mesh_lib.Mesh):
       if set(_mesh_devices(mesh)) != set(devices):
         raise ValueError(
@@ -1683,6 +1692,7 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
                         _structs(op, op.in_tree, operands, on),
                         _structs(op, op.out_tree, results, on))
   mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
+  mesh = _concrete(op, mesh)
   if op.place.auto is not None:
     # Collectives must name devices of the whole program: lower on the
     # whole mesh (the returned one may be the mesh with manual types).
@@ -1737,10 +1747,20 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
                              [v.spec for v in answer.args], on)
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
-  with _no_ambient_mesh():
-    closed, out_shape = jax.make_jaxpr(
-        lower_fn, axis_env=list(answer.mesh.shape.items()),
-        return_shape=True)(*op.in_tree.unflatten(local_args))
+  try:
+    with _no_ambient_mesh():
+      closed, out_shape = jax.make_jaxpr(
+          lower_fn, axis_env=list(answer.mesh.shape.items()),
+          return_shape=True)(*op.in_tree.unflatten(local_args))
+  except NameError as e:  # an unbound axis name
+    if not answer.mesh.empty:
+      raise
+    raise ValueError(
+        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
+        "returned the empty mesh: the op's mesh could not be recovered (the "
+        "program's shardings are not NamedShardings and no mesh is set). "
+        "Return a mesh over the op's devices, or use NamedSharding inputs, "
+        "jax.set_mesh or `with mesh:`.") from e
   got = jax.tree_util.tree_leaves(out_shape)
   if len(got) != len(local_results):
     raise ValueError(
@@ -2747,7 +2767,8 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
       infer=op.infer_sharding_from_operands,
       propagate=op.propagate_user_sharding,
       rule=None if callable(op.sharding_rule) else op.sharding_rule,
-      decode=True, check_vma=op.check_vma, static_args=args.static_args,
+      decode=op.decode_shardings, check_vma=op.check_vma,
+      static_args=args.static_args,
       in_tree=in_tree, out_tree=out_tree, steps=(),
       place=_Placement(mesh, _mesh_devices(mesh)))
   operands = [_Value(a.shape, a.dtype, _spec_of(a)) for a in in_avals]

@@ -3682,8 +3682,9 @@ class DerivedOpsTest(CPTestCase):
 
   def test_no_recoverable_mesh(self):
     # Shardings that are not NamedShardings and no mesh set: the callbacks
-    # get an empty mesh. Returning it is an error naming the way out; the
-    # derived ops say they need a mesh.
+    # get an empty mesh. As upstream, returning it runs lower_fn without
+    # mesh axes; one that names an axis gets an error naming the way out;
+    # the derived ops say they need a mesh.
     from jax._src.sharding_impls import GSPMDSharding
     m = self.mesh()
     gs = GSPMDSharding(tuple(m.devices.flat),
@@ -3694,13 +3695,39 @@ class DerivedOpsTest(CPTestCase):
       jax.jit(lambda x: x + 1, in_shardings=gs, out_shardings=gs)(x)
     except NotImplementedError as e:  # e.g. jax 0.4.35 under Shardy
       self.skipTest(f"{JAX}: jit itself rejects GSPMDSharding here: {e}")
-    with self.assertRaisesRegex(ValueError, "returned an empty mesh"):
-      jax.jit(op, in_shardings=gs, out_shardings=gs)(x)
+    np.testing.assert_allclose(
+        jax.jit(op, in_shardings=gs, out_shardings=gs)(x),
+        np.sin(_data((8, 4))) * 2, rtol=1e-6)
+    summed = _same_sharding_op(lambda x: x * 8.0,
+                               lower_fn=lambda x: jax.lax.psum(x, "x"))
+    with self.assertRaisesRegex(ValueError, "names a mesh axis.*empty mesh"):
+      jax.jit(summed, in_shardings=gs, out_shardings=gs)(x)
     with self.assertRaisesRegex(NotImplementedError, "without a mesh"):
       jax.jit(jax.grad(lambda x: op(x).sum()), in_shardings=gs,
               out_shardings=gs)(x)
     np.testing.assert_allclose(jax.jit(op)(self.put(_data((8, 4)), "x")),
                                np.sin(_data((8, 4))) * 2, rtol=1e-6)
+
+  def test_partition_may_return_an_abstract_mesh(self):
+    # As upstream: the abstract mesh (and shardings on it) stand for the
+    # op's devices, under jit, grad and vmap.
+    op = custom_partitioning(lambda x: x.sum(0))
+
+    def partition(mesh, arg_shapes, result_shape):
+      am = mesh.abstract_mesh
+      return (am, lambda x: jax.lax.psum(x.sum(0), "x"),
+              NamedSharding(am, P()), (NamedSharding(am, P("x")),))
+    op.def_partition(partition, sharding_rule="i j -> j",
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+                         m, P()))
+    x = self.put(_data((8, 4)), "x")
+    np.testing.assert_allclose(jax.jit(op)(x), _data((8, 4)).sum(0),
+                               rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: op(x).sum()))(x),
+                               np.ones((8, 4)), rtol=1e-6)
+    xs = self.put(_data((2, 8, 4)), None, "x")
+    np.testing.assert_allclose(jax.jit(jax.vmap(op))(xs),
+                               _data((2, 8, 4)).sum(1), rtol=1e-5)
 
   # -- what cannot be differentiated ---------------------------------------
 
@@ -5099,6 +5126,25 @@ class ExplicitPathTest(CPTestCase):
     return _fft_op(), jnp.fft.fft
 
   # -- values and the compiled program ---------------------------------
+
+  def test_decode_shardings_false_passes_gspmd_shardings(self):
+    # As on the custom-call path (and upstream): GSPMDShardings, which the
+    # partition may hand back.
+    from jax._src.sharding_impls import GSPMDSharding
+    seen = []
+    op = custom_partitioning(jnp.sin)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      seen.append(type(s))
+      return mesh, jnp.sin, s, (s,)
+    op.def_partition(partition, decode_shardings=False,
+                     sharding_rule="i j -> i j",
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+    f = jax.jit(op)
+    np.testing.assert_allclose(f(self.x), np.sin(self.xh), rtol=1e-6)
+    self.assertEqual(set(seen), {GSPMDSharding})
+    self.assertPlainJax(f, self.x)
 
   def test_jit_values_types_and_hlo(self):
     op, fun = self.fft()

@@ -2181,25 +2181,21 @@ class _Describer:
         self.add(cell.cell_contents)
       except ValueError:  # an empty cell
         self.out.append("empty cell")
-    names = _code_names(fn.__code__)
-    for name in names:
-      if name in fn.__globals__:
-        self.out.append(f"global {name}")
-        self.add(fn.__globals__[name])
-        self._module_attrs(fn.__globals__[name], names)
+    self._reads("global ", fn.__globals__, _code_names(fn.__code__))
 
-  def _module_attrs(self, module, names, depth: int = 0) -> None:
-    """Describes the attributes of a user module that the code may read
-    (``co_names`` holds attribute names too, as in ``cfg.SCALE``)."""
-    if (not isinstance(module, types.ModuleType) or depth > 4 or
-        _is_library(module.__name__)):
-      return
-    attrs = vars(module)
+  def _reads(self, prefix: str, namespace, names, depth: int = 0) -> None:
+    """Describes the values in ``namespace`` that code using ``names`` may
+    read, and so the attributes of user modules among them (``co_names``
+    holds attribute names too, as in ``cfg.SCALE``)."""
     for name in names:
-      if name in attrs:
-        self.out.append(f"attr {module.__name__}.{name}")
-        self.add(attrs[name])
-        self._module_attrs(attrs[name], names, depth + 1)
+      if name in namespace:
+        self.out.append(f"{prefix}{name}")
+        value = namespace[name]
+        self.add(value)
+        if (isinstance(value, types.ModuleType) and depth <= 4 and
+            not _is_library(value.__name__)):
+          self._reads(f"attr {value.__name__}.", vars(value), names,
+                      depth + 1)
 
   def _class(self, cls: type) -> None:
     self.out.append(f"class {cls.__module__}.{cls.__qualname__}")

@@ -69,7 +69,8 @@ import jax
 # Every jax._src import and every difference between jax releases, each
 # branch naming the release that forced it (delete it once that release
 # leaves the supported range). Python internals are gated on jax's version,
-# C++ bindings (Shardy, XLA) on jaxlib's: jax 0.10.2 runs on jaxlib 0.10.1.
+# C++ bindings (Shardy, XLA) on jaxlib's: a jax release may run on the
+# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
 # --------------------------------------------------------------------------
 
 
@@ -323,10 +324,9 @@ def _gspmd_hlo(sharding) -> xc.HloSharding:
   return sharding._hlo_sharding
 
 
-# Section 5b runs an op as reshard -> shard_map -> reshard while tracing. It
-# needs Explicit axis types (jax 0.5.3), top-level jax.shard_map with
-# check_vma (jax 0.6) and jax.sharding.reshard (jax 0.6); without all three
-# every op keeps the custom call.
+# Section 5b (reshard -> shard_map -> reshard while tracing) needs Explicit
+# axis types (jax 0.5.3), jax.shard_map with check_vma and jax.sharding.reshard
+# (jax 0.6); without all three every op keeps the custom call.
 _EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
                   hasattr(jax, "shard_map") and
                   hasattr(jax.sharding, "reshard") and
@@ -440,8 +440,7 @@ _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
 
 
 class _LRU:
-  """A small thread-safe least-recently-used map, emptied (lazily, on its
-  next use) by ``jax.clear_caches()``."""
+  """A thread-safe LRU map, emptied (lazily) by ``jax.clear_caches()``."""
 
   def __init__(self, size: int = _CACHE_SIZE):
     self._size = size

@@ -5,59 +5,35 @@ What this is
 A drop-in replacement for ``jax.experimental.custom_partitioning``: the
 ``custom_partitioning`` decorator lets the author of an op give it its own
 sharding rules and a per-shard implementation, so that XLA's SPMD partitioner
-runs the op on shards instead of gathering its operands first::
-
-    @custom_partitioning
-    def my_fft(x):
-      return jnp.fft.fft(x)
-
-    my_fft.def_partition(partition=..., infer_sharding_from_operands=...,
-                         sharding_rule="... i -> ... i")
-
-(a sketch: ``_demo`` at the end of this file is the complete, runnable
-example; ``python custom_partitioning.py`` runs it.)
-
-The op is staged out as one XLA custom call. While compiling, XLA asks this
-module (through Python callbacks) which sharding the result should get and
-how to compute one shard; the answer is a per-shard program lowered from the
-author's ``lower_fn``.
+runs the op on shards instead of gathering its operands first. The op is
+staged out as one XLA custom call; while compiling, XLA asks this module
+(through Python callbacks) which sharding the result should get and how to
+compute one shard: a program lowered from the author's ``lower_fn``. ``_demo``
+at the end is a complete example (``python custom_partitioning.py`` runs it).
 
 How to vendor
 -------------
 Copy this file into your project and import it instead of
-``jax.experimental.custom_partitioning``. Nothing else is needed: its only
-dependencies are ``jax`` and ``jaxlib``. The XLA call target it registers is
-derived from the name under which the module is imported, so jax's own
-implementation and any number of copies of this file coexist in one program.
+``jax.experimental.custom_partitioning``; it needs only ``jax`` and
+``jaxlib``. Its XLA call target is derived from the name under which it is
+imported, so jax's own implementation and any number of copies coexist.
 
 Supported jax versions
 ----------------------
 jax/jaxlib 0.4.35 to 0.11.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
 0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
-partitioner; 0.11 needs Python 3.12).
-Every ``jax._src`` import and every version difference lives in the
-"Compatibility" section below.
+partitioner; 0.11 needs Python 3.12). Every ``jax._src`` import and every
+version difference lives in section 1.
 
 Reading order
 -------------
-1. Compatibility: the jax internals this module calls; 1b. the module's
-   state (every cache and registry, what bounds and clears it).
-2. Sharding rules for Shardy (``SdyShardingRule`` and friends).
-3. Shardings: each operand and result as a ``_Value`` between XLA's
-   ``HloSharding`` and jax shardings; 3b. derived ops: the steps (vmap, jvp,
-   transposition) that lead from the author's op to the op XLA partitions;
-   3c. the checks of the per-shard program (padding, replicated results).
-4. One lowered op (``_Op``) and the three questions XLA asks about it: one
-   function asks each of the author's callbacks, one walks each question
-   through the steps; 4b. the callbacks XLA calls and how a callback's
-   exception comes back; 4c. the keys that name an op to XLA (stable across
-   processes, for the persistent compilation cache).
-5. The primitive: abstract evaluation, differentiation, transposition and
-   batching (binding derived ops), eager impl, lowering; 5b. under Explicit
-   mesh axes, partitioning while tracing (reshard, shard_map, reshard: no
-   custom call).
-6. The public ``custom_partitioning`` decorator.
-7. A self-demo (``python custom_partitioning.py``).
+1. Compatibility (1b. the module's state); 2. sharding rules for Shardy;
+3. shardings (3b. derived ops: the vmap, jvp and transposition steps from the
+author's op to the op XLA partitions; 3c. checks of the per-shard program);
+4. one lowered op and the questions XLA asks about it (4b. the callbacks XLA
+calls; 4c. the keys naming an op, stable for the persistent compilation
+cache); 5. the primitive (5b. under Explicit mesh axes, partitioning while
+tracing, with no custom call); 6. the public decorator; 7. a self-demo.
 
 The API design is JAX's; this is an independent implementation of it.
 """
@@ -90,30 +66,26 @@ import jax
 # --------------------------------------------------------------------------
 # 1. Compatibility
 #
-# Everything this module needs from jax's private modules is imported here,
-# and every difference between jax releases is hidden behind a small helper.
-# Each helper names the release that made it necessary; delete the old branch
-# once that release leaves the supported range. Python-side internals are
-# gated on jax's version, the C++ bindings (Shardy, XLA) on jaxlib's: a jax
-# release may run on the previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
+# Every jax._src import and every difference between jax releases, each
+# branch naming the release that forced it (delete it once that release
+# leaves the supported range). Python internals are gated on jax's version,
+# C++ bindings (Shardy, XLA) on jaxlib's: a jax release may run on the
+# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
 # --------------------------------------------------------------------------
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
   """``"0.5.3.dev20250101"`` -> ``(0, 5, 3)``."""
-  parts = []
-  for part in text.split(".")[:3]:
-    digits = "".join(itertools.takewhile(str.isdigit, part))
-    parts.append(int(digits or 0))
-  return tuple(parts)
+  return tuple(int("".join(itertools.takewhile(str.isdigit, part)) or 0)
+               for part in text.split(".")[:3])
 
 
-_SUPPORTED = "jax 0.4.35 to 0.11.x"
 _JAX_VERSION = _version_tuple(jax.__version__)
 if _JAX_VERSION < (0, 4, 35):
   raise ImportError(
-      f"{__name__} supports {_SUPPORTED}; found jax {jax.__version__}. "
-      "Upgrade jax and jaxlib, or use jax.experimental.custom_partitioning.")
+      f"{__name__} supports jax 0.4.35 to 0.11.x; found jax "
+      f"{jax.__version__}. Upgrade jax and jaxlib, or use "
+      "jax.experimental.custom_partitioning.")
 
 from jax._src import (
   api_util,
@@ -165,33 +137,25 @@ def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
 
 
 def _jaxpr_func_name(jaxpr: core.Jaxpr) -> str | None:
-  """The name of the function ``jaxpr`` was traced from, if recorded."""
   # jax 0.5.1 added DebugInfo.func_name; before it, see ``_wrap``.
   return getattr(jaxpr.debug_info, "func_name", None)
 
 
 def _trace(flat_fun: lu.WrappedFun, in_avals):
   """Traces ``flat_fun`` to a jaxpr; returns ``(jaxpr, consts)``."""
-  # jax 0.7.0 dropped the fourth result (attrs); both forms start with
-  # (jaxpr, out_avals, consts).
+  # jax 0.7.0 dropped the fourth result (attrs).
   jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
   return jaxpr, consts
 
 
 def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
   """The flat list of MLIR types for a sequence of abstract values."""
-  out: list[ir.Type] = []
-  for aval in avals:
-    # jax 0.10.1 made aval_to_ir_types take the module context first.
-    if _JAX_VERSION >= (0, 10, 1):
-      out.extend(mlir.aval_to_ir_types(ctx.module_context, aval))
-    else:
-      out.extend(mlir.aval_to_ir_types(aval))
-  return out
+  # jax 0.10.1 made aval_to_ir_types take the module context first.
+  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
+  return [t for aval in avals for t in mlir.aval_to_ir_types(*first, aval)]
 
 
 def _module_backend(ctx: mlir.LoweringRuleContext):
-  """The backend the enclosing module is lowered for."""
   # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
   if _JAX_VERSION < (0, 5, 0):
     return ctx.module_context.backend_or_name
@@ -200,11 +164,10 @@ def _module_backend(ctx: mlir.LoweringRuleContext):
 
 def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   """Lowers the per-shard jaxpr; returns ``(module, host_callbacks)``."""
-  kwargs: dict[str, Any] = {}
-  params: dict[str, Any] = {}
   # jax 0.5.0 renamed the backend_or_name keyword to backend.
-  kwargs["backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name"] = (
-      backend)
+  kwargs: dict[str, Any] = {
+      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
+  params: dict[str, Any] = {}
   # jax 0.7.0 dropped the name_stack keyword.
   if _JAX_VERSION < (0, 7, 0):
     kwargs["name_stack"] = source_info_util.new_name_stack()
@@ -212,8 +175,7 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   if _JAX_VERSION >= (0, 7, 1):
     kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
     params["hoist_constants_as_args"] = False
-  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr,
-  # which carries its consts).
+  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr).
   if _JAX_VERSION >= (0, 11, 0):
     kwargs["out_avals"] = closed_jaxpr.out_avals
   result = mlir.lower_jaxpr_to_module(
@@ -295,10 +257,9 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
       result_mappings=result_mappings, **kwargs)
 
 
-# jax 0.5.3 made axis types a tuple of jax.sharding.AxisType; before it,
-# meshes cannot type single axes Manual, so a NamedSharding cannot express
-# the manual subgroup that XLA's shardings carry inside a partly manual
-# shard_map.
+# jax 0.5.3 made axis types a per-axis tuple of jax.sharding.AxisType; before
+# it, meshes cannot type single axes Manual, so a NamedSharding cannot express
+# the manual subgroup of XLA's shardings inside a partly manual shard_map.
 _MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
 
 
@@ -318,8 +279,8 @@ def _auto_submesh(mesh, manual_axes):
   keep = [i for i, name in enumerate(mesh.axis_names)
           if name not in manual_axes]
   names = tuple(mesh.axis_names[i] for i in keep)
-  # jax 0.5.3 made axis types a per-axis tuple; before it, leave them out.
-  if _JAX_VERSION < (0, 5, 3):
+  # jax 0.5.3 made axis types a per-axis tuple (_MESH_TYPES_MANUAL_AXES).
+  if not _MESH_TYPES_MANUAL_AXES:
     return mesh_lib.Mesh(mesh.devices[index], names)
   return mesh_lib.Mesh(mesh.devices[index], names,
                        axis_types=tuple(mesh.axis_types[i] for i in keep))
@@ -336,8 +297,7 @@ def _no_ambient_mesh():
 
 
 def _varying_axes(aval) -> frozenset | None:
-  """The manual mesh axes a value varies over inside ``shard_map``, or None
-  where jax does not track them."""
+  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
   # jax 0.6 added ShapedArray.vma (shard_map's check_vma); jax 0.10 moved it
   # to ShapedArray.manual_axis_type.varying.
   mat = getattr(aval, "manual_axis_type", None)
@@ -346,15 +306,13 @@ def _varying_axes(aval) -> frozenset | None:
   return getattr(aval, "vma", None)
 
 
-# Private attributes of jax's mesh and sharding classes, stable from 0.4.35
+# Private attributes of jax's mesh and sharding classes, unchanged from 0.4.35
 # through 0.11; one place to change if jax renames them.
 def _mesh_devices(mesh) -> tuple:
-  """A concrete mesh's devices in mesh order (flattened)."""
-  return tuple(mesh._flat_devices_tuple)
+  return tuple(mesh._flat_devices_tuple)  # in mesh order
 
 
 def _sharding_devices(sharding) -> tuple:
-  """The devices of a ``jax.sharding.Sharding``, in its assignment order."""
   return tuple(sharding._device_assignment)
 
 
@@ -363,14 +321,12 @@ def _to_hlo_sharding(sharding, ndim: int) -> xc.HloSharding:
 
 
 def _gspmd_hlo(sharding) -> xc.HloSharding:
-  """The HloSharding a ``GSPMDSharding`` wraps."""
   return sharding._hlo_sharding
 
 
-# Section 5b runs an op as reshard -> shard_map -> reshard while tracing.
-# It needs Explicit axis types (jax 0.5.3), top-level jax.shard_map with
-# check_vma (jax 0.6) and jax.sharding.reshard (jax 0.6); without all three
-# every op keeps the custom call.
+# Section 5b (reshard -> shard_map -> reshard while tracing) needs Explicit
+# axis types (jax 0.5.3), jax.shard_map with check_vma and jax.sharding.reshard
+# (jax 0.6); without all three every op keeps the custom call.
 _EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
                   hasattr(jax, "shard_map") and
                   hasattr(jax.sharding, "reshard") and
@@ -390,7 +346,6 @@ def _all_explicit(am) -> bool:
 
 
 def _abstract_of(mesh):
-  """The abstract mesh of a concrete one (compared with operand types)."""
   return mesh.abstract_mesh
 
 
@@ -412,8 +367,7 @@ def _vmapped_over_mesh_axis(x) -> bool:
       x = x.primal
       continue
     dim, x = x.batch_dim, x.val
-    sharding = getattr(_typeof(x), "sharding", None)
-    spec = tuple(getattr(sharding, "spec", ()))
+    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
     if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
       return True
   return False
@@ -424,12 +378,10 @@ def _use_shardy() -> bool:
 
 
 def _at_top_level() -> bool:
-  """True when no jax transformation is tracing (plain eager Python)."""
-  return core.trace_state_clean()
+  return core.trace_state_clean()  # no jax transformation is tracing
 
 
 def _jit_disabled() -> bool:
-  """True inside ``jax.disable_jit()``."""
   return bool(_config.disable_jit.value)
 
 
@@ -449,22 +401,22 @@ def _register_compile_error_handler(handler) -> None:
   _compiler.register_xla_runtime_error_handler(handler)
 
 
-def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
-  """Memoizes the argument-less ``fn`` until ``jax.clear_caches()``."""
-  # jax's own util.cache is cleared by jax.clear_caches() on every release
+@_jax_util.cache(max_size=1, trace_context_in_key=False)
+def _cache_epoch() -> object:
+  """A token that changes when ``jax.clear_caches()`` is called."""
+  # jax's util.cache is cleared by jax.clear_caches() on every release
   # (through a set of clear functions up to 0.4.x, util.register_cache
   # since). With jax_check_tracer_leaks on it does not memoize at all.
-  return _jax_util.cache(max_size=1, trace_context_in_key=False)(fn)
+  return object()
 
 
 # --------------------------------------------------------------------------
 # 1b. Module state
 #
-# Every piece of state this module keeps is defined here, except the stores
-# that live on their objects (per op, per lowered op). Caches are ``_LRU``s:
-# bounded, each with its own lock. Each answers exactly what a fresh
-# computation would: its key holds everything the computation reads that
-# jax's own caches key on (the comment where it is filled says what).
+# All state this module keeps, except the stores on their objects (per op,
+# per lowered op). Caches are bounded ``_LRU``s, each with its own lock; a
+# hit answers what a fresh computation would (where each cache is filled, a
+# comment says what its key holds).
 #
 #   store           maps                                    bound   cleared
 #   op._traces      call signature -> traced fun, or (5b)   64/op   C, D
@@ -477,27 +429,18 @@ def _until_clear_caches(fn: Callable[[], Any]) -> Callable[[], Any]:
 #   _parked_errors  tag -> a callback's exception           64      C, R
 #   _call_names     body -> name of its function            weak    -
 #
-# C: ``jax.clear_caches()`` (each ``_LRU`` notices on its next use);
+# C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
 # D: ``def_partition``; P: popped by the partition callback (section 4b);
-# R: popped when the failed compile re-raises it. ``_registry`` finds the op
-# XLA asks about: every lowering and executable that may still call back
-# keeps its entry alive. ``_call_names`` names bodies in error messages. The
-# weak tables share ``_weak_lock``; ``pending`` is written and read by one
-# compiling thread per entry.
+# R: popped when the failed compile re-raises it. Lowerings and executables
+# that may still call back keep their ``_registry`` entries alive. The weak
+# tables share ``_weak_lock``; a ``pending`` entry has one compiling thread.
 # --------------------------------------------------------------------------
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
 
 
-@_until_clear_caches
-def _cache_epoch() -> object:
-  """A token that changes when ``jax.clear_caches()`` is called."""
-  return object()
-
-
 class _LRU:
-  """A small thread-safe least-recently-used map, emptied (lazily, on its
-  next use) by ``jax.clear_caches()``."""
+  """A thread-safe LRU map, emptied (lazily) by ``jax.clear_caches()``."""
 
   def __init__(self, size: int = _CACHE_SIZE):
     self._size = size
@@ -505,29 +448,28 @@ class _LRU:
     self._lock = threading.Lock()
     self._epoch = None
 
-  def _check_epoch(self) -> None:
+  def _current(self) -> collections.OrderedDict:
+    """The entries of this cache epoch; call with the lock held."""
     epoch = _cache_epoch()
     if epoch is not self._epoch:
       self._data.clear()
       self._epoch = epoch
+    return self._data
 
   def get(self, key):
     with self._lock:
-      self._check_epoch()
-      value = self._data.get(key)
+      value = self._current().get(key)
       if value is not None:
         self._data.move_to_end(key)
       return value
 
   def pop(self, key):
     with self._lock:
-      self._check_epoch()
-      return self._data.pop(key, None)
+      return self._current().pop(key, None)
 
   def put(self, key, value) -> None:
     with self._lock:
-      self._check_epoch()
-      self._data[key] = value
+      self._current()[key] = value
       self._data.move_to_end(key)
       while len(self._data) > self._size:
         self._data.popitem(last=False)
@@ -538,8 +480,7 @@ class _LRU:
 
   def __len__(self) -> int:
     with self._lock:
-      self._check_epoch()
-      return len(self._data)
+      return len(self._current())
 
 
 _eager = _LRU()
@@ -551,11 +492,7 @@ _weak_lock = threading.Lock()
 
 
 def _store_sizes(op=None) -> dict[str, int]:
-  """How many entries each store above holds (``op``'s own too, if given).
-
-  The introspection point for tests and debugging: the stores' layouts are
-  private, their sizes are not.
-  """
+  """Entries per store above (and ``op``'s own, if given), for tests."""
   with _weak_lock:
     sizes = {"registry": len(_registry), "call_names": len(_call_names)}
   sizes.update(eager=len(_eager), derived=len(_derived),
@@ -2039,28 +1976,20 @@ _register_compile_error_handler(_reraise_callback_error)
 # --------------------------------------------------------------------------
 # 4c. Keys
 #
-# The key names an op to XLA's callbacks and goes into the compiled program,
-# so it is part of the persistent compilation cache's key. It is a digest of
-# a description of everything that decides the op's partitioning: the body's
-# jaxpr and constants, the code of every callback with the values it reads
-# (closures, globals, attributes of user modules, defaults), the static
-# arguments, the pytrees, the mesh, the devices and the partitioner.
-#
-# The description is faithful for plain data (numbers, strings, containers,
-# arrays of up to _MAX_HASHED_BYTES, dataclasses and other objects of user
-# classes, by their fields), code, meshes and shardings. Anything else is
-# *opaque*: it is described by its identity within one lowering and one
-# process. Bigger arrays are opaque too: hashing one costs time linear in
-# its size for every op of every lowering, so a program whose callbacks read
-# one misses the persistent cache instead. Hence:
-#  - the same program gets the same key in every process (the persistent
-#    cache hits) unless it involves opaque values (then it misses);
-#  - a changed program never gets an old key; and because the description
-#    is made anew for every lowering, in-place changes to described values
-#    are seen too. Opaque values are never shared between lowerings.
-# What no description can see: state read through libraries (environment
-# variables, files, random numbers) by a callback. Callbacks, like the
-# functions jax.jit traces, must not depend on such state.
+# The key names an op to XLA's callbacks and, inside the compiled program,
+# is part of the persistent compilation cache's key. It digests a description
+# of all that decides the op's partitioning: the body's jaxpr and constants,
+# each callback's code and the values it reads (closures, globals, attributes
+# of user modules, defaults), static arguments, pytrees, mesh, devices and
+# partitioner. Plain data (including arrays up to _MAX_HASHED_BYTES and user
+# objects, by their fields), code, meshes and shardings are described
+# faithfully; anything else, and bigger arrays (hashing costs time linear in
+# their size, in every lowering), is *opaque*: described by its identity
+# within one lowering in one process. So a program keeps its key across
+# processes unless it reads opaque values, and a changed program (even in
+# place: each lowering is described anew) never gets an old key. No
+# description sees state that callbacks read through libraries (environment,
+# files, random numbers); like functions jax.jit traces, they must not.
 # --------------------------------------------------------------------------
 
 # Code of these packages is identified by name and version, not by content.
@@ -2073,15 +2002,14 @@ _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # Classes of this module whose objects are described by what a function of
 # them returns; each is registered right after its class.
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
-_SKIPPED_CLASS_ATTRS = frozenset({"__dict__", "__weakref__", "__doc__",
-                                  "__module__", "__qualname__",
-                                  "__annotations__", "__dataclass_fields__",
-                                  "__dataclass_params__", "__match_args__"})
+_SKIPPED_CLASS_ATTRS = frozenset({
+    "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
+    "__annotations__", "__dataclass_fields__", "__dataclass_params__",
+    "__match_args__"})
 
 
 def _is_library(module_name: str | None) -> bool:
-  root = (module_name or "").split(".")[0]
-  return root in _LIBRARY_PREFIXES
+  return (module_name or "").split(".")[0] in _LIBRARY_PREFIXES
 
 
 class _TooBig(Exception):
@@ -2098,11 +2026,8 @@ def _code_names(code: types.CodeType) -> list[str]:
 
 
 class _Describer:
-  """Writes a description of Python values, for ``_digest``.
-
-  ``scope`` names one lowering in one process; opaque values are described
-  by their identity within it.
-  """
+  """Writes a description of Python values, for ``_digest``; ``scope`` names
+  one lowering in one process (opaque values are described within it)."""
 
   def __init__(self, scope: str):
     self.scope = scope
@@ -2221,29 +2146,21 @@ class _Describer:
         self.add(cell.cell_contents)
       except ValueError:  # an empty cell
         self.out.append("empty cell")
-    names = _code_names(fn.__code__)
+    self._reads("global ", fn.__globals__, _code_names(fn.__code__))
+
+  def _reads(self, prefix: str, namespace, names, depth: int = 0) -> None:
+    """Describes the values in ``namespace`` that code using ``names`` may
+    read, and so the attributes of user modules among them (``co_names``
+    holds attribute names too, as in ``cfg.SCALE``)."""
     for name in names:
-      if name in fn.__globals__:
-        self.out.append(f"global {name}")
-        value = fn.__globals__[name]
+      if name in namespace:
+        self.out.append(f"{prefix}{name}")
+        value = namespace[name]
         self.add(value)
-        self._module_attrs(value, names)
-
-  def _module_attrs(self, module, names, depth: int = 0) -> None:
-    """Describes the attributes of a user module that the code may read.
-
-    ``co_names`` holds attribute names as well as globals, so what
-    ``helper.fn`` or ``cfg.SCALE`` read is among ``names``.
-    """
-    if (not isinstance(module, types.ModuleType) or depth > 4 or
-        _is_library(module.__name__)):
-      return
-    attrs = vars(module)
-    for name in names:
-      if name in attrs:
-        self.out.append(f"attr {module.__name__}.{name}")
-        self.add(attrs[name])
-        self._module_attrs(attrs[name], names, depth + 1)
+        if (isinstance(value, types.ModuleType) and depth <= 4 and
+            not _is_library(value.__name__)):
+          self._reads(f"attr {value.__name__}.", vars(value), names,
+                      depth + 1)
 
   def _class(self, cls: type) -> None:
     self.out.append(f"class {cls.__module__}.{cls.__qualname__}")

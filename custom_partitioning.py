@@ -463,6 +463,16 @@ class _LRU:
         self._data.move_to_end(key)
       return value
 
+  def cached(self, key, build: Callable[[], Any]):
+    """The value under ``key``; if missing, ``build()``, kept (unless
+    ``key`` is None: then nothing is looked up or kept)."""
+    value = None if key is None else self.get(key)
+    if value is None:
+      value = build()
+      if key is not None:
+        self.put(key, value)
+    return value
+
   def pop(self, key):
     with self._lock:
       return self._current().pop(key, None)
@@ -1959,12 +1969,8 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
     request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
                      for s, h in zip(arg_shapes, arg_shardings)),
                str(result_shape), str(result_sharding))
-    answer = op.lowered.get(request)
-    if answer is None:
-      answer = _answer_partition(op, arg_shapes, arg_shardings, result_shape,
-                                 result_sharding)
-      op.lowered.put(request, answer)
-    return answer
+    return op.lowered.cached(request, lambda: _answer_partition(
+        op, arg_shapes, arg_shardings, result_shape, result_sharding))
   except BaseException as e:  # noqa: BLE001 - re-raised with its type
     raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
 
@@ -2222,13 +2228,12 @@ def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
   # with shardings, which the results inherit) and jax's trace context.
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, step, in_avals, _config.trace_context())
-  derived = _derived.get(key)
-  if derived is None:
-    jaxpr, consts = _trace(_wrap(fun, in_avals, ()), in_avals)
-    derived = core.ClosedJaxpr(jaxpr, consts)
+
+  def build():
+    derived = core.ClosedJaxpr(*_trace(_wrap(fun, in_avals, ()), in_avals))
     _name_call(derived, f"{label} of {_fun_name(call)}")
-    _derived.put(key, derived)
-  return derived
+    return derived
+  return _derived.cached(key, build)
 
 
 def _steps(params) -> tuple:
@@ -2377,13 +2382,9 @@ def _impl(*args, **params):
     return core.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
   key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
-  fn = _eager.get(key)
-  if fn is None:
-    if sharded:
-      fn = jax.jit(functools.partial(custom_partitioning_p.bind, **params))
-    else:
-      fn = jax.jit(core.jaxpr_as_fun(call))
-    _eager.put(key, fn)
+  fn = _eager.cached(key, lambda: jax.jit(
+      functools.partial(custom_partitioning_p.bind, **params) if sharded
+      else core.jaxpr_as_fun(call)))
   return fn(*args)
 
 
@@ -2757,12 +2758,8 @@ def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
     # All that fun's trace and the callbacks are given (see _traced).
     key = ("explicit", args.static_args, _positions(args.defaults),
            in_tree, in_avals, mesh, _config.trace_context())
-  built = op._traces.get(key) if key is not None else None
-  if built is None:
-    built = _explicit_program(op, args, in_tree, in_avals, mesh)
-    if key is not None:
-      op._traces.put(key, built)
-  fn, out_tree = built
+  fn, out_tree = op._traces.cached(key, lambda: _explicit_program(
+      op, args, in_tree, in_avals, mesh))
   if fn is None:
     return None
   try:
@@ -3023,17 +3020,13 @@ class custom_partitioning:
     mesh = _operands_mesh(leaves) if sharded else None
     key = (self, self._generation, args.static_args,
            _positions(args.defaults), sharded, mesh)
-    fn = _eager.get(key)
-    if fn is None:
-      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
-             else self._run_body)
-      base = args._replace(dyn_args=())  # holds no operand alive
+    run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
+           else self._run_body)
+    base = args._replace(dyn_args=())  # holds no operand alive
 
-      def call(*dyn):
-        return run(base._replace(dyn_args=dyn))
-      fn = jax.jit(call)
-      _eager.put(key, fn)
-    return fn(*args.dyn_args)
+    def call(*dyn):
+      return run(base._replace(dyn_args=dyn))
+    return _eager.cached(key, lambda: jax.jit(call))(*args.dyn_args)
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
@@ -3045,10 +3038,8 @@ class custom_partitioning:
     # globals and closures ``fun`` reads.
     key = (args.static_args, _positions(args.defaults), flat.in_tree,
            flat.in_avals, _use_shardy(), _config.trace_context())
-    traced = self._traces.get(key)
-    if traced is None:
-      traced = self._trace(args, flat.in_tree, flat.in_avals)
-      self._traces.put(key, traced)
+    traced = self._traces.cached(key, lambda: self._trace(
+        args, flat.in_tree, flat.in_avals))
     return (*traced, key)
 
   def _run_body(self, args: _CallArgs):

@@ -201,6 +201,11 @@ def _ambient_mesh(getter: str):
   return None if isinstance(mesh, tuple) else mesh
 
 
+def _with_block_mesh():
+  """The mesh of the enclosing ``with mesh:`` (the empty mesh if none)."""
+  return mesh_lib.thread_resources.env.physical_mesh
+
+
 def _context_abstract_mesh(axis_context):
   """The abstract mesh that the jit's shardings were built on, if any."""
   am = getattr(axis_context, "abstract_mesh", None)
@@ -420,13 +425,14 @@ def _cache_epoch() -> object:
 #
 #   store           maps                                    bound   cleared
 #   op._traces      call signature -> traced fun, or (5b)   64/op   C, D
-#                   the jitted per-shard program
+#                   (jitted program or None, out_tree)
 #   _eager          eager call -> jitted function           64      C
-#   _derived        (body, step, avals) -> derived body     64      C
+#   _derived        (body, tag, avals) -> derived body      64      C
 #   _Op.lowered     partition request -> XLA's answer       256/op  C
 #   _Op.pending     compiling thread -> callback error      threads P
-#   _registry       custom call key -> _Op (section 4)      weak    -
+#   _registry       custom call key -> _Op (_register, 5)   weak    -
 #   _parked_errors  tag -> a callback's exception           64      C, R
+#   _parked_counter the next tag (section 4b)               -       -
 #   _call_names     body -> name of its function            weak    -
 #
 # C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
@@ -434,6 +440,7 @@ def _cache_epoch() -> object:
 # R: popped when the failed compile re-raises it. Lowerings and executables
 # that may still call back keep their ``_registry`` entries alive. The weak
 # tables share ``_weak_lock``; a ``pending`` entry has one compiling thread.
+# Not state: ``_DESCRIBED_BY`` (section 4c), a table filled at import.
 # --------------------------------------------------------------------------
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
@@ -497,6 +504,7 @@ _eager = _LRU()
 _derived = _LRU()
 _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _parked_errors = _LRU()
+_parked_counter = itertools.count()
 _call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weak_lock = threading.Lock()
 
@@ -1139,12 +1147,13 @@ def _step_down(step: _Step, operands: list, results: list):
   return operands[:n], operands[n:]  # vjp: cotangents stand for results
 
 
-def _step_up(step: _Step, operands: list, results: list, batch_dim=None):
-  """Per-value items (specs, rule dimensions) of the op one ``step`` up; a
-  batch step puts ``batch_dim`` in front of every one."""
+def _step_up(step: _Step, operands: list, results: list, batch_item=None):
+  """Per-value items of the op one ``step`` up, from those below: items are
+  PartitionSpec entries (``_partition``) or a rule's dimensions
+  (``_rule_attr``); a batch step puts ``batch_item`` in front of each."""
   if step.kind == "batch":
-    return ([(batch_dim, *v) for v in operands],
-            [(batch_dim, *v) for v in results])
+    return ([(batch_item, *v) for v in operands],
+            [(batch_item, *v) for v in results])
   picked = [v for v, m in zip(operands, step.mask) if m]
   if step.kind == "jvp":  # tangents like their primals
     return operands + picked, results
@@ -1152,7 +1161,8 @@ def _step_up(step: _Step, operands: list, results: list, batch_dim=None):
 
 
 def _levels(steps: tuple, operands: list, results: list) -> list:
-  """``[(operands, results)]`` of the author's op, then after each step."""
+  """``levels[k]``: ``(operands, results)`` of the op ``k`` steps above the
+  author's, given those of the op at the top; ``levels[-1]`` is the top."""
   out = [(operands, results)]
   for step in reversed(steps):
     out.append(_step_down(step, *out[-1]))
@@ -1406,20 +1416,28 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
 # author's callbacks and the steps that derive it from the author's op.
 # XLA asks three questions about it (which sharding a result gets from the
 # operands, which sharding it prefers given its user's, and how one shard is
-# computed); each is walked down the steps to the author's op (section 3b),
-# answered by one ``_ask_*`` function, the only caller of that callback, and
-# the answer walked back up. Section 5b asks the same functions while
-# tracing, under Explicit mesh axes.
+# computed). Each goes XLA -> ``_xla_<q>`` (4b: XLA's types to ``_Value``s)
+# -> ``_<q>`` (walks the steps down to the author's op, section 3b, and the
+# answer back up) -> ``_ask_<q>``, the only caller of that callback of the
+# author's (``_ask_rule``, in section 5, asks a callable sharding rule
+# while lowering). Section 5b asks the same functions while tracing, under
+# Explicit mesh axes.
+#
+# Meshes: ``op.mesh`` is what the callbacks see; the ``on`` parameters name
+# the mesh a value's spec and HloSharding are on: ``op.mesh``, or for a
+# partition request inside a partly manual shard_map ``op.place.auto``, or
+# for ``partition``'s answer the mesh it returned (``_Answer.on``).
 # --------------------------------------------------------------------------
 
 class _Placement(NamedTuple):
   """Where a lowered op runs.
 
   ``mesh`` is what the callbacks see: the real mesh whenever it can be
-  recovered, else the empty mesh. Inside a partly manual shard_map it names
-  every axis, the manual ones typed ``AxisType.Manual``; XLA then asks for
-  the partition on ``auto``, the mesh of the auto axes alone, and the
-  per-shard code runs on ``whole``, the shard_map's mesh.
+  recovered, else the mesh of ``with mesh:`` (the empty mesh if none).
+  Inside a partly manual shard_map it names every axis, the manual ones
+  typed ``AxisType.Manual``; XLA then asks for the partition on ``auto``,
+  the mesh of the auto axes alone, and the per-shard code runs on
+  ``whole``, the shard_map's mesh.
   """
   mesh: Any
   devices: tuple | None
@@ -1878,7 +1896,6 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
 _ERROR_TAG = f"[{_TARGET} error #"
-_parked_counter = itertools.count()
 
 
 def _park(error: BaseException, where: str) -> str:
@@ -2199,7 +2216,9 @@ def _digest(scope: str, *parts) -> str:
 # 5. The primitive
 #
 # ``custom_partitioning_p`` carries the traced body (``call``) and the
-# author's callbacks as parameters, with the same names as jax's own.
+# author's callbacks as parameters, with the same names as jax's own, plus
+# this module's ``transform`` (the steps) and ``check_vma``, both read with
+# a default so that binding it with upstream's parameters alone still works.
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = core.Primitive("custom_partitioning")
@@ -2220,14 +2239,16 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 # longer ``transform`` and, as ``call``, the body transformed alike, which
 # gives the derived op its abstract values and its single-device code.
 
-def _derived_call(call: core.ClosedJaxpr, step: tuple, label: str, fun,
+def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
-  """``fun`` (the body transformed by ``step``) traced for ``operands``."""
-  # A pure function of the key: the body, the step (which operands are
-  # batched or differentiated), the operands' avals (under Explicit axes
-  # with shardings, which the results inherit) and jax's trace context.
+  """``fun`` (the body transformed as ``tag`` says) traced for
+  ``operands``; ``tag`` (not a ``_Step``) says which operands are batched
+  or differentiated."""
+  # A pure function of the key: the body, the tag, the operands' avals
+  # (under Explicit axes with shardings, which the results inherit) and
+  # jax's trace context.
   in_avals = tuple(_typeof(x) for x in operands)
-  key = (call, step, in_avals, _config.trace_context())
+  key = (call, tag, in_avals, _config.trace_context())
 
   def build():
     derived = core.ClosedJaxpr(*_trace(_wrap(fun, in_avals, ()), in_avals))
@@ -2393,7 +2414,7 @@ custom_partitioning_p.def_impl(_impl)
 
 def _meshes_set_by_caller() -> list:
   """The concrete meshes of ``with mesh:`` and ``jax.set_mesh``, if set."""
-  return [m for m in (mesh_lib.thread_resources.env.physical_mesh,
+  return [m for m in (_with_block_mesh(),
                       _ambient_mesh("get_concrete_mesh"))
           if m is not None and not m.empty]
 
@@ -2419,7 +2440,7 @@ def _placement(axis_context, avals) -> _Placement:
       if (num_devices in (None, mesh.size) and
           all(dict(am.shape) == dict(mesh.shape) for am in abstract)):
         return _Placement(mesh, _mesh_devices(mesh))
-    return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
+    return _Placement(_with_block_mesh(), None)
   devices = tuple(devices)
   for mesh in _meshes_set_by_caller():
     if _mesh_devices(mesh) == devices:
@@ -2427,7 +2448,7 @@ def _placement(axis_context, avals) -> _Placement:
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):
     return _Placement(_mesh_from_abstract(devices, am), devices)
-  return _Placement(mesh_lib.thread_resources.env.physical_mesh, devices)
+  return _Placement(_with_block_mesh(), devices)
 
 
 def _partitioned_placement(ctx, steps) -> _Placement | None:
@@ -2565,6 +2586,34 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 mlir.register_lowering(custom_partitioning_p, _lowering)
 
 
+# --------------------------------------------------------------------------
+# 5b. Explicit mesh axes: partitioning while tracing
+#
+# Under Explicit mesh axes every operand's sharding is part of its type, so
+# ``partition`` can be asked while tracing (section 4's functions, as XLA's
+# callbacks ask them) and the op emitted as the program it describes:
+# reshard the operands to its arg shardings, ``jax.shard_map(lower_fn)``,
+# reshard the results to the op's result types. With no custom call left,
+# whatever jax does for shard_map holds for the op: grad/jvp/vmap, export,
+# host callbacks, an honest persistent-cache key, jax's lowering cache.
+#
+# Taken when the operands sharded on a mesh share one abstract mesh with
+# every axis Explicit, the ambient abstract mesh (if any) is that mesh (so
+# not inside a shard_map) and a concrete mesh of several devices for it is
+# known (jax.set_mesh, or an eager call's operands), outside
+# jax.disable_jit() and a vmap whose batch dimension is sharded over a mesh
+# axis (vmap of shard_map would gather it). Else, or when shard_map cannot
+# run what ``partition`` returned (uneven shards, another mesh, no
+# PartitionSpec), the op keeps the custom call -- unless jax cannot type
+# its body under these axes (ShardingTypeError, e.g. ``q @ k.T`` both
+# row-sharded), which the custom call cannot run either: then the error
+# names the op.
+# Result types: jax's typing of ``fun`` (as upstream's); for an untypable
+# body, infer_sharding_from_operands, else the rule, else partition's.
+# --------------------------------------------------------------------------
+
+# -- a call's arguments (here and in section 6) ----------------------------
+
 class _CallArgs(NamedTuple):
   """One call's arguments, by role."""
   static_argnums: tuple  # positions of the static arguments, author's order
@@ -2601,28 +2650,7 @@ def _is_hashable(value) -> bool:
   return True
 
 
-# --------------------------------------------------------------------------
-# 5b. Explicit mesh axes: partitioning while tracing
-#
-# Under Explicit mesh axes every operand's sharding is part of its type, so
-# ``partition`` can be asked while tracing (section 4's functions, as XLA's
-# callbacks ask them) and the op emitted as the program it describes:
-# reshard the operands to its arg shardings, ``jax.shard_map(lower_fn)``,
-# reshard the results to the op's result types. With no custom call left,
-# whatever jax does for shard_map holds for the op: grad/jvp/vmap, export,
-# host callbacks, an honest persistent-cache key, jax's lowering cache.
-#
-# Taken when the operands sharded on a mesh share one abstract mesh with
-# every axis Explicit, the ambient abstract mesh (if any) is that mesh (so
-# not inside a shard_map) and a concrete mesh for it is known (jax.set_mesh,
-# or an eager call's operands). Else, or when shard_map cannot run what
-# ``partition`` returned (uneven shards, another mesh, no PartitionSpec),
-# the op keeps the custom call -- unless jax cannot type its body under
-# these axes (ShardingTypeError, e.g. ``q @ k.T`` both row-sharded), which
-# the custom call cannot run either: then the error names the op.
-# Result types: jax's typing of ``fun`` (as upstream's); for an untypable
-# body, infer_sharding_from_operands, else the rule, else partition's.
-# --------------------------------------------------------------------------
+# -- the path ---------------------------------------------------------------
 
 def _explicit_mesh(avals, eager_mesh=None):
   """The concrete mesh if the op takes this section's path, else None."""
@@ -2642,7 +2670,7 @@ def _explicit_mesh(avals, eager_mesh=None):
     mesh = eager_mesh
   if mesh is None or mesh.empty or _abstract_of(mesh) != am:
     return None
-  return mesh
+  return None if mesh.size == 1 else mesh  # one device: the body, inlined
 
 
 def _operands_mesh(leaves):
@@ -2661,31 +2689,31 @@ def _spec_of(aval) -> tuple:
   return spec + (None,) * (len(aval.shape) - len(spec))
 
 
-def _explicit_program(op, args, in_tree, in_avals, mesh):
+def _explicit_program(user_op, args, in_tree, in_avals, mesh):
   """``(jitted program or None, out_tree)`` for ``_explicit_call``."""
   type_error = None
   try:
-    call, out_tree = op._trace(args, in_tree, in_avals)
+    call, out_tree = user_op._trace(args, in_tree, in_avals)
   except _ShardingTypeError as e:
     type_error = e
     with _no_ambient_mesh():
-      call, out_tree = op._trace(args, in_tree,
-                                 [_unsharded(a) for a in in_avals])
+      call, out_tree = user_op._trace(args, in_tree,
+                                      [_unsharded(a) for a in in_avals])
 
   def unsupported(error_type, reason):
     if type_error is None:
       return None, out_tree  # the custom call can run it
     raise error_type(
-        f"custom_partitioning op {op._name}: jax cannot type its body under "
-        f"Explicit mesh axes ({type_error}), so it runs as jax.shard_map of "
-        f"its lower_fn, but {reason}") from type_error
+        f"custom_partitioning op {user_op._name}: jax cannot type its body "
+        f"under Explicit mesh axes ({type_error}), so it runs as "
+        f"jax.shard_map of its lower_fn, but {reason}") from type_error
 
-  record = _Op(
-      name=op._name, partition=op.partition,
-      infer=op.infer_sharding_from_operands,
-      propagate=op.propagate_user_sharding,
-      rule=None if callable(op.sharding_rule) else op.sharding_rule,
-      decode=op.decode_shardings, check_vma=op.check_vma,
+  op = _Op(
+      name=user_op._name, partition=user_op.partition,
+      infer=user_op.infer_sharding_from_operands,
+      propagate=user_op.propagate_user_sharding,
+      rule=None if callable(user_op.sharding_rule) else user_op.sharding_rule,
+      decode=user_op.decode_shardings, check_vma=user_op.check_vma,
       static_args=args.static_args,
       in_tree=in_tree, out_tree=out_tree, steps=(),
       place=_Placement(mesh, _mesh_devices(mesh)))
@@ -2695,10 +2723,10 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
     results = [v._replace(spec=_spec_of(a))
                for v, a in zip(results, call.out_avals)]
   else:
-    inferred = _ask_infer(record, operands, results)
+    inferred = _ask_infer(op, operands, results)
     if inferred is not None and all(v.spec is not None for v in inferred):
       results = inferred
-  answer = _ask_partition(record, operands, results, mesh)
+  answer = _ask_partition(op, operands, results, mesh)
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
     return unsupported(NotImplementedError, (
@@ -2719,7 +2747,7 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
               "it, and jax.shard_map takes only even shards. Shard that "
               "dimension over axes that divide its size, or pad it."))
   typed = results if all(v.known() for v in results) else answer.results
-  _trace_lower_fn(record, answer, operands, results)  # the checks, naming op
+  _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
   lower_fn = answer.lower_fn
 
   def per_shard(*local_args):
@@ -2728,7 +2756,7 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
   mapped = jax.shard_map(
-      per_shard, mesh=am, check_vma=op.check_vma,
+      per_shard, mesh=am, check_vma=user_op.check_vma,
       in_specs=tuple(jax.sharding.PartitionSpec(*v.spec) for v in answer.args),
       out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
 
@@ -2739,12 +2767,12 @@ def _explicit_program(op, args, in_tree, in_avals, mesh):
 
   def program(*flat):
     return reshard(mapped(*reshard(flat, answer.args)), typed)
-  fun_name = getattr(op.fun, "__name__", "")
+  fun_name = getattr(user_op.fun, "__name__", "")
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
   return jax.jit(program), out_tree
 
 
-def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
+def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):
   """The op's results, run as reshard -> shard_map -> reshard; None where
   the op keeps the custom call."""
   if not _EXPLICIT_PATH:
@@ -2758,8 +2786,8 @@ def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
     # All that fun's trace and the callbacks are given (see _traced).
     key = ("explicit", args.static_args, _positions(args.defaults),
            in_tree, in_avals, mesh, _config.trace_context())
-  fn, out_tree = op._traces.cached(key, lambda: _explicit_program(
-      op, args, in_tree, in_avals, mesh))
+  fn, out_tree = user_op._traces.cached(key, lambda: _explicit_program(
+      user_op, args, in_tree, in_avals, mesh))
   if fn is None:
     return None
   try:
@@ -2768,7 +2796,7 @@ def _explicit_call(op, args, flat: _FlatArgs, eager_mesh=None):
     if type(e) not in (ValueError, TypeError):  # keep special types as-is
       raise
     raise type(e)(
-        f"custom_partitioning op {op._name}, run as jax.shard_map of its "
+        f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
         f"lower_fn under Explicit mesh axes: {e} (shard_map's check_vma "
         "types every value, loop carries too: a carry that becomes varying "
         "over an axis needs jax.lax.pvary, or pass check_vma=False to "
@@ -2929,10 +2957,11 @@ class custom_partitioning:
         ``lower_fn(*local_args)`` computes one shard, may use collectives
         over ``mesh``'s axes and returns results sharded as
         ``result_shardings``.
-      infer_sharding_from_operands: GSPMD only: ``(*static, mesh,
-        arg_shapes, result_shape) -> result sharding(s)``; ``result_shape``
-        has no shardings, nor has an operand XLA has not placed yet
-        (``.sharding`` None). Default: derived from ``sharding_rule``.
+      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
+        for a body jax cannot type): ``(*static, mesh, arg_shapes,
+        result_shape) -> result sharding(s)``; ``result_shape`` has no
+        shardings, nor has an operand XLA has not placed yet (``.sharding``
+        None). Default: derived from ``sharding_rule``.
       propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
         result sharding(s)`` preferred given the user's; default: the user's.
       decode_shardings: True: ``NamedSharding``s on the real mesh when one
@@ -3011,9 +3040,9 @@ class custom_partitioning:
 
   def _eager_call(self, args: _CallArgs):
     """A call outside any transformation, compiled (see the class
-    docstring). Cache: (static arguments, positions of unpassed defaults,
-    sharded?, mesh) -> jitted function; jax.jit keys on the operands' types
-    and shardings itself."""
+    docstring). Cache: (op, its def_partition generation, static
+    arguments, positions of unpassed defaults, sharded?, mesh) -> jitted
+    function; jax.jit keys on the operands' types and shardings itself."""
     leaves = jax.tree_util.tree_leaves(args.dyn_args)
     sharded = _any_sharded(leaves)
     # Under Explicit axes the operands' mesh is the op's (section 5b).

@@ -3049,13 +3049,16 @@ class custom_partitioning:
     mesh = _operands_mesh(leaves) if sharded else None
     key = (self, self._generation, args.static_args,
            _positions(args.defaults), sharded, mesh)
-    run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
-           else self._run_body)
-    base = args._replace(dyn_args=())  # holds no operand alive
 
-    def call(*dyn):
-      return run(base._replace(dyn_args=dyn))
-    return _eager.cached(key, lambda: jax.jit(call))(*args.dyn_args)
+    def build():  # only on a miss: eager calls are a hot path
+      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
+             else self._run_body)
+      base = args._replace(dyn_args=())  # holds no operand alive
+
+      def call(*dyn):
+        return run(base._replace(dyn_args=dyn))
+      return jax.jit(call)
+    return _eager.cached(key, build)(*args.dyn_args)
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the

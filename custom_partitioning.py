@@ -1805,20 +1805,15 @@ def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
                       a not in value.varying)
 
 
-def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
-  """Partitions the op: the author's answer, walked up the steps.
-
-  A batch dimension keeps the mesh axes it arrives on unless the level
-  below uses them (in its shardings or ``lower_fn``'s collectives).
-  """
-  levels = _levels(op.steps, operands, results)
-  answer = _ask_partition(op, *levels[0], on)
-  closed = _trace_lower_fn(op, answer, *levels[0])
-  if _calls_host(closed.jaxpr):
-    raise _host_callback_error(op)
-  if not op.steps:
-    return _PerShard(answer.mesh, closed, answer.args, answer.results)
-  on, mesh = answer.on, answer.mesh
+def _specs_up(op: _Op, levels: list, answer: _Answer,
+              closed: core.ClosedJaxpr) -> tuple[list, list]:
+  """The author's answer walked up the steps: ``specs[k]`` is the
+  ``(operand specs, result specs)`` of the op ``k`` steps above the
+  author's; ``entries[k]`` what step ``k`` gave its batch dimension (None
+  for jvp and vjp steps). A batch dimension keeps the mesh axes it arrives
+  on unless the level below uses them (in its shardings or ``lower_fn``'s
+  collectives)."""
+  on = answer.on
   used = _collective_axes(closed.jaxpr, set(on.axis_names))
   args = [v.spec for v in answer.args]
   outs = [v.spec for v in answer.results]
@@ -1832,9 +1827,18 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
     args, outs = _step_up(step, args, outs, entry)
     specs.append((args, outs))
     entries.append(entry)
-  # A vjp step corrects for replicated values (see ``_vjp_fn``); a value is
-  # replicated over the axes that neither its spec nor a batch dimension
-  # added above shards it over (those hold other batch items).
+  return specs, entries
+
+
+def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
+                 closed: core.ClosedJaxpr, specs: list,
+                 entries: list) -> Callable:
+  """``lower_fn``'s jaxpr transformed by each step, first to last: the
+  per-shard function of the op at the top. A vjp step corrects for
+  replicated values (see ``_vjp_fn``); a value is replicated over the axes
+  that neither its spec nor a batch dimension added above shards it over
+  (those hold other batch items)."""
+  on, mesh = answer.on, answer.mesh
   fn = core.jaxpr_as_fun(closed)
   for k, step in enumerate(op.steps):
     if step.kind == "batch":
@@ -1851,14 +1855,30 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
                    for spec, v, m in zip(args, level_operands, step.mask)
                    if m]
       fn = _vjp_fn(fn, step.mask, scales, psum_axes)
-  top_args = [v._replace(spec=s, hlo=None) for v, s in zip(operands,
-                                                           specs[-1][0])]
-  top_results = [v._replace(spec=s, hlo=None) for v, s in zip(results,
-                                                             specs[-1][1])]
+  return fn
+
+
+def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
+  """Partitions the op: the author's answer and ``lower_fn``, walked up
+  the steps."""
+  levels = _levels(op.steps, operands, results)
+  answer = _ask_partition(op, *levels[0], on)
+  closed = _trace_lower_fn(op, answer, *levels[0])
+  if _calls_host(closed.jaxpr):
+    raise _host_callback_error(op)
+  if not op.steps:
+    return _PerShard(answer.mesh, closed, answer.args, answer.results)
+  specs, entries = _specs_up(op, levels, answer, closed)
+  fn = _lower_fn_up(op, levels, answer, closed, specs, entries)
+  arg_specs, result_specs = specs[-1]
+  top_args = [v._replace(spec=s, hlo=None)
+              for v, s in zip(operands, arg_specs)]
+  top_results = [v._replace(spec=s, hlo=None)
+                 for v, s in zip(results, result_specs)]
   with _no_ambient_mesh():
-    closed = jax.make_jaxpr(fn, axis_env=list(mesh.shape.items()))(
-        *[_local_struct(v, on) for v in top_args])
-  return _PerShard(mesh, closed, top_args, top_results)
+    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
+        *[_local_struct(v, answer.on) for v in top_args])
+  return _PerShard(answer.mesh, closed, top_args, top_results)
 
 
 def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:

@@ -1835,9 +1835,7 @@ def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
                  entries: list) -> Callable:
   """``lower_fn``'s jaxpr transformed by each step, first to last: the
   per-shard function of the op at the top. A vjp step corrects for
-  replicated values (see ``_vjp_fn``); a value is replicated over the axes
-  that neither its spec nor a batch dimension added above shards it over
-  (those hold other batch items)."""
+  replicated values (``_vjp_fn``), replicated over ``_copies_over``."""
   on, mesh = answer.on, answer.mesh
   fn = core.jaxpr_as_fun(closed)
   for k, step in enumerate(op.steps):

@@ -1646,13 +1646,16 @@ def _check_answer(op: _Op, answer):
   return answer
 
 
+def _check_has_partition(name: str, partition, num_devices: int) -> None:
+  if partition is None:
+    raise ValueError(
+        f"custom_partitioning op {name} runs on {num_devices} devices, but "
+        "its def_partition was given partition=None.")
+
+
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   """``partition`` asked about values whose shardings are on ``on``."""
-  if op.partition is None:
-    raise ValueError(
-        f"custom_partitioning op {op.name} runs on "
-        f"{len(op.place.devices)} devices, but its def_partition was given "
-        "partition=None.")
+  _check_has_partition(op.name, op.partition, len(op.place.devices))
   answer = op.partition(*op.static_args, op.mesh,
                         _structs(op, op.in_tree, operands, on),
                         _structs(op, op.out_tree, results, on))
@@ -2504,10 +2507,20 @@ def _check_lowerable(ctx, name: str, place: _Placement, params) -> None:
         "where jax cannot see it. Set the mesh around the call, with "
         "jax.set_mesh(mesh) or `with mesh:`, so the op can find its "
         "devices, or call the op outside that primitive.")
-  if params["partition"] is None:
-    raise ValueError(
-        f"custom_partitioning op {name} runs on {len(place.devices)} "
-        "devices, but its def_partition was given partition=None.")
+  _check_has_partition(name, params["partition"], len(place.devices))
+
+
+@contextlib.contextmanager
+def _naming(prefix: str, suffix: str = ""):
+  """Re-raises a plain ValueError or TypeError with ``prefix`` and
+  ``suffix`` around its message (naming the op); subclasses, whose types
+  callers may catch, pass unchanged."""
+  try:
+    yield
+  except (ValueError, TypeError) as e:
+    if type(e) not in (ValueError, TypeError):
+      raise
+    raise type(e)(f"{prefix}{e}{suffix}") from e
 
 
 def _ask_rule(ctx, params, mesh, levels):
@@ -2565,13 +2578,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   _check_lowerable(ctx, name, place, params)
   levels = _levels(steps, [_Value(a.shape, a.dtype) for a in call.in_avals],
                    [_Value(a.shape, a.dtype) for a in call.out_avals])
-  try:
+  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
     rule, rule_attr = _ask_rule(ctx, params, place.mesh, levels)
-  except (ValueError, TypeError) as e:
-    if type(e) not in (ValueError, TypeError):  # keep special types as-is
-      raise
-    raise type(e)(f"sharding_rule of custom_partitioning op {name}: "
-                  f"{e}") from e
   varying = tuple(tuple(_varying_axes(a) for a in avals)
                   for avals in (ctx.avals_in, ctx.avals_out))
   op = _Op(name=name, partition=params["partition"],
@@ -2808,17 +2816,12 @@ def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):
       user_op, args, in_tree, in_avals, mesh))
   if fn is None:
     return None
-  try:
+  with _naming(  # shard_map's checks, e.g. check_vma
+      f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
+      "lower_fn under Explicit mesh axes: ", " (shard_map's check_vma types "
+      "every value, loop carries too: a carry that becomes varying over an "
+      "axis needs jax.lax.pvary, or pass check_vma=False to def_partition)"):
     out = fn(*args_flat)
-  except (ValueError, TypeError) as e:  # shard_map's checks, e.g. check_vma
-    if type(e) not in (ValueError, TypeError):  # keep special types as-is
-      raise
-    raise type(e)(
-        f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
-        f"lower_fn under Explicit mesh axes: {e} (shard_map's check_vma "
-        "types every value, loop carries too: a carry that becomes varying "
-        "over an axis needs jax.lax.pvary, or pass check_vma=False to "
-        "def_partition)") from e
   return jax.tree_util.tree_unflatten(out_tree, out)
 
 

@@ -2631,6 +2631,17 @@ class ErrorTest(CPTestCase):
                      propagate_user_sharding=propagate, sharding_rule=rule)
     return op
 
+  def test_partition_none_on_several_devices(self):
+    def shifted(x):
+      return x + 1.0
+    op = custom_partitioning(shifted)
+    op.def_partition(None, sharding_rule="i j -> i j")
+    for run in (jax.jit(op).lower, op):  # lowering, and an eager call
+      self.assertRaisesNaming(
+          ValueError, ["shifted", "8 devices", "partition=None"], run, self.x)
+    # On one device the body runs: no partition is needed there.
+    np.testing.assert_allclose(op(self.xh), self.xh + 1.0, rtol=1e-6)
+
   def test_partition_raises(self):
     op = self._op(partition=_raise)
     with self.assertRaises(_CallbackError):
@@ -5145,6 +5156,15 @@ class ExplicitPathTest(CPTestCase):
     np.testing.assert_allclose(f(self.x), np.sin(self.xh), rtol=1e-6)
     self.assertEqual(set(seen), {GSPMDSharding})
     self.assertPlainJax(f, self.x)
+
+  def test_partition_none_is_named(self):
+    def shifted(x):
+      return x + 1.0
+    op = custom_partitioning(shifted)
+    op.def_partition(None, sharding_rule="i j -> i j")
+    self.assertRaisesNaming(
+        ValueError, ["shifted", "8 devices", "partition=None"], jax.jit(op),
+        self.x)
 
   def test_jit_values_types_and_hlo(self):
     op, fun = self.fft()

@@ -364,7 +364,8 @@ def _vmapped_over_mesh_axis(x) -> bool:
   """Whether ``x`` is (the primal of) a ``jax.vmap`` tracer whose batch
   dimension is sharded over a mesh axis in its type."""
   # jax's vmap of shard_map moves such a batch dimension to no mesh axis
-  # (an all-gather; jax 0.10.2), where the op's own batching rule keeps it:
+  # (an all-gather; jax 0.10.2; over a size-1 axis, that axis is then
+  # unbound in lower_fn), where the op's own batching rule keeps it:
   # section 5b leaves these calls to the custom call. BatchTracer.val and
   # .batch_dim, JVPTracer.primal: unchanged from jax 0.4.35 to 0.11.0.
   while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
@@ -1076,6 +1077,23 @@ def _shard_count(entry, mesh) -> int:
   return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
 
 
+def _real_axes(mesh) -> tuple:
+  """The axes of ``mesh`` with more than one device. Along a size-1 axis
+  there is one device, so nothing is sharded and nothing can differ; XLA's
+  HloShardings cannot even name such an axis."""
+  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _as_xla_spec(spec, mesh) -> tuple:
+  """``spec`` without its size-1 axes: as it reads after a round trip
+  through XLA (as the custom call's callbacks, and upstream's, see it)."""
+  def entry_of(entry):
+    axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
+            if a is not None and mesh.shape[a] > 1]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  return tuple(map(entry_of, spec))
+
+
 def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
   """A shard of ``v``; a dimension the mesh does not divide is rounded up
   (XLA pads the last shards)."""
@@ -1289,7 +1307,8 @@ def _rule_attr(rule, levels: list, steps: tuple):
 #    on, ``axis_index`` and the scattering collectives add their axes,
 #    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs. Where a
 #    primitive's effect is unknown (loops, grouped collectives) the answer
-#    is "unknown", and unknown never raises.
+#    is "unknown", and unknown never raises. Size-1 mesh axes never count:
+#    along them there is one device, so nothing can differ.
 # --------------------------------------------------------------------------
 
 _INVARIANT_OVER_AXES = frozenset({"psum", "pmax", "pmin", "all_gather",
@@ -1359,7 +1378,9 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
   """Raises if a result replicated over one of ``axes`` may vary over it.
 
   ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
-  of ``lower_fn`` (None: unknown, which never raises).
+  of ``lower_fn`` (None: unknown, which never raises). ``axes`` leaves out
+  the mesh's size-1 axes (``_real_axes``): a collective over one, or
+  ``axis_index`` of one, makes nothing differ.
   """
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
@@ -1743,7 +1764,8 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   if op.check_vma:
     _check_replicated_results(op.name, closed.jaxpr,
                               [v.spec for v in answer.args],
-                              [v.spec for v in answer.results], on.axis_names)
+                              [v.spec for v in answer.results],
+                              _real_axes(on))
   return closed
 
 
@@ -1793,17 +1815,18 @@ class _PerShard(NamedTuple):
 
 
 def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
-  """The mesh axes along which devices hold equal copies of ``value``:
+  """The mesh axes along which devices hold equal copies of ``value`` (a
+  size-1 axis holds one copy, and needs no correction):
   those of ``on`` that neither its spec nor a batch dimension above shard
   it over and, inside a partly manual shard_map, the manual axes it does
   not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
   leave every value untyped, and then no manual axis counts)."""
   used = _axes_in([spec]) | batched
-  axes = tuple(a for a in on.axis_names if a not in used)
+  axes = tuple(a for a in _real_axes(on) if a not in used)
   if op.place.auto is None or value.varying is None or not any(
       op.varying[0] + op.varying[1]):
     return axes
-  return axes + tuple(a for a in op.place.whole.axis_names
+  return axes + tuple(a for a in _real_axes(op.place.whole)
                       if a not in op.place.auto.axis_names and
                       a not in value.varying)
 
@@ -2743,15 +2766,19 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
       static_args=args.static_args,
       in_tree=in_tree, out_tree=out_tree, steps=(),
       place=_Placement(mesh, _mesh_devices(mesh)))
-  operands = [_Value(a.shape, a.dtype, _spec_of(a)) for a in in_avals]
+  # The callbacks see specs as the custom call's would: without size-1 axes.
+  operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
+              for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
+  typed = None
   if type_error is None:  # the result types are jax's typing of ``fun``
-    results = [v._replace(spec=_spec_of(a))
-               for v, a in zip(results, call.out_avals)]
+    typed = [v._replace(spec=_spec_of(a))
+             for v, a in zip(results, call.out_avals)]
+    results = [v._replace(spec=_as_xla_spec(v.spec, mesh)) for v in typed]
   else:
     inferred = _ask_infer(op, operands, results)
     if inferred is not None and all(v.spec is not None for v in inferred):
-      results = inferred
+      results = typed = inferred
   answer = _ask_partition(op, operands, results, mesh)
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
@@ -2772,12 +2799,15 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
               f"{v.shape[d]}) over {count} devices, which do not divide "
               "it, and jax.shard_map takes only even shards. Shard that "
               "dimension over axes that divide its size, or pad it."))
-  typed = results if all(v.known() for v in results) else answer.results
+  typed = typed or answer.results
   _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
   lower_fn = answer.lower_fn
+  out_axes = [_axes_in([v.spec]) for v in answer.results]
 
   def per_shard(*local_args):
-    return jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
+    outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
+    return [_invariant_over_size1(x, axes, mesh)
+            for x, axes in zip(outs, out_axes)]
   # The program names no devices: jax.jit reuses its traces for every
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
@@ -2796,6 +2826,21 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
   fun_name = getattr(user_op.fun, "__name__", "")
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
   return jax.jit(program), out_tree
+
+
+def _invariant_over_size1(x, spec_axes: set, mesh):
+  """``x`` typed invariant over the size-1 mesh axes it varies over in
+  shard_map's types (say after ``all_to_all`` or ``axis_index`` over one)
+  and its out spec does not name: shard_map's check_vma would refuse it,
+  though along such an axis nothing can differ. A psum over them adds
+  nothing."""
+  axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
+               if mesh.shape[a] == 1 and a not in spec_axes)
+  if not axes:
+    return x
+  if x.dtype == np.bool_:  # psum takes numbers
+    return jax.lax.psum(x.astype(np.int8), axes).astype(np.bool_)
+  return jax.lax.psum(x, axes)
 
 
 def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):

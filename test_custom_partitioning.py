@@ -3214,6 +3214,302 @@ del PerShardChecksTest
 
 
 # --------------------------------------------------------------------------
+# Size-1 mesh axes: nothing is sharded over them and nothing can differ
+# along them, so no per-shard check may refuse a collective over one
+# --------------------------------------------------------------------------
+
+# mesh shape, axis names, the size-1 axis, the axes (of several devices)
+# the rows are sharded over.
+_SIZE1_MESHES = (((8, 1), ("z", "y"), "y", "z"),
+                 ((1, 8), ("z", "y"), "z", "y"),
+                 ((2, 1, 4), ("a", "y", "b"), "y", ("a", "b")))
+
+# lower_fns that run a collective over the size-1 axis ``one``: each is the
+# identity there, so the op computes ``sin(x) * 2`` whatever it runs.
+_SIZE1_COLLECTIVES = {
+    "all_to_all": lambda x, one: jax.lax.all_to_all(x, one, 1, 0, tiled=True),
+    "ppermute": lambda x, one: jax.lax.ppermute(x, one, [(0, 0)]),
+    "axis_index": lambda x, one: x + jax.lax.axis_index(one),
+    "psum": lambda x, one: jax.lax.psum(x, one),
+    "all_gather": lambda x, one: jax.lax.all_gather(x, one, tiled=True),
+}
+
+
+def _size1_op(collective, one, rows, in_one, out_one, seen=None):
+  """``sin(x) * 2`` on a (16, 8) operand; ``partition`` asks for the rows
+  sharded over ``rows`` and the columns over ``one`` where ``in_one``
+  (result: ``out_one``); only a sharding rule, so GSPMD infers from it."""
+  body = lambda x: jnp.sin(x) * 2.0
+  op = custom_partitioning(body)
+
+  def partition(mesh, arg_shapes, result_shape):
+    if seen is not None:
+      seen.append((dict(mesh.shape), _spec(arg_shapes[0].sharding, 2)))
+    arg = NamedSharding(mesh, P(rows, one if in_one else None))
+    out = NamedSharding(mesh, P(rows, one if out_one else None))
+    return mesh, lambda x: body(collective(x, one)), out, (arg,)
+
+  op.def_partition(partition, sharding_rule="i j -> i j")
+  return op
+
+
+# A slab/pencil transpose written as a distributed-FFT library writes it:
+# one per-shard program for every decomposition, the axis names taken from
+# the mesh, the result sharding from ``result_shape``'s rank, a local
+# transpose switched by a module-level flag (read when fun and lower_fn are
+# traced; the library clears jax's caches when it flips it).
+_LOCAL_TRANSPOSE = False
+
+
+def _y_to_x_global(x):
+  return x.transpose(0, 2, 1) if _LOCAL_TRANSPOSE else x
+
+
+def _y_to_x_partition(mesh, arg_shapes, result_shape):
+  z, y = mesh.axis_names
+  ndim = len(result_shape.shape)
+  out_spec = (P(z, y, None) if _LOCAL_TRANSPOSE else P(z, None, y))
+  assert ndim == len(out_spec)
+
+  def lower_fn(x):  # (Z/z, Y/y, X) -> (Z/z, Y, X/y) [-> (Z/z, X/y, Y)]
+    x = jax.lax.all_to_all(x, y, 2, 1, tiled=True)
+    return x.transpose(0, 2, 1) if _LOCAL_TRANSPOSE else x
+  return (mesh, lower_fn, NamedSharding(mesh, out_spec),
+          (NamedSharding(mesh, P(z, y, None)),))
+
+
+def _y_to_x_infer(mesh, arg_shapes, result_shape):
+  z, y = mesh.axis_names
+  return NamedSharding(mesh, P(z, y, None) if _LOCAL_TRANSPOSE
+                       else P(z, None, y))
+
+
+def _y_to_x_op():
+  op = custom_partitioning(_y_to_x_global)
+  op.def_partition(_y_to_x_partition,
+                   infer_sharding_from_operands=_y_to_x_infer,
+                   sharding_rule=("z y x -> z x y" if _LOCAL_TRANSPOSE
+                                  else "z y x -> z y x"))
+  return op
+
+
+class SizeOneAxisTest(CPTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.xh = _data((16, 8))
+
+  def mesh_of(self, shape, names):
+    return self.mesh(shape, names)
+
+  def test_collectives_over_a_size_1_axis_pass_with_right_values(self):
+    want = np.sin(self.xh) * 2
+    for shape, names, one, rows in _SIZE1_MESHES:
+      m = self.mesh_of(shape, names)
+      for cname, collective in _SIZE1_COLLECTIVES.items():
+        for in_one, out_one in ((True, True), (True, False),
+                                (False, False), (False, True)):
+          with self.subTest(mesh=shape, collective=cname, in_one=in_one,
+                            out_one=out_one):
+            seen = []
+            op = _size1_op(collective, one, rows, in_one, out_one, seen)
+            x = jax.device_put(self.xh, NamedSharding(
+                m, P(rows, one if in_one else None)))
+            np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-5)
+            # The callbacks see the mesh with its size-1 axis, and specs as
+            # XLA's shardings carry them (as upstream hands them).
+            self.assertEqual(seen[-1][0], dict(zip(names, shape)))
+            self.assertNotIn(one, seen[-1][1])
+
+  def test_derived_ops_over_a_size_1_axis(self):
+    """grad, vmap and eager calls of ops whose lower_fn runs collectives
+    over the size-1 axis: right values, and the gradient's corrections
+    (a psum where an operand is copied) add no all-reduce over it."""
+    for shape, names, one, rows in _SIZE1_MESHES:
+      m = self.mesh_of(shape, names)
+      for cname in ("all_to_all", "axis_index", "ppermute"):
+        collective = _SIZE1_COLLECTIVES[cname]
+        with self.subTest(mesh=shape, collective=cname):
+          op = _size1_op(collective, one, rows, True, False)
+          x = jax.device_put(self.xh, NamedSharding(m, P(rows, one)))
+          np.testing.assert_allclose(op(x), np.sin(self.xh) * 2, rtol=1e-5)
+          grad = jax.jit(jax.grad(lambda x: jnp.sum(op(x) * x)))
+          np.testing.assert_allclose(
+              grad(x), np.sin(self.xh) * 2 + 2 * np.cos(self.xh) * self.xh,
+              rtol=1e-5)
+          self.assertCollectives(self.hlo(grad, x), absent=("all-reduce",))
+          xb = jax.device_put(np.stack([self.xh, -self.xh]),
+                              NamedSharding(m, P(None, rows, one)))
+          np.testing.assert_allclose(
+              jax.jit(jax.vmap(op))(xb),
+              np.sin(np.stack([self.xh, -self.xh])) * 2, rtol=1e-5)
+
+  def test_replicated_weight_over_a_size_1_axis(self):
+    """``x @ w`` with w replicated: its cotangent is psummed over the row
+    axes only; over the size-1 axis there is nothing to sum."""
+    w = _data((8, 4)) + 1
+    for shape, names, one, rows in _SIZE1_MESHES:
+      m = self.mesh_of(shape, names)
+      with self.subTest(mesh=shape):
+        op = custom_partitioning(lambda x, w: x @ w)
+
+        def partition(mesh, arg_shapes, result_shape, rows=rows, one=one):
+          r = NamedSharding(mesh, P(rows, None))
+          return (mesh, lambda x, w: jax.lax.psum(x, one) @ w, r,
+                  (r, NamedSharding(mesh, P())))
+        op.def_partition(partition, sharding_rule="i k, k j -> i j")
+        x = jax.device_put(self.xh, NamedSharding(m, P(rows, None)))
+        wd = jax.device_put(w, NamedSharding(m, P()))
+        gx, gw = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w) ** 2),
+                                  argnums=(0, 1)))(x, wd)
+        out = self.xh @ w
+        np.testing.assert_allclose(gw, self.xh.T @ (2 * out), rtol=1e-4)
+        np.testing.assert_allclose(gx, (2 * out) @ w.T, rtol=1e-4)
+
+  def test_collective_over_a_tuple_with_a_size_1_axis(self):
+    """all_to_all and ppermute over ('z', 'y') on a (8, 1) mesh: the
+    result varies over 'z' (sharded there) and 'y' (size 1)."""
+    m = self.mesh_of((8, 1), ("z", "y"))
+    x = jax.device_put(self.xh, NamedSharding(m, P("z", "y")))
+    body = lambda x: x * 3.0
+    cases = {
+        "all_to_all": (lambda x: jax.lax.all_to_all(
+            jax.lax.all_to_all(x, ("z", "y"), 1, 0, tiled=True),
+            ("z", "y"), 0, 1, tiled=True) * 3.0),
+        "ppermute": (lambda x: jax.lax.ppermute(
+            jax.lax.ppermute(x, ("z", "y"), [(i, (i + 1) % 8)
+                                              for i in range(8)]),
+            ("z", "y"), [(i, (i - 1) % 8) for i in range(8)]) * 3.0),
+        "axis_index": (lambda x: x * 3.0 + 0 * jax.lax.axis_index(
+            ("z", "y"))),
+    }
+    for label, lower_fn in cases.items():
+      with self.subTest(label):
+        op = custom_partitioning(body)
+        s = lambda mesh: NamedSharding(mesh, P("z", "y"))
+        op.def_partition(
+            lambda mesh, a, r, f=lower_fn: (mesh, f, s(mesh), (s(mesh),)),
+            infer_sharding_from_operands=lambda mesh, a, r: s(mesh),
+            sharding_rule="i j -> i j")
+        np.testing.assert_allclose(jax.jit(op)(x), self.xh * 3, rtol=1e-6)
+    # The same over a tuple whose other axis has several devices, returned
+    # as replicated over it, is a true alarm.
+    op = _reducing_op(lambda x: jax.lax.all_to_all(
+        jnp.sum(x, 0), ("z", "y"), 0, 0, tiled=True), arg_spec=("z", None))
+    self.assertRaisesNaming(ValueError, ["mesh axis 'z'"],
+                            lambda: jax.jit(op)(x))
+
+  def test_true_alarms_stay_on_meshes_with_a_size_1_axis(self):
+    """A missing psum over the axis of several devices, and a reduction
+    over padding, are still refused there."""
+    m = self.mesh_of((2, 1, 4), ("a", "y", "b"))
+    x = jax.device_put(self.xh, NamedSharding(m, P(("a", "b"), "y")))
+    op = _reducing_op(lambda x: jax.lax.psum(jnp.sum(x, 0), ("a", "y")),
+                      arg_spec=(("a", "b"), None))
+    self.assertRaisesNaming(ValueError, ["mesh axis 'b'", "psum"],
+                            lambda: jax.jit(op)(x))
+    op = _reducing_op(lambda x: jax.lax.psum(jnp.sum(x, 0), ("a", "y", "b")),
+                      arg_spec=(("a", "b"), None))
+    np.testing.assert_allclose(jax.jit(op)(x), self.xh.sum(0), rtol=1e-5)
+    # Rows of 10 over 'b' (4 devices) are padded; over 'y' alone they are
+    # not (one shard).
+    xh = -np.abs(_data((10, 8))) - 1
+    lower_fn = lambda x: jax.lax.pmax(jnp.max(x, 0), ("b", "y"))
+    op = _reducing_op(lower_fn, arg_spec=(("b", "y"), None),
+                      fun=lambda x: jnp.max(x, 0))
+    replicated = NamedSharding(m, P())
+    self.assertRaisesNaming(ValueError, ["operand 0 dimension 0", "padd"],
+                            lambda: jax.jit(op, in_shardings=replicated)(xh))
+    op = _reducing_op(lambda x: jax.lax.pmax(jnp.max(x, 0), "y"),
+                      arg_spec=("y", None), fun=lambda x: jnp.max(x, 0))
+    np.testing.assert_allclose(jax.jit(op, in_shardings=replicated)(xh),
+                               xh.max(0), rtol=1e-6)
+
+  def test_slab_and_pencil_transposes(self):
+    global _LOCAL_TRANSPOSE
+    self.addCleanup(globals().__setitem__, "_LOCAL_TRANSPOSE", False)
+    self.addCleanup(jax.clear_caches)
+    xh = _data((8, 8, 16))
+    for transpose in (False, True):
+      _LOCAL_TRANSPOSE = transpose
+      jax.clear_caches()  # as the library does when it flips the flag
+      op = _y_to_x_op()
+      want = xh.transpose(0, 2, 1) if transpose else xh
+      for shape in ((8, 1), (1, 8), (4, 2), (2, 4)):
+        with self.subTest(transpose=transpose, mesh=shape):
+          m = self.mesh_of(shape, ("z", "y"))
+          x = jax.device_put(xh, NamedSharding(m, P("z", "y")))
+          got = jax.jit(op)(x)
+          np.testing.assert_allclose(got, want)
+          ct = jnp.asarray(_data(want.shape) + 2)
+          grad = jax.jit(jax.grad(lambda x: jnp.sum(op(x) * ct)))(x)
+          np.testing.assert_allclose(
+              grad, np.asarray(ct).transpose(0, 2, 1) if transpose
+              else np.asarray(ct), rtol=1e-6)
+
+  def test_explicit_path_over_a_size_1_axis(self):
+    """Under Explicit axes the op runs as shard_map, whose check_vma types
+    a value after all_to_all over 'y' as varying over it: the module makes
+    it invariant (a psum over one device), so shard_map does not refuse."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    for shape, names, one, rows in _SIZE1_MESHES:
+      m = jax.make_mesh(shape, names, axis_types=(explicit,) * len(shape))
+      for cname, collective in _SIZE1_COLLECTIVES.items():
+        for in_one, out_one in ((True, False), (False, False),
+                                (True, True)):
+          with self.subTest(mesh=shape, collective=cname, in_one=in_one,
+                            out_one=out_one), jax.set_mesh(m):
+            seen = []
+            op = _size1_op(collective, one, rows, in_one, out_one, seen)
+            x = jax.device_put(self.xh, NamedSharding(
+                m, P(rows, one if in_one else None)))
+            jitted = jax.jit(op)
+            got = jitted(x)
+            np.testing.assert_allclose(got, np.sin(self.xh) * 2, rtol=1e-5)
+            # jax's typing of fun: the operand's sharding, size-1 axis too.
+            self.assertEqual(_spec(jax.typeof(got).sharding, 2),
+                             (rows, one if in_one else None))
+            # partition is asked with specs as the custom call's are.
+            self.assertNotIn(one, seen[-1][1])
+            self.assertNotIn("CustomSPMDPartitioning",
+                             jitted.lower(x).as_text())
+      # vmap over a batch dimension typed as sharded over the size-1 axis:
+      # jax's vmap of shard_map would leave that axis unbound in lower_fn,
+      # so the op keeps the custom call, which runs it.
+      with self.subTest(mesh=shape, vmap=True), jax.set_mesh(m):
+        op = _size1_op(_SIZE1_COLLECTIVES["all_to_all"], one, rows, True,
+                       False)
+        xb = jax.device_put(np.stack([self.xh, -self.xh]),
+                            NamedSharding(m, P(one, rows, None)))
+        jitted = jax.jit(jax.vmap(op))
+        np.testing.assert_allclose(
+            jitted(xb), np.sin(np.stack([self.xh, -self.xh])) * 2, rtol=1e-5)
+        self.assertIn("CustomSPMDPartitioning", jitted.lower(xb).as_text())
+
+  def test_cond_on_a_varying_predicate_is_refused(self):
+    """Devices disagree on ``sum(x) > 0`` for row-sharded x: the branch
+    taken, returned as replicated, differs between them."""
+    m = self.mesh((8,), ("x",))
+    x = jax.device_put(self.xh, NamedSharding(m, P("x", None)))
+    ones, zeros = (lambda v: jnp.ones((8,), v.dtype),
+                   lambda v: jnp.zeros((8,), v.dtype))
+    op = _reducing_op(lambda x: jax.lax.cond(jnp.sum(x) > 0, ones, zeros, x))
+    self.assertRaisesNaming(ValueError, ["result 0", "mesh axis 'x'"],
+                            lambda: jax.jit(op)(x))
+    # On a replicated predicate the same cond passes.
+    op = _reducing_op(lambda x: jax.lax.cond(
+        jax.lax.psum(jnp.sum(x), "x") > 0, ones, zeros, x))
+    np.testing.assert_allclose(jax.jit(op)(x), np.zeros(8) + (
+        self.xh.sum() > 0))
+
+
+both_partitioners(SizeOneAxisTest)
+del SizeOneAxisTest
+
+
+# --------------------------------------------------------------------------
 # Transformations: vmap of two results, disable_jit
 # --------------------------------------------------------------------------
 

@@ -820,6 +820,35 @@ class StaticArgsTest(CPTestCase):
       self.assertIn("infer", kinds)
       self.assertIn("propagate", kinds)
 
+  def test_static_argnums_in_the_authors_order(self):
+    """``static_argnums=(2, 0)``: every callback gets the values of
+    positions 2 then 0, as upstream passes them, eagerly and under jit."""
+    calls = []
+    op = custom_partitioning(lambda n, x, tag: x * n + len(tag),
+                             static_argnums=(2, 0))
+
+    def partition(tag, n, mesh, arg_shapes, result_shape):
+      calls.append((tag, n))
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * n + len(tag), s, (s,)
+
+    def infer(tag, n, mesh, arg_shapes, result_shape):
+      calls.append((tag, n))
+      return arg_shapes[0].sharding
+
+    def rule(tag, n, mesh, operand_types, result_types):
+      calls.append((tag, n))
+      return "i j -> i j"
+
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule)
+    np.testing.assert_allclose(jax.jit(op, static_argnums=(0, 2))(
+        3.0, self.x, "ab"), self.xh * 3 + 2, rtol=1e-6)
+    np.testing.assert_allclose(op(2.0, self.x, "abc"), self.xh * 2 + 3,
+                               rtol=1e-6)
+    self.assertTrue(calls)
+    self.assertEqual(set(calls), {("ab", 3.0), ("abc", 2.0)}, calls)
+
   def test_unhashable_static_jit(self):
     op = custom_partitioning(lambda cfg, x: x * cfg["a"] + cfg["b"][0],
                              static_argnums=(0,))
@@ -2366,6 +2395,20 @@ class CallbackContractTest(CPTestCase):
         out = jax.jit(op)(self.x)
     np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
     self._check_records(rec, self.m)
+
+  def test_with_mesh_context_of_other_device_order(self):
+    """``with Mesh(devices):`` around a program whose operand lives on
+    ``Mesh(devices[::-1])``: partition gets the program's mesh (its device
+    order), not the context's."""
+    op, rec = self._recording_op()
+    flipped = Mesh(self.m.devices[::-1, ::-1], self.m.axis_names)
+    x = jax.device_put(self.xh, NamedSharding(flipped, P("x", "y")))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      with self.m:
+        out = jax.jit(op)(x)
+    np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
+    self._check_records(rec, flipped)
 
   def test_no_mesh_context(self):
     op, rec = self._recording_op()

@@ -407,6 +407,55 @@ def _register_compile_error_handler(handler) -> None:
   _compiler.register_xla_runtime_error_handler(handler)
 
 
+# Options that jax sets while tracing, not users, and that lower_fn is
+# traced without, as it is without the ambient mesh: an enclosing
+# jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
+# on plain local types (section 3c checks it).
+_TRACING_OPTIONS = frozenset({"check_vma"})
+
+
+def _config_values() -> tuple:
+  """Every jax option's value on this thread, context managers included, as
+  ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
+  # Config._value_holders and State (.value, and calling it for a context
+  # manager that sets the option on this thread alone): unchanged from jax
+  # 0.4.35 to 0.11.
+  return tuple((name, holder.value)
+               for name, holder in _config.config._value_holders.items()
+               if isinstance(holder, _config.State) and
+               name not in _TRACING_OPTIONS)
+
+
+@contextlib.contextmanager
+def _config_entered(values: tuple):
+  """Runs the block on this thread under ``values`` (``_config_values``):
+  each option that differs here is set by its own context manager, as the
+  user's ``with`` did on the thread that took the values."""
+  holders = _config.config._value_holders
+  with contextlib.ExitStack() as stack:
+    for name, value in values:
+      state = holders[name]
+      if state.value != value:
+        stack.enter_context(state(value))
+    yield
+
+
+def _trace_context_by_value() -> tuple:
+  """jax's trace context (the configuration its tracing caches key on),
+  with each entry described by value, so that equal configurations give
+  equal descriptions in every process."""
+  # The axis environment is a tuple of frames in jax 0.4.35 (empty outside
+  # a transformation), a core.AxisEnv object (whose repr is its address) in
+  # jax 0.10 and 0.11. Other entries are plain values, enums, meshes and
+  # tuples of them, which the key's describer takes by value.
+  axis_env = getattr(core, "AxisEnv", None)
+  return tuple(
+      ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
+       getattr(v, "explicit_mesh_axis_names", None))
+      if axis_env is not None and isinstance(v, axis_env) else v
+      for v in _config.trace_context())
+
+
 @_jax_util.cache(max_size=1, trace_context_in_key=False)
 def _cache_epoch() -> object:
   """A token that changes when ``jax.clear_caches()`` is called."""
@@ -430,17 +479,26 @@ def _cache_epoch() -> object:
 #   _eager          eager call -> jitted function           64      C
 #   _derived        (body, tag, avals) -> derived body      64      C
 #   _Op.lowered     partition request -> XLA's answer       256/op  C
-#   _Op.pending     compiling thread -> callback error      threads P
+#   _pending        XLA's thread -> (op name, callback      threads P, F
+#                   error) of the compile on it
 #   _registry       custom call key -> _Op (_register, 5)   weak    -
 #   _parked_errors  tag -> a callback's exception           64      C, R
 #   _parked_counter the next tag (section 4b)               -       -
 #   _call_names     body -> name of its function            weak    -
 #
+# What each key holds of jax's configuration (its trace context, which
+# jax's own tracing caches key on): op._traces, both kinds, and _derived
+# hold the context itself; _registry's key holds it by value (section 4c),
+# as part of the _Op, so _Op.lowered's answers hold for it too. _eager's
+# values are jax.jit functions, which key on the configuration themselves,
+# and build nothing that depends on it. _pending is no cache.
+#
 # C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
-# D: ``def_partition``; P: popped by the partition callback (section 4b);
-# R: popped when the failed compile re-raises it. Lowerings and executables
-# that may still call back keep their ``_registry`` entries alive. The weak
-# tables share ``_weak_lock``; a ``pending`` entry has one compiling thread.
+# D: ``def_partition``; P: popped by the next partition callback on that
+# thread; F: emptied when a compile fails (section 4b); R: popped when the
+# failed compile re-raises it. Lowerings and executables that may still
+# call back keep their ``_registry`` entries alive. The weak tables and
+# ``_pending`` share ``_weak_lock``.
 # Not state: ``_DESCRIBED_BY`` (section 4c), a table filled at import.
 # --------------------------------------------------------------------------
 
@@ -506,6 +564,7 @@ _derived = _LRU()
 _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _parked_errors = _LRU()
 _parked_counter = itertools.count()
+_pending: dict[int, tuple[str, BaseException]] = {}
 _call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weak_lock = threading.Lock()
 
@@ -1450,6 +1509,19 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
 # for ``partition``'s answer the mesh it returned (``_Answer.on``).
 # --------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Configuration:
+  """jax's configuration on the thread that lowers an op: every option's
+  value (``_config_values``), to run its callbacks under, and the trace
+  context by value (``_trace_context_by_value``), its part of the key."""
+  values: tuple
+  trace_context: tuple
+
+  @classmethod
+  def here(cls) -> _Configuration:
+    return cls(_config_values(), _trace_context_by_value())
+
+
 class _Placement(NamedTuple):
   """Where a lowered op runs.
 
@@ -1466,9 +1538,16 @@ class _Placement(NamedTuple):
   whole: Any = None
 
 
+_STATE = {"state": True}  # marks the fields of an _Op that are not its key
+
+
 @dataclasses.dataclass(eq=False)
 class _Op:
-  """What XLA's callbacks need to know about one lowered custom call."""
+  """What XLA's callbacks need to know about one lowered custom call.
+
+  Every field but those marked ``_STATE`` is part of the op's key
+  (``_register``): ops with equal keys are one op to XLA's callbacks.
+  """
   name: str
   partition: Callable | None
   infer: Callable | None  # infer_sharding_from_operands
@@ -1485,13 +1564,14 @@ class _Op:
   varying: tuple = ((), ())
   platforms: Any = None
   backend: Any = None
-  # Errors of infer/propagate, per compiling thread, for the partition
-  # callback to raise (see section 4b).
-  pending: dict = dataclasses.field(default_factory=dict)
+  # jax's configuration where the op was lowered, which ``partition`` and
+  # ``lower_fn`` run under on XLA's thread; None: the caller's own (5b).
+  config: _Configuration | None = None
   # Partition request -> XLA's answer. The request holds every input of the
   # answer that is not in the op's key (shapes, dtypes, shardings); the key
   # holds the rest (section 4c).
-  lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256))
+  lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256),
+                                    metadata=_STATE)
 
   @property
   def mesh(self):
@@ -1930,12 +2010,14 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
 #
 # Errors: an exception must never escape into XLA raw (under GSPMD that
 # aborts the process). One raised while inferring or propagating is kept in
-# the op's ``pending`` for the compiling thread (XLA then propagates on its
-# own) and raised by the partition callback, which XLA always calls next.
-# There, every exception is parked in ``_parked_errors`` under a tag that
-# goes into the message XLA reports; when the compile fails,
-# ``_reraise_callback_error`` (registered with jax's compiler) finds the
-# tag and jax raises the original exception, with its type.
+# ``_pending`` for the compiling thread (XLA then propagates on its own)
+# and raised by the next partition callback on that thread, of whichever op:
+# XLA compiles one program at a time on a thread and partitions only after
+# propagating, so that callback belongs to the same compile. There, every
+# exception is parked in ``_parked_errors`` under a tag that goes into the
+# message XLA reports; when the compile fails, ``_reraise_callback_error``
+# (registered with jax's compiler) finds the tag and jax raises the original
+# exception, with its type.
 # --------------------------------------------------------------------------
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
@@ -1949,8 +2031,22 @@ def _park(error: BaseException, where: str) -> str:
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
 
 
+def _keep_pending(op: _Op, error: BaseException) -> None:
+  """Keeps an infer/propagate error for this compile (the first one)."""
+  with _weak_lock:
+    _pending.setdefault(threading.get_ident(), (op.name, error))
+
+
 def _reraise_callback_error(xla_error: Exception):
   """Compile-error handler: gives back the author's original exception."""
+  # A failed compile ends with its errors kept for a partition callback that
+  # never came (XLA failed in between): they must not reach a later compile.
+  # This handler runs on the caller's thread, not on XLA's, and cannot tell
+  # which thread compiled, so every kept error goes. A compile running
+  # meanwhile on another thread then loses one it kept: it goes on as if
+  # the callback had returned None, and partition still decides the program.
+  with _weak_lock:
+    _pending.clear()
   text = str(xla_error)
   start = text.find(_ERROR_TAG)
   if start < 0:
@@ -1978,7 +2074,7 @@ def _xla_infer(arg_shapes, arg_shardings, result_shape, key):
       return None
     return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    op.pending[threading.get_ident()] = e
+    _keep_pending(op, e)
     return None
 
 
@@ -1994,7 +2090,7 @@ def _xla_propagate(user_sharding, shape, key):
     return _pack_hlo(shape, [_hlo_of(v, op.mesh)
                              for v in _propagate(op, results, len(op.steps))])
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    op.pending[threading.get_ident()] = e
+    _keep_pending(op, e)
     return user_sharding
 
 
@@ -2009,11 +2105,15 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
         "mesh:`).")
   on = op.mesh if op.place.auto is None else op.place.auto
   result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
-  shard = _partition(
-      op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
-      _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
-  return (_per_shard_module(op, shard),
-          [_hlo_of(v, on) for v in shard.args],
+  # XLA calls on a thread of its own, which has none of the lowering
+  # thread's context managers: partition and lower_fn run under the
+  # configuration the op was lowered (and keyed) with.
+  with _config_entered(op.config.values):
+    shard = _partition(
+        op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
+        _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
+    module = _per_shard_module(op, shard)
+  return (module, [_hlo_of(v, on) for v in shard.args],
           _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
 
 
@@ -2023,10 +2123,13 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
   if op is None:
     raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
                        f"under key {key!r}; was its lowering dropped?")
+  with _weak_lock:
+    pending = _pending.pop(threading.get_ident(), None)
+  if pending is not None:
+    name, error = pending
+    where = f"custom_partitioning op {name}"
+    raise RuntimeError(_park(error, where)) from error
   try:
-    error = op.pending.pop(threading.get_ident(), None)
-    if error is not None:
-      raise error
     request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
                      for s, h in zip(arg_shapes, arg_shardings)),
                str(result_shape), str(result_sharding))
@@ -2047,11 +2150,12 @@ _register_compile_error_handler(_reraise_callback_error)
 # is part of the persistent compilation cache's key. It digests a description
 # of all that decides the op's partitioning: the body's jaxpr and constants,
 # each callback's code and the values it reads (closures, globals, attributes
-# of user modules, defaults), static arguments, pytrees, mesh, devices and
-# partitioner. Plain data (including arrays up to _MAX_HASHED_BYTES and user
-# objects, by their fields), code, meshes and shardings are described
-# faithfully; anything else, and bigger arrays (hashing costs time linear in
-# their size, in every lowering), is *opaque*: described by its identity
+# of user modules, defaults), static arguments, pytrees, mesh, devices,
+# partitioner and jax's configuration (every field of the ``_Op``). Plain
+# data (including arrays up to _MAX_HASHED_BYTES and user objects, by their
+# fields), code, meshes, devices and shardings are described faithfully;
+# anything else, and bigger arrays (hashing costs time linear in their size,
+# in every lowering), is *opaque*: described by its identity
 # within one lowering in one process. So a program keeps its key across
 # processes unless it reads opaque values, and a changed program (even in
 # place: each lowering is described anew) never gets an old key. No
@@ -2067,8 +2171,17 @@ _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # Classes of this module whose objects are described by what a function of
-# them returns; each is registered right after its class.
+# them returns; each is registered right after its class (section 4's here).
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
+# An op by every field that is not state: a field added to _Op is in the key
+# unless it is marked as state.
+_DESCRIBED_BY[_Op] = lambda op: tuple(
+    (f.name, getattr(op, f.name)) for f in dataclasses.fields(op)
+    if not f.metadata.get("state"))
+# The configuration by its trace context: what jax keys its own traces on
+# (jax.jit reuses a trace whatever the other options say), so two lowerings
+# with equal contexts trace lower_fn alike.
+_DESCRIBED_BY[_Configuration] = lambda config: config.trace_context
 _SKIPPED_CLASS_ATTRS = frozenset({
     "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
     "__annotations__", "__dataclass_fields__", "__dataclass_params__",
@@ -2156,6 +2269,12 @@ class _Describer:
       out.append(f"mesh {obj.axis_names} {obj.devices.shape} "
                  f"{[d.id for d in _mesh_devices(obj)]} "
                  f"{getattr(obj, 'axis_types', None)}")
+    elif isinstance(obj, mesh_lib.AbstractMesh):  # its repr is its value
+      out.append(f"abstract mesh {obj!r}")
+    elif isinstance(obj, jax.Device):
+      out.append(f"device {obj.platform} {obj.id}")
+    elif isinstance(obj, xc.Client):  # one per platform in a process
+      out.append(f"backend {obj.platform} {obj.platform_version}")
     elif isinstance(obj, jax.sharding.NamedSharding):
       out.append(f"named sharding {obj.spec} {obj.memory_kind}")
       self.add(obj.mesh)
@@ -2578,11 +2697,14 @@ def _register(ctx, op: _Op, params) -> str:
   # lowering and its executables, so its id is unique while they live.
   scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
   call = params["call"]
-  key = f"{_TARGET}:" + _digest(
-      scope, str(call.jaxpr), call.consts,
-      *(params[k] for k in sorted(params) if k != "call"),
-      op.mesh, [d.id for d in op.place.devices], op.platforms, _use_shardy(),
-      [[sorted(v) if v else v for v in side] for side in op.varying])
+  # The key holds the body and every field of the op (the callbacks, static
+  # arguments, pytrees, steps, placement, platforms, backend, and jax's
+  # configuration where it is lowered, which partition and lower_fn run
+  # under), plus the partitioner. XLA's questions are answered from these
+  # and from what XLA asks with (shapes and shardings): so a live op found
+  # under an equal key answers as this one would, whichever was first.
+  key = f"{_TARGET}:" + _digest(scope, str(call.jaxpr), call.consts, op,
+                                _use_shardy())
   with _weak_lock:
     # Keep the first live entry: equal keys answer alike, and lowerings that
     # already hold it must keep finding it.
@@ -2614,7 +2736,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
            in_tree=params["in_tree"], out_tree=params["out_tree"],
            steps=steps, place=place, varying=varying,
            platforms=ctx.module_context.platforms,
-           backend=_module_backend(ctx))
+           backend=_module_backend(ctx), config=_Configuration.here())
   key = _register(ctx, op, params)
   custom_call = hlo.CustomCallOp(
       _ir_types(ctx, call.out_avals), list(values),

@@ -4731,6 +4731,176 @@ both_partitioners(KeySafetyTest)
 del KeySafetyTest
 
 
+def _matmul_op(w, record=None):
+  """The identity, partitioned as ``x @ w`` per row shard: the per-shard
+  dot takes jax's matmul precision where ``lower_fn`` is traced.
+  ``record(axis_names)`` is called by partition."""
+  op = custom_partitioning(lambda x: x)
+
+  def partition(mesh, arg_shapes, result_shape):
+    if record is not None:
+      record(tuple(mesh.axis_names))
+    s = arg_shapes[0].sharding
+    return mesh, lambda xl: xl @ w, s, (s,)
+
+  op.def_partition(partition,
+                   infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                   sharding_rule="i j -> i j")
+  return op
+
+
+def _highest(compiled_text):
+  """Whether every dot of a compiled program has precision highest."""
+  dots = [line for line in compiled_text.splitlines() if " dot(" in line]
+  assert dots, "no dot in the compiled program"
+  return all("operand_precision={highest,highest}" in d for d in dots)
+
+
+class ConfigurationTest(CPTestCase):
+  """jax's configuration where an op is lowered decides its per-shard code,
+  as under jax.shard_map, and every key holds it."""
+
+  def setUp(self):
+    super().setUp()
+    self.put_data((16, 8))
+    old = jax.config.jax_default_matmul_precision
+    self.addCleanup(jax.config.update, "jax_default_matmul_precision", old)
+
+  def test_matmul_precision_of_each_compile_in_both_orders(self):
+    for k, order in enumerate((("bfloat16", "highest"),
+                               ("highest", "bfloat16"))):
+      f = jax.jit(_matmul_op(_data((8, 8)) * (k + 1)))
+      compiled = []  # each executable stays alive
+      for precision in order:
+        jax.config.update("jax_default_matmul_precision", precision)
+        compiled.append(f.lower(self.x).compile())
+      for precision, c in zip(order, compiled):
+        with self.subTest(order=order, precision=precision):
+          self.assertEqual(_highest(c.as_text()), precision == "highest")
+
+  def test_precision_context_manager_reaches_lower_fn(self):
+    op = _matmul_op(_data((8, 8)) * 3)
+    mapped = jax.jit(shard_map(lambda xl: xl @ (_data((8, 8)) * 3),
+                               mesh=self.m, in_specs=P("x"),
+                               out_specs=P("x")))
+    with jax.default_matmul_precision("highest"):
+      inside = jax.jit(op).lower(self.x).compile()
+      self.assertTrue(_highest(self.hlo(mapped, self.x)), "shard_map")
+    outside = jax.jit(op).lower(self.x).compile()
+    self.assertTrue(_highest(inside.as_text()),
+                    "the precision set by the context manager was lost")
+    self.assertFalse(_highest(outside.as_text()),
+                     "outside the context manager: the default precision")
+
+  def test_x64_decides_a_constant_built_by_lower_fn(self):
+    # lower_fn adds the byte width of jax's default integer type: 8 under
+    # x64, 4 without.
+    op = _same_sharding_op(
+        lambda x: x, lower_fn=lambda xl: xl + jnp.asarray(0).dtype.itemsize)
+    f = jax.jit(op)
+    before = f.lower(self.x).compile()
+    with _x64():
+      inside = np.asarray(jax.jit(op)(self.x))
+    jax.config.update("jax_enable_x64", True)
+    self.addCleanup(jax.config.update, "jax_enable_x64", False)
+    global_x64 = np.asarray(f(self.x))
+    jax.config.update("jax_enable_x64", False)
+    after = np.asarray(f(self.x))
+    np.testing.assert_allclose(inside, self.xh + 8, err_msg="with enable_x64")
+    np.testing.assert_allclose(global_x64, self.xh + 8,
+                               err_msg="x64 set by jax.config.update")
+    np.testing.assert_allclose(after, self.xh + 4, err_msg="x64 off again")
+    np.testing.assert_allclose(np.asarray(before(self.x)), self.xh + 4)
+
+  def test_eager_grad_asks_partition_for_a_sharded_operand(self):
+    calls = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(_spec(arg_shapes[0].sharding, 2))
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * 2.0, s, (s,)
+
+    op = custom_partitioning(lambda x: x * 2.0)
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    grad = jax.grad(lambda x: jnp.sum(op(x)))
+    replicated = jax.device_put(self.xh, NamedSharding(self.m, P()))
+    np.testing.assert_allclose(grad(replicated), np.full_like(self.xh, 2.0))
+    self.assertEqual(calls, [], "partition was asked about replicated data")
+    np.testing.assert_allclose(grad(self.x), np.full_like(self.xh, 2.0))
+    self.assertTrue(calls, "partition was not asked about sharded data")
+    self.assertTrue(all(spec[0] == "x" for spec in calls), calls)
+
+  def test_one_op_on_two_meshes_of_the_same_devices(self):
+    # The calls are kept where the op's key does not look (an attribute of
+    # a function), so that both lowerings differ in their mesh alone.
+    def record(names):
+      record.calls.append(names)
+    record.calls = calls = []
+    op = _matmul_op(_data((8, 8)) * 5, record)
+    ab = self.mesh((4, 2), ("a", "b"))
+    x_ab = jax.device_put(self.xh, NamedSharding(ab, P(("a", "b"))))
+    first = jax.jit(op).lower(self.x)  # alive while the second compiles
+    first.compile()
+    self.assertEqual(calls, [("x",)])
+    jax.jit(op).lower(x_ab).compile()
+    self.assertEqual(calls[1:], [("a", "b")],
+                     "the second lowering's partition saw another mesh")
+    del first
+
+
+both_partitioners(ConfigurationTest)
+del ConfigurationTest
+
+
+class PendingErrorTest(CPTestCase):
+  """An infer error kept for the partition callback ends with its compile."""
+
+  shardy = False  # only GSPMD asks infer_sharding_from_operands
+
+  def test_an_infer_error_does_not_reach_a_later_compile(self):
+    # infer refuses row-sharded operands: the first compile, of rows, fails
+    # in another op's partition first; the next, of columns, is the same op
+    # (the same key: its key holds no operand sharding) and must run.
+    self.put_data((16, 8))
+    columns = jax.device_put(self.xh, NamedSharding(self.m, P(None, "x")))
+
+    def upstream_failing():  # XLA reports its error: no tag of ours
+      op = _up_cp.custom_partitioning(lambda x: x - 1.0)
+      op.def_partition(_raise, infer_sharding_from_operands=(
+          lambda m, a, r: a[0].sharding))
+      return op
+
+    def own_failing():
+      op = custom_partitioning(lambda x: x - 1.0)
+      op.def_partition(_raise, infer_sharding_from_operands=(
+          lambda m, a, r: a[0].sharding))
+      return op
+
+    def infer(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      if s is not None and _spec(s, 2)[0] == "x":
+        raise _CallbackError("infer refuses rows")
+      return s
+
+    for make in (upstream_failing, own_failing):
+      with self.subTest(failing=make.__name__):
+        op = custom_partitioning(lambda x: x + 1.0)
+        op.def_partition(
+            lambda m, a, r: (m, lambda x: x + 1.0, a[0].sharding,
+                             (a[0].sharding,)),
+            infer_sharding_from_operands=infer)
+        other = make()
+        # XLA partitions ``other`` first, and the compile fails there.
+        lowered = jax.jit(lambda x: op(other(x))).lower(self.x)
+        with self.assertRaises((_CallbackError, RuntimeError)):
+          lowered.compile()
+        f = jax.jit(lambda x: op(x) * 3.0)
+        np.testing.assert_allclose(f(columns), (self.xh + 1.0) * 3.0)
+        del lowered
+
+
 # --------------------------------------------------------------------------
 # A faithful drop-in: clear_caches, trace keys, eager calls, defaults
 # --------------------------------------------------------------------------
@@ -5182,6 +5352,8 @@ jax.config.update("jax_use_shardy_partitioner", shardy)
 jax.config.update("jax_compilation_cache_dir", cache_dir)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+precision = @PRECISION@
+jax.config.update("jax_default_matmul_precision", precision)
 events = []
 monitoring.register_event_listener(lambda event, **kw: events.append(event))
 if impl == "upstream":
@@ -5218,7 +5390,12 @@ with @CONTEXT@:
   f = jax.jit(lambda x: op(x, @STATIC@), in_shardings=s, out_shardings=s)
   out = f(x)
   custom_call = "CustomSPMDPartitioning" in f.lower(x).as_text()
+  dots = [] if precision is None else [  # compiling again may hit the cache
+      line for line in f.lower(x).compile().as_text().splitlines()
+      if " dot(" in line]
 print("RESULT " + json.dumps(dict(
+    highest=bool(dots) and all("operand_precision={highest,highest}" in d
+                               for d in dots),
     hits=events.count("/jax/compilation_cache/cache_hits"),
     misses=events.count("/jax/compilation_cache/cache_misses"),
     custom_call=custom_call,
@@ -5228,7 +5405,7 @@ print("RESULT " + json.dumps(dict(
 _CACHE_BASE = dict(SCALE="2.0", BODY="jnp.sin(x) * 2.0 * k",
                    LOWER="jnp.sin(x) * SCALE * k", STATIC="2",
                    HELPER="2.0", MESH='Mesh(np.array(jax.devices()), ("x",))',
-                   CONTEXT="contextlib.nullcontext()")
+                   CONTEXT="contextlib.nullcontext()", PRECISION="None")
 # The same program under Explicit mesh axes (the module's section 5b: no
 # custom call).
 _CACHE_EXPLICIT = dict(
@@ -5351,6 +5528,24 @@ class PersistentCacheTest(CPTestCase):
             result["hits"], 0, f"changing the {name} still hit the cache" +
             (" and returned the old program's result" if stale else ""))
         self.assertOut(result, want, f"after changing the {name}")
+
+  def test_matmul_precision_is_part_of_the_key(self):
+    lower = "jnp.sin(x @ jnp.eye(4, dtype=x.dtype)) * SCALE * k"
+    bf16 = self._script(LOWER=lower, PRECISION='"bfloat16"')
+    highest = self._script(LOWER=lower, PRECISION='"highest"')
+    cache = self._cache_dir()
+    want = np.sin(_CACHE_X) * 4.0
+    first, = self._run([(bf16, cache)])
+    changed, same = self._run([(highest, cache), (bf16, cache)])
+    for result, what in ((first, "first"), (changed, "highest"),
+                         (same, "bfloat16 again")):
+      self.assertOut(result, want, what)
+    self.assertFalse(first["highest"])
+    self.assertEqual(changed["hits"], 0,
+                     "another precision hit the persistent cache")
+    self.assertTrue(changed["highest"], "the per-shard dot lost its precision")
+    self.assertGreaterEqual(same["hits"], 1, "the same precision missed")
+    self.assertFalse(same["highest"])
 
   def test_upstream_never_hits(self):
     """Documents the difference: jax's own op keys by object address."""

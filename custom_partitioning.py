@@ -33,7 +33,8 @@ author's op to the op XLA partitions; 3c. checks of the per-shard program);
 4. one lowered op and the questions XLA asks about it (4b. the callbacks XLA
 calls; 4c. the keys naming an op, stable for the persistent compilation
 cache); 5. the primitive (5b. under Explicit mesh axes, partitioning while
-tracing, with no custom call); 6. the public decorator; 7. a self-demo.
+tracing, with no custom call); 6. the public decorator (6b.
+``check_partitioning``, for an op author's tests); 7. a self-demo.
 
 The API design is JAX's; this is an independent implementation of it.
 """
@@ -352,6 +353,34 @@ def _all_explicit(am) -> bool:
 
 def _abstract_of(mesh):
   return mesh.abstract_mesh
+
+
+def _set_mesh_scope(mesh):
+  """A context that sets ``mesh`` as jax's ambient mesh, if it has any axis
+  typed Explicit (section 6b); else (or before jax 0.5.3) does nothing."""
+  # jax 0.7.0 added jax.set_mesh; from 0.5.3 to 0.6.x it is
+  # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
+  setter = getattr(jax, "set_mesh", None) or getattr(
+      jax.sharding, "use_mesh", None)
+  types_ = getattr(mesh, "axis_types", None)
+  if setter is None or not isinstance(types_, tuple) or not any(
+      t == jax.sharding.AxisType.Explicit for t in types_):
+    return contextlib.nullcontext()
+  return setter(mesh)
+
+
+def _typed_like(x, like):
+  """``x`` resharded to the sharding in ``like``'s type where that type has
+  one on Explicit mesh axes (a cotangent must match its output's type);
+  else ``x``."""
+  # jax 0.5.0 gave ShapedArray a sharding; jax 0.6 added reshard.
+  aval = _typeof(like)
+  mesh = _aval_mesh(aval)
+  types_ = getattr(mesh, "axis_types", None)
+  if (not hasattr(jax.sharding, "reshard") or not isinstance(types_, tuple)
+      or jax.sharding.AxisType.Explicit not in types_):
+    return x
+  return jax.sharding.reshard(x, aval.sharding.spec)
 
 
 def _unsharded(aval):
@@ -3333,6 +3362,403 @@ _DESCRIBED_BY[custom_partitioning] = lambda obj: (
     obj.fun, obj.static_argnums, obj.partition,
     obj.infer_sharding_from_operands, obj.propagate_user_sharding,
     obj.decode_shardings, obj.sharding_rule, obj.check_vma)
+
+
+# --------------------------------------------------------------------------
+# 6b. Checking an op's partitioning: check_partitioning
+#
+# A wrong ``partition`` (a transformed axis kept sharded, a backward op that
+# forgets a psum) gives plausible numbers, and small tests on one device
+# never run it. ``check_partitioning`` runs ``jax.jit(fn)`` with the example
+# arguments placed in many shardings, on one or more meshes, and compares
+# every result (and, with ``grad=True``, every gradient) with ``fn`` run on
+# one device, where each custom-partitioned op runs its own ``fun``.
+#
+# The sweep: on each mesh, every operand is replicated or has one dimension
+# sharded over one mesh axis (of more than one device) that divides it.
+# Across operands, all combinations if there are at most
+# ``max_combinations``; else, in this order until the bound: all
+# replicated, each operand's shardings with the others replicated (taken
+# round-robin over the operands), "diagonals" (operand i takes its k-th
+# sharding, for every k), then the remaining product in itertools order.
+# Deterministic: no randomness but the cotangents' fixed seed.
+# --------------------------------------------------------------------------
+
+_DEFAULT_MAX_COMBINATIONS = 32  # per mesh
+
+
+def _default_tolerance(dtype) -> float:
+  """rtol (and atol, relative to the reference's largest magnitude) by
+  dtype: 16-bit floats loosely, 32-bit and 64-bit by their precision,
+  integers and booleans exactly."""
+  dtype = np.dtype(dtype)
+  if dtype.name == "bfloat16":
+    return 3e-2
+  if not np.issubdtype(dtype, np.inexact):
+    return 0.0
+  real_size = dtype.itemsize // (2 if np.iscomplexobj(np.zeros((), dtype))
+                                 else 1)
+  return {2: 5e-3, 4: 1e-4, 8: 1e-9}.get(real_size, 1e-4)
+
+
+def _spec_text(spec: tuple) -> str:
+  """``PartitionSpec(None, 'x')`` on every jax release (newer ones print
+  ``P(...)``)."""
+  return f"PartitionSpec({', '.join(map(repr, spec))})"
+
+
+def _specs_text(specs, arg_names: list, flat: bool) -> str:
+  """``(PartitionSpec('x'), PartitionSpec())``, one per argument; for
+  pytree arguments, each leaf named."""
+  if flat:
+    return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
+  return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
+                         in zip(arg_names, specs)) + "}"
+
+
+def _mesh_text(mesh) -> str:
+  axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+  types_ = getattr(mesh, "axis_types", None)
+  if isinstance(types_, tuple) and any(
+      t != jax.sharding.AxisType.Auto for t in types_):
+    names = ", ".join(t.name for t in types_)
+    axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
+  return f"Mesh({axes})"
+
+
+def _path_text(path, first: str) -> str:
+  """``argument 1['w']`` / ``result [0]``: a key path, its first key
+  spelled out as ``first`` plus its index."""
+  if first == "argument":
+    return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
+  return f"result {jax.tree_util.keystr(tuple(path))}" if path else "the result"
+
+
+def _shardings_of(shape: tuple, mesh) -> list[tuple]:
+  """One operand's candidates: replicated, then each dimension sharded over
+  each mesh axis of more than one device that divides it."""
+  out: list[tuple] = [()]
+  for d, n in enumerate(shape):
+    for name, size in mesh.shape.items():
+      if size > 1 and n > 0 and n % size == 0:
+        out.append((None,) * d + (name,))
+  return out
+
+
+def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
+  """At most ``bound`` combinations (one entry per operand) of the
+  per-operand ``options`` (each starting with the replicated one), in the
+  order section 6b describes."""
+  total = math.prod(len(o) for o in options)
+  if total <= bound:
+    return list(itertools.product(*options))
+  chosen: dict[tuple, None] = {}
+
+  def add(combination):
+    if len(chosen) < bound:
+      chosen.setdefault(tuple(combination), None)
+  replicated = [o[0] for o in options]
+  add(replicated)
+  longest = max(len(o) for o in options)
+  for k in range(1, longest):  # one operand sharded, round-robin
+    for i, o in enumerate(options):
+      if k < len(o):
+        add(replicated[:i] + [o[k]] + replicated[i + 1:])
+  for k in range(1, longest):  # every operand sharded at once
+    add([o[k % len(o)] for o in options])
+  for combination in itertools.product(*options):
+    if len(chosen) >= bound:
+      break
+    add(combination)
+  return list(chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitioningReport:
+  """What ``check_partitioning`` checked; ``str()`` says it in a sentence.
+
+  Attributes:
+    name: the checked function's name.
+    checked: how many placements of the operands were compiled, run and
+      compared, over all meshes.
+    meshes: per mesh, ``(description, checked, total)``: combinations run
+      and combinations the sweep has (more than ``checked`` when the bound
+      cut it).
+    replicated_only: the example arguments that no mesh axis divides
+      (described with their shapes): checked replicated only.
+    grad: whether gradients were compared too.
+    max_combinations: the bound per mesh.
+  """
+  name: str
+  checked: int
+  meshes: tuple
+  replicated_only: tuple
+  grad: bool
+  max_combinations: int
+
+  def __str__(self) -> str:
+    what = "results and gradients" if self.grad else "results"
+    per_mesh = "; ".join(f"{text}: {n} of {total}"
+                         for text, n, total in self.meshes)
+    text = (f"check_partitioning({self.name}): {self.checked} combinations "
+            f"of operand shardings checked, {what} equal to {self.name} on "
+            f"one device ({per_mesh}).")
+    if self.replicated_only:
+      text += (f" No mesh axis divides {', '.join(self.replicated_only)}: "
+               "checked replicated only.")
+    left = sum(total - n for _, n, total in self.meshes)
+    if left:
+      text += (f" {left} combinations left unchecked (max_combinations="
+               f"{self.max_combinations} per mesh): raise max_combinations, "
+               "or pass meshes=, to check them.")
+    return text
+
+
+def _default_meshes() -> list:
+  """A 1-D mesh ``('x',)`` over all devices and, if the device count has a
+  factor p with 1 < p < count, a 2-D ``('x', 'y')`` mesh of shape
+  ``(p, count // p)`` (p the smallest), both with Auto axes."""
+  devices = np.array(jax.devices())
+  meshes = [jax.sharding.Mesh(devices, ("x",))]
+  n = devices.size
+  p = next((p for p in range(2, n) if n % p == 0), None)
+  if p is not None:
+    meshes.append(jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y")))
+  return meshes
+
+
+def _renamed(error: Exception, where: str) -> Exception:
+  """``error``'s type with ``where`` before its message (else ``error``
+  itself, with ``where`` as a note, for a type that takes no message)."""
+  try:
+    new = type(error)(f"{where}: {type(error).__name__}: {error}")
+  except Exception:
+    if hasattr(error, "add_note"):  # Python 3.11
+      error.add_note(where)
+    return error
+  return new
+
+
+def _number(value) -> str:
+  value = np.asarray(value).item()
+  return format(value, ".6g") if isinstance(value, (float, complex)) else (
+      str(value))
+
+
+def _compare(got, want, rtol, atol, what: str) -> None:
+  """Raises AssertionError (message after ``what``) unless ``got`` equals
+  ``want`` within the tolerances (None: by dtype)."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape or got.dtype != want.dtype:
+    raise AssertionError(
+        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
+        f"{want.dtype}{list(want.shape)}")
+  wide = np.complex128 if np.iscomplexobj(want) else np.float64
+  g, w = got.astype(wide), want.astype(wide)
+  tol = _default_tolerance(want.dtype)
+  scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))
+  rtol_ = tol if rtol is None else rtol
+  atol_ = tol * max(scale, 1.0) if atol is None else atol
+  with np.errstate(invalid="ignore"):
+    error = np.abs(g - w)
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    bad = ~same & ~(error <= atol_ + rtol_ * np.abs(w))
+  if not bad.any():
+    return
+  error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
+  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
+                        want.shape)
+  raise AssertionError(
+      f"{what}: largest error {float(np.max(error)):.3g} ({int(bad.sum())} "
+      f"of {bad.size} elements off; at index {tuple(map(int, at))} got "
+      f"{_number(got[at])}, expected {_number(want[at])}; rtol={rtol_:.3g}, "
+      f"atol={atol_:.3g})")
+
+
+def check_partitioning(fn: Callable, *example_args, grad: bool = False,
+                       meshes=None, rtol: float | None = None,
+                       atol: float | None = None,
+                       max_combinations: int = _DEFAULT_MAX_COMBINATIONS
+                       ) -> PartitioningReport:
+  """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
+  whatever sharding its operands arrive in. For an op author's tests.
+
+  On each mesh, every example argument is placed replicated or with one
+  dimension sharded over one mesh axis that divides it, in combinations
+  across arguments (all of them, or at most ``max_combinations`` per mesh,
+  chosen deterministically: all replicated, each argument sharded alone,
+  all sharded at once, then the rest). Each placement is compiled and run;
+  its results (and, with ``grad``, its gradients) are compared with
+  ``jax.jit(fn)`` on the arguments on ``jax.devices()[0]``, where every
+  custom-partitioned op runs its own ``fun`` and no callback is asked.
+
+  Args:
+    fn: a ``custom_partitioning`` op, or any function of arrays built from
+      such ops (e.g. a ``jax.custom_vjp`` whose forward and backward are
+      ops). Bind static and non-array arguments into it beforehand
+      (``functools.partial`` or a lambda).
+    *example_args: arrays (``numpy`` or ``jax``), or pytrees of arrays:
+      every leaf is an operand placed in its own shardings. Small shapes
+      keep the check fast; dimensions divisible by the mesh axes' sizes get
+      sharded (with the default meshes on 8 devices: by 2, 4 or 8).
+    grad: also compare the vector-Jacobian product of ``fn`` for fixed
+      random cotangents (seed 0; zero for non-float results; gradients
+      with respect to integer arguments are not compared). The cotangents
+      enter replicated.
+    meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
+      mesh ``('x',)`` over all devices and, where the device count has a
+      factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
+      ``(p, count // p)``, with Auto axes (``jax.sharding.Mesh``; note
+      ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
+      Explicit axis is checked with it set by ``jax.set_mesh``, so that
+      ops take their Explicit-axes path.
+    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype:
+      bfloat16 3e-2, float16 5e-3, float32/complex64 1e-4,
+      float64/complex128 1e-9 for ``rtol``; ``atol`` the same times the
+      reference's largest magnitude (at least 1); integers and booleans
+      exact.
+    max_combinations: keyword; the bound per mesh (default 32). Raise it,
+      or pass ``meshes=``, to check more; the report says how many the
+      bound left out.
+
+  Returns:
+    A ``PartitioningReport``; its ``str`` says how many combinations were
+    checked on which meshes, which arguments no mesh axis divides (checked
+    replicated only) and how many combinations the bound left out.
+
+  Raises:
+    TypeError: ``fn`` is not callable, an example argument (or a leaf of
+      one) is not an array, or ``meshes`` holds a non-mesh.
+    ValueError: ``max_combinations`` is less than 1, or no example argument.
+    AssertionError: a result or gradient differs; the message names the
+      function, the mesh, the operand shardings (as ``PartitionSpec``s),
+      which result or gradient, and the largest error.
+    Exception: an error raised while compiling or running one placement
+      is re-raised with its type (chained to the original), the message
+      naming the mesh and operand shardings; one raised by the reference
+      run on one device, likewise.
+  """
+  if not callable(fn):
+    raise TypeError(
+        "check_partitioning: fn must be callable (a custom_partitioning op "
+        f"or a function built from them); got {type(fn).__name__} "
+        f"{_short_repr(fn)}.")
+  name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
+          else None) or getattr(fn, "__qualname__", None) or getattr(
+              fn, "__name__", None) or _short_repr(fn)
+  if not isinstance(max_combinations, int) or max_combinations < 1:
+    raise ValueError(f"check_partitioning({name}): max_combinations must be "
+                     f"a positive int; got {max_combinations!r}.")
+  paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(example_args)
+  if not paths_leaves:
+    raise ValueError(f"check_partitioning({name}): no example argument "
+                     "(an array) to place.")
+  arg_names = [_path_text(path, "argument") for path, _ in paths_leaves]
+  for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
+    if not _is_array(leaf):
+      raise TypeError(
+          f"check_partitioning({name}): example {arg_name} is a "
+          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
+          "numpy or jax arrays; bind other arguments into fn "
+          "(functools.partial or a lambda).")
+  hosts = [np.asarray(leaf) for _, leaf in paths_leaves]
+  flat = all(len(path) == 1 for path, _ in paths_leaves)  # arrays only
+  if meshes is None:
+    meshes = _default_meshes()
+  elif isinstance(meshes, jax.sharding.Mesh):
+    meshes = [meshes]
+  meshes = list(meshes)
+  for mesh in meshes:
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"check_partitioning({name}): meshes must hold "
+                      f"jax.sharding.Mesh objects; got {type(mesh).__name__}.")
+
+  def unflatten(leaves):
+    return jax.tree_util.tree_unflatten(in_tree, leaves)
+
+  if grad:
+    out_shape = jax.eval_shape(fn, *unflatten(hosts))
+    rng = np.random.default_rng(0)
+
+    def cotangent(s):
+      if not np.issubdtype(s.dtype, np.inexact):
+        return None  # zero (float0), built while tracing
+      ct = rng.standard_normal(s.shape)
+      if np.issubdtype(s.dtype, np.complexfloating):
+        ct = ct + 1j * rng.standard_normal(s.shape)
+      return ct.astype(s.dtype)
+    cts = jax.tree_util.tree_map(cotangent, out_shape)
+
+    def run(args, cts):
+      out, pullback = jax.vjp(fn, *args)
+      full = jax.tree_util.tree_map(
+          lambda o, c: np.zeros(o.shape, jax.dtypes.float0) if c is None
+          else _typed_like(c, o), out, cts, is_leaf=lambda c: c is None)
+      return out, pullback(full)
+  else:
+    cts = None
+
+    def run(args, cts):
+      del cts
+      return fn(*args), None
+  run.__name__ = run.__qualname__ = f"check_partitioning_{name}"
+  jitted = jax.jit(run)
+
+  def results(out, grads) -> list:
+    """``(what, array)`` for every result leaf, then every gradient."""
+    found = [(_path_text(path, "result"), leaf) for path, leaf in
+             jax.tree_util.tree_flatten_with_path(out)[0]]
+    if grads is not None:
+      for arg_name, g in zip(arg_names, jax.tree_util.tree_leaves(grads)):
+        if g.dtype != jax.dtypes.float0:
+          found.append((f"gradient with respect to {arg_name}", g))
+    return [(what, np.asarray(leaf)) for what, leaf in found]
+
+  device = jax.devices()[0]
+  try:
+    want = results(*jitted(
+        unflatten([jax.device_put(h, device) for h in hosts]),
+        jax.device_put(cts, device)))
+  except Exception as e:
+    raise _renamed(e, f"check_partitioning({name}): on one device "
+                      f"({device})") from e
+
+  per_mesh, checked = [], 0
+  sharded_somewhere = [False] * len(hosts)
+  for mesh in meshes:
+    options = [_shardings_of(h.shape, mesh) for h in hosts]
+    for i, o in enumerate(options):
+      sharded_somewhere[i] |= len(o) > 1
+    combinations = _sharding_combinations(options, max_combinations)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for specs in combinations:
+      where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
+               f"operand shardings {_specs_text(specs, arg_names, flat)}")
+      placed = [jax.device_put(h, jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec(*spec)))
+                for h, spec in zip(hosts, specs)]
+      try:
+        with _set_mesh_scope(mesh):
+          got = results(*jitted(unflatten(placed),
+                                jax.device_put(cts, replicated)))
+      except Exception as e:
+        raise _renamed(e, where) from e
+      for (what, g), (_, w) in zip(got, want):
+        _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} "
+                 "on one device")
+    per_mesh.append((_mesh_text(mesh), len(combinations),
+                     math.prod(len(o) for o in options)))
+    checked += len(combinations)
+  replicated_only = tuple(
+      f"{arg_name} (shape {h.shape})"
+      for arg_name, h, s in zip(arg_names, hosts, sharded_somewhere) if not s)
+  return PartitioningReport(name, checked, tuple(per_mesh), replicated_only,
+                            bool(grad), max_combinations)
+
+
+def _short_repr(value, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------

@@ -6068,6 +6068,248 @@ del ExplicitPathTest
 
 
 # --------------------------------------------------------------------------
+# check_partitioning: an author's test of their partition against one device
+# --------------------------------------------------------------------------
+
+def _mesh1d():
+  return CPTestCase.mesh()
+
+
+def _fft_keeping_all_sharded():
+  """An FFT whose partition keeps every dimension as it arrives, the
+  transformed one too: each shard transforms a slice of each row."""
+  @custom_partitioning
+  def bad_fft(x):
+    return jnp.fft.fft(x)
+
+  def partition(mesh, arg_shapes, result_shape):
+    s = arg_shapes[0].sharding
+    return mesh, jnp.fft.fft, s, (s,)
+
+  bad_fft.def_partition(
+      partition, infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+      sharding_rule="... i -> ... i")
+  return bad_fft
+
+
+def _rows_axis(shape):
+  """The mesh axis (or axes) an operand's rows arrive sharded on."""
+  return None if shape.sharding is None else _spec(shape.sharding, 2)[0]
+
+
+def _linear(psum=True, check_vma=True):
+  """``x @ w`` as a custom_vjp whose forward and backward are ops keeping
+  x's rows sharded, w replicated; the backward op's ``dw = x.T @ ct`` sums
+  over the rows, so it needs a psum over their axis (``psum=False``
+  forgets it)."""
+  matmul = custom_partitioning(lambda x, w: x @ w)
+
+  def fwd_partition(mesh, arg_shapes, result_shape):
+    rows = NamedSharding(mesh, P(_rows_axis(arg_shapes[0]), None))
+    return mesh, lambda x, w: x @ w, rows, (rows, NamedSharding(mesh, P()))
+
+  matmul.def_partition(
+      fwd_partition, sharding_rule="b k, k n -> b n",
+      infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+          m, P(_rows_axis(a[0]), None)))
+
+  def bwd_body(x, w, ct):
+    return ct @ w.T, x.T @ ct
+
+  linear_bwd_op = custom_partitioning(bwd_body)
+
+  def bwd_partition(mesh, arg_shapes, result_shape):
+    axis = _rows_axis(arg_shapes[0])
+    rows, whole = NamedSharding(mesh, P(axis, None)), NamedSharding(mesh, P())
+
+    def lower_fn(x, w, ct):
+      dx, dw = bwd_body(x, w, ct)
+      return dx, (jax.lax.psum(dw, axis) if psum and axis else dw)
+    return mesh, lower_fn, (rows, whole), (rows, whole, rows)
+
+  linear_bwd_op.def_partition(
+      bwd_partition, sharding_rule="b k, k n, b n -> b k, k n",
+      infer_sharding_from_operands=lambda m, a, r: (
+          NamedSharding(m, P(_rows_axis(a[0]), None)), NamedSharding(m, P())),
+      check_vma=check_vma)
+
+  @jax.custom_vjp
+  def linear(x, w):
+    return matmul(x, w)
+
+  linear.defvjp(lambda x, w: (matmul(x, w), (x, w)),
+                lambda res, ct: linear_bwd_op(*res, ct))
+  return linear
+
+
+class CheckPartitioningTest(CPTestCase):
+  """check_partitioning: passes right ops, names what a wrong one got
+  wrong. Most tests use the 1-D mesh only: each placement is a compile."""
+
+  def setUp(self):
+    super().setUp()
+    self.z = _data((8, 16)).astype(np.complex64)  # rows 8, columns 16
+    self.x, self.w = _data((8, 4)), _data((4, 3))
+
+  def test_correct_fft_passes_on_the_default_meshes(self):
+    """README's example test runs, passes and prints what README says."""
+    import contextlib
+    import io
+    readme, blocks = _readme()
+    snippet, = [b for b in blocks if "cp.check_partitioning(" in b]
+    names = {"__name__": "readme_check_partitioning"}
+    exec(compile(snippet, "README.md", "exec"), names)
+    suite = unittest.defaultTestLoader.loadTestsFromTestCase(
+        names["FftPartitionTest"])
+    result, out = unittest.TestResult(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+      suite.run(result)
+    self.assertEqual((result.testsRun, result.errors, result.failures),
+                     (2, [], []))
+    # P(), P('x'), P(None, 'x') on ('x': 8); two more per axis on (2, 4).
+    printed = (
+        "check_partitioning(_batched_fft_op.<locals>.fft): 8 combinations "
+        "of operand shardings checked, results equal to "
+        "_batched_fft_op.<locals>.fft on one device (Mesh('x': 8): 3 of 3; "
+        "Mesh('x': 2, 'y': 4): 5 of 5).")
+    self.assertEqual(out.getvalue(), printed + "\n")
+    self.assertIn(f"    {printed}\n", readme)
+
+  def test_fft_keeping_the_transformed_axis_sharded_fails(self):
+    error = self.assertRaisesNaming(
+        AssertionError,
+        ["check_partitioning(_fft_keeping_all_sharded.<locals>.bad_fft) on "
+         "Mesh('x': 8) with operand shardings (PartitionSpec(None, 'x'),): "
+         "the result differs from _fft_keeping_all_sharded.<locals>.bad_fft "
+         "on one device: largest error "],
+        cp.check_partitioning, _fft_keeping_all_sharded(), self.z,
+        meshes=_mesh1d())
+    self.assertNotIn("PartitionSpec('x')", str(error))  # rows are right
+
+  def test_grad_finds_a_backward_op_missing_a_psum(self):
+    # Forward and backward right: passes. w (4, 3): no axis of 8 divides it.
+    report = cp.check_partitioning(_linear(), self.x, self.w, grad=True,
+                                   meshes=_mesh1d())
+    self.assertEqual(report.checked, 2)
+    self.assertIn("results and gradients equal to", str(report))
+    wrong = _linear(psum=False, check_vma=False)
+    # The forward op is right: without grad nothing differs.
+    cp.check_partitioning(wrong, self.x, self.w, meshes=_mesh1d())
+    self.assertRaisesNaming(
+        AssertionError,
+        ["check_partitioning(_linear.<locals>.linear) on Mesh('x': 8) with "
+         "operand shardings (PartitionSpec('x'), PartitionSpec()): gradient "
+         "with respect to argument 1 differs from _linear.<locals>.linear "
+         "on one device: largest error "],
+        cp.check_partitioning, wrong, self.x, self.w, grad=True,
+        meshes=_mesh1d())
+
+  def test_compile_error_is_reraised_naming_the_combination(self):
+    op = _same_sharding_op(jnp.sin)
+    partition = op.partition
+
+    def partition_refusing_rows(mesh, arg_shapes, result_shape):
+      if _rows_axis(arg_shapes[0]) is not None:
+        _raise()
+      return partition(mesh, arg_shapes, result_shape)
+    op.def_partition(partition_refusing_rows,
+                     infer_sharding_from_operands=op.infer_sharding_from_operands,
+                     sharding_rule=op.sharding_rule)
+    error = self.assertRaisesNaming(
+        _CallbackError,
+        ["on Mesh('x': 8) with operand shardings (PartitionSpec('x'),): ",
+         "raised by the author's callback"],
+        cp.check_partitioning, op, self.x, meshes=_mesh1d())
+    self.assertIsInstance(error.__cause__, _CallbackError)
+    # The module's own check of lower_fn (a replicated dw that varies):
+    # a ValueError while compiling, re-raised with the combination.
+    error = self.assertRaisesNaming(
+        ValueError,
+        ["on Mesh('x': 8) with operand shardings (PartitionSpec('x'), "
+         "PartitionSpec()): ValueError: ", "psum"],
+        cp.check_partitioning, _linear(psum=False), self.x, self.w,
+        grad=True, meshes=_mesh1d())
+    self.assertIsInstance(error.__cause__, ValueError)
+
+  def test_an_argument_no_axis_divides_is_checked_replicated(self):
+    op = elementwise_op()
+
+    def both(a, tree):
+      return op(a), op(tree["b"])
+    b = _data((3, 5))
+    report = cp.check_partitioning(both, self.x, {"b": b}, meshes=_mesh1d())
+    self.assertEqual(report.checked, 2)  # a: P(), P('x'); b: P() only
+    self.assertEqual(report.replicated_only, ("argument 1['b'] (shape (3, 5))",))
+    self.assertIn("No mesh axis divides argument 1['b'] (shape (3, 5)): "
+                  "checked replicated only.", str(report))
+    # Pytree leaves are named by their paths; so is a result.
+    bad_fft = _fft_keeping_all_sharded()
+    self.assertRaisesNaming(
+        AssertionError,
+        ["with operand shardings {argument 0: PartitionSpec(), argument "
+         "1['b']: PartitionSpec(None, 'x')}: result [1] differs"],
+        cp.check_partitioning, lambda a, tree: (op(a), bad_fft(tree["b"])),
+        self.x, {"b": self.z}, meshes=_mesh1d())
+
+  def test_bound_and_order_are_deterministic(self):
+    a, b, c = ([(), ("x",), (None, "x")], [(), ("y",)],
+               [(), ("x",), (None, "y")])
+    chosen = cp._sharding_combinations([a, b, c], 6)
+    self.assertEqual(chosen, [
+        ((), (), ()), (("x",), (), ()), ((), ("y",), ()), ((), (), ("x",)),
+        (((None, "x")), (), ()), ((), (), (None, "y"))])
+    self.assertEqual(cp._sharding_combinations([a, b, c], 6), chosen)
+    self.assertEqual(cp._sharding_combinations([a, b, c], 18),
+                     [(i, j, k) for i in a for j in b for k in c])
+    self.assertEqual(len(cp._sharding_combinations([a, b, c], 17)), 17)
+    report = cp.check_partitioning(_fft_op(), self.z, meshes=_mesh1d(),
+                                   max_combinations=1)
+    self.assertIsInstance(report, cp.PartitioningReport)
+    self.assertEqual(report.checked, 1)
+    self.assertIn("Mesh('x': 8): 1 of 3). 2 combinations left unchecked "
+                  "(max_combinations=1 per mesh): raise max_combinations, "
+                  "or pass meshes=, to check them.", str(report))
+
+  def test_type_errors_name_the_culprit(self):
+    fft = _fft_op()
+    self.assertRaisesNaming(TypeError, ["fn must be callable", "str 'fft'"],
+                            cp.check_partitioning, "fft", self.z)
+    self.assertRaisesNaming(
+        TypeError, ["example argument 1 is a float (2.0), not an array"],
+        cp.check_partitioning, fft, self.z, 2.0)
+    self.assertRaisesNaming(
+        TypeError, ["example argument 0[1] is a str ('b'), not an array"],
+        cp.check_partitioning, fft, [self.z, "b"])
+    self.assertRaisesNaming(TypeError, ["meshes must hold jax.sharding.Mesh"],
+                            cp.check_partitioning, fft, self.z,
+                            meshes=[(8,)])
+    self.assertRaisesNaming(ValueError, ["max_combinations"],
+                            cp.check_partitioning, fft, self.z,
+                            max_combinations=0)
+
+  def test_explicit_mesh(self):
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = Mesh(np.array(jax.devices()), ("x",),
+                    axis_types=(jax.sharding.AxisType.Explicit,))
+    # Cotangents take their outputs' sharding types (else jax.vjp refuses).
+    report = cp.check_partitioning(_fft_op(), self.x.repeat(4, 1), grad=True,
+                                   meshes=[explicit])
+    self.assertIn("results and gradients equal to _batched_fft_op.<locals>."
+                  "fft on one device (Mesh('x': 8, axis_types=(Explicit,)): "
+                  "3 of 3)", str(report))
+    self.assertRaisesNaming(
+        AssertionError, ["Mesh('x': 8, axis_types=(Explicit,)) with operand "
+                         "shardings (PartitionSpec(None, 'x'),)"],
+        cp.check_partitioning, _fft_keeping_all_sharded(), self.z,
+        meshes=[explicit])
+
+
+both_partitioners(CheckPartitioningTest)
+del CheckPartitioningTest
+
+
+# --------------------------------------------------------------------------
 # The README: its example runs, its snippets are right
 # --------------------------------------------------------------------------
 

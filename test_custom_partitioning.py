@@ -6159,7 +6159,8 @@ class CheckPartitioningTest(CPTestCase):
     snippet, = [b for b in blocks if "cp.check_partitioning(" in b]
     names = {"__name__": "readme_check_partitioning"}
     exec(compile(snippet, "README.md", "exec"), names)
-    suite = unittest.defaultTestLoader.loadTestsFromTestCase(
+    # A loader of its own: the default one carries `unittest -k` patterns.
+    suite = unittest.TestLoader().loadTestsFromTestCase(
         names["FftPartitionTest"])
     result, out = unittest.TestResult(), io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -983,6 +983,68 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
   return out
 
 
+def _entry_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
+                out_specs: list) -> tuple[list, list]:
+  """The partition of an op given by its rule alone (section 4,
+  ``_partition_from_rule``): ``(operand specs, result specs)``, as
+  PartitionSpec entries.
+
+  ``shapes`` are the operands', then the results'; ``in_specs`` and
+  ``out_specs`` the entries each arrives with (None: unknown). A factor
+  keeps the mesh axes the operands bring it on, else those the results
+  bring (slicing a replicated operand costs no communication); operands (or
+  results) that bring it on different axes leave it replicated. Replicated
+  too: the special factors, factors in operands only (reduced) or results
+  only, factors of compound dimensions or seen with two sizes, and a factor
+  whose axes an earlier factor (in order of first use) keeps.
+  """
+  num_operands = len(in_specs)
+  sizes, dims = _resolve_rule(rule, shapes, num_operands)
+
+  def factors_of(values) -> set:
+    return {f for value_dims in values for fs in value_dims for f in fs}
+  one_side = (factors_of(dims[:num_operands]) ^
+              factors_of(dims[num_operands:]))
+  blocked = (set(rule.reduction_factors) | set(rule.need_replication_factors)
+             | set(rule.permutation_factors) | one_side)
+  for value_dims, shape in zip(dims, shapes):
+    for factors, size in zip(value_dims, shape):
+      if len(factors) > 1 or size != sizes[factors[0]]:
+        blocked.update(factors)
+  axes_of: dict[str, tuple] = {}
+  for side, specs in ((dims[:num_operands], in_specs),
+                      (dims[num_operands:], out_specs)):
+    brought: dict[str, set] = {}
+    for value_dims, spec in zip(side, specs):
+      for factors, entry in zip(value_dims, spec or ()):
+        if factors[0] not in blocked and entry is not None:
+          brought.setdefault(factors[0], set()).add(_entry_axes(entry))
+    for factor, axes in brought.items():
+      if factor in axes_of:  # the operands decided
+        continue
+      if len(axes) > 1:
+        blocked.add(factor)  # a conflict: no side's choice is better
+      else:
+        (axes_of[factor],) = axes
+  used: set = set()
+  kept: dict[str, Any] = {}
+  for factor in sizes:
+    axes = axes_of.get(factor, ())
+    if axes and factor not in blocked and not used & set(axes):
+      used.update(axes)
+      kept[factor] = axes[0] if len(axes) == 1 else axes
+  specs = [tuple(kept.get(factors[0]) if len(factors) == 1 else None
+                 for factors in value_dims) for value_dims in dims]
+  return specs[:num_operands], specs[num_operands:]
+
+
 # --------------------------------------------------------------------------
 # 3. Shardings
 #
@@ -1607,8 +1669,12 @@ def _ask_infer(op: _Op, operands: list, results: list):
   if op.rule is None or not any(v.known() for v in operands) or any(
       v.spec is None and v.hlo is not None for v in operands):
     return None
-  specs = _infer_from_rule(op.rule, [v.shape for v in operands + results],
-                           [v.spec for v in operands])
+  shapes = [v.shape for v in operands + results]
+  if isinstance(op.partition, _FromRule):  # as the partition will answer
+    specs = _rule_specs(op.rule, shapes, [v.spec for v in operands],
+                        [None] * len(results))[1]
+  else:
+    specs = _infer_from_rule(op.rule, shapes, [v.spec for v in operands])
   return [v._replace(spec=spec) for v, spec in zip(results, specs)]
 
 
@@ -1671,15 +1737,43 @@ def _check_has_partition(name: str, partition, num_devices: int) -> None:
   if partition is None:
     raise ValueError(
         f"custom_partitioning op {name} runs on {num_devices} devices, but "
-        "its def_partition was given partition=None.")
+        "its def_partition was given partition=None and no sharding_rule to "
+        "derive a partition from: give either.")
+
+
+def _partition_from_rule(op: _Op, operands: list, results: list):
+  """What a ``partition`` written from the op's rule would return, for an
+  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
+  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
+  op's own ``fun``."""
+  lower_fn = op.partition.lower_fn(op.static_args)
+  if op.mesh.empty:  # no axis to name: replicated is right for every op
+    replicated = sharding_impls.GSPMDSharding(op.place.devices,
+                                              xc.HloSharding.replicate())
+    in_shardings = [replicated] * len(operands)
+    out_shardings = [replicated] * len(results)
+  else:
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      in_specs, out_specs = _rule_specs(
+          op.rule, [v.shape for v in operands + results],
+          [v.spec for v in operands], [v.spec for v in results])
+    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
+        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
+        for specs in (in_specs, out_specs))
+  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
+          op.in_tree.unflatten(in_shardings))
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values whose shardings are on ``on``."""
+  """``partition`` asked about values whose shardings are on ``on`` (for
+  an op defined by its rule alone, ``_partition_from_rule``)."""
   _check_has_partition(op.name, op.partition, len(op.place.devices))
-  answer = op.partition(*op.static_args, op.mesh,
-                        _structs(op, op.in_tree, operands, on),
-                        _structs(op, op.out_tree, results, on))
+  if isinstance(op.partition, _FromRule):
+    answer = _partition_from_rule(op, operands, results)
+  else:
+    answer = op.partition(*op.static_args, op.mesh,
+                          _structs(op, op.in_tree, operands, on),
+                          _structs(op, op.out_tree, results, on))
   mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
   mesh = _concrete(op, mesh)
   if op.place.auto is not None:
@@ -2416,6 +2510,49 @@ class _Unhashable:
 _DESCRIBED_BY[_Unhashable] = lambda obj: obj.value
 
 
+class _FromRule:
+  """The ``partition`` parameter of an op defined by its sharding rule
+  alone: XLA's partition question is answered from the rule
+  (``_partition_from_rule``), and each shard runs ``fun`` itself. Holds
+  where a call's static arguments and unpassed defaults go among ``fun``'s
+  arguments (``lower_fn`` gets the operands alone)."""
+  __slots__ = ("fun", "static_argnums", "defaults")
+
+  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
+    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
+                                                    defaults)
+
+  def _parts(self):
+    # Defaults are fun's own default objects: compared by identity, as
+    # they need not be hashable.
+    return (self.fun, self.static_argnums,
+            tuple((i, id(value)) for i, value in self.defaults))
+
+  def __hash__(self):
+    return hash(self._parts())
+
+  def __eq__(self, other):
+    return isinstance(other, _FromRule) and other._parts() == self._parts()
+
+  def lower_fn(self, static_args: tuple) -> Callable:
+    """``fun`` as a function of the operands, ``static_args`` bound."""
+    fixed = dict(zip(self.static_argnums, static_args))
+    fixed.update(self.defaults)
+    fun = self.fun
+
+    def lower_fn(*operands):
+      it = iter(operands)
+      return fun(*(fixed[i] if i in fixed else next(it)
+                   for i in range(len(fixed) + len(operands))))
+    name = getattr(fun, "__name__", "")
+    lower_fn.__name__ = name if name.isidentifier() else "fun"
+    return lower_fn
+
+
+_DESCRIBED_BY[_FromRule] = lambda obj: (obj.fun, obj.static_argnums,
+                                        obj.defaults)
+
+
 def _static_values(static_args):
   if isinstance(static_args, _Unhashable):
     return static_args.value
@@ -2757,8 +2894,13 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
         f"under Explicit mesh axes ({type_error}), so it runs as "
         f"jax.shard_map of its lower_fn, but {reason}") from type_error
 
+  partition = user_op._partition_of(args)
+  if isinstance(partition, _FromRule) and callable(user_op.sharding_rule):
+    return unsupported(NotImplementedError, (
+        "its partition is derived from a callable sharding_rule, which is "
+        "asked only while lowering."))
   op = _Op(
-      name=user_op._name, partition=user_op.partition,
+      name=user_op._name, partition=partition,
       infer=user_op.infer_sharding_from_operands,
       propagate=user_op.propagate_user_sharding,
       rule=None if callable(user_op.sharding_rule) else user_op.sharding_rule,
@@ -3005,7 +3147,7 @@ class custom_partitioning:
   sharding_rule = None
   decode_shardings = check_vma = True
 
-  def def_partition(self, partition, infer_sharding_from_operands=None,
+  def def_partition(self, partition=None, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
                     sharding_rule=None, *, check_vma=True,
                     reduction_factors=(), need_replication_factors=(),
@@ -3022,7 +3164,16 @@ class custom_partitioning:
         operands to ``arg_shardings`` (a pytree like the arguments);
         ``lower_fn(*local_args)`` computes one shard, may use collectives
         over ``mesh``'s axes and returns results sharded as
-        ``result_shardings``.
+        ``result_shardings``. None (the default) with a ``sharding_rule``:
+        derived from the rule, for both partitioners and Explicit axes.
+        Each factor keeps the mesh axes the operands arrive sharded on
+        (a factor they bring on different axes is replicated, and of two
+        factors on one axis the later one); replicated are the special
+        factors, factors only in operands or only in results,
+        and factors of compound dimensions. Each shard runs ``fun`` (with
+        the static arguments) on its local arrays, so the rule must hold
+        shard-wise. None without a rule: ``fun`` runs on one device, and on
+        several the call raises ``ValueError``.
       infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
         for a body jax cannot type): ``(*static, mesh, arg_shapes,
         result_shape) -> result sharding(s)``; ``result_shape`` has no
@@ -3048,6 +3199,8 @@ class custom_partitioning:
       TypeError: ``partition`` is neither callable nor None, or
         ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
+      When called on several devices: ``ValueError`` if neither
+      ``partition`` nor ``sharding_rule`` is given.
     """
     special = (reduction_factors, need_replication_factors,
                permutation_factors)
@@ -3163,7 +3316,7 @@ class custom_partitioning:
     call, out_tree, key = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
         *flat.leaves, call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=self.partition,
+        partition=self._partition_of(args),
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
@@ -3172,6 +3325,13 @@ class custom_partitioning:
                      else _Unhashable(args.static_args)),
         check_vma=self.check_vma, transform=())
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
+
+  def _partition_of(self, args: _CallArgs):
+    """The ``partition`` a call binds: the author's, or for an op defined
+    by its rule alone a ``_FromRule`` (None where neither is given)."""
+    if self.partition is not None or self.sharding_rule is None:
+      return self.partition
+    return _FromRule(self.fun, args.static_argnums, args.defaults)
 
   def _trace(self, args: _CallArgs, in_tree, in_avals):
     """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes

@@ -2635,7 +2635,7 @@ class ErrorTest(CPTestCase):
     def shifted(x):
       return x + 1.0
     op = custom_partitioning(shifted)
-    op.def_partition(None, sharding_rule="i j -> i j")
+    op.def_partition()  # neither partition nor sharding_rule
     for run in (jax.jit(op).lower, op):  # lowering, and an eager call
       self.assertRaisesNaming(
           ValueError, ["shifted", "8 devices", "partition=None"], run, self.x)
@@ -5457,7 +5457,7 @@ class ExplicitPathTest(CPTestCase):
     def shifted(x):
       return x + 1.0
     op = custom_partitioning(shifted)
-    op.def_partition(None, sharding_rule="i j -> i j")
+    op.def_partition()  # neither partition nor sharding_rule
     self.assertRaisesNaming(
         ValueError, ["shifted", "8 devices", "partition=None"], jax.jit(op),
         self.x)

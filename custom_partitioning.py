@@ -49,6 +49,7 @@ import functools
 import hashlib
 import inspect
 import itertools
+import logging
 import math
 import os
 import threading
@@ -1981,6 +1982,8 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
   the steps."""
   levels = _levels(op.steps, operands, results)
   answer = _ask_partition(op, *levels[0], on)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, *levels[0], answer, _CUSTOM_CALL)
   closed = _trace_lower_fn(op, answer, *levels[0])
   if _calls_host(closed.jaxpr):
     raise _host_callback_error(op)
@@ -2068,6 +2071,8 @@ def _xla_infer(arg_shapes, arg_shardings, result_shape, key):
     levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
                      results)
     inferred = _infer(op, levels, len(op.steps))
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_infer(op, levels[-1][0], inferred)
     if inferred is None:
       return None
     return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
@@ -2080,13 +2085,18 @@ def _xla_propagate(user_sharding, shape, key):
   op = _lookup(key)
   if op is None or _inexpressible(op) or (
       op.propagate is None and not op.steps) or (op.steps and op.mesh.empty):
+    if op is not None and _log.isEnabledFor(logging.DEBUG):
+      _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
+                                     op.mesh), None)
     return user_sharding
   try:
     results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
     if op.steps and any(v.spec is None for v in results):
       return user_sharding
-    return _pack_hlo(shape, [_hlo_of(v, op.mesh)
-                             for v in _propagate(op, results, len(op.steps))])
+    propagated = _propagate(op, results, len(op.steps))
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_propagate(op, results, propagated)
+    return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
     op.pending[threading.get_ident()] = e
     return user_sharding
@@ -2124,6 +2134,9 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
     request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
                      for s, h in zip(arg_shapes, arg_shardings)),
                str(result_shape), str(result_sharding))
+    if _log.isEnabledFor(logging.DEBUG) and op.lowered.get(request) is not None:
+      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
+                              result_sharding, op.lowered.get(request))
     return op.lowered.cached(request, lambda: _answer_partition(
         op, arg_shapes, arg_shardings, result_shape, result_sharding))
   except BaseException as e:  # noqa: BLE001 - re-raised with its type
@@ -2348,6 +2361,142 @@ def _digest(scope: str, *parts) -> str:
     describer.out = ["too big to describe"]
     describer.opaque(parts)
   return hashlib.sha256("\n".join(describer.out).encode()).hexdigest()[:40]
+
+
+# --------------------------------------------------------------------------
+# 4d. The log of what XLA asked
+#
+# ``logging.getLogger(__name__)``: a vendored copy logs under its own import
+# path. Silent at the default level (WARNING). At DEBUG, one record per
+# question an op is asked (``infer_sharding_from_operands``,
+# ``propagate_user_sharding`` or ``partition``, by XLA or, under Explicit
+# axes, while tracing), and one where ``fun`` runs instead: the op, the
+# mesh, the shardings the op was asked with and the answer (for a derived
+# op, the author's callbacks' view), the path, why (where the module chose)
+# and whether a cache answered. A derived op is named as jax.vmap, jax.jvp
+# or jax.grad made it ("transpose of jvp of f"). The record's
+# ``custom_partitioning`` attribute holds the op, question, path, mesh,
+# cached and why as a dict.
+# Every call site checks ``_log.isEnabledFor(logging.DEBUG)`` first:
+# formatting costs, and tracing is a hot path.
+# --------------------------------------------------------------------------
+
+_log = logging.getLogger(__name__)
+
+# The paths an op takes.
+_CUSTOM_CALL = "custom call"
+_SHARD_MAP = "shard_map under Explicit axes"
+_FUN = "fun"
+
+
+def _logged_spec(v: _Value) -> str:
+  if v.spec is not None:  # the same text on every jax release
+    return f"PartitionSpec({', '.join(map(repr, v.spec))})"
+  return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
+
+
+def _logged(operands=None, results=None) -> str:
+  parts = [f"{what} [{', '.join(map(_logged_spec, values))}]"
+           for what, values in (("operands", operands), ("results", results))
+           if values is not None]
+  return ", ".join(parts)
+
+
+def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
+           answered: str = "", by: str = "", why: str = "",
+           cached: bool = False) -> None:
+  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
+  axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+  where = (f"{path}, {'Shardy' if _use_shardy() else 'GSPMD'}"
+           if path == _CUSTOM_CALL else path)
+  text = (f"custom_partitioning op {name}: {question} [{where}] "
+          f"{f'on mesh {axes}' if axes else 'with no mesh'}")
+  if asked:
+    text += f"; asked with {asked}"
+  if answered:
+    text += (f"; answered from the cache: {answered}" if cached
+             else f"; {by} answered {answered}")
+  elif cached:
+    text += "; answered from the cache"
+  if why:
+    text += f"; {why}"
+  _log.debug(text, extra={"custom_partitioning": dict(
+      op=name, question=question, path=path, mesh=axes, cached=cached,
+      why=why)})
+
+
+def _answered_by(op: _Op) -> str:
+  return ("the sharding rule" if isinstance(op.partition, _FromRule)
+          else "partition")
+
+
+def _debug_partition(op: _Op, operands: list, results: list, answer,
+                     path: str, why: str = "") -> None:
+  """The record of a ``partition`` question, asked about the author's op
+  (``operands``, ``results``) and answered by ``answer`` (an _Answer)."""
+  _debug(op.name, "partition", path=path, mesh=op.mesh,
+         asked=_logged(operands, results),
+         answered=_logged(answer.args, answer.results) if answer else "",
+         by=_answered_by(op), why=why)
+
+
+def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
+                            result_shape, result_sharding, hit) -> None:
+  """The record of a ``partition`` question XLA asked before, answered
+  with ``hit`` (what ``_answer_partition`` gave XLA)."""
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, _ = _hlo_parts(result_shape, None)
+  _, answered_args, answered_result = hit
+  _debug(op.name, "partition", path=_CUSTOM_CALL,
+         mesh=op.mesh, cached=True,
+         asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
+                       _from_xla(*_hlo_parts(result_shape, result_sharding),
+                                 on)),
+         answered=_logged(_from_xla(arg_shapes, answered_args, on),
+                          _from_xla(result_shapes, _hlo_parts(
+                              result_shape, answered_result)[1], on)))
+
+
+def _debug_infer(op: _Op, operands: list, inferred,
+                 path: str = _CUSTOM_CALL) -> None:
+  if op.infer is not None:
+    by = "infer_sharding_from_operands"
+  elif op.rule is not None:
+    by = "the sharding rule (no infer_sharding_from_operands)"
+  else:
+    by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
+  _debug(op.name, "infer_sharding_from_operands",
+         path=path, mesh=op.mesh, asked=_logged(operands), by=by,
+         answered=(_logged(results=inferred) if inferred is not None else
+                   "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
+                   else "nothing"))
+
+
+def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
+  """``answer`` None: the user's sharding was kept without asking."""
+  by = ("the module (no propagate_user_sharding: the user's sharding)"
+        if answer is None else "propagate_user_sharding")
+  _debug(op.name, "propagate_user_sharding",
+         path=_CUSTOM_CALL, mesh=op.mesh, asked=_logged(results=users),
+         by=by, answered=_logged(results=users if answer is None
+                                 else answer))
+
+
+def _debug_inlined(ctx, call, steps: tuple) -> None:
+  """The record of an op lowered as its ``fun`` (``_partitioned_placement``
+  said None): no question is asked."""
+  axis_context = ctx.module_context.axis_context
+  mesh = getattr(axis_context, "mesh", None)
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext) and (
+      set(axis_context.manual_axes) == set(mesh.axis_names)):
+    why = "inside a shard_map manual over every mesh axis (one shard's code)"
+  elif steps and getattr(axis_context, "manual_axes", None):
+    why = ("a derived op inside a partly manual shard_map before jax 0.5.3, "
+           "whose shardings cannot be expressed")
+  else:
+    why = "the program runs on one device"
+  _debug(_fun_name(call), "path", path=_FUN,
+         mesh=mesh, why=f"fun is compiled as it is: {why}")
 
 
 # --------------------------------------------------------------------------
@@ -2732,6 +2881,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   call, steps = params["call"], _steps(params)
   place = _partitioned_placement(ctx, steps)
   if place is None:
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_inlined(ctx, call, steps)
     return mlir.lower_fun(core.jaxpr_as_fun(call),
                           multiple_results=True)(ctx, *values)
   name = _fun_name(call)
@@ -2839,24 +2990,31 @@ def _is_hashable(value) -> bool:
 # -- the path ---------------------------------------------------------------
 
 def _explicit_mesh(avals, eager_mesh=None):
-  """The concrete mesh if the op takes this section's path, else None."""
+  """``(mesh, why_not)``: the concrete mesh if the op takes this section's
+  path, else None and, where the operands' mesh is all Explicit, why not
+  (for the log)."""
   if _jit_disabled():
-    return None
+    return None, None
   meshes = {m for m in map(_aval_mesh, avals) if m is not None}
   if len(meshes) != 1:
-    return None
+    return None, (None if not any(map(_all_explicit, meshes)) else
+                  "the operands are on different meshes")
   (am,) = meshes
   if not _all_explicit(am):
-    return None
+    return None, None
   ambient = _ambient_mesh("get_abstract_mesh")
   if ambient is not None and not ambient.empty and ambient != am:
-    return None
+    return None, ("another mesh is ambient (inside a shard_map or "
+                  "auto_axes)")
   mesh = _ambient_mesh("get_concrete_mesh")
   if mesh is None or mesh.empty:
     mesh = eager_mesh
   if mesh is None or mesh.empty or _abstract_of(mesh) != am:
-    return None
-  return None if mesh.size == 1 else mesh  # one device: the body, inlined
+    return None, ("no concrete mesh for the operands' mesh is known (set "
+                  "one with jax.set_mesh)")
+  if mesh.size == 1:  # the body, inlined
+    return None, None
+  return mesh, None
 
 
 def _operands_mesh(leaves):
@@ -2886,21 +3044,20 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
       call, out_tree = user_op._trace(args, in_tree,
                                       [_unsharded(a) for a in in_avals])
 
-  def unsupported(error_type, reason):
-    if type_error is None:
-      return None, out_tree  # the custom call can run it
+  def unsupported(error_type, reason, answer=None):
+    if type_error is None:  # the custom call can run it
+      if _log.isEnabledFor(logging.DEBUG):
+        _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
+                         why=("asked while tracing; not run as shard_map "
+                              f"under Explicit axes: {reason}"))
+      return None, out_tree
     raise error_type(
         f"custom_partitioning op {user_op._name}: jax cannot type its body "
         f"under Explicit mesh axes ({type_error}), so it runs as "
         f"jax.shard_map of its lower_fn, but {reason}") from type_error
 
-  partition = user_op._partition_of(args)
-  if isinstance(partition, _FromRule) and callable(user_op.sharding_rule):
-    return unsupported(NotImplementedError, (
-        "its partition is derived from a callable sharding_rule, which is "
-        "asked only while lowering."))
   op = _Op(
-      name=user_op._name, partition=partition,
+      name=user_op._name, partition=user_op._partition_of(args),
       infer=user_op.infer_sharding_from_operands,
       propagate=user_op.propagate_user_sharding,
       rule=None if callable(user_op.sharding_rule) else user_op.sharding_rule,
@@ -2919,20 +3076,26 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
     results = [v._replace(spec=_as_xla_spec(v.spec, mesh)) for v in typed]
   else:
     inferred = _ask_infer(op, operands, results)
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_infer(op, operands, inferred, _SHARD_MAP)
     if inferred is not None and all(v.spec is not None for v in inferred):
       results = typed = inferred
+  if isinstance(op.partition, _FromRule) and callable(user_op.sharding_rule):
+    return unsupported(NotImplementedError, (
+        "its partition is derived from a callable sharding_rule, which is "
+        "asked only while lowering."))
   answer = _ask_partition(op, operands, results, mesh)
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
     return unsupported(NotImplementedError, (
         f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
-        f"not the op's {dict(mesh.shape)}."))
+        f"not the op's {dict(mesh.shape)}."), answer)
   for what, side in (("operand", answer.args), ("result", answer.results)):
     for i, v in enumerate(side):
       if v.spec is None:
         return unsupported(NotImplementedError, (
             f"partition returned a sharding for {what} {i} that has no "
-            f"PartitionSpec on the mesh {dict(mesh.shape)}."))
+            f"PartitionSpec on the mesh {dict(mesh.shape)}."), answer)
       for d, entry in enumerate(v.spec):
         count = _shard_count(entry, mesh)
         if v.shape[d] % count:
@@ -2940,9 +3103,11 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
               f"partition shards {what} {i} dimension {d} (size "
               f"{v.shape[d]}) over {count} devices, which do not divide "
               "it, and jax.shard_map takes only even shards. Shard that "
-              "dimension over axes that divide its size, or pad it."))
+              "dimension over axes that divide its size, or pad it."), answer)
   typed = typed or answer.results
   _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, operands, results, answer, _SHARD_MAP)
   lower_fn = answer.lower_fn
   out_axes = [_axes_in([v.spec]) for v in answer.results]
 
@@ -2991,14 +3156,27 @@ def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):
   if not _EXPLICIT_PATH:
     return None
   args_flat, in_tree, in_avals = flat
-  mesh = _explicit_mesh(in_avals, eager_mesh)
-  if mesh is None or any(map(_vmapped_over_mesh_axis, args_flat)):
+  mesh, why_not = _explicit_mesh(in_avals, eager_mesh)
+  if mesh is not None and any(map(_vmapped_over_mesh_axis, args_flat)):
+    mesh, why_not = None, ("under a jax.vmap whose batch dimension is "
+                           "sharded over a mesh axis")
+  if mesh is None:
+    if why_not is not None and _log.isEnabledFor(logging.DEBUG):
+      _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
+             why=f"not run as shard_map under Explicit axes: {why_not}")
     return None
   key = None
   if _is_hashable(args.static_args):
     # All that fun's trace and the callbacks are given (see _traced).
     key = ("explicit", args.static_args, _positions(args.defaults),
            in_tree, in_avals, mesh, _config.trace_context())
+  if key is not None and _log.isEnabledFor(logging.DEBUG):
+    hit = user_op._traces.get(key)
+    if hit is not None:
+      _debug(user_op._name, "partition", mesh=mesh, cached=True,
+             path=_SHARD_MAP if hit[0] is not None else _CUSTOM_CALL,
+             asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
+                            for a in in_avals]))
   fn, out_tree = user_op._traces.cached(key, lambda: _explicit_program(
       user_op, args, in_tree, in_avals, mesh))
   if fn is None:
@@ -3272,6 +3450,10 @@ class custom_partitioning:
     def build():  # only on a miss: eager calls are a hot path
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
              else self._run_body)
+      if not sharded and _log.isEnabledFor(logging.DEBUG):
+        _debug(self._name, "path", path=_FUN, mesh=None,
+               why="an eager call with no operand sharded over several "
+               "devices: fun is compiled as it is")
       base = args._replace(dyn_args=())  # holds no operand alive
 
       def call(*dyn):

@@ -32,8 +32,9 @@ Reading order
 author's op to the op XLA partitions; 3c. checks of the per-shard program);
 4. one lowered op and the questions XLA asks about it (4b. the callbacks XLA
 calls; 4c. the keys naming an op, stable for the persistent compilation
-cache); 5. the primitive (5b. under Explicit mesh axes, partitioning while
-tracing, with no custom call); 6. the public decorator; 7. a self-demo.
+cache; 4d. the DEBUG log of what each op was asked); 5. the primitive
+(5b. under Explicit mesh axes, partitioning while tracing, with no custom
+call); 6. the public decorator; 7. a self-demo.
 
 The API design is JAX's; this is an independent implementation of it.
 """

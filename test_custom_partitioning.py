@@ -4241,6 +4241,7 @@ class RuleOnlyTest(CPTestCase):
     m = self.mesh()
     a = jax.device_put(self.ah, NamedSharding(m, P("x")))
     f = jax.jit(self.chol)
+    self.skipWithoutSpecialFactors(lambda: f(a))
     out = f(a)
     np.testing.assert_allclose(out, self.want, rtol=1e-4, atol=1e-4)
     self.assertEqual(_spec(out.sharding, 3), ("x", None, None))
@@ -4253,6 +4254,7 @@ class RuleOnlyTest(CPTestCase):
   def test_cholesky_sharded_on_a_replicated_factor(self):
     a = jax.device_put(self.ah, NamedSharding(self.mesh(), P(None, "x")))
     f = jax.jit(self.chol)
+    self.skipWithoutSpecialFactors(lambda: f(a))
     np.testing.assert_allclose(f(a), self.want, rtol=1e-4, atol=1e-4)
     self.assertCollectives(self.hlo(f, a), present=("all-gather",))
 
@@ -4325,6 +4327,7 @@ class RuleOnlyTest(CPTestCase):
     m = self.mesh((2, 4), ("x", "y"))
     a = jax.device_put(self.ah, NamedSharding(m, P("y")))
     t = jax.device_put(np.ones_like(self.ah), NamedSharding(m, P("y")))
+    self.skipWithoutSpecialFactors(lambda: jax.jit(self.chol)(a))
 
     def loss(op, a):
       return (op(a) ** 2).sum()
@@ -6129,8 +6132,10 @@ class ReadmeTest(unittest.TestCase):
 
   def test_readme_snippets(self):
     """Every code block parses; the reduction snippet is right on 10 rows
-    (not divisible: kept whole) and on 16 (sharded, one all-reduce)."""
-    _, blocks = _readme()
+    (not divisible: kept whole) and on 16 (sharded, one all-reduce); the
+    rule-only Cholesky runs with no collective and logs what README
+    quotes."""
+    readme, blocks = _readme()
     for block in blocks:
       compile(block, "README.md", "exec")
     snippet, = [b for b in blocks if "def col_max" in b]
@@ -6144,6 +6149,21 @@ class ReadmeTest(unittest.TestCase):
       f = jax.jit(names["col_max"], out_shardings=whole)
       np.testing.assert_array_equal(f(x), x.max(0), f"{n} rows")
       self.assertEqual("all-reduce" in CPTestCase.hlo(f, x), n == 16)
+    # The rule-only Cholesky: batch-sharded, no collective; and its log
+    # record as README quotes it.
+    snippet, = [b for b in blocks if "def batched_cholesky" in b]
+    exec(compile(snippet, "README.md", "exec"), names)
+    chol = names["batched_cholesky"]
+    chol.__qualname__ = chol._name = "batched_cholesky"  # as in a module
+    a = jax.device_put(_spd((8, 4, 4)), NamedSharding(CPTestCase.mesh(),
+                                                      P("x")))
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      text = CPTestCase.hlo(jax.jit(chol), a)
+    for name in _COLLECTIVES:
+      self.assertNotIn(name, text)
+    if cp._use_shardy():
+      self.assertIn(f"    {cp.__name__}: {cm.records[0].getMessage()}\n",
+                    readme)
 
 
 if __name__ == "__main__":

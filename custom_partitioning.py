@@ -32,9 +32,10 @@ Reading order
 author's op to the op XLA partitions; 3c. checks of the per-shard program);
 4. one lowered op and the questions XLA asks about it (4b. the callbacks XLA
 calls; 4c. the keys naming an op, stable for the persistent compilation
-cache); 5. the primitive (5b. under Explicit mesh axes, partitioning while
-tracing, with no custom call); 6. the public decorator (6b.
-``check_partitioning``, for an op author's tests); 7. a self-demo.
+cache; 4d. the DEBUG log of what each op was asked); 5. the primitive
+(5b. under Explicit mesh axes, partitioning while tracing, with no custom
+call); 6. the public decorator (6b. ``check_partitioning``, for an op
+author's tests); 7. a self-demo.
 
 The API design is JAX's; this is an independent implementation of it.
 """
@@ -50,6 +51,7 @@ import functools
 import hashlib
 import inspect
 import itertools
+import logging
 import math
 import os
 import threading
@@ -1071,6 +1073,68 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
   return out
 
 
+def _entry_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
+                out_specs: list) -> tuple[list, list]:
+  """The partition of an op given by its rule alone (section 4,
+  ``_partition_from_rule``): ``(operand specs, result specs)``, as
+  PartitionSpec entries.
+
+  ``shapes`` are the operands', then the results'; ``in_specs`` and
+  ``out_specs`` the entries each arrives with (None: unknown). A factor
+  keeps the mesh axes the operands bring it on, else those the results
+  bring (slicing a replicated operand costs no communication); operands (or
+  results) that bring it on different axes leave it replicated. Replicated
+  too: the special factors, factors in operands only (reduced) or results
+  only, factors of compound dimensions or seen with two sizes, and a factor
+  whose axes an earlier factor (in order of first use) keeps.
+  """
+  num_operands = len(in_specs)
+  sizes, dims = _resolve_rule(rule, shapes, num_operands)
+
+  def factors_of(values) -> set:
+    return {f for value_dims in values for fs in value_dims for f in fs}
+  one_side = (factors_of(dims[:num_operands]) ^
+              factors_of(dims[num_operands:]))
+  blocked = (set(rule.reduction_factors) | set(rule.need_replication_factors)
+             | set(rule.permutation_factors) | one_side)
+  for value_dims, shape in zip(dims, shapes):
+    for factors, size in zip(value_dims, shape):
+      if len(factors) > 1 or size != sizes[factors[0]]:
+        blocked.update(factors)
+  axes_of: dict[str, tuple] = {}
+  for side, specs in ((dims[:num_operands], in_specs),
+                      (dims[num_operands:], out_specs)):
+    brought: dict[str, set] = {}
+    for value_dims, spec in zip(side, specs):
+      for factors, entry in zip(value_dims, spec or ()):
+        if factors[0] not in blocked and entry is not None:
+          brought.setdefault(factors[0], set()).add(_entry_axes(entry))
+    for factor, axes in brought.items():
+      if factor in axes_of:  # the operands decided
+        continue
+      if len(axes) > 1:
+        blocked.add(factor)  # a conflict: no side's choice is better
+      else:
+        (axes_of[factor],) = axes
+  used: set = set()
+  kept: dict[str, Any] = {}
+  for factor in sizes:
+    axes = axes_of.get(factor, ())
+    if axes and factor not in blocked and not used & set(axes):
+      used.update(axes)
+      kept[factor] = axes[0] if len(axes) == 1 else axes
+  specs = [tuple(kept.get(factors[0]) if len(factors) == 1 else None
+                 for factors in value_dims) for value_dims in dims]
+  return specs[:num_operands], specs[num_operands:]
+
+
 # --------------------------------------------------------------------------
 # 3. Shardings
 #
@@ -1716,8 +1780,12 @@ def _ask_infer(op: _Op, operands: list, results: list):
   if op.rule is None or not any(v.known() for v in operands) or any(
       v.spec is None and v.hlo is not None for v in operands):
     return None
-  specs = _infer_from_rule(op.rule, [v.shape for v in operands + results],
-                           [v.spec for v in operands])
+  shapes = [v.shape for v in operands + results]
+  if isinstance(op.partition, _FromRule):  # as the partition will answer
+    specs = _rule_specs(op.rule, shapes, [v.spec for v in operands],
+                        [None] * len(results))[1]
+  else:
+    specs = _infer_from_rule(op.rule, shapes, [v.spec for v in operands])
   return [v._replace(spec=spec) for v, spec in zip(results, specs)]
 
 
@@ -1780,15 +1848,43 @@ def _check_has_partition(name: str, partition, num_devices: int) -> None:
   if partition is None:
     raise ValueError(
         f"custom_partitioning op {name} runs on {num_devices} devices, but "
-        "its def_partition was given partition=None.")
+        "its def_partition was given partition=None and no sharding_rule to "
+        "derive a partition from: give either.")
+
+
+def _partition_from_rule(op: _Op, operands: list, results: list):
+  """What a ``partition`` written from the op's rule would return, for an
+  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
+  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
+  op's own ``fun``."""
+  lower_fn = op.partition.lower_fn(op.static_args)
+  if op.mesh.empty:  # no axis to name: replicated is right for every op
+    replicated = sharding_impls.GSPMDSharding(op.place.devices,
+                                              xc.HloSharding.replicate())
+    in_shardings = [replicated] * len(operands)
+    out_shardings = [replicated] * len(results)
+  else:
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      in_specs, out_specs = _rule_specs(
+          op.rule, [v.shape for v in operands + results],
+          [v.spec for v in operands], [v.spec for v in results])
+    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
+        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
+        for specs in (in_specs, out_specs))
+  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
+          op.in_tree.unflatten(in_shardings))
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values whose shardings are on ``on``."""
+  """``partition`` asked about values whose shardings are on ``on`` (for
+  an op defined by its rule alone, ``_partition_from_rule``)."""
   _check_has_partition(op.name, op.partition, len(op.place.devices))
-  answer = op.partition(*op.static_args, op.mesh,
-                        _structs(op, op.in_tree, operands, on),
-                        _structs(op, op.out_tree, results, on))
+  if isinstance(op.partition, _FromRule):
+    answer = _partition_from_rule(op, operands, results)
+  else:
+    answer = op.partition(*op.static_args, op.mesh,
+                          _structs(op, op.in_tree, operands, on),
+                          _structs(op, op.out_tree, results, on))
   mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
   mesh = _concrete(op, mesh)
   if op.place.auto is not None:
@@ -1996,6 +2092,8 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
   the steps."""
   levels = _levels(op.steps, operands, results)
   answer = _ask_partition(op, *levels[0], on)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, *levels[0], answer, _CUSTOM_CALL)
   closed = _trace_lower_fn(op, answer, *levels[0])
   if _calls_host(closed.jaxpr):
     raise _host_callback_error(op)
@@ -2099,6 +2197,8 @@ def _xla_infer(arg_shapes, arg_shardings, result_shape, key):
     levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
                      results)
     inferred = _infer(op, levels, len(op.steps))
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_infer(op, levels[-1][0], inferred)
     if inferred is None:
       return None
     return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
@@ -2111,13 +2211,18 @@ def _xla_propagate(user_sharding, shape, key):
   op = _lookup(key)
   if op is None or _inexpressible(op) or (
       op.propagate is None and not op.steps) or (op.steps and op.mesh.empty):
+    if op is not None and _log.isEnabledFor(logging.DEBUG):
+      _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
+                                     op.mesh), None)
     return user_sharding
   try:
     results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
     if op.steps and any(v.spec is None for v in results):
       return user_sharding
-    return _pack_hlo(shape, [_hlo_of(v, op.mesh)
-                             for v in _propagate(op, results, len(op.steps))])
+    propagated = _propagate(op, results, len(op.steps))
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_propagate(op, results, propagated)
+    return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
   except BaseException as e:  # noqa: BLE001 - must not reach XLA
     _keep_pending(op, e)
     return user_sharding
@@ -2162,6 +2267,9 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
     request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
                      for s, h in zip(arg_shapes, arg_shardings)),
                str(result_shape), str(result_sharding))
+    if _log.isEnabledFor(logging.DEBUG) and op.lowered.get(request) is not None:
+      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
+                              result_sharding, op.lowered.get(request))
     return op.lowered.cached(request, lambda: _answer_partition(
         op, arg_shapes, arg_shardings, result_shape, result_sharding))
   except BaseException as e:  # noqa: BLE001 - re-raised with its type
@@ -2405,6 +2513,142 @@ def _digest(scope: str, *parts) -> str:
 
 
 # --------------------------------------------------------------------------
+# 4d. The log of what XLA asked
+#
+# ``logging.getLogger(__name__)``: a vendored copy logs under its own import
+# path. Silent at the default level (WARNING). At DEBUG, one record per
+# question an op is asked (``infer_sharding_from_operands``,
+# ``propagate_user_sharding`` or ``partition``, by XLA or, under Explicit
+# axes, while tracing), and one where ``fun`` runs instead: the op, the
+# mesh, the shardings the op was asked with and the answer (for a derived
+# op, the author's callbacks' view), the path, why (where the module chose)
+# and whether a cache answered. A derived op is named as jax.vmap, jax.jvp
+# or jax.grad made it ("transpose of jvp of f"). The record's
+# ``custom_partitioning`` attribute holds the op, question, path, mesh,
+# cached and why as a dict.
+# Every call site checks ``_log.isEnabledFor(logging.DEBUG)`` first:
+# formatting costs, and tracing is a hot path.
+# --------------------------------------------------------------------------
+
+_log = logging.getLogger(__name__)
+
+# The paths an op takes.
+_CUSTOM_CALL = "custom call"
+_SHARD_MAP = "shard_map under Explicit axes"
+_FUN = "fun"
+
+
+def _logged_spec(v: _Value) -> str:
+  if v.spec is not None:  # the same text on every jax release
+    return f"PartitionSpec({', '.join(map(repr, v.spec))})"
+  return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
+
+
+def _logged(operands=None, results=None) -> str:
+  parts = [f"{what} [{', '.join(map(_logged_spec, values))}]"
+           for what, values in (("operands", operands), ("results", results))
+           if values is not None]
+  return ", ".join(parts)
+
+
+def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
+           answered: str = "", by: str = "", why: str = "",
+           cached: bool = False) -> None:
+  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
+  axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+  where = (f"{path}, {'Shardy' if _use_shardy() else 'GSPMD'}"
+           if path == _CUSTOM_CALL else path)
+  text = (f"custom_partitioning op {name}: {question} [{where}] "
+          f"{f'on mesh {axes}' if axes else 'with no mesh'}")
+  if asked:
+    text += f"; asked with {asked}"
+  if answered:
+    text += (f"; answered from the cache: {answered}" if cached
+             else f"; {by} answered {answered}")
+  elif cached:
+    text += "; answered from the cache"
+  if why:
+    text += f"; {why}"
+  _log.debug(text, extra={"custom_partitioning": dict(
+      op=name, question=question, path=path, mesh=axes, cached=cached,
+      why=why)})
+
+
+def _answered_by(op: _Op) -> str:
+  return ("the sharding rule" if isinstance(op.partition, _FromRule)
+          else "partition")
+
+
+def _debug_partition(op: _Op, operands: list, results: list, answer,
+                     path: str, why: str = "") -> None:
+  """The record of a ``partition`` question, asked about the author's op
+  (``operands``, ``results``) and answered by ``answer`` (an _Answer)."""
+  _debug(op.name, "partition", path=path, mesh=op.mesh,
+         asked=_logged(operands, results),
+         answered=_logged(answer.args, answer.results) if answer else "",
+         by=_answered_by(op), why=why)
+
+
+def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
+                            result_shape, result_sharding, hit) -> None:
+  """The record of a ``partition`` question XLA asked before, answered
+  with ``hit`` (what ``_answer_partition`` gave XLA)."""
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, _ = _hlo_parts(result_shape, None)
+  _, answered_args, answered_result = hit
+  _debug(op.name, "partition", path=_CUSTOM_CALL,
+         mesh=op.mesh, cached=True,
+         asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
+                       _from_xla(*_hlo_parts(result_shape, result_sharding),
+                                 on)),
+         answered=_logged(_from_xla(arg_shapes, answered_args, on),
+                          _from_xla(result_shapes, _hlo_parts(
+                              result_shape, answered_result)[1], on)))
+
+
+def _debug_infer(op: _Op, operands: list, inferred,
+                 path: str = _CUSTOM_CALL) -> None:
+  if op.infer is not None:
+    by = "infer_sharding_from_operands"
+  elif op.rule is not None:
+    by = "the sharding rule (no infer_sharding_from_operands)"
+  else:
+    by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
+  _debug(op.name, "infer_sharding_from_operands",
+         path=path, mesh=op.mesh, asked=_logged(operands), by=by,
+         answered=(_logged(results=inferred) if inferred is not None else
+                   "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
+                   else "nothing"))
+
+
+def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
+  """``answer`` None: the user's sharding was kept without asking."""
+  by = ("the module (no propagate_user_sharding: the user's sharding)"
+        if answer is None else "propagate_user_sharding")
+  _debug(op.name, "propagate_user_sharding",
+         path=_CUSTOM_CALL, mesh=op.mesh, asked=_logged(results=users),
+         by=by, answered=_logged(results=users if answer is None
+                                 else answer))
+
+
+def _debug_inlined(ctx, call, steps: tuple) -> None:
+  """The record of an op lowered as its ``fun`` (``_partitioned_placement``
+  said None): no question is asked."""
+  axis_context = ctx.module_context.axis_context
+  mesh = getattr(axis_context, "mesh", None)
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext) and (
+      set(axis_context.manual_axes) == set(mesh.axis_names)):
+    why = "inside a shard_map manual over every mesh axis (one shard's code)"
+  elif steps and getattr(axis_context, "manual_axes", None):
+    why = ("a derived op inside a partly manual shard_map before jax 0.5.3, "
+           "whose shardings cannot be expressed")
+  else:
+    why = "the program runs on one device"
+  _debug(_fun_name(call), "path", path=_FUN,
+         mesh=mesh, why=f"fun is compiled as it is: {why}")
+
+
+# --------------------------------------------------------------------------
 # 5. The primitive
 #
 # ``custom_partitioning_p`` carries the traced body (``call``) and the
@@ -2562,6 +2806,49 @@ class _Unhashable:
 
 
 _DESCRIBED_BY[_Unhashable] = lambda obj: obj.value
+
+
+class _FromRule:
+  """The ``partition`` parameter of an op defined by its sharding rule
+  alone: XLA's partition question is answered from the rule
+  (``_partition_from_rule``), and each shard runs ``fun`` itself. Holds
+  where a call's static arguments and unpassed defaults go among ``fun``'s
+  arguments (``lower_fn`` gets the operands alone)."""
+  __slots__ = ("fun", "static_argnums", "defaults")
+
+  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
+    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
+                                                    defaults)
+
+  def _parts(self):
+    # Defaults are fun's own default objects: compared by identity, as
+    # they need not be hashable.
+    return (self.fun, self.static_argnums,
+            tuple((i, id(value)) for i, value in self.defaults))
+
+  def __hash__(self):
+    return hash(self._parts())
+
+  def __eq__(self, other):
+    return isinstance(other, _FromRule) and other._parts() == self._parts()
+
+  def lower_fn(self, static_args: tuple) -> Callable:
+    """``fun`` as a function of the operands, ``static_args`` bound."""
+    fixed = dict(zip(self.static_argnums, static_args))
+    fixed.update(self.defaults)
+    fun = self.fun
+
+    def lower_fn(*operands):
+      it = iter(operands)
+      return fun(*(fixed[i] if i in fixed else next(it)
+                   for i in range(len(fixed) + len(operands))))
+    name = getattr(fun, "__name__", "")
+    lower_fn.__name__ = name if name.isidentifier() else "fun"
+    return lower_fn
+
+
+_DESCRIBED_BY[_FromRule] = lambda obj: (obj.fun, obj.static_argnums,
+                                        obj.defaults)
 
 
 def _static_values(static_args):
@@ -2746,6 +3033,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   call, steps = params["call"], _steps(params)
   place = _partitioned_placement(ctx, steps)
   if place is None:
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_inlined(ctx, call, steps)
     return mlir.lower_fun(core.jaxpr_as_fun(call),
                           multiple_results=True)(ctx, *values)
   name = _fun_name(call)
@@ -2853,24 +3142,31 @@ def _is_hashable(value) -> bool:
 # -- the path ---------------------------------------------------------------
 
 def _explicit_mesh(avals, eager_mesh=None):
-  """The concrete mesh if the op takes this section's path, else None."""
+  """``(mesh, why_not)``: the concrete mesh if the op takes this section's
+  path, else None and, where the operands' mesh is all Explicit, why not
+  (for the log)."""
   if _jit_disabled():
-    return None
+    return None, None
   meshes = {m for m in map(_aval_mesh, avals) if m is not None}
   if len(meshes) != 1:
-    return None
+    return None, (None if not any(map(_all_explicit, meshes)) else
+                  "the operands are on different meshes")
   (am,) = meshes
   if not _all_explicit(am):
-    return None
+    return None, None
   ambient = _ambient_mesh("get_abstract_mesh")
   if ambient is not None and not ambient.empty and ambient != am:
-    return None
+    return None, ("another mesh is ambient (inside a shard_map or "
+                  "auto_axes)")
   mesh = _ambient_mesh("get_concrete_mesh")
   if mesh is None or mesh.empty:
     mesh = eager_mesh
   if mesh is None or mesh.empty or _abstract_of(mesh) != am:
-    return None
-  return None if mesh.size == 1 else mesh  # one device: the body, inlined
+    return None, ("no concrete mesh for the operands' mesh is known (set "
+                  "one with jax.set_mesh)")
+  if mesh.size == 1:  # the body, inlined
+    return None, None
+  return mesh, None
 
 
 def _operands_mesh(leaves):
@@ -2900,16 +3196,20 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
       call, out_tree = user_op._trace(args, in_tree,
                                       [_unsharded(a) for a in in_avals])
 
-  def unsupported(error_type, reason):
-    if type_error is None:
-      return None, out_tree  # the custom call can run it
+  def unsupported(error_type, reason, answer=None):
+    if type_error is None:  # the custom call can run it
+      if _log.isEnabledFor(logging.DEBUG):
+        _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
+                         why=("asked while tracing; not run as shard_map "
+                              f"under Explicit axes: {reason}"))
+      return None, out_tree
     raise error_type(
         f"custom_partitioning op {user_op._name}: jax cannot type its body "
         f"under Explicit mesh axes ({type_error}), so it runs as "
         f"jax.shard_map of its lower_fn, but {reason}") from type_error
 
   op = _Op(
-      name=user_op._name, partition=user_op.partition,
+      name=user_op._name, partition=user_op._partition_of(args),
       infer=user_op.infer_sharding_from_operands,
       propagate=user_op.propagate_user_sharding,
       rule=None if callable(user_op.sharding_rule) else user_op.sharding_rule,
@@ -2928,20 +3228,26 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
     results = [v._replace(spec=_as_xla_spec(v.spec, mesh)) for v in typed]
   else:
     inferred = _ask_infer(op, operands, results)
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_infer(op, operands, inferred, _SHARD_MAP)
     if inferred is not None and all(v.spec is not None for v in inferred):
       results = typed = inferred
+  if isinstance(op.partition, _FromRule) and callable(user_op.sharding_rule):
+    return unsupported(NotImplementedError, (
+        "its partition is derived from a callable sharding_rule, which is "
+        "asked only while lowering."))
   answer = _ask_partition(op, operands, results, mesh)
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
     return unsupported(NotImplementedError, (
         f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
-        f"not the op's {dict(mesh.shape)}."))
+        f"not the op's {dict(mesh.shape)}."), answer)
   for what, side in (("operand", answer.args), ("result", answer.results)):
     for i, v in enumerate(side):
       if v.spec is None:
         return unsupported(NotImplementedError, (
             f"partition returned a sharding for {what} {i} that has no "
-            f"PartitionSpec on the mesh {dict(mesh.shape)}."))
+            f"PartitionSpec on the mesh {dict(mesh.shape)}."), answer)
       for d, entry in enumerate(v.spec):
         count = _shard_count(entry, mesh)
         if v.shape[d] % count:
@@ -2949,9 +3255,11 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
               f"partition shards {what} {i} dimension {d} (size "
               f"{v.shape[d]}) over {count} devices, which do not divide "
               "it, and jax.shard_map takes only even shards. Shard that "
-              "dimension over axes that divide its size, or pad it."))
+              "dimension over axes that divide its size, or pad it."), answer)
   typed = typed or answer.results
   _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, operands, results, answer, _SHARD_MAP)
   lower_fn = answer.lower_fn
   out_axes = [_axes_in([v.spec]) for v in answer.results]
 
@@ -3000,14 +3308,27 @@ def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):
   if not _EXPLICIT_PATH:
     return None
   args_flat, in_tree, in_avals = flat
-  mesh = _explicit_mesh(in_avals, eager_mesh)
-  if mesh is None or any(map(_vmapped_over_mesh_axis, args_flat)):
+  mesh, why_not = _explicit_mesh(in_avals, eager_mesh)
+  if mesh is not None and any(map(_vmapped_over_mesh_axis, args_flat)):
+    mesh, why_not = None, ("under a jax.vmap whose batch dimension is "
+                           "sharded over a mesh axis")
+  if mesh is None:
+    if why_not is not None and _log.isEnabledFor(logging.DEBUG):
+      _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
+             why=f"not run as shard_map under Explicit axes: {why_not}")
     return None
   key = None
   if _is_hashable(args.static_args):
     # All that fun's trace and the callbacks are given (see _traced).
     key = ("explicit", args.static_args, _positions(args.defaults),
            in_tree, in_avals, mesh, _config.trace_context())
+  if key is not None and _log.isEnabledFor(logging.DEBUG):
+    hit = user_op._traces.get(key)
+    if hit is not None:
+      _debug(user_op._name, "partition", mesh=mesh, cached=True,
+             path=_SHARD_MAP if hit[0] is not None else _CUSTOM_CALL,
+             asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
+                            for a in in_avals]))
   fn, out_tree = user_op._traces.cached(key, lambda: _explicit_program(
       user_op, args, in_tree, in_avals, mesh))
   if fn is None:
@@ -3156,7 +3477,7 @@ class custom_partitioning:
   sharding_rule = None
   decode_shardings = check_vma = True
 
-  def def_partition(self, partition, infer_sharding_from_operands=None,
+  def def_partition(self, partition=None, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
                     sharding_rule=None, *, check_vma=True,
                     reduction_factors=(), need_replication_factors=(),
@@ -3173,7 +3494,16 @@ class custom_partitioning:
         operands to ``arg_shardings`` (a pytree like the arguments);
         ``lower_fn(*local_args)`` computes one shard, may use collectives
         over ``mesh``'s axes and returns results sharded as
-        ``result_shardings``.
+        ``result_shardings``. None (the default) with a ``sharding_rule``:
+        derived from the rule, for both partitioners and Explicit axes.
+        Each factor keeps the mesh axes the operands arrive sharded on
+        (a factor they bring on different axes is replicated, and of two
+        factors on one axis the later one); replicated are the special
+        factors, factors only in operands or only in results,
+        and factors of compound dimensions. Each shard runs ``fun`` (with
+        the static arguments) on its local arrays, so the rule must hold
+        shard-wise. None without a rule: ``fun`` runs on one device, and on
+        several the call raises ``ValueError``.
       infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
         for a body jax cannot type): ``(*static, mesh, arg_shapes,
         result_shape) -> result sharding(s)``; ``result_shape`` has no
@@ -3199,6 +3529,8 @@ class custom_partitioning:
       TypeError: ``partition`` is neither callable nor None, or
         ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
+      When called on several devices: ``ValueError`` if neither
+      ``partition`` nor ``sharding_rule`` is given.
     """
     special = (reduction_factors, need_replication_factors,
                permutation_factors)
@@ -3270,6 +3602,10 @@ class custom_partitioning:
     def build():  # only on a miss: eager calls are a hot path
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
              else self._run_body)
+      if not sharded and _log.isEnabledFor(logging.DEBUG):
+        _debug(self._name, "path", path=_FUN, mesh=None,
+               why="an eager call with no operand sharded over several "
+               "devices: fun is compiled as it is")
       base = args._replace(dyn_args=())  # holds no operand alive
 
       def call(*dyn):
@@ -3314,7 +3650,7 @@ class custom_partitioning:
     call, out_tree, key = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
         *flat.leaves, call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=self.partition,
+        partition=self._partition_of(args),
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
@@ -3323,6 +3659,13 @@ class custom_partitioning:
                      else _Unhashable(args.static_args)),
         check_vma=self.check_vma, transform=())
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
+
+  def _partition_of(self, args: _CallArgs):
+    """The ``partition`` a call binds: the author's, or for an op defined
+    by its rule alone a ``_FromRule`` (None where neither is given)."""
+    if self.partition is not None or self.sharding_rule is None:
+      return self.partition
+    return _FromRule(self.fun, args.static_argnums, args.defaults)
 
   def _trace(self, args: _CallArgs, in_tree, in_avals):
     """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes

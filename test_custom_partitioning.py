@@ -37,6 +37,7 @@ import gc
 import importlib.util
 import inspect
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -2678,7 +2679,7 @@ class ErrorTest(CPTestCase):
     def shifted(x):
       return x + 1.0
     op = custom_partitioning(shifted)
-    op.def_partition(None, sharding_rule="i j -> i j")
+    op.def_partition()  # neither partition nor sharding_rule
     for run in (jax.jit(op).lower, op):  # lowering, and an eager call
       self.assertRaisesNaming(
           ValueError, ["shifted", "8 devices", "partition=None"], run, self.x)
@@ -4241,6 +4242,266 @@ del FFTTest
 
 
 # --------------------------------------------------------------------------
+# Ops defined by their sharding rule alone, and the DEBUG log
+# --------------------------------------------------------------------------
+
+def _spd(shape):
+  """Symmetric positive definite matrices of ``shape`` (..., n, n)."""
+  a = np.random.default_rng(0).standard_normal(shape)
+  return (a @ np.swapaxes(a, -1, -2) + shape[-1] * np.eye(shape[-1])).astype(
+      np.float32)
+
+
+def _rule_only(fun, rule, **kw):
+  op = custom_partitioning(fun, static_argnums=kw.pop("static_argnums", ()))
+  op.def_partition(sharding_rule=rule, **kw)
+  return op
+
+
+def _cholesky_op():
+  return _rule_only(jnp.linalg.cholesky, "b i j -> b i j",
+                    need_replication_factors=("i", "j"))
+
+
+def _row_sum(x):
+  return x.sum(1)
+
+
+class RuleOnlyTest(CPTestCase):
+  """def_partition(sharding_rule=...) with no partition: the partition is
+  derived from the rule and each shard runs fun."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.chol = _cholesky_op()
+    cls.rfft = _rule_only(jnp.fft.rfft, "b n -> b k")
+    cls.row_sum = _rule_only(_row_sum, "b n -> b")
+    cls.ah = _spd((8, 8, 8))
+    cls.want = np.linalg.cholesky(cls.ah.astype(np.float64))
+
+  def test_cholesky_batch_sharded_has_no_collective(self):
+    m = self.mesh()
+    a = jax.device_put(self.ah, NamedSharding(m, P("x")))
+    f = jax.jit(self.chol)
+    self.skipWithoutSpecialFactors(lambda: f(a))
+    out = f(a)
+    np.testing.assert_allclose(out, self.want, rtol=1e-4, atol=1e-4)
+    self.assertEqual(_spec(out.sharding, 3), ("x", None, None))
+    self.assertCollectives(self.hlo(f, a), absent=_COLLECTIVES)
+    np.testing.assert_allclose(self.chol(a), self.want, rtol=1e-4, atol=1e-4)
+    # One device: fun runs.
+    np.testing.assert_allclose(self.chol(self.ah), self.want, rtol=1e-4,
+                               atol=1e-4)
+
+  def test_cholesky_sharded_on_a_replicated_factor(self):
+    a = jax.device_put(self.ah, NamedSharding(self.mesh(), P(None, "x")))
+    f = jax.jit(self.chol)
+    self.skipWithoutSpecialFactors(lambda: f(a))
+    np.testing.assert_allclose(f(a), self.want, rtol=1e-4, atol=1e-4)
+    self.assertCollectives(self.hlo(f, a), present=("all-gather",))
+
+  def test_rfft_and_row_sum_whatever_sharding_arrives(self):
+    m = self.mesh((2, 4), ("x", "y"))
+    xh = _data((16, 32))
+    for spec in (P(), P("x"), P(None, "y"), P("y", "x"), P(("x", "y"))):
+      x = jax.device_put(xh, NamedSharding(m, spec))
+      for op, want in ((self.rfft, np.fft.rfft(xh)),
+                       (self.row_sum, xh.sum(1))):
+        with self.subTest(op=op.__name__, spec=spec):
+          np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-4,
+                                     atol=1e-4)
+
+  def test_conflicting_operands_are_replicated(self):
+    add = _rule_only(jnp.add, "b n, b n -> b n")
+    m = self.mesh((2, 4), ("x", "y"))
+    xh, yh = _data((8, 8)), _data((8, 8)) * 3
+    x = jax.device_put(xh, NamedSharding(m, P("x")))
+    y = jax.device_put(yh, NamedSharding(m, P("y")))
+    np.testing.assert_allclose(jax.jit(add)(x, y), xh + yh, rtol=1e-6)
+    # One axis on two factors: the first keeps it, the second is replicated.
+    outer = _rule_only(lambda u, v: u[:, None] * v[None, :], "i, j -> i j")
+    u = jax.device_put(xh[0], NamedSharding(m, P("x")))
+    v = jax.device_put(yh[0], NamedSharding(m, P("x")))
+    np.testing.assert_allclose(jax.jit(outer)(u, v), np.outer(xh[0], yh[0]),
+                               rtol=1e-6)
+
+  def test_derived_shardings(self):
+    """_rule_specs, the partition's shardings, on the cases it decides."""
+    def specs(rule, shapes, in_specs, out_specs=None, **kw):
+      rule = str_to_sdy_sharding_rule(rule, **kw)
+      return cp._rule_specs(rule, shapes, in_specs,
+                            out_specs or [None] * (len(shapes) - len(in_specs)))
+    s = (8, 8)
+    self.assertEqual(specs("b n, b n -> b n", [s] * 3, [("x", None), ("y", "x")]),
+                     ([(None, "x")] * 2, [(None, "x")]))  # b conflicts
+    self.assertEqual(specs("b n, b n -> b n", [s] * 3, [("x", None), None]),
+                     ([("x", None)] * 2, [("x", None)]))  # None is no conflict
+    self.assertEqual(specs("i, j -> i j", [(8,), (8,), s], [("x",), ("x",)]),
+                     ([("x",), (None,)], [("x", None)]))  # axis used twice
+    self.assertEqual(specs("b n -> b k", [s, (8, 5)], [(("x", "y"), "z")]),
+                     ([(("x", "y"), None)], [(("x", "y"), None)]))
+    self.assertEqual(specs("b n -> b", [s, (8,)], [(None, "x")], [("y",)]),
+                     ([("y", None)], [("y",)]))  # the result's b, n reduced
+    self.assertEqual(  # special and compound factors
+        specs("b i j, (c d) -> b i j, c d", [(8, 4, 4), (8,), (8, 4, 4), (2, 4)],
+              [("x", "y", "z"), ("w",)], permutation_factors=("j",)),
+        ([("x", "y", None), (None,)], [("x", "y", None), (None, None)]))
+    self.assertEqual(specs("i -> i", [(8,), (7,)], [("x",)]),  # two sizes
+                     ([(None,)], [(None,)]))
+
+  def test_static_args_defaults_and_callable_rule(self):
+    def scaled(k, x, offset=1.0, scale=1.0):
+      return x * k * scale + offset
+    # Operands: x, and scale where a call passes it.
+    op = _rule_only(scaled, lambda k, mesh, ops, res: ", ".join(
+        ["i j"] * len(ops)) + " -> i j", static_argnums=(0,))
+    m = self.mesh()
+    xh = _data((16, 4))
+    x = jax.device_put(xh, NamedSharding(m, P("x")))
+    f = jax.jit(op, static_argnums=0)
+    np.testing.assert_allclose(f(3.0, x), xh * 3 + 1, rtol=1e-6)
+    self.assertCollectives(self.hlo(f, 3.0, x), absent=_COLLECTIVES)
+    # offset stays the default between the static k and the operand scale
+    np.testing.assert_allclose(op(2.0, x, scale=x), xh * 2 * xh + 1,
+                               rtol=1e-6)
+
+  def test_vmap_jvp_grad(self):
+    m = self.mesh((2, 4), ("x", "y"))
+    a = jax.device_put(self.ah, NamedSharding(m, P("y")))
+    t = jax.device_put(np.ones_like(self.ah), NamedSharding(m, P("y")))
+    self.skipWithoutSpecialFactors(lambda: jax.jit(self.chol)(a))
+
+    def loss(op, a):
+      return (op(a) ** 2).sum()
+    want_t = jax.jvp(jnp.linalg.cholesky, (self.ah,), (np.ones_like(self.ah),))[1]
+    want_g = jax.grad(functools.partial(loss, jnp.linalg.cholesky))(self.ah)
+    got_t = jax.jit(lambda a, t: jax.jvp(self.chol, (a,), (t,))[1])(a, t)
+    np.testing.assert_allclose(got_t, want_t, rtol=1e-3, atol=1e-3)
+    g = jax.jit(jax.grad(functools.partial(loss, self.chol)))
+    np.testing.assert_allclose(g(a), want_g, rtol=1e-3, atol=1e-3)
+    self.assertCollectives(self.hlo(g, a), absent=_GATHERS)
+    eager = jax.grad(functools.partial(loss, self.chol))(a)
+    np.testing.assert_allclose(eager, want_g, rtol=1e-3, atol=1e-3)
+    stacked = np.stack([self.ah, self.ah[::-1]])
+    b = jax.device_put(stacked, NamedSharding(m, P("x", "y")))
+    v = jax.jit(jax.vmap(self.chol))
+    np.testing.assert_allclose(v(b), np.linalg.cholesky(stacked), rtol=1e-4,
+                               atol=1e-4)
+    self.assertCollectives(self.hlo(v, b), absent=_COLLECTIVES)
+
+
+both_partitioners(RuleOnlyTest)
+del RuleOnlyTest
+
+
+class RuleOnlyExplicitTest(CPTestCase):
+  """Rule-only ops under Explicit mesh axes: run as shard_map of fun."""
+
+  def setUp(self):
+    super().setUp()
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    self.m = jax.make_mesh((2, 4), ("x", "y"), axis_types=(explicit,) * 2)
+    ctx = jax.set_mesh(self.m)
+    ctx.__enter__()
+    self.addCleanup(ctx.__exit__, None, None, None)
+
+  def test_cholesky_and_row_sum(self):
+    chol, ah = _cholesky_op(), _spd((8, 8, 8))
+    want = np.linalg.cholesky(ah.astype(np.float64))
+    for spec, gathers in ((P(("x", "y")), False), (P(None, "y"), True)):
+      a = jax.device_put(ah, NamedSharding(self.m, spec))
+      f = jax.jit(chol)
+      np.testing.assert_allclose(f(a), want, rtol=1e-4, atol=1e-4)
+      text = f.lower(a).as_text()
+      self.assertNotIn("CustomSPMDPartitioning", text)
+      self.assertEqual("all-gather" in self.hlo(f, a), gathers, spec)
+    np.testing.assert_allclose(chol(a), want, rtol=1e-4, atol=1e-4)  # eager
+    g = jax.jit(jax.grad(lambda a: (chol(a) ** 2).sum()))(
+        jax.device_put(ah, NamedSharding(self.m, P("x"))))
+    np.testing.assert_allclose(
+        g, jax.grad(lambda a: (jnp.linalg.cholesky(a) ** 2).sum())(ah),
+        rtol=1e-3, atol=1e-3)
+    row_sum = _rule_only(_row_sum, "b n -> b")
+    xh = _data((16, 32))
+    x = jax.device_put(xh, NamedSharding(self.m, P("y")))
+    np.testing.assert_allclose(jax.jit(row_sum)(x), xh.sum(1), rtol=1e-5)
+
+
+both_partitioners(RuleOnlyExplicitTest)
+del RuleOnlyExplicitTest
+
+
+class DebugLogTest(CPTestCase):
+  """The log of what each op was asked: DEBUG records on cp's logger."""
+
+  def records(self, cm, **want):
+    """The records of ``cm`` whose ``custom_partitioning`` fields match."""
+    op = want.pop("op", "")  # the end of a qualified name
+    return [r for r in cm.records
+            if r.custom_partitioning["op"].endswith(op) and all(
+                r.custom_partitioning[k] == v for k, v in want.items())]
+
+  def test_silent_by_default(self):
+    self.assertFalse(cp._log.isEnabledFor(logging.DEBUG))
+    op = _rule_only(lambda x: x * 4.0, "i j -> i j")
+    x = jax.device_put(_data((16, 4)), NamedSharding(self.mesh(), P("x")))
+    with self.assertNoLogs(cp._log, "INFO"):
+      jax.jit(op)(x)
+
+  def test_partition_records_name_the_op_specs_path_and_cache(self):
+    def twice(x):
+      return x * 2.0 - 0.125
+    op = _rule_only(twice, "i j -> i j")
+    x = jax.device_put(_data((16, 4)), NamedSharding(self.mesh(), P("x")))
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      jax.jit(lambda x: op(op(x)))(x)
+    path = "custom call"
+    records = self.records(cm, op="twice", question="partition", path=path)
+    self.assertEqual(len(records), 2, cm.output)
+    self.assertEqual([r.custom_partitioning["cached"] for r in records],
+                     [False, True])
+    text = records[0].getMessage()
+    for fragment in ("twice", "{'x': 8}", "PartitionSpec('x', None)",
+                     "Shardy" if self.shardy else "GSPMD",
+                     "the sharding rule answered"):
+      self.assertIn(fragment, text)
+    if not self.shardy:
+      self.assertTrue(self.records(
+          cm, op="twice", question="infer_sharding_from_operands"), cm.output)
+    # One device: the path is fun.
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      jax.jit(op)(_data((4, 4)))
+    (record,) = self.records(cm, op="twice")
+    self.assertEqual(record.custom_partitioning["path"], "fun")
+
+  def test_explicit_path_and_why_it_falls_back(self):
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    m = jax.make_mesh((8,), ("x",),
+                      axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(_data((16, 4)), NamedSharding(m, P("x")))
+    ruled = _rule_only(lambda x: x + 3.0, "i j -> i j")
+    called = _rule_only(lambda x: x + 5.0, lambda mesh, o, r: "i j -> i j")
+    with jax.set_mesh(m), self.assertLogs(cp._log, "DEBUG") as cm:
+      jax.jit(ruled)(x)
+      jax.jit(called)(x)
+    (shard_map,) = self.records(cm, question="partition",
+                                path="shard_map under Explicit axes")
+    self.assertIn("PartitionSpec('x', None)", shard_map.getMessage())
+    (fallback,) = [r for r in cm.records if "callable sharding_rule" in
+                   r.custom_partitioning["why"]]
+    self.assertEqual(fallback.custom_partitioning["path"], "custom call")
+    self.assertIn("not run as shard_map", fallback.getMessage())
+
+
+both_partitioners(DebugLogTest)
+del DebugLogTest
+
+
+# --------------------------------------------------------------------------
 # Coexistence with jax's own implementation and with a second copy
 # --------------------------------------------------------------------------
 
@@ -5695,7 +5956,7 @@ class ExplicitPathTest(CPTestCase):
     def shifted(x):
       return x + 1.0
     op = custom_partitioning(shifted)
-    op.def_partition(None, sharding_rule="i j -> i j")
+    op.def_partition()  # neither partition nor sharding_rule
     self.assertRaisesNaming(
         ValueError, ["shifted", "8 devices", "partition=None"], jax.jit(op),
         self.x)
@@ -6352,8 +6613,10 @@ class ReadmeTest(unittest.TestCase):
 
   def test_readme_snippets(self):
     """Every code block parses; the reduction snippet is right on 10 rows
-    (not divisible: kept whole) and on 16 (sharded, one all-reduce)."""
-    _, blocks = _readme()
+    (not divisible: kept whole) and on 16 (sharded, one all-reduce); the
+    rule-only Cholesky runs with no collective and logs what README
+    quotes."""
+    readme, blocks = _readme()
     for block in blocks:
       compile(block, "README.md", "exec")
     snippet, = [b for b in blocks if "def col_max" in b]
@@ -6367,6 +6630,21 @@ class ReadmeTest(unittest.TestCase):
       f = jax.jit(names["col_max"], out_shardings=whole)
       np.testing.assert_array_equal(f(x), x.max(0), f"{n} rows")
       self.assertEqual("all-reduce" in CPTestCase.hlo(f, x), n == 16)
+    # The rule-only Cholesky: batch-sharded, no collective; and its log
+    # record as README quotes it.
+    snippet, = [b for b in blocks if "def batched_cholesky" in b]
+    exec(compile(snippet, "README.md", "exec"), names)
+    chol = names["batched_cholesky"]
+    chol.__qualname__ = chol._name = "batched_cholesky"  # as in a module
+    a = jax.device_put(_spd((8, 4, 4)), NamedSharding(CPTestCase.mesh(),
+                                                      P("x")))
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      text = CPTestCase.hlo(jax.jit(chol), a)
+    for name in _COLLECTIVES:
+      self.assertNotIn(name, text)
+    if cp._use_shardy():
+      self.assertIn(f"    {cp.__name__}: {cm.records[0].getMessage()}\n",
+                    readme)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,34 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   return result.module, result.host_callbacks
 
 
+# jaxlib registers its LAPACK kernels with XLA only when jax lowers a
+# linear-algebra primitive for CPU (jax._src.lib.lapack._lapack.initialize,
+# jax 0.4.35 to 0.11; a few tenths of a second, once). A program that the
+# persistent cache loads runs per-shard code nobody lowered in this process,
+# and XLA segfaults calling an unregistered kernel (jax.export initializes
+# them for a deserialized module alike). So an op whose body uses one
+# initializes them when it is lowered for CPU.
+_lapack_ready = False
+
+
+def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
+  global _lapack_ready
+  if _lapack_ready or "cpu" not in platforms:
+    return
+  from jax._src.lax import linalg  # noqa: PLC0415 - loaded by jax already
+  linear_algebra = {p for p in vars(linalg).values()
+                    if isinstance(p, core.Primitive)}
+  if _uses_any(jaxpr, linear_algebra):
+    from jax._src.lib import lapack  # noqa: PLC0415
+    lapack._lapack.initialize()
+    _lapack_ready = True
+
+
+def _uses_any(jaxpr: core.Jaxpr, primitives: set) -> bool:
+  return any(eqn.primitive in primitives for eqn in jaxpr.eqns) or any(
+      _uses_any(sub, primitives) for sub in core.subjaxprs(jaxpr))
+
+
 def _is_exporting(ctx: mlir.LoweringRuleContext) -> bool:
   return bool(ctx.module_context.lowering_parameters.for_export)
 
@@ -1080,6 +1108,23 @@ def _entry_axes(entry) -> tuple:
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def _reduced_factors(operand_dims: list, result_dims: list) -> set:
+  """The factors of a resolved rule that no shard can keep: those in
+  results only, and those a result is reduced over: factors of the
+  operands it shares a factor with (of every operand, for a result with no
+  factor) that it lacks, as ``n`` for the second result of
+  ``"b n -> b n, b"``."""
+  factors = [{f for fs in value_dims for f in fs}
+             for value_dims in operand_dims + result_dims]
+  ins, outs = factors[:len(operand_dims)], factors[len(operand_dims):]
+  reduced = set().union(*outs) - set().union(*ins)
+  for out in outs:
+    for operand in ins:
+      if operand & out or not out:
+        reduced |= operand - out
+  return reduced
+
+
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
   """The partition of an op given by its rule alone (section 4,
@@ -1091,19 +1136,17 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
   keeps the mesh axes the operands bring it on, else those the results
   bring (slicing a replicated operand costs no communication); operands (or
   results) that bring it on different axes leave it replicated. Replicated
-  too: the special factors, factors in operands only (reduced) or results
-  only, factors of compound dimensions or seen with two sizes, and a factor
+  too: the special factors, factors that some result lacks (reduced there)
+  or that are in results only, factors of compound dimensions or seen with
+  two sizes, and a factor
   whose axes an earlier factor (in order of first use) keeps.
   """
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands)
 
-  def factors_of(values) -> set:
-    return {f for value_dims in values for fs in value_dims for f in fs}
-  one_side = (factors_of(dims[:num_operands]) ^
-              factors_of(dims[num_operands:]))
   blocked = (set(rule.reduction_factors) | set(rule.need_replication_factors)
-             | set(rule.permutation_factors) | one_side)
+             | set(rule.permutation_factors) |
+             _reduced_factors(dims[:num_operands], dims[num_operands:]))
   for value_dims, shape in zip(dims, shapes):
     for factors, size in zip(value_dims, shape):
       if len(factors) > 1 or size != sizes[factors[0]]:
@@ -3039,6 +3082,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
                           multiple_results=True)(ctx, *values)
   name = _fun_name(call)
   _check_lowerable(ctx, name, place, params)
+  _ensure_lapack(ctx.module_context.platforms, call.jaxpr)
   levels = _levels(steps, [_Value(a.shape, a.dtype) for a in call.in_avals],
                    [_Value(a.shape, a.dtype) for a in call.out_avals])
   with _naming(f"sharding_rule of custom_partitioning op {name}: "):
@@ -3267,21 +3311,28 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
     outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
     return [_invariant_over_size1(x, axes, mesh)
             for x, axes in zip(outs, out_axes)]
+  # An operand whose type differs from partition's answer only in size-1
+  # axes (which XLA's shardings drop) keeps its type, so that lower_fn types
+  # as under a plain shard_map of it (a psum over ('z', 'y') on P(('z', 'y'))
+  # needs the operand varying over 'y').
+  arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
+               for t, v in zip(map(_spec_of, in_avals), answer.args)]
   # The program names no devices: jax.jit reuses its traces for every
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
   mapped = jax.shard_map(
       per_shard, mesh=am, check_vma=user_op.check_vma,
-      in_specs=tuple(jax.sharding.PartitionSpec(*v.spec) for v in answer.args),
+      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
       out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
 
-  def reshard(xs, values):  # an equation only where the type changes
-    return [x if _spec_of(_typeof(x)) == v.spec else jax.sharding.reshard(
-        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*v.spec)))
-        for x, v in zip(xs, values)]
+  def reshard(xs, specs):  # an equation only where the type changes
+    return [x if _spec_of(_typeof(x)) == spec else jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec)))
+        for x, spec in zip(xs, specs)]
 
   def program(*flat):
-    return reshard(mapped(*reshard(flat, answer.args)), typed)
+    return reshard(mapped(*reshard(flat, arg_specs)),
+                   [v.spec for v in typed])
   fun_name = getattr(user_op.fun, "__name__", "")
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
   return jax.jit(program), out_tree

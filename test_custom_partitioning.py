@@ -3532,6 +3532,24 @@ class SizeOneAxisTest(CPTestCase):
             jitted(xb), np.sin(np.stack([self.xh, -self.xh])) * 2, rtol=1e-5)
         self.assertIn("CustomSPMDPartitioning", jitted.lower(xb).as_text())
 
+  def test_explicit_path_psum_over_a_tuple_with_a_size_1_axis(self):
+    """Found by a breaker: ``psum`` over ('z', 'y') of an operand typed
+    P(('z', 'y')) or P('z', 'y') runs as under a plain shard_map (jax
+    refuses a psum over an axis its operand is typed invariant over)."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((8, 1), ("z", "y"), axis_types=(explicit,) * 2)
+    for spec in (P(("z", "y")), P("z", "y")):
+      lower_fn = lambda x: jax.lax.psum(jnp.sum(x, 0), ("z", "y"))
+      op = _reducing_op(lower_fn, arg_spec=tuple(spec))
+      with self.subTest(spec=spec), jax.set_mesh(m):
+        x = jax.device_put(self.xh, NamedSharding(m, spec))
+        jitted = jax.jit(op)
+        np.testing.assert_allclose(jitted(x), self.xh.sum(0), rtol=1e-5)
+        self.assertNotIn("CustomSPMDPartitioning",
+                         jitted.lower(x).as_text())
+
   def test_cond_on_a_varying_predicate_is_refused(self):
     """Devices disagree on ``sum(x) > 0`` for row-sharded x: the branch
     taken, returned as replicated, differs between them."""
@@ -4349,6 +4367,20 @@ class RuleOnlyTest(CPTestCase):
         ([("x", "y", None), (None,)], [("x", "y", None), (None, None)]))
     self.assertEqual(specs("i -> i", [(8,), (7,)], [("x",)]),  # two sizes
                      ([(None,)], [(None,)]))
+    # n is in result 0 but reduced for result 1 (found by a breaker).
+    self.assertEqual(specs("b n -> b n, b", [s, s, (8,)], [("x", "y")]),
+                     ([("x", None)], [("x", None), ("x",)]))
+
+  def test_a_factor_one_result_reduces(self):
+    """``x * 2, max(x, -1)`` with ``n`` arriving sharded: ``n`` is kept by
+    result 0 but reduced for result 1, so it is replicated."""
+    op = _rule_only(lambda x: (x * 2, jnp.max(x, -1)), "b n -> b n, b")
+    xh = _data((2, 16))
+    x = jax.device_put(xh, NamedSharding(self.mesh(), P(None, "x")))
+    for run in (jax.jit(op), op):
+      doubled, top = run(x)
+      np.testing.assert_allclose(doubled, xh * 2, rtol=1e-6)
+      np.testing.assert_allclose(top, xh.max(-1), rtol=1e-6)
 
   def test_static_args_defaults_and_callable_rule(self):
     def scaled(k, x, offset=1.0, scale=1.0):
@@ -5739,6 +5771,24 @@ class PersistentCacheTest(CPTestCase):
     self.assertEqual((second["hits"], second["misses"]), (1, 0),
                      "the second process did not hit the persistent cache")
     self.assertEqual(self._entries(cache), entries)
+
+  def test_a_hit_on_lapack_per_shard_code_runs(self):
+    """Found by a breaker: per-shard code calling LAPACK (a batched
+    Cholesky), loaded from the cache in a fresh process, segfaulted: no
+    one had lowered a LAPACK call there, which is when jaxlib registers
+    its kernels with XLA."""
+    body = ("jnp.linalg.cholesky(x[:, :, None] * x[:, None, :] + 4.0 * "
+            "jnp.eye(4)).sum(-1) * k")
+    script = self._script(BODY=body, LOWER=body)
+    cache = self._cache_dir()
+    xh = _CACHE_X.astype(np.float64)
+    want = np.linalg.cholesky(xh[:, :, None] * xh[:, None, :] +
+                              4 * np.eye(4)).sum(-1) * 2
+    first, = self._run([(script, cache)])
+    second, = self._run([(script, cache)])
+    self.assertOut(first, want, "first run")
+    self.assertOut(second, want, "second run")
+    self.assertEqual(second["hits"], 1, "the second process missed")
 
   def test_explicit_path_hits_and_a_changed_lower_fn_misses(self):
     if NO_EXPLICIT_PATH:

@@ -3775,7 +3775,12 @@ _DESCRIBED_BY[custom_partitioning] = lambda obj: (
 # replicated, each operand's shardings with the others replicated (taken
 # round-robin over the operands), "diagonals" (operand i takes its k-th
 # sharding, for every k), then the remaining product in itertools order.
-# Deterministic: no randomness but the cotangents' fixed seed.
+# Deterministic: no randomness but the cotangents' fixed seed. With
+# ``grad``, each combination runs the jitted forward, places each cotangent
+# with the sharding its result came back with (typed on Explicit axes), and
+# runs the jitted VJP on those: a backward op whose partition keys on the
+# cotangent's sharding is checked as a real loss runs it, not only with
+# replicated cotangents. Two compiles per combination.
 # --------------------------------------------------------------------------
 
 _DEFAULT_MAX_COMBINATIONS = 32  # per mesh
@@ -3981,10 +3986,11 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   dimension sharded over one mesh axis that divides it, in combinations
   across arguments (all of them, or at most ``max_combinations`` per mesh,
   chosen deterministically: all replicated, each argument sharded alone,
-  all sharded at once, then the rest). Each placement is compiled and run;
-  its results (and, with ``grad``, its gradients) are compared with
-  ``jax.jit(fn)`` on the arguments on ``jax.devices()[0]``, where every
-  custom-partitioned op runs its own ``fun`` and no callback is asked.
+  all sharded at once, then the rest). Each placement is compiled and run
+  (with ``grad``, its VJP too); its results (and, with ``grad``, its
+  gradients) are compared with ``jax.jit(fn)`` on the arguments on
+  ``jax.devices()[0]``, where every custom-partitioned op runs its own
+  ``fun`` and no callback is asked.
 
   Args:
     fn: a ``custom_partitioning`` op, or any function of arrays built from
@@ -3997,8 +4003,12 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       sharded (with the default meshes on 8 devices: by 2, 4 or 8).
     grad: also compare the vector-Jacobian product of ``fn`` for fixed
       random cotangents (seed 0; zero for non-float results; gradients
-      with respect to integer arguments are not compared). The cotangents
-      enter replicated.
+      with respect to integer arguments are not compared). Each cotangent
+      is placed with the sharding its result has in that combination (as
+      the jitted forward returns it), so backward ops see cotangents
+      sharded as in a real loss. Two compiles per combination (the forward,
+      then the VJP with the placed cotangents as arguments); one without
+      ``grad``.
     meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
       mesh ``('x',)`` over all devices and, where the device count has a
       factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
@@ -4083,20 +4093,34 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       return ct.astype(s.dtype)
     cts = jax.tree_util.tree_map(cotangent, out_shape)
 
-    def run(args, cts):
-      out, pullback = jax.vjp(fn, *args)
+    def pullback(args, cts):
+      out, vjp = jax.vjp(fn, *args)
       full = jax.tree_util.tree_map(
           lambda o, c: np.zeros(o.shape, jax.dtypes.float0) if c is None
           else _typed_like(c, o), out, cts, is_leaf=lambda c: c is None)
-      return out, pullback(full)
+      return vjp(full)
+    pullback.__name__ = pullback.__qualname__ = (
+        f"check_partitioning_{name}_vjp")
+    jitted_pullback = jax.jit(pullback)
   else:
     cts = None
 
-    def run(args, cts):
-      del cts
-      return fn(*args), None
-  run.__name__ = run.__qualname__ = f"check_partitioning_{name}"
-  jitted = jax.jit(run)
+  def forward(args):
+    return fn(*args)
+  forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
+  jitted_forward = jax.jit(forward)
+
+  def run(args):
+    """The jitted forward's results and, with ``grad``, the jitted VJP's
+    gradients, for cotangents placed as the forward's results are: the
+    backward ops see them sharded as in a real program's loss."""
+    out = jitted_forward(args)
+    if not grad:
+      return out, None
+    placed = jax.tree_util.tree_map(
+        lambda o, c: None if c is None else jax.device_put(c, o.sharding),
+        out, cts, is_leaf=lambda c: c is None)
+    return out, jitted_pullback(args, placed)
 
   def results(out, grads) -> list:
     """``(what, array)`` for every result leaf, then every gradient."""
@@ -4110,9 +4134,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
 
   device = jax.devices()[0]
   try:
-    want = results(*jitted(
-        unflatten([jax.device_put(h, device) for h in hosts]),
-        jax.device_put(cts, device)))
+    want = results(*run(
+        unflatten([jax.device_put(h, device) for h in hosts])))
   except Exception as e:
     raise _renamed(e, f"check_partitioning({name}): on one device "
                       f"({device})") from e
@@ -4124,7 +4147,6 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     for i, o in enumerate(options):
       sharded_somewhere[i] |= len(o) > 1
     combinations = _sharding_combinations(options, max_combinations)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for specs in combinations:
       where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
                f"operand shardings {_specs_text(specs, arg_names, flat)}")
@@ -4133,8 +4155,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
                 for h, spec in zip(hosts, specs)]
       try:
         with _set_mesh_scope(mesh):
-          got = results(*jitted(unflatten(placed),
-                                jax.device_put(cts, replicated)))
+          got = results(*run(unflatten(placed)))
       except Exception as e:
         raise _renamed(e, where) from e
       for (what, g), (_, w) in zip(got, want):

@@ -6453,6 +6453,33 @@ def _linear(psum=True, check_vma=True):
   return linear
 
 
+def _scale_keying_on_the_cotangent():
+  """``x * w`` (x (b, n), w (n,)) as a custom_vjp whose backward op's
+  partition keys on the cotangent's sharding, not x's, and forgets the psum
+  of dw over the batch axis: wrong only when the cotangent arrives sharded,
+  as it does in a real loss."""
+  scale = custom_partitioning(lambda x, w: x * w)
+  scale.def_partition(sharding_rule="b n, n -> b n")
+
+  def bwd_body(x, w, ct):
+    return ct * w, jnp.sum(ct * x, 0)
+  scale_bwd = custom_partitioning(bwd_body)
+
+  def partition(mesh, arg_shapes, result_shape):
+    axis = _rows_axis(arg_shapes[2])  # the cotangent's
+    rows, whole = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P())
+    return mesh, bwd_body, (rows, whole), (rows, whole, rows)  # no psum
+  scale_bwd.def_partition(partition, sharding_rule="b n, n, b n -> b n, n",
+                          check_vma=False)
+
+  @jax.custom_vjp
+  def scaled(x, w):
+    return scale(x, w)
+  scaled.defvjp(lambda x, w: (scale(x, w), (x, w)),
+                lambda res, ct: scale_bwd(*res, ct))
+  return scaled
+
+
 class CheckPartitioningTest(CPTestCase):
   """check_partitioning: passes right ops, names what a wrong one got
   wrong. Most tests use the 1-D mesh only: each placement is a compile."""
@@ -6515,6 +6542,25 @@ class CheckPartitioningTest(CPTestCase):
          "on one device: largest error "],
         cp.check_partitioning, wrong, self.x, self.w, grad=True,
         meshes=_mesh1d())
+
+  def test_grad_feeds_cotangents_sharded_like_the_results(self):
+    # A real loss's cotangent arrives sharded like the result: here x's
+    # rows. The backward op's partition keys on it, so replicated
+    # cotangents would never run the wrong (psum-less) partition.
+    scaled = _scale_keying_on_the_cotangent()
+    x, w = _data((8, 4)), _data((4,))
+    mesh = _mesh1d()
+    loss = lambda x, w: jnp.sum(scaled(x, w) ** 2)
+    dw = jax.jit(jax.grad(loss, 1))(
+        jax.device_put(x, NamedSharding(mesh, P("x"))), w)
+    self.assertGreater(np.abs(np.asarray(dw) - jax.grad(loss, 1)(x, w)).max(),
+                       1e-3)  # the bug is real
+    self.assertRaisesNaming(
+        AssertionError,
+        ["check_partitioning(_scale_keying_on_the_cotangent.<locals>.scaled) "
+         "on Mesh('x': 8) with operand shardings (PartitionSpec('x'), "
+         "PartitionSpec()): gradient with respect to argument 1 differs"],
+        cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh)
 
   def test_compile_error_is_reraised_naming_the_combination(self):
     op = _same_sharding_op(jnp.sin)
@@ -6615,6 +6661,14 @@ class CheckPartitioningTest(CPTestCase):
                          "shardings (PartitionSpec(None, 'x'),)"],
         cp.check_partitioning, _fft_keeping_all_sharded(), self.z,
         meshes=[explicit])
+    # Cotangents placed as the typed results are: x's rows, so the backward
+    # op's psum-less partition runs.
+    self.assertRaisesNaming(
+        AssertionError, ["Mesh('x': 8, axis_types=(Explicit,)) with operand "
+                         "shardings (PartitionSpec('x'), PartitionSpec()): "
+                         "gradient with respect to argument 1 differs"],
+        cp.check_partitioning, _scale_keying_on_the_cotangent(), self.x,
+        self.w[:, 0], grad=True, meshes=[explicit])
 
 
 both_partitioners(CheckPartitioningTest)

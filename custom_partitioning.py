@@ -1824,11 +1824,12 @@ def _ask_infer(op: _Op, operands: list, results: list):
       v.spec is None and v.hlo is not None for v in operands):
     return None
   shapes = [v.shape for v in operands + results]
-  if isinstance(op.partition, _FromRule):  # as the partition will answer
-    specs = _rule_specs(op.rule, shapes, [v.spec for v in operands],
-                        [None] * len(results))[1]
-  else:
-    specs = _infer_from_rule(op.rule, shapes, [v.spec for v in operands])
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if isinstance(op.partition, _FromRule):  # as the partition will answer
+      specs = _rule_specs(op.rule, shapes, [v.spec for v in operands],
+                          [None] * len(results))[1]
+    else:
+      specs = _infer_from_rule(op.rule, shapes, [v.spec for v in operands])
   return [v._replace(spec=spec) for v, spec in zip(results, specs)]
 
 

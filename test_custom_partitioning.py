@@ -4371,6 +4371,16 @@ class RuleOnlyTest(CPTestCase):
     self.assertEqual(specs("b n -> b n, b", [s, s, (8,)], [("x", "y")]),
                      ([("x", None)], [("x", None), ("x",)]))
 
+  def test_a_rule_of_the_wrong_arity_names_the_op(self):
+    """Found by a breaker: under GSPMD the rule's error reached the user
+    without the op's name (Shardy's named it)."""
+    def add(x, y):
+      return x + y
+    op = _rule_only(add, "i j -> i j")
+    x = jax.device_put(_data((8, 8)), NamedSharding(self.mesh(), P("x")))
+    self.assertRaisesNaming(ValueError, ["add", "sharding_rule"],
+                            lambda: jax.jit(op)(x, x))
+
   def test_a_factor_one_result_reduces(self):
     """``x * 2, max(x, -1)`` with ``n`` arriving sharded: ``n`` is kept by
     result 0 but reduced for result 1, so it is replicated."""

@@ -544,6 +544,7 @@ def _cache_epoch() -> object:
 #   _parked_errors  tag -> a callback's exception           64      C, R
 #   _parked_counter the next tag (section 4b)               -       -
 #   _call_names     body -> name of its function            weak    -
+#   _lapack_ready   jaxlib's LAPACK kernels registered (1)  -       never
 #
 # What each key holds of jax's configuration (its trace context, which
 # jax's own tracing caches key on): op._traces, both kinds, and _derived

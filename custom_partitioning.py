@@ -3236,11 +3236,19 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
   type_error = None
   try:
     call, out_tree = user_op._trace(args, in_tree, in_avals)
-  except _ShardingTypeError as e:
+  except (_ShardingTypeError, ValueError) as e:
+    # Where jax cannot type a result's sharding it raises ShardingTypeError,
+    # and for some ops a plain ValueError (rfft of a sharded axis, jax
+    # 0.10.2): a body that traces without shardings runs as shard_map alike.
     type_error = e
     with _no_ambient_mesh():
-      call, out_tree = user_op._trace(args, in_tree,
-                                      [_unsharded(a) for a in in_avals])
+      try:
+        call, out_tree = user_op._trace(args, in_tree,
+                                        [_unsharded(a) for a in in_avals])
+      except Exception:
+        if isinstance(e, _ShardingTypeError):
+          raise
+        raise e from None  # a ValueError of the body itself
 
   def unsupported(error_type, reason, answer=None):
     if type_error is None:  # the custom call can run it

@@ -4471,6 +4471,25 @@ class RuleOnlyExplicitTest(CPTestCase):
     x = jax.device_put(xh, NamedSharding(self.m, P("y")))
     np.testing.assert_allclose(jax.jit(row_sum)(x), xh.sum(1), rtol=1e-5)
 
+  def test_rfft_of_a_sharded_axis(self):
+    """jax cannot type ``rfft`` of an axis sharded over 'y' (a ValueError,
+    as for plain jit): the rule replicates ``n``, and the op runs as
+    shard_map of fun (found by a breaker)."""
+    rfft = _rule_only(jnp.fft.rfft, "b n -> b k")
+    xh = _data((16, 32))
+    for spec in (P(None, "y"), P("x", "y")):
+      with self.subTest(spec=spec):
+        x = jax.device_put(xh, NamedSharding(self.m, spec))
+        f = jax.jit(rfft)
+        np.testing.assert_allclose(f(x), np.fft.rfft(xh), rtol=1e-4,
+                                   atol=1e-4)
+        self.assertNotIn("CustomSPMDPartitioning", f.lower(x).as_text())
+    # A body that fails without shardings too raises its own error.
+    bad = _rule_only(lambda x: jnp.reshape(x, (7, -1)), "b n -> b n")
+    x = jax.device_put(xh, NamedSharding(self.m, P(None, "y")))
+    with self.assertRaises((ValueError, TypeError)):
+      jax.jit(bad)(x)
+
 
 both_partitioners(RuleOnlyExplicitTest)
 del RuleOnlyExplicitTest

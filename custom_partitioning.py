@@ -104,6 +104,7 @@ from jax._src import config as _config
 from jax._src import errors as _errors
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
+from jax._src import monitoring as _monitoring
 from jax._src import util as _jax_util
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
@@ -466,6 +467,15 @@ def _register_compile_error_handler(handler) -> None:
   _compiler.register_xla_runtime_error_handler(handler)
 
 
+def _register_compile_end_listener(callback) -> None:
+  """Calls ``callback()`` after each backend compile that succeeds (jax
+  records ``dispatch.BACKEND_COMPILE_EVENT`` then, 0.4.35 to 0.11)."""
+  def listener(event, duration, **_):
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      callback()
+  _monitoring.register_event_duration_secs_listener(listener)
+
+
 # Options that jax sets while tracing, not users, and that lower_fn is
 # traced without, as it is without the ambient mesh: an enclosing
 # jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
@@ -555,7 +565,7 @@ def _cache_epoch() -> object:
 #
 # C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
 # D: ``def_partition``; P: popped by the next partition callback on that
-# thread; F: emptied when a compile fails (section 4b); R: popped when the
+# thread; F: emptied when a compile ends (section 4b); R: popped when the
 # failed compile re-raises it. Lowerings and executables that may still
 # call back keep their ``_registry`` entries alive. The weak tables and
 # ``_pending`` share ``_weak_lock``.
@@ -2209,16 +2219,21 @@ def _keep_pending(op: _Op, error: BaseException) -> None:
     _pending.setdefault(threading.get_ident(), (op.name, error))
 
 
-def _reraise_callback_error(xla_error: Exception):
-  """Compile-error handler: gives back the author's original exception."""
-  # A failed compile ends with its errors kept for a partition callback that
-  # never came (XLA failed in between): they must not reach a later compile.
-  # This handler runs on the caller's thread, not on XLA's, and cannot tell
-  # which thread compiled, so every kept error goes. A compile running
-  # meanwhile on another thread then loses one it kept: it goes on as if
-  # the callback had returned None, and partition still decides the program.
+def _drop_pending() -> None:
+  """Ends every kept infer/propagate error: called when a compile ends,
+  failed (XLA failed before the partition callback came) or not (XLA
+  dropped the op before partitioning it), so none reaches a later compile.
+  jax calls this on the caller's thread, not XLA's, which cannot tell
+  which thread compiled, so every kept error goes: a compile running
+  meanwhile on another thread then loses one it kept, goes on as if the
+  callback had returned None, and partition still decides the program."""
   with _weak_lock:
     _pending.clear()
+
+
+def _reraise_callback_error(xla_error: Exception):
+  """Compile-error handler: gives back the author's original exception."""
+  _drop_pending()
   text = str(xla_error)
   start = text.find(_ERROR_TAG)
   if start < 0:
@@ -2323,6 +2338,7 @@ def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
 
 _register_partitioner(_TARGET, _xla_propagate, _xla_partition, _xla_infer)
 _register_compile_error_handler(_reraise_callback_error)
+_register_compile_end_listener(_drop_pending)
 
 
 # --------------------------------------------------------------------------

@@ -5222,6 +5222,15 @@ class PendingErrorTest(CPTestCase):
         np.testing.assert_allclose(f(columns), (self.xh + 1.0) * 3.0)
         del lowered
 
+  def test_a_compile_that_succeeds_drops_kept_errors(self):
+    """An error kept for a partition callback that never came (XLA dropped
+    the op after asking infer) ends with its compile even when the compile
+    succeeds."""
+    self.addCleanup(cp._pending.clear)
+    cp._pending[threading.get_ident()] = ("stale op", _CallbackError("old"))
+    jax.jit(lambda x: x * 5.0).lower(np.ones(3, np.float32)).compile()
+    self.assertEqual(cp._pending, {})
+
 
 # --------------------------------------------------------------------------
 # A faithful drop-in: clear_caches, trace keys, eager calls, defaults

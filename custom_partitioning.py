@@ -1273,8 +1273,7 @@ def _axes_in(specs) -> set:
   names: set = set()
   for spec in specs:
     for entry in spec or ():
-      if entry is not None:
-        names.update(entry if isinstance(entry, tuple) else (entry,))
+      names.update(_entry_axes(entry))
   return names
 
 
@@ -1294,8 +1293,7 @@ def _as_xla_spec(spec, mesh) -> tuple:
   """``spec`` without its size-1 axes: as it reads after a round trip
   through XLA (as the custom call's callbacks, and upstream's, see it)."""
   def entry_of(entry):
-    axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
-            if a is not None and mesh.shape[a] > 1]
+    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
   return tuple(map(entry_of, spec))
 
@@ -2600,8 +2598,8 @@ _FUN = "fun"
 
 
 def _logged_spec(v: _Value) -> str:
-  if v.spec is not None:  # the same text on every jax release
-    return f"PartitionSpec({', '.join(map(repr, v.spec))})"
+  if v.spec is not None:
+    return _spec_text(v.spec)
   return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
 
 
@@ -3864,8 +3862,8 @@ def _shardings_of(shape: tuple, mesh) -> list[tuple]:
   each mesh axis of more than one device that divides it."""
   out: list[tuple] = [()]
   for d, n in enumerate(shape):
-    for name, size in mesh.shape.items():
-      if size > 1 and n > 0 and n % size == 0:
+    for name in _real_axes(mesh):
+      if n > 0 and n % mesh.shape[name] == 0:
         out.append((None,) * d + (name,))
   return out
 

@@ -145,7 +145,7 @@ def _jaxpr_func_name(jaxpr: core.Jaxpr) -> str | None:
   return getattr(jaxpr.debug_info, "func_name", None)
 
 
-def _trace(flat_fun: lu.WrappedFun, in_avals):
+def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals):
   """Traces ``flat_fun`` to a jaxpr; returns ``(jaxpr, consts)``."""
   # jax 0.7.0 dropped the fourth result (attrs).
   jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
@@ -543,8 +543,8 @@ def _cache_epoch() -> object:
 # comment says what its key holds).
 #
 #   store           maps                                    bound   cleared
-#   op._traces      call signature -> traced fun, or (5b)   64/op   C, D
-#                   (jitted program or None, out_tree)
+#   op._traces      call signature -> traced fun            64/op   C, D
+#   op._programs    call signature -> 5b's _Program         64/op   C, D
 #   _eager          eager call -> jitted function           64      C
 #   _derived        (body, tag, avals) -> derived body      64      C
 #   _Op.lowered     partition request -> XLA's answer       256/op  C
@@ -557,7 +557,7 @@ def _cache_epoch() -> object:
 #   _lapack_ready   jaxlib's LAPACK kernels registered (1)  -       never
 #
 # What each key holds of jax's configuration (its trace context, which
-# jax's own tracing caches key on): op._traces, both kinds, and _derived
+# jax's own tracing caches key on): op._traces, op._programs and _derived
 # hold the context itself; _registry's key holds it by value (section 4c),
 # as part of the _Op, so _Op.lowered's answers hold for it too. _eager's
 # values are jax.jit functions, which key on the configuration themselves,
@@ -646,7 +646,7 @@ def _store_sizes(op=None) -> dict[str, int]:
   sizes.update(eager=len(_eager), derived=len(_derived),
                parked_errors=len(_parked_errors))
   if op is not None:
-    sizes["traces"] = len(op._traces)
+    sizes.update(traces=len(op._traces), programs=len(op._programs))
   return sizes
 
 
@@ -1686,19 +1686,20 @@ class _Placement(NamedTuple):
 _STATE = {"state": True}  # marks the fields of an _Op that are not its key
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Op:
-  """What XLA's callbacks need to know about one lowered custom call.
+  """What XLA's callbacks need to know about one lowered custom call; built
+  by ``_op_of`` alone, immutable but for its answer cache.
 
   Every field but those marked ``_STATE`` is part of the op's key
   (``_register``): ops with equal keys are one op to XLA's callbacks.
   """
   name: str
   partition: Callable | None
-  infer: Callable | None  # infer_sharding_from_operands
-  propagate: Callable | None  # propagate_user_sharding
-  rule: SdyShardingRule | None
-  decode: bool  # decode_shardings
+  infer_sharding_from_operands: Callable | None
+  propagate_user_sharding: Callable | None
+  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
+  decode_shardings: bool
   check_vma: bool
   static_args: tuple
   in_tree: Any
@@ -1729,7 +1730,7 @@ def _author_sharding(op: _Op, v: _Value, on):
   ``decode_shardings`` is on, else a GSPMDSharding; None if not known."""
   if not v.known():
     return None
-  if op.decode and v.spec is not None and not op.mesh.empty:
+  if op.decode_shardings and v.spec is not None and not op.mesh.empty:
     return jax.sharding.NamedSharding(op.mesh,
                                       jax.sharding.PartitionSpec(*v.spec))
   devices = op.place.devices if on is op.mesh else _mesh_devices(on)
@@ -1819,35 +1820,36 @@ def _inexpressible(op: _Op) -> bool:
 def _ask_infer(op: _Op, operands: list, results: list):
   """The result shardings ``infer_sharding_from_operands`` gives or, without
   it, the op's rule implies; None where neither can tell."""
-  if op.infer is not None:
-    answer = op.infer(*op.static_args, op.mesh,
-                      _structs(op, op.in_tree, operands),
-                      op.out_tree.unflatten([jax.ShapeDtypeStruct(
-                          v.shape, v.dtype) for v in results]))
+  if op.infer_sharding_from_operands is not None:
+    answer = op.infer_sharding_from_operands(
+        *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
+        op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
+                               for v in results]))
     if answer is None:
       return None
     return _encode(op, op.out_tree, answer, results,
                    "infer_sharding_from_operands", "result sharding")
   # The rule needs every placed operand's PartitionSpec.
-  if op.rule is None or not any(v.known() for v in operands) or any(
+  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
       v.spec is None and v.hlo is not None for v in operands):
     return None
   shapes = [v.shape for v in operands + results]
   with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
     if isinstance(op.partition, _FromRule):  # as the partition will answer
-      specs = _rule_specs(op.rule, shapes, [v.spec for v in operands],
+      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
                           [None] * len(results))[1]
     else:
-      specs = _infer_from_rule(op.rule, shapes, [v.spec for v in operands])
+      specs = _infer_from_rule(op.sharding_rule, shapes,
+                               [v.spec for v in operands])
   return [v._replace(spec=spec) for v, spec in zip(results, specs)]
 
 
 def _ask_propagate(op: _Op, results: list) -> list[_Value]:
   """The result shardings ``propagate_user_sharding`` prefers, given the
   user's (``results``); the user's if it is not defined."""
-  if op.propagate is None:
+  if op.propagate_user_sharding is None:
     return results
-  answer = op.propagate(*op.static_args, op.mesh,
+  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
                         _structs(op, op.out_tree, results))
   return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
                  "result sharding")
@@ -1919,7 +1921,7 @@ def _partition_from_rule(op: _Op, operands: list, results: list):
   else:
     with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
       in_specs, out_specs = _rule_specs(
-          op.rule, [v.shape for v in operands + results],
+          op.sharding_rule, [v.shape for v in operands + results],
           [v.spec for v in operands], [v.spec for v in results])
     in_shardings, out_shardings = ([jax.sharding.NamedSharding(
         op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
@@ -1983,15 +1985,15 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   """Traces ``lower_fn`` on per-shard shapes, with the checks of section
   3c; returns its jaxpr (of flat local arrays)."""
   lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.rule is not None:
+  if op.check_vma and op.sharding_rule is not None:
     shapes = [v.shape for v in operands + results]
     try:  # a rule that does not fit the op fails elsewhere, with its cause
-      _, dims = _resolve_rule(op.rule, shapes, len(operands))
+      _, dims = _resolve_rule(op.sharding_rule, shapes, len(operands))
     except ValueError:
       dims = None
     if dims is not None:
-      _check_even_reductions(op.name, op.rule, dims, shapes, len(operands),
-                             [v.spec for v in answer.args], on)
+      _check_even_reductions(op.name, op.sharding_rule, dims, shapes,
+                             len(operands), [v.spec for v in answer.args], on)
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
   try:
@@ -2217,6 +2219,46 @@ def _keep_pending(op: _Op, error: BaseException) -> None:
     _pending.setdefault(threading.get_ident(), (op.name, error))
 
 
+def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
+  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
+  for the op registered under ``key``: the one boundary between XLA and
+  this module. Every error reaches XLA as a ``RuntimeError`` whose message
+  names the parked original (``_park``).
+
+  ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
+  given where the op leaves the question to XLA (also for an unknown key)
+  and where ``answer`` raises: then the error is kept for this compile's
+  partition callback, as raising here would abort the process under GSPMD.
+  Without it (partition): an error kept by then is raised first.
+  """
+  def callback(*args):
+    *xla_args, key = args
+    op = _lookup(key)
+    if leave_to_xla is not None and (op is None or _inexpressible(op) or (
+        op.steps and op.mesh.empty)):
+      return leave_to_xla(op, *xla_args)
+    if leave_to_xla is None:
+      if op is None:
+        raise RuntimeError(
+            f"{_TARGET}: no custom_partitioning op is registered under key "
+            f"{key!r}; was its lowering dropped?")
+      with _weak_lock:
+        pending = _pending.pop(threading.get_ident(), None)
+      if pending is not None:
+        name, error = pending
+        raise RuntimeError(_park(error, f"custom_partitioning op {name}")
+                           ) from error
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      if leave_to_xla is None:
+        raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
+                           ) from e
+      _keep_pending(op, e)
+      return leave_to_xla(None, *xla_args)
+  return callback
+
+
 def _drop_pending() -> None:
   """Ends every kept infer/propagate error: called when a compile ends,
   failed (XLA failed before the partition callback came) or not (XLA
@@ -2245,50 +2287,58 @@ def _lookup(key: bytes) -> _Op | None:
     return _registry.get(key.decode() if isinstance(key, bytes) else key)
 
 
-def _xla_infer(arg_shapes, arg_shardings, result_shape, key):
-  op = _lookup(key)
-  if op is None or _inexpressible(op) or (op.steps and op.mesh.empty):
-    return None
-  try:
-    result_shapes, _ = _hlo_parts(result_shape, None)
-    results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
-    levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
-                     results)
-    inferred = _infer(op, levels, len(op.steps))
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_infer(op, levels[-1][0], inferred)
-    if inferred is None:
-      return None
-    return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
-  except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    _keep_pending(op, e)
-    return None
 
 
-def _xla_propagate(user_sharding, shape, key):
-  op = _lookup(key)
-  if op is None or _inexpressible(op) or (
-      op.propagate is None and not op.steps) or (op.steps and op.mesh.empty):
-    if op is not None and _log.isEnabledFor(logging.DEBUG):
-      _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
-                                     op.mesh), None)
+
+
+def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
+  """The result sharding XLA gets from the operands', or None."""
+  result_shapes, _ = _hlo_parts(result_shape, None)
+  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
+  levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
+                   results)
+  inferred = _infer(op, levels, len(op.steps))
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_infer(op, levels[-1][0], inferred)
+  if inferred is None:
+    return None
+  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
+
+
+def _answer_propagate(op: _Op, user_sharding, shape):
+  """The result sharding the op prefers, given its user's."""
+  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
+  if op.propagate_user_sharding is None and not op.steps:
+    return _users_sharding(op, user_sharding, shape)
+  if op.steps and any(v.spec is None for v in results):
     return user_sharding
-  try:
-    results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
-    if op.steps and any(v.spec is None for v in results):
-      return user_sharding
-    propagated = _propagate(op, results, len(op.steps))
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_propagate(op, results, propagated)
-    return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
-  except BaseException as e:  # noqa: BLE001 - must not reach XLA
-    _keep_pending(op, e)
-    return user_sharding
+  propagated = _propagate(op, results, len(op.steps))
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_propagate(op, results, propagated)
+  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
+
+
+def _users_sharding(op: _Op | None, user_sharding, shape):
+  """What XLA keeps where the op does not propagate: the user's sharding."""
+  if op is not None and _log.isEnabledFor(logging.DEBUG):
+    _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
+                                   op.mesh), None)
+  return user_sharding
 
 
 def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
                       result_sharding):
-  """``(per-shard module, operand shardings, result sharding)`` for XLA."""
+  """``(per-shard module, operand shardings, result sharding)`` for XLA,
+  from ``op.lowered`` where XLA asked it before."""
+  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
+                   for s, h in zip(arg_shapes, arg_shardings)),
+             str(result_shape), str(result_sharding))
+  hit = op.lowered.get(request)
+  if hit is not None:
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
+                              result_sharding, hit)
+    return hit
   if op.steps and op.mesh.empty:
     raise NotImplementedError(
         f"{op.name} is lowered for several devices without a mesh; "
@@ -2305,36 +2355,18 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
         op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
         _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
     module = _per_shard_module(op, shard)
-  return (module, [_hlo_of(v, on) for v in shard.args],
-          _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
+  answer = (module, [_hlo_of(v, on) for v in shard.args],
+            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
+  op.lowered.put(request, answer)
+  return answer
 
 
-def _xla_partition(arg_shapes, arg_shardings, result_shape, result_sharding,
-                   key):
-  op = _lookup(key)
-  if op is None:
-    raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
-                       f"under key {key!r}; was its lowering dropped?")
-  with _weak_lock:
-    pending = _pending.pop(threading.get_ident(), None)
-  if pending is not None:
-    name, error = pending
-    where = f"custom_partitioning op {name}"
-    raise RuntimeError(_park(error, where)) from error
-  try:
-    request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
-                     for s, h in zip(arg_shapes, arg_shardings)),
-               str(result_shape), str(result_sharding))
-    if _log.isEnabledFor(logging.DEBUG) and op.lowered.get(request) is not None:
-      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
-                              result_sharding, op.lowered.get(request))
-    return op.lowered.cached(request, lambda: _answer_partition(
-        op, arg_shapes, arg_shardings, result_shape, result_sharding))
-  except BaseException as e:  # noqa: BLE001 - re-raised with its type
-    raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
 
 
-_register_partitioner(_TARGET, _xla_propagate, _xla_partition, _xla_infer)
+_register_partitioner(
+    _TARGET, _xla_callback(_answer_propagate, _users_sharding),
+    _xla_callback(_answer_partition),
+    _xla_callback(_answer_infer, lambda op, *_: None))
 _register_compile_error_handler(_reraise_callback_error)
 _register_compile_end_listener(_drop_pending)
 
@@ -2667,9 +2699,9 @@ def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
 
 def _debug_infer(op: _Op, operands: list, inferred,
                  path: str = _CUSTOM_CALL) -> None:
-  if op.infer is not None:
+  if op.infer_sharding_from_operands is not None:
     by = "infer_sharding_from_operands"
-  elif op.rule is not None:
+  elif op.sharding_rule is not None:
     by = "the sharding rule (no infer_sharding_from_operands)"
   else:
     by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
@@ -2746,7 +2778,8 @@ def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
   key = (call, tag, in_avals, _config.trace_context())
 
   def build():
-    derived = core.ClosedJaxpr(*_trace(_wrap(fun, in_avals, ()), in_avals))
+    derived = core.ClosedJaxpr(*_trace_to_jaxpr(_wrap(fun, in_avals, ()),
+                                                 in_avals))
     _name_call(derived, f"{label} of {_fun_name(call)}")
     return derived
   return _derived.cached(key, build)
@@ -2950,15 +2983,28 @@ def _impl(*args, **params):
 custom_partitioning_p.def_impl(_impl)
 
 
-def _meshes_set_by_caller() -> list:
-  """The concrete meshes of ``with mesh:`` and ``jax.set_mesh``, if set."""
-  return [m for m in (_with_block_mesh(),
-                      _ambient_mesh("get_concrete_mesh"))
-          if m is not None and not m.empty]
+def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
+  """The first mesh the caller gave that ``fits``, of: ``with mesh:``
+  (unless ``with_block`` is False: the shard_map path, section 5b, takes
+  only the others), ``jax.set_mesh``, an eager call's operands' mesh. None
+  if none does. The one order of precedence for every path."""
+  sources = ((_with_block_mesh(),) if with_block else ()) + (
+      _ambient_mesh("get_concrete_mesh"), eager_mesh)
+  return next((m for m in sources
+               if m is not None and not m.empty and fits(m)), None)
 
 
 def _placement(axis_context, avals) -> _Placement:
-  """Where a lowering runs: the real mesh whenever it can be recovered."""
+  """Where a lowering runs: the mesh of the first of these that is known.
+
+  1. The enclosing shard_map's (its manual axes typed Manual).
+  2. One the caller gave (``_caller_mesh``) on the program's devices; where
+     jax does not say them (inside another primitive's lowering, through
+     ``mlir.lower_fun``), one of the shape of the program's abstract mesh.
+  3. The program's abstract mesh, on its devices.
+  4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
+     source).
+  """
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     whole, manual = axis_context.mesh, axis_context.manual_axes
     if not manual:
@@ -2967,22 +3013,17 @@ def _placement(axis_context, avals) -> _Placement:
                       _auto_submesh(whole, manual), whole)
   devices = getattr(axis_context, "device_assignment", None)
   if devices is None:
-    # jax passes the devices only when it sees this primitive in the
-    # program; inside another primitive's lowering (``mlir.lower_fun``) it
-    # does not. A mesh set by the caller is then the only source, used if it
-    # has the shape of the lowering's abstract mesh.
     num_devices = getattr(axis_context, "num_devices", None)
     abstract = [am for am in [_context_abstract_mesh(axis_context)] +
                 [_aval_mesh(a) for a in avals] if am is not None]
-    for mesh in _meshes_set_by_caller():
-      if (num_devices in (None, mesh.size) and
-          all(dict(am.shape) == dict(mesh.shape) for am in abstract)):
-        return _Placement(mesh, _mesh_devices(mesh))
-    return _Placement(_with_block_mesh(), None)
+    mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
+        dict(am.shape) == dict(m.shape) for am in abstract))
+    return _Placement(_with_block_mesh() if mesh is None else mesh,
+                      None if mesh is None else _mesh_devices(mesh))
   devices = tuple(devices)
-  for mesh in _meshes_set_by_caller():
-    if _mesh_devices(mesh) == devices:
-      return _Placement(mesh, devices)
+  mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
+  if mesh is not None:
+    return _Placement(mesh, devices)
   am = _context_abstract_mesh(axis_context)
   if am is not None and am.size == len(devices):
     return _Placement(_mesh_from_abstract(devices, am), devices)
@@ -3103,18 +3144,11 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
                    [_Value(a.shape, a.dtype) for a in call.out_avals])
   with _naming(f"sharding_rule of custom_partitioning op {name}: "):
     rule, rule_attr = _ask_rule(ctx, params, place.mesh, levels)
-  varying = tuple(tuple(_varying_axes(a) for a in avals)
-                  for avals in (ctx.avals_in, ctx.avals_out))
-  op = _Op(name=name, partition=params["partition"],
-           infer=params["infer_sharding_from_operands"],
-           propagate=params["propagate_user_sharding"], rule=rule,
-           decode=params["decode_shardings"],
-           check_vma=params.get("check_vma", True),  # upstream has none
-           static_args=_static_values(params["static_args"]),
-           in_tree=params["in_tree"], out_tree=params["out_tree"],
-           steps=steps, place=place, varying=varying,
-           platforms=ctx.module_context.platforms,
-           backend=_module_backend(ctx), config=_Configuration.here())
+  op = _op_of(params, place, rule,
+              varying=tuple(tuple(_varying_axes(a) for a in avals)
+                            for avals in (ctx.avals_in, ctx.avals_out)),
+              platforms=ctx.module_context.platforms,
+              backend=_module_backend(ctx), config=_Configuration.here())
   key = _register(ctx, op, params)
   custom_call = hlo.CustomCallOp(
       _ir_types(ctx, call.out_avals), list(values),
@@ -3130,6 +3164,22 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   if rule_attr is not None and values:
     custom_call.attributes["sdy.sharding_rule"] = rule_attr
   return custom_call.results
+
+
+def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
+  """The one builder of an ``_Op``: from its equation's parameters
+  (``custom_partitioning._params``), where it runs, its rule (a callable
+  ``sharding_rule`` asked by now) and, for a custom call, what its
+  lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
+  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
+             infer_sharding_from_operands=params[
+                 "infer_sharding_from_operands"],
+             propagate_user_sharding=params["propagate_user_sharding"],
+             sharding_rule=rule, decode_shardings=params["decode_shardings"],
+             check_vma=params.get("check_vma", True),  # upstream has none
+             static_args=_static_values(params["static_args"]),
+             in_tree=params["in_tree"], out_tree=params["out_tree"],
+             steps=_steps(params), place=place, **lowered)
 
 
 mlir.register_lowering(custom_partitioning_p, _lowering)
@@ -3201,13 +3251,13 @@ def _is_hashable(value) -> bool:
 
 # -- the path ---------------------------------------------------------------
 
-def _explicit_mesh(avals, eager_mesh=None):
-  """``(mesh, why_not)``: the concrete mesh if the op takes this section's
-  path, else None and, where the operands' mesh is all Explicit, why not
-  (for the log)."""
-  if _jit_disabled():
+def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
+  """The gate of this section's path: ``(mesh, why_not)``, the concrete
+  mesh the op runs on as shard_map, or None and, where the operands' mesh
+  is all Explicit, why not (for the log). Reads no callback."""
+  if not _EXPLICIT_PATH or _jit_disabled():
     return None, None
-  meshes = {m for m in map(_aval_mesh, avals) if m is not None}
+  meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
   if len(meshes) != 1:
     return None, (None if not any(map(_all_explicit, meshes)) else
                   "the operands are on different meshes")
@@ -3218,14 +3268,16 @@ def _explicit_mesh(avals, eager_mesh=None):
   if ambient is not None and not ambient.empty and ambient != am:
     return None, ("another mesh is ambient (inside a shard_map or "
                   "auto_axes)")
-  mesh = _ambient_mesh("get_concrete_mesh")
-  if mesh is None or mesh.empty:
-    mesh = eager_mesh
-  if mesh is None or mesh.empty or _abstract_of(mesh) != am:
+  mesh = _caller_mesh(lambda m: _abstract_of(m) == am, eager_mesh,
+                      with_block=False)
+  if mesh is None:
     return None, ("no concrete mesh for the operands' mesh is known (set "
                   "one with jax.set_mesh)")
   if mesh.size == 1:  # the body, inlined
     return None, None
+  if any(map(_vmapped_over_mesh_axis, flat.leaves)):
+    return None, ("under a jax.vmap whose batch dimension is sharded over "
+                  "a mesh axis")
   return mesh, None
 
 
@@ -3245,90 +3297,127 @@ def _spec_of(aval) -> tuple:
   return spec + (None,) * (len(aval.shape) - len(spec))
 
 
-def _explicit_program(user_op, args, in_tree, in_avals, mesh):
-  """``(jitted program or None, out_tree)`` for ``_explicit_call``."""
-  type_error = None
+class _Program(NamedTuple):
+  """A call signature's plan under Explicit axes: ``run``, the jitted
+  reshard -> shard_map -> reshard program, or None and ``why`` the op keeps
+  the custom call."""
+  run: Callable | None
+  out_tree: Any
+  why: str = ""
+
+
+def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
+                      mesh) -> _Program:
+  """Plans one call signature: ``partition`` asked while tracing, the
+  answer checked for what shard_map can run, then the program built."""
+  call, out_tree, type_error = _typed_trace(user_op, args, flat)
+  params = user_op._params(args, flat, call, out_tree,
+                           _is_hashable(args.static_args))
+  rule = params["sharding_rule"]
+  op = _op_of(params, _Placement(mesh, _mesh_devices(mesh)),
+              None if callable(rule) else rule)
+  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
+                                              type_error)
+  answer = None
+  if isinstance(op.partition, _FromRule) and callable(rule):
+    why = (NotImplementedError, "its partition is derived from a callable "
+           "sharding_rule, which is asked only while lowering.")
+  else:
+    answer = _ask_partition(op, operands, results, mesh)
+    why = _unrunnable(answer, mesh)
+  if why is not None:
+    if type_error is not None:  # the custom call cannot run it either
+      raise why[0](
+          f"custom_partitioning op {op.name}: jax cannot type its body "
+          f"under Explicit mesh axes ({type_error}), so it runs as "
+          f"jax.shard_map of its lower_fn, but {why[1]}") from type_error
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
+                       why=("asked while tracing; not run as shard_map "
+                            f"under Explicit axes: {why[1]}"))
+    return _Program(None, out_tree, why[1])
+  _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, operands, results, answer, _SHARD_MAP)
+  return _Program(_shard_map_program(op, answer, flat.in_avals,
+                                     typed or answer.results,
+                                     getattr(user_op.fun, "__name__", "")),
+                  out_tree)
+
+
+def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
+  """``(call, out_tree, type_error)``: ``fun`` traced on the operands'
+  types or, where jax cannot type it there (``type_error``), without
+  shardings."""
   try:
-    call, out_tree = user_op._trace(args, in_tree, in_avals)
+    return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
   except (_ShardingTypeError, ValueError) as e:
     # Where jax cannot type a result's sharding it raises ShardingTypeError,
     # and for some ops a plain ValueError (rfft of a sharded axis, jax
     # 0.10.2): a body that traces without shardings runs as shard_map alike.
-    type_error = e
     with _no_ambient_mesh():
       try:
-        call, out_tree = user_op._trace(args, in_tree,
-                                        [_unsharded(a) for a in in_avals])
+        return (*user_op._trace_fun(args, flat.in_tree,
+                                    [_unsharded(a) for a in flat.in_avals]),
+                e)
       except Exception:
         if isinstance(e, _ShardingTypeError):
           raise
         raise e from None  # a ValueError of the body itself
 
-  def unsupported(error_type, reason, answer=None):
-    if type_error is None:  # the custom call can run it
-      if _log.isEnabledFor(logging.DEBUG):
-        _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
-                         why=("asked while tracing; not run as shard_map "
-                              f"under Explicit axes: {reason}"))
-      return None, out_tree
-    raise error_type(
-        f"custom_partitioning op {user_op._name}: jax cannot type its body "
-        f"under Explicit mesh axes ({type_error}), so it runs as "
-        f"jax.shard_map of its lower_fn, but {reason}") from type_error
 
-  op = _Op(
-      name=user_op._name, partition=user_op._partition_of(args),
-      infer=user_op.infer_sharding_from_operands,
-      propagate=user_op.propagate_user_sharding,
-      rule=None if callable(user_op.sharding_rule) else user_op.sharding_rule,
-      decode=user_op.decode_shardings, check_vma=user_op.check_vma,
-      static_args=args.static_args,
-      in_tree=in_tree, out_tree=out_tree, steps=(),
-      place=_Placement(mesh, _mesh_devices(mesh)))
-  # The callbacks see specs as the custom call's would: without size-1 axes.
+def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
+  """``(operands, results, typed)``: the values the callbacks are asked
+  about, with specs as the custom call's would have them (no size-1 axes),
+  and the result types the program gives (None: ``partition``'s). The types
+  are jax's typing of ``fun`` or, for a body it cannot type, what the op's
+  inference says where it places every result."""
   operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
               for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
-  typed = None
-  if type_error is None:  # the result types are jax's typing of ``fun``
+  if type_error is None:
     typed = [v._replace(spec=_spec_of(a))
              for v, a in zip(results, call.out_avals)]
-    results = [v._replace(spec=_as_xla_spec(v.spec, mesh)) for v in typed]
-  else:
-    inferred = _ask_infer(op, operands, results)
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_infer(op, operands, inferred, _SHARD_MAP)
-    if inferred is not None and all(v.spec is not None for v in inferred):
-      results = typed = inferred
-  if isinstance(op.partition, _FromRule) and callable(user_op.sharding_rule):
-    return unsupported(NotImplementedError, (
-        "its partition is derived from a callable sharding_rule, which is "
-        "asked only while lowering."))
-  answer = _ask_partition(op, operands, results, mesh)
+    return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
+                      for v in typed], typed
+  inferred = _ask_infer(op, operands, results)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_infer(op, operands, inferred, _SHARD_MAP)
+  if inferred is not None and all(v.spec is not None for v in inferred):
+    return operands, inferred, inferred
+  return operands, results, None
+
+
+def _unrunnable(answer: _Answer, mesh):
+  """``(error type, reason)`` where shard_map cannot run ``partition``'s
+  answer on ``mesh``; None where it can."""
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
-    return unsupported(NotImplementedError, (
+    return NotImplementedError, (
         f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
-        f"not the op's {dict(mesh.shape)}."), answer)
+        f"not the op's {dict(mesh.shape)}.")
   for what, side in (("operand", answer.args), ("result", answer.results)):
     for i, v in enumerate(side):
       if v.spec is None:
-        return unsupported(NotImplementedError, (
+        return NotImplementedError, (
             f"partition returned a sharding for {what} {i} that has no "
-            f"PartitionSpec on the mesh {dict(mesh.shape)}."), answer)
+            f"PartitionSpec on the mesh {dict(mesh.shape)}.")
       for d, entry in enumerate(v.spec):
         count = _shard_count(entry, mesh)
         if v.shape[d] % count:
-          return unsupported(ValueError, (
+          return ValueError, (
               f"partition shards {what} {i} dimension {d} (size "
               f"{v.shape[d]}) over {count} devices, which do not divide "
               "it, and jax.shard_map takes only even shards. Shard that "
-              "dimension over axes that divide its size, or pad it."), answer)
-  typed = typed or answer.results
-  _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, operands, results, answer, _SHARD_MAP)
-  lower_fn = answer.lower_fn
+              "dimension over axes that divide its size, or pad it.")
+  return None
+
+
+def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
+                       fun_name: str) -> Callable:
+  """The jitted program: reshard to ``partition``'s arg shardings,
+  ``jax.shard_map`` of ``lower_fn``, reshard to the result types."""
+  mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
   out_axes = [_axes_in([v.spec]) for v in answer.results]
 
   def per_shard(*local_args):
@@ -3345,7 +3434,7 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
   mapped = jax.shard_map(
-      per_shard, mesh=am, check_vma=user_op.check_vma,
+      per_shard, mesh=am, check_vma=op.check_vma,
       in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
       out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
 
@@ -3357,9 +3446,8 @@ def _explicit_program(user_op, args, in_tree, in_avals, mesh):
   def program(*flat):
     return reshard(mapped(*reshard(flat, arg_specs)),
                    [v.spec for v in typed])
-  fun_name = getattr(user_op.fun, "__name__", "")
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
-  return jax.jit(program), out_tree
+  return jax.jit(program)
 
 
 def _invariant_over_size1(x, spec_axes: set, mesh):
@@ -3377,16 +3465,11 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
   return jax.lax.psum(x, axes)
 
 
-def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):
+def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
+                   eager_mesh=None):
   """The op's results, run as reshard -> shard_map -> reshard; None where
   the op keeps the custom call."""
-  if not _EXPLICIT_PATH:
-    return None
-  args_flat, in_tree, in_avals = flat
-  mesh, why_not = _explicit_mesh(in_avals, eager_mesh)
-  if mesh is not None and any(map(_vmapped_over_mesh_axis, args_flat)):
-    mesh, why_not = None, ("under a jax.vmap whose batch dimension is "
-                           "sharded over a mesh axis")
+  mesh, why_not = _explicit_mesh(flat, eager_mesh)
   if mesh is None:
     if why_not is not None and _log.isEnabledFor(logging.DEBUG):
       _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
@@ -3395,26 +3478,26 @@ def _explicit_call(user_op, args, flat: _FlatArgs, eager_mesh=None):
   key = None
   if _is_hashable(args.static_args):
     # All that fun's trace and the callbacks are given (see _traced).
-    key = ("explicit", args.static_args, _positions(args.defaults),
-           in_tree, in_avals, mesh, _config.trace_context())
+    key = (args.static_args, _positions(args.defaults), flat.in_tree,
+           flat.in_avals, mesh, _config.trace_context())
   if key is not None and _log.isEnabledFor(logging.DEBUG):
-    hit = user_op._traces.get(key)
+    hit = user_op._programs.get(key)
     if hit is not None:
       _debug(user_op._name, "partition", mesh=mesh, cached=True,
-             path=_SHARD_MAP if hit[0] is not None else _CUSTOM_CALL,
+             path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
              asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
-                            for a in in_avals]))
-  fn, out_tree = user_op._traces.cached(key, lambda: _explicit_program(
-      user_op, args, in_tree, in_avals, mesh))
-  if fn is None:
+                            for a in flat.in_avals]))
+  program = user_op._programs.cached(key, lambda: _explicit_program(
+      user_op, args, flat, mesh))
+  if program.run is None:
     return None
   with _naming(  # shard_map's checks, e.g. check_vma
       f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
       "lower_fn under Explicit mesh axes: ", " (shard_map's check_vma types "
       "every value, loop carries too: a carry that becomes varying over an "
       "axis needs jax.lax.pvary, or pass check_vma=False to def_partition)"):
-    out = fn(*args_flat)
-  return jax.tree_util.tree_unflatten(out_tree, out)
+    out = program.run(*flat.leaves)
+  return jax.tree_util.tree_unflatten(program.out_tree, out)
 
 
 # --------------------------------------------------------------------------
@@ -3542,6 +3625,7 @@ class custom_partitioning:
     self.static_argnums = static_argnums
     self._defined = False  # def_partition called
     self._traces = _LRU()  # see _traced
+    self._programs = _LRU()  # see _explicit_call
     self._generation = 0  # counts def_partition calls (see _eager_call)
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
@@ -3634,6 +3718,7 @@ class custom_partitioning:
                         propagate_user_sharding, decode_shardings,
                         sharding_rule, bool(check_vma))
     self._traces.clear()
+    self._programs.clear()
     self._generation += 1
     return partition
 
@@ -3692,13 +3777,13 @@ class custom_partitioning:
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
     trace cache where it can be (``key`` is None where not)."""
     if not _is_hashable(args.static_args):
-      return (*self._trace(args, flat.in_tree, flat.in_avals), None)
+      return (*self._trace_fun(args, flat.in_tree, flat.in_avals), None)
     # jax.jit's trace key (its trace context holds the config states), plus
     # the positions of unpassed defaults. Like jax.jit, it does not see the
     # globals and closures ``fun`` reads.
     key = (args.static_args, _positions(args.defaults), flat.in_tree,
            flat.in_avals, _use_shardy(), _config.trace_context())
-    traced = self._traces.cached(key, lambda: self._trace(
+    traced = self._traces.cached(key, lambda: self._trace_fun(
         args, flat.in_tree, flat.in_avals))
     return (*traced, key)
 
@@ -3724,16 +3809,26 @@ class custom_partitioning:
       return explicit
     call, out_tree, key = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
-        *flat.leaves, call=call, in_tree=flat.in_tree, out_tree=out_tree,
+        *flat.leaves, **self._params(args, flat, call, out_tree,
+                                     key is not None))
+    return jax.tree_util.tree_unflatten(out_tree, out_flat)
+
+  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree,
+              hashable: bool) -> dict:
+    """The parameters of a call's equation: the traced body and the
+    callbacks under their API names, as upstream binds them, and this
+    module's ``check_vma`` and ``transform`` (the steps, section 3b). The
+    shard_map path builds its op from the same (``_op_of``)."""
+    return dict(
+        call=call, in_tree=flat.in_tree, out_tree=out_tree,
         partition=self._partition_of(args),
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
         sharding_rule=self.sharding_rule,
-        static_args=(args.static_args if key is not None
+        static_args=(args.static_args if hashable
                      else _Unhashable(args.static_args)),
         check_vma=self.check_vma, transform=())
-    return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
   def _partition_of(self, args: _CallArgs):
     """The ``partition`` a call binds: the author's, or for an op defined
@@ -3742,7 +3837,7 @@ class custom_partitioning:
       return self.partition
     return _FromRule(self.fun, args.static_argnums, args.defaults)
 
-  def _trace(self, args: _CallArgs, in_tree, in_avals):
+  def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
     """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
     over stay constants of ``call`` (``lower_fn`` captures its own); a
     closed-over tracer cannot reach XLA's callbacks and is rejected."""
@@ -3759,7 +3854,7 @@ class custom_partitioning:
           all_args, require_static_args_hashable=False)
     flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
     try:
-      jaxpr, consts = _trace(flat_fun, in_avals)
+      jaxpr, consts = _trace_to_jaxpr(flat_fun, in_avals)
     except _ShardingTypeError as e:
       raise type(e)(
           f"custom_partitioning function {self._name}: jax cannot type its "

@@ -22,20 +22,20 @@ Supported jax versions
 ----------------------
 jax/jaxlib 0.4.35 to 0.11.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
 0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
-partitioner; 0.11 needs Python 3.12). Every ``jax._src`` import and every
-version difference lives in section 1.
+partitioner; 0.11 needs Python 3.12). Every ``jax._src`` import sits
+below, every version difference in appendix F.
 
 Reading order
 -------------
-1. Compatibility (1b. the module's state); 2. sharding rules for Shardy;
-3. shardings (3b. derived ops: the vmap, jvp and transposition steps from the
-author's op to the op XLA partitions; 3c. checks of the per-shard program);
-4. one lowered op and the questions XLA asks about it (4b. the callbacks XLA
-calls; 4c. the keys naming an op, stable for the persistent compilation
-cache; 4d. the DEBUG log of what each op was asked); 5. the primitive
-(5b. under Explicit mesh axes, partitioning while tracing, with no custom
-call); 6. the public decorator (6b. ``check_partitioning``, for an op
-author's tests); 7. a self-demo.
+In the order a call goes: 1. the public decorator and how a call is bound;
+2. the shard_map path (Explicit mesh axes); 3. the primitive and its
+lowering to a custom call; 4. the callbacks XLA calls; 5. the partition
+pipeline, which asks the author's callbacks; 6. derived ops (vmap, jvp,
+transposition); 7. checks of the per-shard program; 8.
+``check_partitioning``, for an op author's tests. Appendices: A. shardings;
+B. the Shardy rule parser; C. the DEBUG log; D. keys; E. the module's
+state; F. compatibility. Then a self-demo and the wiring block, which
+registers everything this module hooks into jax and XLA.
 
 The API design is JAX's; this is an independent implementation of it.
 """
@@ -65,16 +65,6 @@ if __name__ == "__main__":  # the demo needs 8 devices; set before jax loads
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # jaxlib's C++ chatter
 
 import jax
-
-# --------------------------------------------------------------------------
-# 1. Compatibility
-#
-# Every jax._src import and every difference between jax releases, each
-# branch naming the release that forced it (delete it once that release
-# leaves the supported range). Python internals are gated on jax's version,
-# C++ bindings (Shardy, XLA) on jaxlib's: a jax release may run on the
-# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
-# --------------------------------------------------------------------------
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -117,564 +107,2667 @@ import numpy as np
 _JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
 
 
-def _typeof(x) -> core.AbstractValue:
-  """The abstract value of a concrete array, tracer or Python scalar."""
-  # jax 0.5.3 added core.typeof; 0.10.0 removed core.get_aval.
-  if hasattr(core, "typeof"):
-    return core.typeof(x)
-  # jax 0.4.36 removed ConcreteArray, the abstract value of a concrete
-  # array before it; tracing must not see (or key on) the array's values.
-  if _JAX_VERSION < (0, 4, 36):
-    return core.raise_to_shaped(core.get_aval(x))
-  return core.get_aval(x)
-
-
-def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
-  """Wraps ``fun`` for tracing, with debug info naming its arguments."""
-  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
-  # api_util.debug_info); before it, we trace without debug info.
-  if _JAX_VERSION < (0, 5, 1):
-    return lu.wrap_init(fun)
-  info = api_util.debug_info("custom_partitioning", fun, args, {},
-                             static_argnums=static_argnums)
-  return lu.wrap_init(fun, debug_info=info)
-
-
-def _name_call(call, name: str) -> None:
-  """Names the function a traced body came from (``_fun_name``)."""
-  # jax 0.5.1 added DebugInfo.func_name; before it (see ``_wrap``), the
-  # names are kept in the weak table ``_call_names``.
-  with _weak_lock:
-    _call_names[call] = name
-
-
-def _fun_name(call) -> str:
-  with _weak_lock:
-    name = _call_names.get(call)
-  return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
-
-
-def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals):
-  """Traces ``flat_fun`` to a jaxpr; returns ``(jaxpr, consts)``."""
-  # jax 0.7.0 dropped the fourth result (attrs).
-  jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
-  return jaxpr, consts
-
-
-def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
-  """The flat list of MLIR types for a sequence of abstract values."""
-  # jax 0.10.1 made aval_to_ir_types take the module context first.
-  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
-  return [t for aval in avals for t in mlir.aval_to_ir_types(*first, aval)]
-
-
-def _module_backend(ctx: mlir.LoweringRuleContext):
-  # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
-  if _JAX_VERSION < (0, 5, 0):
-    return ctx.module_context.backend_or_name
-  return ctx.module_context.backend
-
-
-def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
-  """Lowers the per-shard jaxpr; returns ``(module, host_callbacks)``."""
-  # jax 0.5.0 renamed the backend_or_name keyword to backend.
-  kwargs: dict[str, Any] = {
-      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
-  params: dict[str, Any] = {}
-  # jax 0.7.0 dropped the name_stack keyword.
-  if _JAX_VERSION < (0, 7, 0):
-    kwargs["name_stack"] = source_info_util.new_name_stack()
-  # jax 0.7.1 added num_const_args, in_avals and hoist_constants_as_args.
-  if _JAX_VERSION >= (0, 7, 1):
-    kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
-    params["hoist_constants_as_args"] = False
-  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr).
-  if _JAX_VERSION >= (0, 11, 0):
-    kwargs["out_avals"] = closed_jaxpr.out_avals
-  result = mlir.lower_jaxpr_to_module(
-      "custom_partitioning_shard", closed_jaxpr,
-      ordered_effects=[],
-      donated_args=[False] * len(closed_jaxpr.in_avals),
-      axis_context=axis_context, platforms=platforms,
-      lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
-  return result.module, result.host_callbacks
-
-
-# jaxlib registers its LAPACK kernels with XLA only when jax lowers a
-# linear-algebra primitive for CPU (jax._src.lib.lapack._lapack.initialize,
-# jax 0.4.35 to 0.11; a few tenths of a second, once). A program that the
-# persistent cache loads runs per-shard code nobody lowered in this process,
-# and XLA segfaults calling an unregistered kernel (jax.export initializes
-# them for a deserialized module alike). So an op whose body uses one
-# initializes them when it is lowered for CPU.
-_lapack_ready = False
-
-
-def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
-  global _lapack_ready
-  if _lapack_ready or "cpu" not in platforms:
-    return
-  from jax._src.lax import linalg  # noqa: PLC0415 - loaded by jax already
-  linear_algebra = {p for p in vars(linalg).values()
-                    if isinstance(p, core.Primitive)}
-  if _uses_any(jaxpr, linear_algebra):
-    from jax._src.lib import lapack  # noqa: PLC0415
-    lapack._lapack.initialize()
-    _lapack_ready = True
-
-
-def _uses_any(jaxpr: core.Jaxpr, primitives: set) -> bool:
-  return any(eqn.primitive in primitives for eqn in jaxpr.eqns) or any(
-      _uses_any(sub, primitives) for sub in core.subjaxprs(jaxpr))
-
-
-def _is_exporting(ctx: mlir.LoweringRuleContext) -> bool:
-  return bool(ctx.module_context.lowering_parameters.for_export)
-
-
-def _ambient_mesh(getter: str):
-  """``mesh_lib.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
-  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh; until 0.5.1
-  # they return () when no mesh is set.
-  if not hasattr(mesh_lib, getter):
-    return None
-  mesh = getattr(mesh_lib, getter)()
-  return None if isinstance(mesh, tuple) else mesh
-
-
-def _with_block_mesh():
-  """The mesh of the enclosing ``with mesh:`` (the empty mesh if none)."""
-  return mesh_lib.thread_resources.env.physical_mesh
-
-
-def _context_abstract_mesh(axis_context):
-  """The abstract mesh that the jit's shardings were built on, if any."""
-  am = getattr(axis_context, "abstract_mesh", None)
-  if am is None or am.empty:
-    am = _ambient_mesh("get_abstract_mesh")
-  return None if am is None or am.empty else am
-
-
-def _aval_mesh(aval):
-  """The abstract mesh an abstract value is sharded on, if it has one."""
-  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
-  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-  return None if mesh is None or mesh.empty else mesh
-
-
-def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
-  """A concrete mesh of ``devices`` shaped and named like ``am``."""
-  # jax 0.4.36 added mesh axis types; before it, meshes have none.
-  kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
-  return mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
-                       am.axis_names, **kwargs)
-
-
-def _pspec_from_hlo(hlo_sharding: xc.HloSharding, mesh) -> tuple:
-  """The PartitionSpec entries of ``hlo_sharding`` on ``mesh``."""
-  parsed = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
-  # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
-  if _JAX_VERSION < (0, 5, 3):
-    parsed = parsed.get_partition_spec()
-  return tuple(parsed)
-
-
-def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
-                   reduction, need_replication, permutation):
-  kwargs: dict[str, Any] = {}
-  # jaxlib 0.5.0 added the special factor kinds to Shardy rules.
-  if _JAXLIB_VERSION >= (0, 5, 0):
-    kwargs.update(reduction_factors=reduction,
-                  need_replication_factors=need_replication,
-                  permutation_factors=permutation)
-  elif reduction or need_replication or permutation:
-    raise NotImplementedError(
-        "Shardy sharding rules with reduction, need_replication or "
-        "permutation factors need jax/jaxlib 0.5.0 or newer; found jaxlib "
-        f"{'.'.join(map(str, _JAXLIB_VERSION))}. Upgrade, use GSPMD, or drop "
-        "the special factors from the rule.")
-  # jaxlib 0.6.1: rules of custom calls are marked is_custom. Before it,
-  # is_custom=True fails the compile ("Unable to convert StableHLO to MHLO"
-  # on 0.4.x; "can only define custom sharding rules on stablehlo" on 0.5.x).
-  if _JAXLIB_VERSION >= (0, 6, 1):
-    kwargs["is_custom"] = True
-  return sdy.OpShardingRuleAttr.get(
-      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
-      result_mappings=result_mappings, **kwargs)
-
-
-# jax 0.5.3 made axis types a per-axis tuple of jax.sharding.AxisType; before
-# it, meshes cannot type single axes Manual, so a NamedSharding cannot express
-# the manual subgroup of XLA's shardings inside a partly manual shard_map.
-_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
-
-
-def _inexpressible(place) -> bool:
-  """Whether a NamedSharding cannot carry the manual subgroup that XLA
-  expects of a sharding inside the partly manual shard_map the op is placed
-  in (XLA aborts on one without): before jax 0.5.3 (untyped axes)."""
-  return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
-
-
-def _with_manual_axes(mesh, manual_axes):
-  """``mesh`` with ``manual_axes`` typed ``AxisType.Manual``."""
-  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
-    return mesh
-  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
-                 for name, t in zip(mesh.axis_names, mesh.axis_types))
-  return mesh_lib.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
-
-
-def _auto_submesh(mesh, manual_axes):
-  """The sub-mesh over the non-manual axes (devices of one manual group)."""
-  index = tuple(0 if name in manual_axes else slice(None)
-                for name in mesh.axis_names)
-  keep = [i for i, name in enumerate(mesh.axis_names)
-          if name not in manual_axes]
-  names = tuple(mesh.axis_names[i] for i in keep)
-  # jax 0.5.3 made axis types a per-axis tuple (_MESH_TYPES_MANUAL_AXES).
-  if not _MESH_TYPES_MANUAL_AXES:
-    return mesh_lib.Mesh(mesh.devices[index], names)
-  return mesh_lib.Mesh(mesh.devices[index], names,
-                       axis_types=tuple(mesh.axis_types[i] for i in keep))
-
-
-def _no_ambient_mesh():
-  """Clears the ambient abstract mesh while tracing and lowering lower_fn."""
-  # jax 0.5.3 to 0.8.x: under an ambient mesh with Explicit axes (set_mesh
-  # or use_mesh), the per-shard module gets sharding constraints that XLA
-  # cannot export (Shardy, 0.5.x) or run ("Sharding" custom call, 0.6-0.8).
-  if not hasattr(mesh_lib, "use_abstract_mesh"):
-    return contextlib.nullcontext()
-  return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
-
-
-def _varying_axes(aval) -> frozenset | None:
-  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
-  # jax 0.6 added ShapedArray.vma (shard_map's check_vma); jax 0.10 moved it
-  # to ShapedArray.manual_axis_type.varying.
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return mat.varying
-  return getattr(aval, "vma", None)
-
-
-# Private attributes of jax's mesh and sharding classes, unchanged from 0.4.35
-# through 0.11; one place to change if jax renames them.
-def _mesh_devices(mesh) -> tuple:
-  return tuple(mesh._flat_devices_tuple)  # in mesh order
-
-
-def _sharding_devices(sharding) -> tuple:
-  return tuple(sharding._device_assignment)
-
-
-def _to_hlo_sharding(sharding, ndim: int) -> xc.HloSharding:
-  return sharding._to_xla_hlo_sharding(ndim)
-
-
-def _gspmd_hlo(sharding) -> xc.HloSharding:
-  return sharding._hlo_sharding
-
-
-# The shard_map path (reshard -> shard_map -> reshard while tracing) needs
-# Explicit axis types (jax 0.5.3), jax.shard_map with check_vma (jax 0.6)
-# and jax.sharding.reshard (exported from jax 0.7.0); without all three
-# every op keeps the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-
-# jax 0.5.3 added ShardingTypeError (raised while tracing when jax cannot
-# type a result's sharding); before it nothing can raise it.
-_ShardingTypeError = getattr(core, "ShardingTypeError", type(
-    "_NeverRaised", (Exception,), {}))
-
-
-def _axis_types(mesh) -> tuple | None:
-  """The mesh's axis type per axis (``jax.sharding.AxisType``), or None."""
-  # jax 0.4.36 added axis types, as a dict of axes by type; jax 0.5.3 made
-  # them a tuple of one type per axis.
-  types_ = getattr(mesh, "axis_types", None)
-  return types_ if isinstance(types_, tuple) else None
-
-
-def _all_explicit(am) -> bool:
-  """Whether every axis of the abstract mesh ``am`` is typed Explicit."""
-  types_ = _axis_types(am)
-  return bool(am.axis_names) and types_ is not None and all(
-      t == jax.sharding.AxisType.Explicit for t in types_)
-
-
-def _abstract_of(mesh):
-  return mesh.abstract_mesh
-
-
-def _set_mesh_scope(mesh):
-  """A context that sets ``mesh`` as jax's ambient mesh, if it has any axis
-  typed Explicit (section 6b); else (or before jax 0.5.3) does nothing."""
-  # jax 0.7.0 added jax.set_mesh; from 0.5.3 to 0.6.x it is
-  # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
-  setter = getattr(jax, "set_mesh", None) or getattr(
-      jax.sharding, "use_mesh", None)
-  if setter is None or jax.sharding.AxisType.Explicit not in (
-      _axis_types(mesh) or ()):
-    return contextlib.nullcontext()
-  return setter(mesh)
-
-
-def _typed_like(x, like):
-  """``x`` resharded to the sharding in ``like``'s type where that type has
-  one on Explicit mesh axes (a cotangent must match its output's type);
-  else ``x``."""
-  # jax 0.5.0 gave ShapedArray a sharding; jax 0.7.0 exported reshard.
-  aval = _typeof(like)
-  if not hasattr(jax.sharding, "reshard") or (
-      jax.sharding.AxisType.Explicit not in (
-          _axis_types(_aval_mesh(aval)) or ())):
-    return x
-  return jax.sharding.reshard(x, aval.sharding.spec)
-
-
-def _unsharded(aval):
-  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
-  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
-  return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def _vmapped_over_mesh_axis(x) -> bool:
-  """Whether ``x`` is (the primal of) a ``jax.vmap`` tracer whose batch
-  dimension is sharded over a mesh axis in its type."""
-  # jax's vmap of shard_map moves such a batch dimension to no mesh axis
-  # (an all-gather; jax 0.10.2; over a size-1 axis, that axis is then
-  # unbound in lower_fn), where the op's own batching rule keeps it:
-  # section 5b leaves these calls to the custom call. BatchTracer.val and
-  # .batch_dim, JVPTracer.primal: unchanged from jax 0.4.35 to 0.11.0.
-  while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
-    if isinstance(x, ad.JVPTracer):
-      x = x.primal
-      continue
-    dim, x = x.batch_dim, x.val
-    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
-    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
+# --------------------------------------------------------------------------
+# 1. The public API: custom_partitioning, and how a call is bound
+#
+# A call binds its arguments by ``fun``'s signature and sorts them by role
+# (``_split``). Outside any transformation it is compiled (``_eager_call``);
+# inside one it takes one of two paths (``_bind``): under Explicit mesh axes
+# the shard_map path (section 2), else the primitive (section 3), which
+# lowers to a custom call that XLA partitions through its callbacks
+# (section 4).
+# --------------------------------------------------------------------------
+
+@custom_api_util.register_custom_decorator_type
+class custom_partitioning:
+  """Gives a function its own SPMD partitioning rules.
+
+  ``custom_partitioning(fun, static_argnums=())`` wraps ``fun`` (arguments
+  and results are pytrees of arrays); a call binds ``custom_partitioning_p``
+  and returns ``fun``'s results. Under ``jax.jit`` on several devices the op
+  is one XLA custom call partitioned by the callbacks of ``def_partition``;
+  on one device, in a ``shard_map`` manual over every mesh axis and under
+  ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
+  ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
+  transformed on the same local shards (section 6; upstream supports none
+  of the three).
+
+  An eager call is compiled: partitioned if an operand is a ``jax.Array``
+  sharded over several devices (not fully replicated), else ``fun`` runs
+  and no callback is asked (as upstream does for every eager call). Traces
+  of ``fun`` are cached per op on what ``jax.jit`` keys on (static
+  arguments, operand pytree and avals, jax's config);
+  ``jax.clear_caches()`` empties them and every cache of this module, so
+  ``fun`` is traced anew and sees new settings of switches it reads.
+
+  Args:
+    fun: the function. A call's keyword arguments are bound to positions by
+      ``inspect.signature(fun)``; keyword-only parameters keep their
+      defaults. An unpassed default stays a Python value, as under
+      ``jax.jit`` (so ``custom_partitioning(jnp.fft.fft)`` works), unless
+      it is an array (then an operand) or static (then callbacks get it).
+    static_argnums: int or ints: positions of non-array arguments, passed
+      first to every callback; unhashable ones only skip the trace cache.
+
+  Raises (when called):
+    ValueError: ``def_partition`` was never called.
+    NotImplementedError: Shardy is on but only GSPMD callbacks were given.
+    jax.errors.UnexpectedTracerError: a static argument is a tracer.
+    TypeError: a keyword-only argument is passed, or the call does not
+      match ``fun``'s signature.
+    IndexError: a ``static_argnums`` entry is out of range for the call.
+
+  Mirrors ``jax.experimental.custom_partitioning.custom_partitioning``.
+  """
+
+  def __init__(self, fun: Callable, static_argnums: int | Sequence[int] = ()):
+    functools.update_wrapper(self, fun)
+    self.fun = fun
+    self.static_argnums = static_argnums
+    self._defined = False  # def_partition called
+    self._traces = _LRU()  # see _traced
+    self._programs = _LRU()  # see _explicit_call
+    self._generation = 0  # counts def_partition calls (see _eager_call)
+    self._signature = _Signature(fun)
+    self._name = getattr(fun, "__qualname__", None) or repr(fun)
+
+  __getattr__: Any = custom_api_util.forward_attr
+  # Until def_partition sets them:
+  partition = infer_sharding_from_operands = propagate_user_sharding = None
+  sharding_rule = None
+  decode_shardings = check_vma = True
+
+  def def_partition(self, partition=None, infer_sharding_from_operands=None,
+                    propagate_user_sharding=None, decode_shardings=True,
+                    sharding_rule=None, *, check_vma=True,
+                    reduction_factors=(), need_replication_factors=(),
+                    permutation_factors=(), **factor_sizes):
+    """Defines how the op is partitioned; returns ``partition``.
+
+    Callbacks get the static arguments first. Shapes are pytrees (like the
+    op's arguments or results) of ``jax.ShapeDtypeStruct`` whose
+    ``.sharding`` is XLA's choice.
+
+    Args:
+      partition: ``(*static, mesh, arg_shapes, result_shape) -> (mesh,
+        lower_fn, result_shardings, arg_shardings)``. XLA reshards the
+        operands to ``arg_shardings`` (a pytree like the arguments);
+        ``lower_fn(*local_args)`` computes one shard, may use collectives
+        over ``mesh``'s axes and returns results sharded as
+        ``result_shardings``. None (the default) with a ``sharding_rule``:
+        derived from the rule, for both partitioners and Explicit axes.
+        Each factor keeps the mesh axes the operands arrive sharded on
+        (a factor they bring on different axes is replicated, and of two
+        factors on one axis the later one); replicated are the special
+        factors, factors only in operands or only in results,
+        and factors of compound dimensions. Each shard runs ``fun`` (with
+        the static arguments) on its local arrays, so the rule must hold
+        shard-wise. None without a rule: ``fun`` runs on one device, and on
+        several the call raises ``ValueError``.
+      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
+        for a body jax cannot type): ``(*static, mesh, arg_shapes,
+        result_shape) -> result sharding(s)``; ``result_shape`` has no
+        shardings, nor has an operand XLA has not placed yet (``.sharding``
+        None). Default: derived from ``sharding_rule``.
+      propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
+        result sharding(s)`` preferred given the user's; default: the user's.
+      decode_shardings: True: ``NamedSharding``s on the real mesh when one
+        can be recovered (``with mesh``, ``jax.set_mesh`` or the jit's
+        shardings); else (or False) ``GSPMDSharding``s.
+      sharding_rule: Shardy only: an einsum-like string (see
+        ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
+        ``(*static, mesh, operand_types, result_types) -> rule`` or
+        ``-> (string, kwargs)``.
+      check_vma: keyword-only; this module's, upstream has no such checks.
+        True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
+        result that may vary along a mesh axis (a missing ``psum``) and for
+        padding that would enter a reduction. False turns both off.
+      reduction_factors, need_replication_factors, permutation_factors,
+      **factor_sizes: for a string ``sharding_rule`` only.
+
+    Raises:
+      TypeError: ``partition`` is neither callable nor None, or
+        ``sharding_rule`` is of another type.
+      ValueError: factor keywords without a string rule, or a bad rule.
+      When called on several devices: ``ValueError`` if neither
+      ``partition`` nor ``sharding_rule`` is given.
+    """
+    if partition is not None and not callable(partition):
+      raise TypeError(
+          f"def_partition of {self._name}: partition must be callable; got "
+          f"{type(partition).__name__}.")
+    sharding_rule = _checked_rule(self._name, sharding_rule, dict(
+        factor_sizes, **{kind: factors for kind, factors in zip(
+            _SPECIAL_FACTOR_KINDS, (reduction_factors,
+                                    need_replication_factors,
+                                    permutation_factors)) if factors}))
+    self._defined = True
+    (self.partition, self.infer_sharding_from_operands,
+     self.propagate_user_sharding, self.decode_shardings, self.sharding_rule,
+     self.check_vma) = (partition, infer_sharding_from_operands,
+                        propagate_user_sharding, decode_shardings,
+                        sharding_rule, bool(check_vma))
+    self._traces.clear()
+    self._programs.clear()
+    self._generation += 1
+    return partition
+
+  def __call__(self, *args, **kwargs):
+    if not self._defined:
+      raise ValueError(
+          f"custom_partitioning function {self._name} has no partitioning "
+          "rules: call its def_partition(...) before calling it.")
+    args = self._split(args, kwargs)
+    if (_at_top_level() and not _jit_disabled() and
+        _is_hashable(args.static_args)):
+      return self._eager_call(args)
+    return self._bind(args)
+
+  def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
+    """Binds a call's arguments to positions and sorts them by role."""
+    args, unpassed = self._signature.positional(args, kwargs, self._name)
+    if not unpassed and not (self.static_argnums or self.static_argnums == 0):
+      return _CallArgs((), (), (), args)  # the common case, kept fast
+    static_argnums, static_args = _static_args(self.static_argnums, args,
+                                               self._name)
+    # Like jax.jit: unpassed Python defaults are constants, not operands.
+    defaults = tuple((i, args[i]) for i in unpassed
+                     if i not in static_argnums and not _is_array(args[i]))
+    fixed = set(static_argnums) | {i for i, _ in defaults}
+    return _CallArgs(static_argnums, static_args, defaults,
+                     tuple(a for i, a in enumerate(args) if i not in fixed))
+
+  def _eager_call(self, args: _CallArgs):
+    """A call outside any transformation, compiled (see the class
+    docstring). Cache: (op, its def_partition generation, static
+    arguments, positions of unpassed defaults, sharded?, mesh) -> jitted
+    function; jax.jit keys on the operands' types and shardings itself."""
+    leaves = jax.tree_util.tree_leaves(args.dyn_args)
+    sharded = _any_sharded(leaves)
+    # Under Explicit axes the operands' mesh is the op's (section 2).
+    mesh = _operands_mesh(leaves) if sharded else None
+    key = (self, self._generation, args.static_args,
+           _positions(args.defaults), sharded, mesh)
+
+    def build():  # only on a miss: eager calls are a hot path
+      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
+             else self._run_body)
+      if not sharded and _log.isEnabledFor(logging.DEBUG):
+        _debug(self._name, "path", path=_FUN, mesh=None,
+               why="an eager call with no operand sharded over several "
+               "devices: fun is compiled as it is")
+      base = args._replace(dyn_args=())  # holds no operand alive
+
+      def call(*dyn):
+        return run(base._replace(dyn_args=dyn))
+      return jax.jit(call)
+    return _eager.cached(key, build)(*args.dyn_args)
+
+  def _traced(self, args: _CallArgs, flat: _FlatArgs):
+    """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
+    trace cache where it can be (``key`` is None where not)."""
+    if not _is_hashable(args.static_args):
+      return (*self._trace_fun(args, flat.in_tree, flat.in_avals), None)
+    # jax.jit's trace key (its trace context holds the config states), plus
+    # the positions of unpassed defaults. Like jax.jit, it does not see the
+    # globals and closures ``fun`` reads.
+    key = (args.static_args, _positions(args.defaults), flat.in_tree,
+           flat.in_avals, _use_shardy(), _config.trace_context())
+    traced = self._traces.cached(key, lambda: self._trace_fun(
+        args, flat.in_tree, flat.in_avals))
+    return (*traced, key)
+
+  def _run_body(self, args: _CallArgs):
+    flat = _flatten(args)
+    call, out_tree, _ = self._traced(args, flat)
+    return jax.tree_util.tree_unflatten(
+        out_tree, core.jaxpr_as_fun(call)(*flat.leaves))
+
+  def _bind(self, args: _CallArgs, eager_mesh=None):
+    if (_use_shardy() and self.sharding_rule is None and
+        (self.infer_sharding_from_operands is not None or
+         self.propagate_user_sharding is not None)):
+      raise NotImplementedError(
+          f"custom_partitioning function {self._name} is used with the "
+          "Shardy partitioner, but only GSPMD callbacks "
+          "(infer_sharding_from_operands / propagate_user_sharding) are "
+          "defined. Add a sharding_rule to def_partition, e.g. "
+          "sharding_rule='i j -> i j'.")
+    flat = _flatten(args)
+    explicit = _explicit_call(self, args, flat, eager_mesh)
+    if explicit is not None:
+      return explicit
+    call, out_tree, key = self._traced(args, flat)
+    out_flat = custom_partitioning_p.bind(
+        *flat.leaves, **self._params(args, flat, call, out_tree,
+                                     key is not None))
+    return jax.tree_util.tree_unflatten(out_tree, out_flat)
+
+  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree,
+              hashable: bool) -> dict:
+    """The parameters of a call's equation: the traced body and the
+    callbacks under their API names, as upstream binds them, and this
+    module's ``check_vma`` and ``transform`` (the steps, section 6). The
+    shard_map path builds its op from the same (``_op_of``)."""
+    return dict(
+        call=call, in_tree=flat.in_tree, out_tree=out_tree,
+        partition=self._partition_of(args),
+        propagate_user_sharding=self.propagate_user_sharding,
+        infer_sharding_from_operands=self.infer_sharding_from_operands,
+        decode_shardings=self.decode_shardings,
+        sharding_rule=self.sharding_rule,
+        static_args=(args.static_args if hashable
+                     else _Unhashable(args.static_args)),
+        check_vma=self.check_vma, transform=())
+
+  def _partition_of(self, args: _CallArgs):
+    """The ``partition`` a call binds: the author's, or for an op defined
+    by its rule alone a ``_FromRule`` (None where neither is given)."""
+    if self.partition is not None or self.sharding_rule is None:
+      return self.partition
+    return _FromRule(self.fun, args.static_argnums, args.defaults)
+
+  def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
+    """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
+    over stay constants of ``call`` (``lower_fn`` captures its own); a
+    closed-over tracer cannot reach XLA's callbacks and is rejected."""
+    # Every argument in call order; the fixed ones are not operands.
+    fixed = dict(zip(args.static_argnums, args.static_args))
+    fixed.update(args.defaults)
+    dyn = iter(args.dyn_args)
+    all_args = tuple(fixed[i] if i in fixed else next(dyn)
+                     for i in range(len(fixed) + len(args.dyn_args)))
+    wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
+    if fixed:
+      wrapped, _ = api_util.argnums_partial(
+          wrapped, [i for i in range(len(all_args)) if i not in fixed],
+          all_args, require_static_args_hashable=False)
+    flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
+    try:
+      jaxpr, consts = _trace_to_jaxpr(flat_fun, in_avals)
+    except _ShardingTypeError as e:
+      raise type(e)(
+          f"custom_partitioning function {self._name}: jax cannot type its "
+          f"body with these operand shardings ({e}). With every mesh axis "
+          "Explicit and the mesh set by jax.set_mesh(mesh), the op runs as "
+          "jax.shard_map of its lower_fn, which needs no such typing.") from e
+    if any(isinstance(c, core.Tracer) for c in consts):
+      raise _errors.UnexpectedTracerError(
+          f"custom_partitioning function {self._name} closes over a traced "
+          "value (e.g. a variable of an enclosing jax.jit or jax.grad). "
+          "Pass it to the function as an argument instead.")
+    call = core.ClosedJaxpr(jaxpr, consts)
+    _name_call(call, self._name)
+    return call, out_tree()
+
+
+def _checked_rule(name: str, sharding_rule, extra: dict):
+  """``def_partition``'s ``sharding_rule``, a string parsed with the factor
+  keywords ``extra``."""
+  if isinstance(sharding_rule, str):
+    return str_to_sdy_sharding_rule(sharding_rule, **extra)
+  if not (sharding_rule is None or callable(sharding_rule) or
+          isinstance(sharding_rule, SdyShardingRule)):
+    raise TypeError(
+        f"def_partition of {name}: sharding_rule must be a str, an "
+        f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
+  if extra:
+    raise ValueError(
+        f"def_partition of {name}: {sorted(extra)} only apply to a string "
+        "sharding_rule; put them into the SdyShardingRule (or the (string, "
+        "kwargs) pair your callable returns) instead.")
+  return sharding_rule
+
+
+class _Signature:
+  """Binds a call's keyword arguments to positions, like jax does."""
+
+  _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY,
+                 inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+  def __init__(self, fun: Callable):
+    try:
+      self._sig = inspect.signature(fun)
+    except (TypeError, ValueError):  # e.g. some builtins: positional only
+      self._sig = self._plain = None
+      return
+    params = self._sig.parameters.values()
+    # Calls with exactly this many positional args need no binding.
+    self._plain = (len(params)
+                   if all(p.kind in self._POSITIONAL for p in params)
+                   else None)
+
+  def positional(self, args: tuple, kwargs: dict, name: str):
+    """``(args, unpassed)``: every positional parameter's value in order,
+    defaults filled in, and the positions that took their default."""
+    if self._sig is None or (not kwargs and len(args) == self._plain):
+      if kwargs:
+        raise TypeError(f"{name} takes no keyword arguments here: its "
+                        "signature cannot be inspected.")
+      return args, ()
+    try:
+      bound = self._sig.bind(*args, **kwargs).arguments
+    except TypeError as e:
+      raise TypeError(f"{name}: {e}") from None
+    out, unpassed = [], []
+    for param in self._sig.parameters.values():
+      if param.kind == param.KEYWORD_ONLY and param.name in bound:
+        raise TypeError(
+            f"{name}: keyword-only argument {param.name!r} cannot be passed "
+            "to a custom_partitioning function (its arguments are bound to "
+            "positions); make it positional or leave it at its default.")
+      if param.kind == param.VAR_KEYWORD and bound.get(param.name):
+        raise TypeError(
+            f"{name}: **{param.name} arguments cannot be passed to a "
+            "custom_partitioning function; pass them positionally.")
+      if param.kind == param.VAR_POSITIONAL:
+        out.extend(bound.get(param.name, ()))
+      elif param.kind in self._POSITIONAL:
+        if param.name not in bound:
+          unpassed.append(len(out))
+        out.append(bound.get(param.name, param.default))
+    return tuple(out), tuple(unpassed)
+
+
+class _CallArgs(NamedTuple):
+  """One call's arguments, by role."""
+  static_argnums: tuple  # positions of the static arguments, author's order
+  static_args: tuple     # their values, passed first to every callback
+  defaults: tuple        # (position, value) of unpassed Python defaults
+  dyn_args: tuple        # the rest: the operands (pytrees of arrays)
+
+
+def _static_args(static_argnums, args: tuple, name: str) -> tuple:
+  """``(positions, values)`` of the static arguments; ``static_argnums`` is
+  an int or ints, maybe negative."""
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+  positions: list[int] = []
+  for i in static_argnums or ():
+    if not -len(args) <= i < len(args):
+      raise IndexError(
+          f"custom_partitioning function {name}: static_argnums entry {i} "
+          f"is out of range for a call with {len(args)} arguments.")
+    if i % len(args) not in positions:  # the author's order: callbacks see it
+      positions.append(i % len(args))
+  for i in positions:
+    if any(isinstance(leaf, core.Tracer)
+           for leaf in jax.tree_util.tree_leaves(args[i])):
+      raise _errors.UnexpectedTracerError(
+          f"custom_partitioning function {name} got a traced value as "
+          f"argument {i}, which static_argnums marks static. Static "
+          "arguments must be concrete Python values.")
+  return tuple(positions), tuple(args[i] for i in positions)
+
+
+def _is_array(value) -> bool:
+  return isinstance(value, (np.ndarray, np.generic, jax.Array))
+
+
+def _any_sharded(xs) -> bool:
+  """Whether some ``x`` is a concrete array split over several devices (one
+  device holds its whole array: fully replicated)."""
+  for x in xs:
+    if (isinstance(x, jax.Array) and not isinstance(x, core.Tracer) and
+        not x.sharding.is_fully_replicated):
       return True
   return False
 
 
-def _use_shardy() -> bool:
-  return bool(_config.use_shardy_partitioner.value)
+def _operands_mesh(leaves):
+  """The concrete mesh an eager call's operands are sharded on, if any."""
+  for x in leaves:
+    sharding = getattr(x, "sharding", None)
+    if (isinstance(sharding, jax.sharding.NamedSharding) and
+        isinstance(sharding.mesh, mesh_lib.Mesh)):
+      return sharding.mesh
+  return None
 
 
-def _at_top_level() -> bool:
-  return core.trace_state_clean()  # no jax transformation is tracing
+def _positions(defaults: tuple) -> tuple:
+  return tuple(i for i, _ in defaults) if defaults else ()
 
 
-def _jit_disabled() -> bool:
-  return bool(_config.disable_jit.value)
+class _FlatArgs(NamedTuple):
+  """A call's operands, flattened once for every step that needs them."""
+  leaves: list
+  in_tree: Any
+  in_avals: tuple
 
 
-def _register_partitioner(name: str, prop_user_sharding, partition,
-                          infer_sharding_from_operands) -> None:
-  """Registers the XLA custom-call partitioner, also with PJRT plugins."""
-  kwargs = dict(prop_user_sharding=prop_user_sharding, partition=partition,
-                infer_sharding_from_operands=infer_sharding_from_operands,
-                can_side_effecting_have_replicated_sharding=True)
-  xc.register_custom_call_partitioner(name, **kwargs)
-  xla_bridge.register_plugin_callbacks(
-      functools.partial(xc.register_custom_call_partitioner, name=name,
-                        **kwargs))
+def _flatten(args: _CallArgs) -> _FlatArgs:
+  leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+  return _FlatArgs(leaves, in_tree, tuple(_typeof(x) for x in leaves))
 
 
-def _register_compile_error_handler(handler) -> None:
-  _compiler.register_xla_runtime_error_handler(handler)
+def _is_hashable(value) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
 
 
-def _register_compile_end_listener(callback) -> None:
-  """Calls ``callback()`` after each backend compile that succeeds (jax
-  records ``dispatch.BACKEND_COMPILE_EVENT`` then, 0.4.35 to 0.11)."""
-  def listener(event, duration, **_):
-    if event == dispatch.BACKEND_COMPILE_EVENT:
-      callback()
-  _monitoring.register_event_duration_secs_listener(listener)
+class _Unhashable:
+  """Unhashable static arguments as an equation parameter (by identity)."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __hash__(self):
+    return id(self.value)
+
+  def __eq__(self, other):
+    return isinstance(other, _Unhashable) and other.value is self.value
 
 
-# Options that jax sets while tracing, not users, and that lower_fn is
-# traced without, as it is without the ambient mesh: an enclosing
-# jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
-# on plain local types (section 3c checks it).
-_TRACING_OPTIONS = frozenset({"check_vma"})
+class _FromRule:
+  """The ``partition`` parameter of an op defined by its sharding rule
+  alone: XLA's partition question is answered from the rule
+  (``_partition_from_rule``), and each shard runs ``fun`` itself. Holds
+  where a call's static arguments and unpassed defaults go among ``fun``'s
+  arguments (``lower_fn`` gets the operands alone)."""
+  __slots__ = ("fun", "static_argnums", "defaults")
+
+  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
+    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
+                                                    defaults)
+
+  def _parts(self):
+    # Defaults are fun's own default objects: compared by identity, as
+    # they need not be hashable.
+    return (self.fun, self.static_argnums,
+            tuple((i, id(value)) for i, value in self.defaults))
+
+  def __hash__(self):
+    return hash(self._parts())
+
+  def __eq__(self, other):
+    return isinstance(other, _FromRule) and other._parts() == self._parts()
+
+  def lower_fn(self, static_args: tuple) -> Callable:
+    """``fun`` as a function of the operands, ``static_args`` bound."""
+    fixed = dict(zip(self.static_argnums, static_args))
+    fixed.update(self.defaults)
+    fun = self.fun
+
+    def lower_fn(*operands):
+      it = iter(operands)
+      return fun(*(fixed[i] if i in fixed else next(it)
+                   for i in range(len(fixed) + len(operands))))
+    name = getattr(fun, "__name__", "")
+    lower_fn.__name__ = name if name.isidentifier() else "fun"
+    return lower_fn
 
 
-def _config_values() -> tuple:
-  """Every jax option's value on this thread, context managers included, as
-  ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
-  # Config._value_holders and State (.value, and calling it for a context
-  # manager that sets the option on this thread alone): unchanged from jax
-  # 0.4.35 to 0.11.
-  return tuple((name, holder.value)
-               for name, holder in _config.config._value_holders.items()
-               if isinstance(holder, _config.State) and
-               name not in _TRACING_OPTIONS)
+# --------------------------------------------------------------------------
+# 2. The shard_map path (Explicit mesh axes): partitioning while tracing
+#
+# Where every operand's sharding is in its type, ``partition`` is asked
+# while tracing (by the same functions XLA's callbacks use) and the op is
+# emitted as the program it describes: reshard -> ``jax.shard_map(lower_fn)``
+# -> reshard, with no custom call left (README: "Explicit mesh axes: two
+# paths"). ``_explicit_mesh`` is the gate, ``_explicit_program`` the plan
+# (or the reason to keep the custom call), ``_shard_map_program`` the
+# emission.
+# --------------------------------------------------------------------------
+
+def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
+                   eager_mesh=None):
+  """The op's results, run as reshard -> shard_map -> reshard; None where
+  the op keeps the custom call."""
+  mesh, why_not = _explicit_mesh(flat, eager_mesh)
+  if mesh is None:
+    if why_not is not None and _log.isEnabledFor(logging.DEBUG):
+      _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
+             why=f"not run as shard_map under Explicit axes: {why_not}")
+    return None
+  key = None
+  if _is_hashable(args.static_args):
+    # All that fun's trace and the callbacks are given (see _traced).
+    key = (args.static_args, _positions(args.defaults), flat.in_tree,
+           flat.in_avals, mesh, _config.trace_context())
+  if key is not None and _log.isEnabledFor(logging.DEBUG):
+    hit = user_op._programs.get(key)
+    if hit is not None:
+      _debug(user_op._name, "partition", mesh=mesh, cached=True,
+             path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
+             asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
+                            for a in flat.in_avals]))
+  program = user_op._programs.cached(key, lambda: _explicit_program(
+      user_op, args, flat, mesh))
+  if program.run is None:
+    return None
+  with _naming(  # shard_map's checks, e.g. check_vma
+      f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
+      "lower_fn under Explicit mesh axes: ", " (shard_map's check_vma types "
+      "every value, loop carries too: a carry that becomes varying over an "
+      "axis needs jax.lax.pvary, or pass check_vma=False to def_partition)"):
+    out = program.run(*flat.leaves)
+  return jax.tree_util.tree_unflatten(program.out_tree, out)
+
+
+def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
+  """The gate of this section's path: ``(mesh, why_not)``, the concrete
+  mesh the op runs on as shard_map, or None and, where the operands' mesh
+  is all Explicit, why not (for the log). Reads no callback."""
+  if not _EXPLICIT_PATH or _jit_disabled():
+    return None, None
+  meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
+  if len(meshes) != 1:
+    return None, (None if not any(map(_all_explicit, meshes)) else
+                  "the operands are on different meshes")
+  (am,) = meshes
+  if not _all_explicit(am):
+    return None, None
+  ambient = _ambient_mesh("get_abstract_mesh")
+  if ambient is not None and not ambient.empty and ambient != am:
+    return None, ("another mesh is ambient (inside a shard_map or "
+                  "auto_axes)")
+  mesh = _caller_mesh(lambda m: _abstract_of(m) == am, eager_mesh,
+                      with_block=False)
+  if mesh is None:
+    return None, ("no concrete mesh for the operands' mesh is known (set "
+                  "one with jax.set_mesh)")
+  if mesh.size == 1:  # the body, inlined
+    return None, None
+  if any(map(_vmapped_over_mesh_axis, flat.leaves)):
+    return None, ("under a jax.vmap whose batch dimension is sharded over "
+                  "a mesh axis")
+  return mesh, None
+
+
+def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
+  """The first mesh the caller gave that ``fits``, of: ``with mesh:``
+  (unless ``with_block`` is False: the shard_map path, section 2, takes
+  only the others), ``jax.set_mesh``, an eager call's operands' mesh. None
+  if none does. The one order of precedence for every path."""
+  sources = ((_with_block_mesh(),) if with_block else ()) + (
+      _ambient_mesh("get_concrete_mesh"), eager_mesh)
+  return next((m for m in sources
+               if m is not None and not m.empty and fits(m)), None)
+
+
+class _Program(NamedTuple):
+  """A call signature's plan under Explicit axes: ``run``, the jitted
+  reshard -> shard_map -> reshard program, or None and ``why`` the op keeps
+  the custom call."""
+  run: Callable | None
+  out_tree: Any
+  why: str = ""
+
+
+def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
+                      mesh) -> _Program:
+  """Plans one call signature: ``partition`` asked while tracing, the
+  answer checked for what shard_map can run, then the program built."""
+  call, out_tree, type_error = _typed_trace(user_op, args, flat)
+  params = user_op._params(args, flat, call, out_tree,
+                           _is_hashable(args.static_args))
+  rule = params["sharding_rule"]
+  op = _op_of(params, _Placement(mesh, _mesh_devices(mesh)),
+              None if callable(rule) else rule)
+  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
+                                              type_error)
+  answer = None
+  if isinstance(op.partition, _FromRule) and callable(rule):
+    why = (NotImplementedError, "its partition is derived from a callable "
+           "sharding_rule, which is asked only while lowering.")
+  else:
+    answer = _ask_partition(op, operands, results, mesh)
+    why = _unrunnable(answer, mesh)
+  if why is not None:
+    if type_error is not None:  # the custom call cannot run it either
+      raise why[0](
+          f"custom_partitioning op {op.name}: jax cannot type its body "
+          f"under Explicit mesh axes ({type_error}), so it runs as "
+          f"jax.shard_map of its lower_fn, but {why[1]}") from type_error
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
+                       why=("asked while tracing; not run as shard_map "
+                            f"under Explicit axes: {why[1]}"))
+    return _Program(None, out_tree, why[1])
+  _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, operands, results, answer, _SHARD_MAP)
+  return _Program(_shard_map_program(op, answer, flat.in_avals,
+                                     typed or answer.results,
+                                     getattr(user_op.fun, "__name__", "")),
+                  out_tree)
+
+
+def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
+  """``(call, out_tree, type_error)``: ``fun`` traced on the operands'
+  types or, where jax cannot type it there (``type_error``), without
+  shardings."""
+  try:
+    return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
+  except (_ShardingTypeError, ValueError) as e:
+    # Where jax cannot type a result's sharding it raises ShardingTypeError,
+    # and for some ops a plain ValueError (rfft of a sharded axis, jax
+    # 0.10.2): a body that traces without shardings runs as shard_map alike.
+    with _no_ambient_mesh():
+      try:
+        return (*user_op._trace_fun(args, flat.in_tree,
+                                    [_unsharded(a) for a in flat.in_avals]),
+                e)
+      except Exception:
+        if isinstance(e, _ShardingTypeError):
+          raise
+        raise e from None  # a ValueError of the body itself
+
+
+def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
+  """``(operands, results, typed)``: the values the callbacks are asked
+  about, with specs as the custom call's would have them (no size-1 axes),
+  and the result types the program gives (None: ``partition``'s). The types
+  are jax's typing of ``fun`` or, for a body it cannot type, what the op's
+  inference says where it places every result."""
+  operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
+              for a in in_avals]
+  results = [_Value(a.shape, a.dtype) for a in call.out_avals]
+  if type_error is None:
+    typed = [v._replace(spec=_spec_of(a))
+             for v, a in zip(results, call.out_avals)]
+    return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
+                      for v in typed], typed
+  inferred = _ask_infer(op, operands, results)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_infer(op, operands, inferred, _SHARD_MAP)
+  if inferred is not None and all(v.spec is not None for v in inferred):
+    return operands, inferred, inferred
+  return operands, results, None
+
+
+def _spec_of(aval) -> tuple:
+  """The PartitionSpec entries of an abstract value's type, one per axis."""
+  spec = tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
+  return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+def _unrunnable(answer: _Answer, mesh):
+  """``(error type, reason)`` where shard_map cannot run ``partition``'s
+  answer on ``mesh``; None where it can."""
+  if answer.mesh.axis_names != mesh.axis_names or (
+      dict(answer.mesh.shape) != dict(mesh.shape)):
+    return NotImplementedError, (
+        f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
+        f"not the op's {dict(mesh.shape)}.")
+  for what, side in (("operand", answer.args), ("result", answer.results)):
+    for i, v in enumerate(side):
+      if v.spec is None:
+        return NotImplementedError, (
+            f"partition returned a sharding for {what} {i} that has no "
+            f"PartitionSpec on the mesh {dict(mesh.shape)}.")
+      for d, entry in enumerate(v.spec):
+        count = _shard_count(entry, mesh)
+        if v.shape[d] % count:
+          return ValueError, (
+              f"partition shards {what} {i} dimension {d} (size "
+              f"{v.shape[d]}) over {count} devices, which do not divide "
+              "it, and jax.shard_map takes only even shards. Shard that "
+              "dimension over axes that divide its size, or pad it.")
+  return None
+
+
+def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
+                       fun_name: str) -> Callable:
+  """The jitted program: reshard to ``partition``'s arg shardings,
+  ``jax.shard_map`` of ``lower_fn``, reshard to the result types."""
+  mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
+  out_axes = [_axes_in([v.spec]) for v in answer.results]
+
+  def per_shard(*local_args):
+    outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
+    return [_invariant_over_size1(x, axes, mesh)
+            for x, axes in zip(outs, out_axes)]
+  # An operand whose type differs from partition's answer only in size-1
+  # axes (which XLA's shardings drop) keeps its type, so that lower_fn types
+  # as under a plain shard_map of it (a psum over ('z', 'y') on P(('z', 'y'))
+  # needs the operand varying over 'y').
+  arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
+               for t, v in zip(map(_spec_of, in_avals), answer.args)]
+  # The program names no devices: jax.jit reuses its traces for every
+  # concrete mesh of one abstract mesh, and gives the devices when lowering.
+  am = _abstract_of(mesh)
+  mapped = jax.shard_map(
+      per_shard, mesh=am, check_vma=op.check_vma,
+      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
+      out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
+
+  def reshard(xs, specs):  # an equation only where the type changes
+    return [x if _spec_of(_typeof(x)) == spec else jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec)))
+        for x, spec in zip(xs, specs)]
+
+  def program(*flat):
+    return reshard(mapped(*reshard(flat, arg_specs)),
+                   [v.spec for v in typed])
+  program.__name__ = fun_name if fun_name.isidentifier() else "op"
+  return jax.jit(program)
+
+
+def _invariant_over_size1(x, spec_axes: set, mesh):
+  """``x`` typed invariant over the size-1 mesh axes it varies over in
+  shard_map's types (say after ``all_to_all`` or ``axis_index`` over one)
+  and its out spec does not name: shard_map's check_vma would refuse it,
+  though along such an axis nothing can differ. A psum over them adds
+  nothing."""
+  axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
+               if mesh.shape[a] == 1 and a not in spec_axes)
+  if not axes:
+    return x
+  if x.dtype == np.bool_:  # psum takes numbers
+    return jax.lax.psum(x.astype(np.int8), axes).astype(np.bool_)
+  return jax.lax.psum(x, axes)
+
+
+# --------------------------------------------------------------------------
+# 3. The primitive and its lowering
+#
+# ``custom_partitioning_p`` carries the traced body (``call``) and the
+# callbacks under upstream's parameter names, plus this module's
+# ``transform`` (the steps of a derived op, section 6) and ``check_vma``,
+# both read with a default so that binding it with upstream's parameters
+# alone works. Lowered on several devices, it is one custom call that
+# carries the key of its ``_Op`` (section 4 and appendix D).
+# --------------------------------------------------------------------------
+
+custom_partitioning_p = core.Primitive("custom_partitioning")
+custom_partitioning_p.multiple_results = True
+
+
+def _abstract_eval(*avals, call, **_):
+  del avals
+  return call.out_avals
+
+
+def _impl(*args, **params):
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``).
+
+  Compiled, like a jax.jit'd function; partitioned by the op's callbacks
+  only if some operand is really sharded (upstream runs the body and never
+  asks them, and a ``partition`` written for sharded operands must not be
+  asked about host data).
+  """
+  # Cache key: the params hold the body and every callback; jax.jit keys on
+  # the operands' types and shardings itself.
+  call = params["call"]
+  if _jit_disabled():  # jax.jit would call straight back into this impl
+    return core.jaxpr_as_fun(call)(*args)
+  sharded = _any_sharded(args)
+  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
+  fn = _eager.cached(key, lambda: jax.jit(
+      functools.partial(custom_partitioning_p.bind, **params) if sharded
+      else core.jaxpr_as_fun(call)))
+  return fn(*args)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
+  call, steps = params["call"], _steps(params)
+  place = _partitioned_placement(ctx, steps)
+  if place is None:
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_inlined(ctx, call, steps)
+    return mlir.lower_fun(core.jaxpr_as_fun(call),
+                          multiple_results=True)(ctx, *values)
+  name = _fun_name(call)
+  _check_lowerable(ctx, name, place, params)
+  _ensure_lapack(ctx.module_context.platforms, call.jaxpr)
+  levels = _levels(steps, [_Value(a.shape, a.dtype) for a in call.in_avals],
+                   [_Value(a.shape, a.dtype) for a in call.out_avals])
+  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
+    rule, rule_attr = _ask_rule(ctx, params, place.mesh, levels)
+  op = _op_of(params, place, rule,
+              varying=tuple(tuple(_varying_axes(a) for a in avals)
+                            for avals in (ctx.avals_in, ctx.avals_out)),
+              platforms=ctx.module_context.platforms,
+              backend=_module_backend(ctx), config=_Configuration.here())
+  key = _register(ctx, op, params)
+  custom_call = hlo.CustomCallOp(
+      _ir_types(ctx, call.out_avals), list(values),
+      call_target_name=ir.StringAttr.get(_TARGET),
+      has_side_effect=ir.BoolAttr.get(False),
+      api_version=mlir.i32_attr(2),
+      called_computations=ir.ArrayAttr.get([]),
+      backend_config=ir.StringAttr.get(key),
+      operand_layouts=None, result_layouts=None)
+  # Shardy's verifier refuses a rule on an op without operands. There it
+  # could only tie the results to each other; without it, XLA propagates
+  # around the op and ``partition`` still decides every sharding.
+  if rule_attr is not None and values:
+    custom_call.attributes["sdy.sharding_rule"] = rule_attr
+  return custom_call.results
+
+
+def _partitioned_placement(ctx, steps) -> _Placement | None:
+  """The placement of an op XLA partitions, or None where its body is
+  inlined instead: every mesh axis manual (the code of one shard), one
+  device, or a derived op inside a partly manual shard_map before jax 0.5.3
+  (its shardings need the manual subgroup that only typed meshes express,
+  else XLA aborts)."""
+  axis_context = ctx.module_context.axis_context
+  if (isinstance(axis_context, sharding_impls.SPMDAxisContext) and
+      set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
+    return None
+  place = _placement(axis_context, ctx.avals_in)
+  if (place.devices is not None and len(place.devices) == 1) or getattr(
+      axis_context, "num_devices", None) == 1:
+    return None
+  if steps and _inexpressible(place):
+    return None
+  return place
+
+
+def _placement(axis_context, avals) -> _Placement:
+  """Where a lowering runs: the mesh of the first of these that is known.
+
+  1. The enclosing shard_map's (its manual axes typed Manual).
+  2. One the caller gave (``_caller_mesh``) on the program's devices; where
+     jax does not say them (inside another primitive's lowering, through
+     ``mlir.lower_fun``), one of the shape of the program's abstract mesh.
+  3. The program's abstract mesh, on its devices.
+  4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
+     source).
+  """
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    whole, manual = axis_context.mesh, axis_context.manual_axes
+    if not manual:
+      return _Placement(whole, _mesh_devices(whole))
+    return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
+                      _auto_submesh(whole, manual), whole)
+  devices = getattr(axis_context, "device_assignment", None)
+  if devices is None:
+    num_devices = getattr(axis_context, "num_devices", None)
+    abstract = [am for am in [_context_abstract_mesh(axis_context)] +
+                [_aval_mesh(a) for a in avals] if am is not None]
+    mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
+        dict(am.shape) == dict(m.shape) for am in abstract))
+    return _Placement(_with_block_mesh() if mesh is None else mesh,
+                      None if mesh is None else _mesh_devices(mesh))
+  devices = tuple(devices)
+  mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
+  if mesh is not None:
+    return _Placement(mesh, devices)
+  am = _context_abstract_mesh(axis_context)
+  if am is not None and am.size == len(devices):
+    return _Placement(_mesh_from_abstract(devices, am), devices)
+  return _Placement(_with_block_mesh(), devices)
+
+
+def _check_lowerable(ctx, name: str, place: _Placement, params) -> None:
+  if _is_exporting(ctx):
+    raise NotImplementedError(
+        f"jax.export cannot serialize the custom_partitioning op {name}: its "
+        "partitioning callbacks are Python functions that XLA calls while "
+        "compiling, and they cannot be stored in a serialized artifact. "
+        "Export on a single device, or export the per-shard code (e.g. "
+        "with jax.shard_map) instead.")
+  if place.devices is None:
+    raise ValueError(
+        f"custom_partitioning op {name} is lowered for several devices, but "
+        "jax did not say which: this happens when the op is lowered inside "
+        "another primitive's lowering rule (e.g. through mlir.lower_fun), "
+        "where jax cannot see it. Set the mesh around the call, with "
+        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its "
+        "devices, or call the op outside that primitive.")
+  _check_has_partition(name, params["partition"], len(place.devices))
+
+
+def _check_has_partition(name: str, partition, num_devices: int) -> None:
+  if partition is None:
+    raise ValueError(
+        f"custom_partitioning op {name} runs on {num_devices} devices, but "
+        "its def_partition was given partition=None and no sharding_rule to "
+        "derive a partition from: give either.")
 
 
 @contextlib.contextmanager
-def _config_entered(values: tuple):
-  """Runs the block on this thread under ``values`` (``_config_values``):
-  each option that differs here is set by its own context manager, as the
-  user's ``with`` did on the thread that took the values."""
-  holders = _config.config._value_holders
-  with contextlib.ExitStack() as stack:
-    for name, value in values:
-      state = holders[name]
-      if state.value != value:
-        stack.enter_context(state(value))
+def _naming(prefix: str, suffix: str = ""):
+  """Re-raises a plain ValueError or TypeError with ``prefix`` and
+  ``suffix`` around its message (naming the op); subclasses, whose types
+  callers may catch, pass unchanged."""
+  try:
     yield
+  except (ValueError, TypeError) as e:
+    if type(e) not in (ValueError, TypeError):
+      raise
+    raise type(e)(f"{prefix}{e}{suffix}") from e
 
 
-def _trace_context_by_value() -> tuple:
-  """jax's trace context (the configuration its tracing caches key on),
-  with each entry described by value, so that equal configurations give
-  equal descriptions in every process."""
-  # The axis environment is a tuple of frames in jax 0.4.35 (empty outside
-  # a transformation), a core.AxisEnv object (whose repr is its address) in
-  # jax 0.10 and 0.11. Other entries are plain values, enums, meshes and
-  # tuples of them, which the key's describer takes by value.
-  axis_env = getattr(core, "AxisEnv", None)
-  return tuple(
-      ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
-       getattr(v, "explicit_mesh_axis_names", None))
-      if axis_env is not None and isinstance(v, axis_env) else v
-      for v in _config.trace_context())
+def _ask_rule(ctx, params, mesh, levels):
+  """The op's rule (a callable ``sharding_rule`` asked here, about the
+  author's op) and, under Shardy, its attribute for the custom call."""
+  rule = params["sharding_rule"]
+  if callable(rule):
+    operand_types, result_types = (
+        _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+        for side in levels[0])
+    produced = rule(*_static_values(params["static_args"]), mesh,
+                    operand_types, result_types)
+    kwargs: dict = {}
+    if isinstance(produced, (tuple, list)) and len(produced) == 2:
+      produced, kwargs = produced
+    if isinstance(produced, str):
+      produced = str_to_sdy_sharding_rule(produced, **kwargs)
+    elif not isinstance(produced, SdyShardingRule):
+      raise ValueError(
+          "A callable sharding_rule must return an SdyShardingRule, an "
+          f"einsum-like string, or (string, kwargs); got {produced!r}.")
+    rule = produced
+  attr = None
+  if _use_shardy() and rule is not None:
+    attr = _rule_attr(rule, levels, _steps(params))
+  return rule, attr
 
 
-@_jax_util.cache(max_size=1, trace_context_in_key=False)
-def _cache_epoch() -> object:
-  """A token that changes when ``jax.clear_caches()`` is called."""
-  # jax's util.cache is cleared by jax.clear_caches() on every release
-  # (through a set of clear functions up to 0.4.x, util.register_cache
-  # since). With jax_check_tracer_leaks on it does not memoize at all.
-  return object()
+def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
+  """The one builder of an ``_Op``: from its equation's parameters
+  (``custom_partitioning._params``), where it runs, its rule (a callable
+  ``sharding_rule`` asked by now) and, for a custom call, what its
+  lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
+  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
+             infer_sharding_from_operands=params[
+                 "infer_sharding_from_operands"],
+             propagate_user_sharding=params["propagate_user_sharding"],
+             sharding_rule=rule, decode_shardings=params["decode_shardings"],
+             check_vma=params.get("check_vma", True),  # upstream has none
+             static_args=_static_values(params["static_args"]),
+             in_tree=params["in_tree"], out_tree=params["out_tree"],
+             steps=_steps(params), place=place, **lowered)
 
 
-# --------------------------------------------------------------------------
-# 1b. Module state
-#
-# All state this module keeps, except the stores on their objects (per op,
-# per lowered op). Caches are bounded ``_LRU``s, each with its own lock; a
-# hit answers what a fresh computation would (where each cache is filled, a
-# comment says what its key holds).
-#
-#   store           maps                                    bound   cleared
-#   op._traces      call signature -> traced fun            64/op   C, D
-#   op._programs    call signature -> 5b's _Program         64/op   C, D
-#   _eager          eager call -> jitted function           64      C
-#   _derived        (body, tag, avals) -> derived body      64      C
-#   _Op.lowered     partition request -> XLA's answer       256/op  C
-#   _pending        XLA's thread -> (op name, callback      threads P, F
-#                   error) of the compile on it
-#   _registry       custom call key -> _Op (_register, 5)   weak    -
-#   _parked_errors  tag -> a callback's exception           64      C, R
-#   _parked_counter the next tag (section 4b)               -       -
-#   _call_names     body -> name of its function            weak    -
-#   _lapack_ready   jaxlib's LAPACK kernels registered (1)  -       never
-#
-# What each key holds of jax's configuration (its trace context, which
-# jax's own tracing caches key on): op._traces, op._programs and _derived
-# hold the context itself; _registry's key holds it by value (section 4c),
-# as part of the _Op, so _Op.lowered's answers hold for it too. _eager's
-# values are jax.jit functions, which key on the configuration themselves,
-# and build nothing that depends on it. _pending is no cache.
-#
-# C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
-# D: ``def_partition``; P: popped by the next partition callback on that
-# thread; F: emptied when a compile ends (section 4b); R: popped when the
-# failed compile re-raises it. Lowerings and executables that may still
-# call back keep their ``_registry`` entries alive. The weak tables and
-# ``_pending`` share ``_weak_lock``.
-# Not state: ``_DESCRIBED_BY`` (section 4c), a table filled at import.
-# --------------------------------------------------------------------------
-
-_CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
+def _steps(params) -> tuple:
+  """The ``transform`` of an equation; () (the author's op) if it has none,
+  as when ``custom_partitioning_p`` is bound with upstream's parameters."""
+  return params.get("transform", ())
 
 
-class _LRU:
-  """A thread-safe LRU map, emptied (lazily) by ``jax.clear_caches()``."""
-
-  def __init__(self, size: int = _CACHE_SIZE):
-    self._size = size
-    self._data: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
-    self._epoch = None
-
-  def _current(self) -> collections.OrderedDict:
-    """The entries of this cache epoch; call with the lock held."""
-    epoch = _cache_epoch()
-    if epoch is not self._epoch:
-      self._data.clear()
-      self._epoch = epoch
-    return self._data
-
-  def get(self, key):
-    with self._lock:
-      value = self._current().get(key)
-      if value is not None:
-        self._data.move_to_end(key)
-      return value
-
-  def cached(self, key, build: Callable[[], Any]):
-    """The value under ``key``; if missing, ``build()``, kept (unless
-    ``key`` is None: then nothing is looked up or kept)."""
-    value = None if key is None else self.get(key)
-    if value is None:
-      value = build()
-      if key is not None:
-        self.put(key, value)
-    return value
-
-  def pop(self, key):
-    with self._lock:
-      return self._current().pop(key, None)
-
-  def put(self, key, value) -> None:
-    with self._lock:
-      self._current()[key] = value
-      self._data.move_to_end(key)
-      while len(self._data) > self._size:
-        self._data.popitem(last=False)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._data.clear()
-
-  def __len__(self) -> int:
-    with self._lock:
-      return len(self._current())
+def _static_values(static_args):
+  if isinstance(static_args, _Unhashable):
+    return static_args.value
+  return static_args
 
 
-_eager = _LRU()
-_derived = _LRU()
-_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_parked_errors = _LRU()
-_parked_counter = itertools.count()
-_pending: dict[int, tuple[str, BaseException]] = {}
-_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_weak_lock = threading.Lock()
+class _Placement(NamedTuple):
+  """Where a lowered op runs.
+
+  ``mesh`` is what the callbacks see: the real mesh whenever it can be
+  recovered, else the mesh of ``with mesh:`` (the empty mesh if none).
+  Inside a partly manual shard_map it names every axis, the manual ones
+  typed ``AxisType.Manual``; XLA then asks for the partition on ``auto``,
+  the mesh of the auto axes alone, and the per-shard code runs on
+  ``whole``, the shard_map's mesh.
+  """
+  mesh: Any
+  devices: tuple | None
+  auto: Any = None
+  whole: Any = None
 
 
-def _store_sizes(op=None) -> dict[str, int]:
-  """Entries per store above (and ``op``'s own, if given), for tests."""
+_STATE = {"state": True}  # marks the fields of an _Op that are not its key
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Op:
+  """What XLA's callbacks need to know about one lowered custom call; built
+  by ``_op_of`` alone, immutable but for its answer cache.
+
+  Every field but those marked ``_STATE`` is part of the op's key
+  (``_register``): ops with equal keys are one op to XLA's callbacks.
+  """
+  name: str
+  partition: Callable | None
+  infer_sharding_from_operands: Callable | None
+  propagate_user_sharding: Callable | None
+  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
+  decode_shardings: bool
+  check_vma: bool
+  static_args: tuple
+  in_tree: Any
+  out_tree: Any
+  steps: tuple  # of _Step: from the author's op to this one
+  place: _Placement
+  # Per operand and result: the manual axes it varies over, if tracked.
+  varying: tuple = ((), ())
+  platforms: Any = None
+  backend: Any = None
+  # jax's configuration where the op was lowered, which ``partition`` and
+  # ``lower_fn`` run under on XLA's thread; None: the caller's own
+  # (the shard_map path).
+  config: _Configuration | None = None
+  # Partition request -> XLA's answer. The request holds every input of the
+  # answer that is not in the op's key (shapes, dtypes, shardings); the key
+  # holds the rest (appendix D).
+  lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256),
+                                    metadata=_STATE)
+
+  @property
+  def mesh(self):
+    return self.place.mesh
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Configuration:
+  """jax's configuration on the thread that lowers an op: every option's
+  value (``_config_values``), to run its callbacks under, and the trace
+  context by value (``_trace_context_by_value``), its part of the key."""
+  values: tuple
+  trace_context: tuple
+
+  @classmethod
+  def here(cls) -> _Configuration:
+    return cls(_config_values(), _trace_context_by_value())
+
+
+def _register(ctx, op: _Op, params) -> str:
+  """Registers ``op`` under its key (appendix D); returns the key."""
+  # One scope per lowering: the keep-alive list lives exactly as long as the
+  # lowering and its executables, so its id is unique while they live.
+  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
+  call = params["call"]
+  # The key holds the body and every field of the op (the callbacks, static
+  # arguments, pytrees, steps, placement, platforms, backend, and jax's
+  # configuration where it is lowered, which partition and lower_fn run
+  # under), plus the partitioner. XLA's questions are answered from these
+  # and from what XLA asks with (shapes and shardings): so a live op found
+  # under an equal key answers as this one would, whichever was first.
+  key = f"{_TARGET}:" + _digest(scope, str(call.jaxpr), call.consts, op,
+                                _use_shardy())
   with _weak_lock:
-    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
-  sizes.update(eager=len(_eager), derived=len(_derived),
-               parked_errors=len(_parked_errors))
-  if op is not None:
-    sizes.update(traces=len(op._traces), programs=len(op._programs))
-  return sizes
+    # Keep the first live entry: equal keys answer alike, and lowerings that
+    # already hold it must keep finding it.
+    op = _registry.setdefault(key, op)
+  ctx.module_context.add_keepalive(op)
+  return key
 
 
 # --------------------------------------------------------------------------
-# 2. Sharding rules for Shardy
+# 4. The callbacks XLA calls
+#
+# XLA hands the custom call's key back to its callbacks, which find the op in
+# ``_registry`` (``_xla_callback``, the one boundary). An exception must
+# never reach XLA raw (under GSPMD that aborts the process): each is parked
+# in ``_parked_errors`` under a tag that goes into the message XLA reports,
+# and when the compile fails, ``_reraise_callback_error`` (registered with
+# jax's compiler) finds the tag and jax raises the original, with its type.
+# One raised while inferring or propagating waits in ``_pending`` for the
+# compiling thread's next partition callback, of whichever op: XLA compiles
+# one program at a time on a thread and partitions only after propagating.
+# --------------------------------------------------------------------------
+
+_TARGET = f"CustomSPMDPartitioning.{__name__}"
+_ERROR_TAG = f"[{_TARGET} error #"
+
+
+def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
+  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
+  for the op registered under ``key``: the one boundary between XLA and
+  this module. Every error reaches XLA as a ``RuntimeError`` whose message
+  names the parked original (``_park``).
+
+  ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
+  given where the op leaves the question to XLA (also for an unknown key)
+  and where ``answer`` raises: then the error is kept for this compile's
+  partition callback, as raising here would abort the process under GSPMD.
+  Without it (partition): an error kept by then is raised first.
+  """
+  def callback(*args):
+    *xla_args, key = args
+    op = _lookup(key)
+    if leave_to_xla is not None and (op is None or _inexpressible(op.place) or (
+        op.steps and op.mesh.empty)):
+      return leave_to_xla(op, *xla_args)
+    if leave_to_xla is None:
+      if op is None:
+        raise RuntimeError(
+            f"{_TARGET}: no custom_partitioning op is registered under key "
+            f"{key!r}; was its lowering dropped?")
+      with _weak_lock:
+        pending = _pending.pop(threading.get_ident(), None)
+      if pending is not None:
+        name, error = pending
+        raise RuntimeError(_park(error, f"custom_partitioning op {name}")
+                           ) from error
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      if leave_to_xla is None:
+        raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
+                           ) from e
+      _keep_pending(op, e)
+      return leave_to_xla(None, *xla_args)
+  return callback
+
+
+def _lookup(key: bytes) -> _Op | None:
+  with _weak_lock:
+    return _registry.get(key.decode() if isinstance(key, bytes) else key)
+
+
+def _park(error: BaseException, where: str) -> str:
+  """Parks ``error``; returns a message that names it for the handler."""
+  tag = next(_parked_counter)
+  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
+  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
+
+
+def _keep_pending(op: _Op, error: BaseException) -> None:
+  """Keeps an infer/propagate error for this compile (the first one)."""
+  with _weak_lock:
+    _pending.setdefault(threading.get_ident(), (op.name, error))
+
+
+def _drop_pending() -> None:
+  """Ends every kept infer/propagate error: called when a compile ends,
+  failed (XLA failed before the partition callback came) or not (XLA
+  dropped the op before partitioning it), so none reaches a later compile.
+  jax calls this on the caller's thread, not XLA's, which cannot tell
+  which thread compiled, so every kept error goes: a compile running
+  meanwhile on another thread then loses one it kept, goes on as if the
+  callback had returned None, and partition still decides the program."""
+  with _weak_lock:
+    _pending.clear()
+
+
+def _reraise_callback_error(xla_error: Exception):
+  """Compile-error handler: gives back the author's original exception."""
+  _drop_pending()
+  text = str(xla_error)
+  start = text.find(_ERROR_TAG)
+  if start < 0:
+    return None
+  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
+  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
+
+
+def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
+  """The result sharding XLA gets from the operands', or None."""
+  result_shapes, _ = _hlo_parts(result_shape, None)
+  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
+  levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
+                   results)
+  inferred = _infer(op, levels, len(op.steps))
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_infer(op, levels[-1][0], inferred)
+  if inferred is None:
+    return None
+  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
+
+
+def _answer_propagate(op: _Op, user_sharding, shape):
+  """The result sharding the op prefers, given its user's."""
+  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
+  if op.propagate_user_sharding is None and not op.steps:
+    return _users_sharding(op, user_sharding, shape)
+  if op.steps and any(v.spec is None for v in results):
+    return user_sharding
+  propagated = _propagate(op, results, len(op.steps))
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_propagate(op, results, propagated)
+  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
+
+
+def _users_sharding(op: _Op | None, user_sharding, shape):
+  """What XLA keeps where the op does not propagate: the user's sharding."""
+  if op is not None and _log.isEnabledFor(logging.DEBUG):
+    _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
+                                   op.mesh), None)
+  return user_sharding
+
+
+def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
+                      result_sharding):
+  """``(per-shard module, operand shardings, result sharding)`` for XLA,
+  from ``op.lowered`` where XLA asked it before."""
+  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
+                   for s, h in zip(arg_shapes, arg_shardings)),
+             str(result_shape), str(result_sharding))
+  hit = op.lowered.get(request)
+  if hit is not None:
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
+                              result_sharding, hit)
+    return hit
+  if op.steps and op.mesh.empty:
+    raise NotImplementedError(
+        f"{op.name} is lowered for several devices without a mesh; "
+        "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
+        "one (jit with NamedSharding arguments, jax.set_mesh or `with "
+        "mesh:`).")
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
+  # XLA calls on a thread of its own, which has none of the lowering
+  # thread's context managers: partition and lower_fn run under the
+  # configuration the op was lowered (and keyed) with.
+  with _config_entered(op.config.values):
+    shard = _partition(
+        op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
+        _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
+    module = _per_shard_module(op, shard)
+  answer = (module, [_hlo_of(v, on) for v in shard.args],
+            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
+  op.lowered.put(request, answer)
+  return answer
+
+
+# --------------------------------------------------------------------------
+# 5. Asking the author: the partition pipeline
+#
+# Each question goes XLA (or the shard_map path) -> ``_<q>`` (walks the
+# steps down to the author's op and the answer back up, section 6) ->
+# ``_ask_<q>``, the only caller of that callback of the author's; a callable
+# sharding rule is asked while lowering (``_ask_rule``). Meshes: ``op.mesh``
+# is what the callbacks see; the ``on`` parameters name the mesh a value's
+# spec and HloSharding are on: ``op.mesh``, inside a partly manual
+# shard_map ``op.place.auto``, or for ``partition``'s answer the mesh it
+# returned (``_Answer.on``).
+# --------------------------------------------------------------------------
+
+def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
+  """Partitions the op: the author's answer and ``lower_fn``, walked up
+  the steps."""
+  levels = _levels(op.steps, operands, results)
+  answer = _ask_partition(op, *levels[0], on)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, *levels[0], answer, _CUSTOM_CALL)
+  closed = _trace_lower_fn(op, answer, *levels[0])
+  if _calls_host(closed.jaxpr):
+    raise _host_callback_error(op)
+  if not op.steps:
+    return _PerShard(answer.mesh, closed, answer.args, answer.results)
+  specs, entries = _specs_up(op, levels, answer, closed)
+  fn = _lower_fn_up(op, levels, answer, closed, specs, entries)
+  arg_specs, result_specs = specs[-1]
+  top_args = [v._replace(spec=s, hlo=None)
+              for v, s in zip(operands, arg_specs)]
+  top_results = [v._replace(spec=s, hlo=None)
+                 for v, s in zip(results, result_specs)]
+  with _no_ambient_mesh():
+    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
+        *[_local_struct(v, answer.on) for v in top_args])
+  return _PerShard(answer.mesh, closed, top_args, top_results)
+
+
+def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition`` asked about values whose shardings are on ``on`` (for
+  an op defined by its rule alone, ``_partition_from_rule``)."""
+  _check_has_partition(op.name, op.partition, len(op.place.devices))
+  if isinstance(op.partition, _FromRule):
+    answer = _partition_from_rule(op, operands, results)
+  else:
+    answer = op.partition(*op.static_args, op.mesh,
+                          _structs(op, op.in_tree, operands, on),
+                          _structs(op, op.out_tree, results, on))
+  mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
+  mesh = _concrete(op, mesh)
+  if op.place.auto is not None:
+    # Collectives must name devices of the whole program: lower on the
+    # whole mesh (the returned one may be the mesh with manual types).
+    mesh = op.place.whole
+  else:
+    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
+      raise NotImplementedError(
+          f"partition of {op.name} returned a mesh with axes "
+          f"{dict(mesh.shape)}, but the op's mesh has "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad "
+          "they must be the same.")
+    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
+  return _Answer(mesh, on, lower_fn,
+                 _encode(op, op.in_tree, in_shardings, operands, "partition",
+                         "arg sharding", on),
+                 _encode(op, op.out_tree, out_shardings, results,
+                         "partition", "result sharding", on))
+
+
+def _partition_from_rule(op: _Op, operands: list, results: list):
+  """What a ``partition`` written from the op's rule would return, for an
+  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
+  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
+  op's own ``fun``."""
+  lower_fn = op.partition.lower_fn(op.static_args)
+  if op.mesh.empty:  # no axis to name: replicated is right for every op
+    replicated = sharding_impls.GSPMDSharding(op.place.devices,
+                                              xc.HloSharding.replicate())
+    in_shardings = [replicated] * len(operands)
+    out_shardings = [replicated] * len(results)
+  else:
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      in_specs, out_specs = _rule_specs(
+          op.sharding_rule, [v.shape for v in operands + results],
+          [v.spec for v in operands], [v.spec for v in results])
+    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
+        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
+        for specs in (in_specs, out_specs))
+  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
+          op.in_tree.unflatten(in_shardings))
+
+
+def _check_answer(op: _Op, answer):
+  """Validates what ``partition`` returned; returns its four parts."""
+  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+    got = (f"a sequence of length {len(answer)}"
+           if isinstance(answer, (tuple, list)) else type(answer).__name__)
+    raise TypeError(
+        f"partition of {op.name} must return (mesh, lower_fn, "
+        f"result_shardings, arg_shardings); got {got}.")
+  mesh, lower_fn, _, _ = answer
+  if not callable(lower_fn):
+    raise TypeError(f"partition of {op.name} returned a lower_fn of type "
+                    f"{type(lower_fn).__name__}, which is not callable.")
+  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
+    raise TypeError(f"partition of {op.name} returned a mesh of type "
+                    f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
+  devices = op.place.devices
+  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
+  # op got if no mesh could be recovered (as upstream, lower_fn then runs
+  # without mesh axes).
+  if op.place.auto is None and not mesh.empty:
+    if isinstance(mesh, mesh_lib.Mesh):
+      if set(_mesh_devices(mesh)) != set(devices):
+        raise ValueError(
+            f"partition of {op.name} returned a mesh on devices "
+            f"{sorted(d.id for d in _mesh_devices(mesh))}, but the op runs "
+            f"on {sorted(d.id for d in devices)}.")
+    elif mesh.size != len(devices):
+      raise ValueError(
+          f"partition of {op.name} returned a mesh of {mesh.size} "
+          f"devices, but the op runs on {len(devices)}.")
+  return answer
+
+
+class _Answer(NamedTuple):
+  """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
+  (its collectives name that mesh's axes), the mesh the specs of ``args``
+  and ``results`` are on, and those shardings."""
+  mesh: Any
+  on: Any
+  lower_fn: Callable
+  args: list
+  results: list
+
+
+def _concrete(op: _Op, mesh):
+  """A mesh from the author; an AbstractMesh made concrete on the op's
+  devices (as upstream does)."""
+  if not isinstance(mesh, mesh_lib.AbstractMesh):
+    return mesh
+  if not op.mesh.empty and _abstract_of(op.mesh) == mesh:
+    return op.mesh
+  return _mesh_from_abstract(op.place.devices, mesh)
+
+
+def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
+            on=None) -> list[_Value]:
+  """The author's pytree of shardings for ``like`` (values of the same
+  shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
+  on = op.mesh if on is None else on
+  leaves = _flatten_up_to(tree, answer,
+                          f"{callback} of {op.name} returned {what}s")
+  out = []
+  for i, (sharding, v) in enumerate(zip(leaves, like)):
+    where = f"{callback} of {op.name} returned {what} {i}"
+    ndim = len(v.shape)
+    if not isinstance(sharding, jax.sharding.Sharding):
+      raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
+                      "a jax.sharding.Sharding.")
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
+                                            sharding.spec)
+    if set(_sharding_devices(sharding)) != set(op.place.devices):
+      raise ValueError(
+          f"{where} on devices "
+          f"{sorted(d.id for d in _sharding_devices(sharding))}, but the "
+          f"op runs on {sorted(d.id for d in op.place.devices)}.")
+    if isinstance(sharding, jax.sharding.NamedSharding) and (
+        len(sharding.spec) > ndim):
+      raise ValueError(f"{where} with spec {sharding.spec} for a value "
+                       f"of rank {ndim}.")
+    if on is op.place.auto:
+      sharding = _onto_auto_axes(op, sharding, where)
+    hlo = _to_hlo_sharding(sharding, ndim)
+    spec = None if on.empty else _decode_spec(hlo, on, ndim)
+    if spec is None and op.steps:
+      raise NotImplementedError(
+          f"{where}, which has no PartitionSpec on the mesh "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
+          "shardings must have one.")
+    out.append(v._replace(spec=spec, hlo=hlo))
+  return out
+
+
+def _onto_auto_axes(op: _Op, sharding, where: str):
+  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
+                    "partly manual shard_map it must be a NamedSharding.")
+  auto = op.place.auto
+  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
+  if manual:
+    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
+                     f"over the manual axes {sorted(manual)}; only "
+                     f"{auto.axis_names} may be used here.")
+  return jax.sharding.NamedSharding(auto, sharding.spec)
+
+
+def _structs(op: _Op, tree, values, on=None):
+  """The callbacks' view of ``values``: a pytree of ShapeDtypeStructs."""
+  on = op.mesh if on is None else on
+  return tree.unflatten([jax.ShapeDtypeStruct(
+      v.shape, v.dtype, sharding=_author_sharding(op, v, on))
+      for v in values])
+
+
+def _author_sharding(op: _Op, v: _Value, on):
+  """How the callbacks see ``v`` (a sharding on mesh ``on``): a
+  NamedSharding on the op's mesh where it has a PartitionSpec and
+  ``decode_shardings`` is on, else a GSPMDSharding; None if not known."""
+  if not v.known():
+    return None
+  if op.decode_shardings and v.spec is not None and not op.mesh.empty:
+    return jax.sharding.NamedSharding(op.mesh,
+                                      jax.sharding.PartitionSpec(*v.spec))
+  devices = op.place.devices if on is op.mesh else _mesh_devices(on)
+  return sharding_impls.GSPMDSharding(devices, _hlo_of(v, on))
+
+
+def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
+                    results: list) -> core.ClosedJaxpr:
+  """Traces ``lower_fn`` on per-shard shapes, with the checks of section
+  7; returns its jaxpr (of flat local arrays)."""
+  lower_fn, on = answer.lower_fn, answer.on
+  if op.check_vma and op.sharding_rule is not None:
+    shapes = [v.shape for v in operands + results]
+    try:  # a rule that does not fit the op fails elsewhere, with its cause
+      _, dims = _resolve_rule(op.sharding_rule, shapes, len(operands))
+    except ValueError:
+      dims = None
+    if dims is not None:
+      _check_even_reductions(op.name, op.sharding_rule, dims, shapes,
+                             len(operands), [v.spec for v in answer.args], on)
+  local_args = [_local_struct(v, on) for v in answer.args]
+  local_results = [_local_struct(v, on) for v in answer.results]
+  try:
+    with _no_ambient_mesh():
+      closed, out_shape = jax.make_jaxpr(
+          lower_fn, axis_env=list(answer.mesh.shape.items()),
+          return_shape=True)(*op.in_tree.unflatten(local_args))
+  except NameError as e:  # an unbound axis name
+    if not answer.mesh.empty:
+      raise
+    raise ValueError(
+        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
+        "returned the empty mesh: the op's mesh could not be recovered (the "
+        "program's shardings are not NamedShardings and no mesh is set). "
+        "Return a mesh over the op's devices, or use NamedSharding inputs, "
+        "jax.set_mesh or `with mesh:`.") from e
+  got = jax.tree_util.tree_leaves(out_shape)
+  if len(got) != len(local_results):
+    raise ValueError(
+        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
+        f"{len(local_results)} ({op.out_tree}).")
+  for i, (g, want) in enumerate(zip(got, local_results)):
+    if g.shape != want.shape or g.dtype != want.dtype:
+      raise ValueError(
+          f"lower_fn of {op.name} returned result {i} with local shape "
+          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
+          f"{want.dtype}{list(want.shape)}.")
+  if op.check_vma:
+    _check_replicated_results(op.name, closed.jaxpr,
+                              [v.spec for v in answer.args],
+                              [v.spec for v in answer.results],
+                              _real_axes(on))
+  return closed
+
+
+_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
+
+
+def _calls_host(jaxpr: core.Jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
+  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
+      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
+
+
+def _host_callback_error(op: _Op) -> NotImplementedError:
+  return NotImplementedError(
+      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
+      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
+      "cannot run inside a custom-partitioned op. Move the callback out "
+      "of lower_fn, before or after the op.")
+
+
+class _PerShard(NamedTuple):
+  """A partitioned op: the per-shard program (a jaxpr of flat local
+  arrays) on ``mesh``, and the shardings it takes and gives."""
+  mesh: Any
+  jaxpr: core.ClosedJaxpr
+  args: list
+  results: list
+
+
+def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
+  """The per-shard program lowered to a module, as bytecode."""
+  # XLA finds a host callback by its index in the list of the program
+  # being compiled, which was fixed before this callback ran; the
+  # per-shard module's own list is not reachable (upstream segfaults).
+  mesh = shard.mesh
+  with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
+    module, host_callbacks = _lower_per_shard(
+        shard.jaxpr, platforms=op.platforms, backend=op.backend,
+        axis_context=sharding_impls.SPMDAxisContext(
+            mesh, frozenset(mesh.axis_names)))
+  if host_callbacks:
+    raise _host_callback_error(op)
+  return mlir.module_to_bytecode(module)
+
+
+def _ask_infer(op: _Op, operands: list, results: list):
+  """The result shardings ``infer_sharding_from_operands`` gives or, without
+  it, the op's rule implies; None where neither can tell."""
+  if op.infer_sharding_from_operands is not None:
+    answer = op.infer_sharding_from_operands(
+        *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
+        op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
+                               for v in results]))
+    if answer is None:
+      return None
+    return _encode(op, op.out_tree, answer, results,
+                   "infer_sharding_from_operands", "result sharding")
+  # The rule needs every placed operand's PartitionSpec.
+  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
+      v.spec is None and v.hlo is not None for v in operands):
+    return None
+  shapes = [v.shape for v in operands + results]
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if isinstance(op.partition, _FromRule):  # as the partition will answer
+      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
+                          [None] * len(results))[1]
+    else:
+      specs = _infer_from_rule(op.sharding_rule, shapes,
+                               [v.spec for v in operands])
+  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
+
+
+def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+  """The result shardings ``propagate_user_sharding`` prefers, given the
+  user's (``results``); the user's if it is not defined."""
+  if op.propagate_user_sharding is None:
+    return results
+  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
+                        _structs(op, op.out_tree, results))
+  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
+                 "result sharding")
+
+
+# --------------------------------------------------------------------------
+# 6. Derived ops: vmap, jvp and transposition
+#
+# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
+# the author's op into a *derived* op, whose ``transform`` lists the steps,
+# first to last, that lead from the author's op to it (the author's op has
+# none). XLA asks about the op at the top; the author's callbacks answer
+# about their own op. So each question is walked down the steps and the
+# answer back up, with shardings as PartitionSpec entries on the op's mesh;
+# walking up, ``lower_fn`` becomes ``vmap``/``jvp``/``vjp`` of itself, run
+# on the same local shards. The rules bind derived ops: the same
+# callbacks, a longer ``transform`` and, as ``call``, the body transformed
+# alike (the derived op's abstract values and single-device code).
+# --------------------------------------------------------------------------
+
+def _jvp(primals, tangents, **params):
+  """The primal stays the op; the tangents come from a derived jvp op.
+
+  Per shard, the jvp op runs ``jax.jvp`` of ``lower_fn`` on the shardings
+  of the op's own partition. An op with a non-float result is
+  differentiated through its body instead (XLA partitions that copy).
+  """
+  call = params["call"]
+  out = custom_partitioning_p.bind(*primals, **params)
+  mask = tuple(type(t) is not ad.Zero and _differentiable(_typeof(p))
+               for p, t in zip(primals, tangents))
+  if not any(mask):
+    return out, [ad.Zero(a.to_tangent_aval()) for a in call.out_avals]
+  if not all(_differentiable(a) for a in call.out_avals):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
+  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
+  derived = _derived_call(call, ("jvp", mask), "jvp",
+                          _jvp_fn(core.jaxpr_as_fun(call), mask), operands)
+  return out, _bind_derived(operands, params, _Step("jvp", mask), derived)
+
+
+def _differentiable(aval) -> bool:
+  return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
+
+
+def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
+                  operands) -> core.ClosedJaxpr:
+  """``fun`` (the body transformed as ``tag`` says) traced for
+  ``operands``; ``tag`` (not a ``_Step``) says which operands are batched
+  or differentiated."""
+  # A pure function of the key: the body, the tag, the operands' avals
+  # (under Explicit axes with shardings, which the results inherit) and
+  # jax's trace context.
+  in_avals = tuple(_typeof(x) for x in operands)
+  key = (call, tag, in_avals, _config.trace_context())
+
+  def build():
+    derived = core.ClosedJaxpr(*_trace_to_jaxpr(_wrap(fun, in_avals, ()),
+                                                 in_avals))
+    _name_call(derived, f"{label} of {_fun_name(call)}")
+    return derived
+  return _derived.cached(key, build)
+
+
+def _bind_derived(args, params, step: _Step, call) -> list:
+  return custom_partitioning_p.bind(
+      *args, **dict(params, call=call, transform=_steps(params) + (step,)))
+
+
+def _transpose(cts, *args, **params):
+  """Transposes a jvp op (linear in its tangents) into a vjp op."""
+  steps = _steps(params)
+  k = max((i for i, s in enumerate(steps) if s.kind != "batch"),
+          default=None)
+  call = params["call"]
+  if k is None or steps[k].kind != "jvp" or any(
+      ad.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
+    raise NotImplementedError(
+        f"{_fun_name(call)}: a custom_partitioning op can be transposed "
+        "only in its tangents, as jax.grad does.")
+  mask = steps[k].mask
+  n = len(mask)
+  cts = [ad.instantiate_zeros(ct) for ct in cts]
+
+  def body(*xs):
+    primals, out_cts = xs[:n], xs[n:]
+
+    def linear(*tangents):
+      return core.jaxpr_as_fun(call)(*primals, *tangents)
+    # The vjp of a linear function is its transpose at any point; the
+    # primals have the tangents' types (inside shard_map, also their
+    # varying manual axes, which jax.linear_transpose would drop).
+    _, pullback = jax.vjp(linear, *(p for p, m in zip(primals, mask) if m))
+    return list(pullback(list(out_cts)))
+  operands = [*args[:n], *cts]
+  derived = _derived_call(call, ("transpose",), "transpose", body, operands)
+  outs = custom_partitioning_p.bind(*operands, **dict(
+      params, call=derived,
+      transform=steps[:k] + (_Step("vjp", mask),) + steps[k + 1:]))
+  return [None] * n + list(outs)
+
+
+def _batch(args, dims, **params):
+  """Batches the op: every operand gets the batch dimension in front."""
+  # An unbatched operand has dimension None (batching.not_mapped).
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  call = params["call"]
+  if size == 0:  # nothing to partition (and no item to unbatch below)
+    outs = jax.vmap(core.jaxpr_as_fun(call), in_axes=list(dims))(*args)
+    return outs, [0] * len(outs)
+  args = [jax.lax.broadcast(x, (size,)) if d is None
+          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  batched = tuple(d is not None for d in dims)
+
+  def body(*xs):
+    # The body sees the broadcast operands unbatched again: with Explicit
+    # mesh axes, vmap wants all batch dimensions sharded alike.
+    return jax.vmap(core.jaxpr_as_fun(call),
+                    in_axes=[0 if b else None for b in batched])(
+                        *[x if b else x[0] for x, b in zip(xs, batched)])
+  derived = _derived_call(call, ("batch", batched), "vmap", body, args)
+  outs = _bind_derived(args, params, _Step("batch"), derived)
+  return outs, [0] * len(outs)
+
+
+class _Step(NamedTuple):
+  """One step from an op to the op derived from it.
+
+  ``"batch"``: every operand and result gains a leading batch dimension.
+  ``"jvp"``: operands are the primals, then the tangents of the primals
+  marked in ``mask``; results are the tangents of the results.
+  ``"vjp"``: operands are the primals, then the cotangents of the results;
+  results are the cotangents of the primals marked in ``mask``.
+  """
+  kind: str
+  mask: tuple = ()
+
+
+def _levels(steps: tuple, operands: list, results: list) -> list:
+  """``levels[k]``: ``(operands, results)`` of the op ``k`` steps above the
+  author's, given those of the op at the top; ``levels[-1]`` is the top."""
+  out = [(operands, results)]
+  for step in reversed(steps):
+    out.append(_step_down(step, *out[-1]))
+  return out[::-1]
+
+
+def _unbatched(v: _Value) -> _Value:
+  """``v`` without its leading batch dimension. A sharding with no
+  PartitionSpec (e.g. a reshape split a mesh axis) reads as replicated: XLA
+  reshards the operand to whatever ``partition`` asks anyway."""
+  spec = v.spec
+  if spec is None and v.hlo is not None:
+    spec = (None,) * len(v.shape)
+  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
+                v.varying)
+
+
+def _step_down(step: _Step, operands: list, results: list):
+  """The operands and results of the op one ``step`` below."""
+  if step.kind == "batch":
+    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
+  n = len(step.mask)
+  if step.kind == "jvp":
+    return operands[:n], results
+  return operands[:n], operands[n:]  # vjp: cotangents stand for results
+
+
+def _step_up(step: _Step, operands: list, results: list, batch_item=None):
+  """Per-value items of the op one ``step`` up, from those below: items are
+  PartitionSpec entries (``_partition``) or a rule's dimensions
+  (``_rule_attr``); a batch step puts ``batch_item`` in front of each."""
+  if step.kind == "batch":
+    return ([(batch_item, *v) for v in operands],
+            [(batch_item, *v) for v in results])
+  picked = [v for v, m in zip(operands, step.mask) if m]
+  if step.kind == "jvp":  # tangents like their primals
+    return operands + picked, results
+  return operands + results, picked  # vjp: cotangents like their primals
+
+
+def _infer(op: _Op, levels: list, k: int):
+  """Result values of the op ``k`` steps above the author's, or None."""
+  operands, results = levels[k]
+  if k == 0:
+    return _ask_infer(op, operands, results)
+  step = op.steps[k - 1]
+  if step.kind == "vjp":  # cotangents are sharded like their primals
+    picked = [v for v, m in zip(operands, step.mask) if m]
+    return None if any(v.spec is None for v in picked) else picked
+  inner = _infer(op, levels, k - 1)
+  if inner is None or step.kind == "jvp":
+    return inner
+  used = _axes_in(v.spec for v in inner + levels[k - 1][0])
+  entry = _batch_entry(operands, used, op.mesh, operands[0].shape[0])
+  return [r._replace(spec=(entry, *v.spec), hlo=None)
+          for r, v in zip(results, inner)]
+
+
+def _propagate(op: _Op, results: list, k: int) -> list[_Value]:
+  """Result values of the op ``k`` steps up, given its user's."""
+  if k == 0:
+    return _ask_propagate(op, results)
+  step = op.steps[k - 1]
+  if step.kind == "vjp":  # cotangents of operands: as the user has them
+    return results
+  if step.kind == "jvp" or not results:
+    return _propagate(op, results, k - 1)
+  inner = _propagate(op, _step_down(step, [], results)[1], k - 1)
+  entry = _batch_entry(results, _axes_in(v.spec for v in inner), op.mesh,
+                       results[0].shape[0])
+  return [r._replace(spec=(entry, *v.spec), hlo=None)
+          for r, v in zip(results, inner)]
+
+
+def _batch_entry(values: list, used: set, mesh, size: int):
+  """The spec entry the batch dimension keeps: the mesh axes it arrives
+  sharded over (first operand or result that has any) that the op's own
+  partition leaves free and that divide the batch size."""
+  entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
+  axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
+          if a is not None and a not in used]
+  while axes and size % math.prod(mesh.shape[a] for a in axes):
+    axes.pop()
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _specs_up(op: _Op, levels: list, answer: _Answer,
+              closed: core.ClosedJaxpr) -> tuple[list, list]:
+  """The author's answer walked up the steps: ``specs[k]`` is the
+  ``(operand specs, result specs)`` of the op ``k`` steps above the
+  author's; ``entries[k]`` what step ``k`` gave its batch dimension (None
+  for jvp and vjp steps). A batch dimension keeps the mesh axes it arrives
+  on unless the level below uses them (in its shardings or ``lower_fn``'s
+  collectives)."""
+  on = answer.on
+  used = _collective_axes(closed.jaxpr, set(on.axis_names))
+  args = [v.spec for v in answer.args]
+  outs = [v.spec for v in answer.results]
+  specs, entries = [(args, outs)], []
+  for step, (level_operands, level_results) in zip(op.steps, levels[1:]):
+    entry = None
+    if step.kind == "batch":
+      entry = _batch_entry(level_operands + level_results,
+                           used | _axes_in(args + outs), on,
+                           level_operands[0].shape[0])
+    args, outs = _step_up(step, args, outs, entry)
+    specs.append((args, outs))
+    entries.append(entry)
+  return specs, entries
+
+
+def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
+  """The axes among ``names`` that ``jaxpr``'s collectives run over."""
+  found: set = set()
+  for eqn in jaxpr.eqns:
+    found |= _eqn_axes(eqn) & names
+  for sub in core.subjaxprs(jaxpr):
+    found |= _collective_axes(sub, names)
+  return found
+
+
+def _eqn_axes(eqn) -> set:
+  """The mesh axis names an equation's collective runs over."""
+  found: set = set()
+  for param in ("axes", "axis_name"):
+    value = eqn.params.get(param)
+    for axis in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(axis, str):
+        found.add(axis)
+  return found
+
+
+def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
+                 closed: core.ClosedJaxpr, specs: list,
+                 entries: list) -> Callable:
+  """``lower_fn``'s jaxpr transformed by each step, first to last: the
+  per-shard function of the op at the top. A vjp step corrects for
+  replicated values (``_vjp_fn``), replicated over ``_copies_over``."""
+  on, mesh = answer.on, answer.mesh
+  fn = core.jaxpr_as_fun(closed)
+  for k, step in enumerate(op.steps):
+    if step.kind == "batch":
+      fn = jax.vmap(fn)
+    elif step.kind == "jvp":
+      fn = _jvp_fn(fn, step.mask)
+    else:
+      batched = _axes_in([entries[k + 1:]])
+      (args, outs), (level_operands, level_results) = specs[k], levels[k]
+      scales = [math.prod(mesh.shape[a]
+                          for a in _copies_over(op, on, spec, v, batched))
+                for spec, v in zip(outs, level_results)]
+      psum_axes = [_copies_over(op, on, spec, v, batched)
+                   for spec, v, m in zip(args, level_operands, step.mask)
+                   if m]
+      fn = _vjp_fn(fn, step.mask, scales, psum_axes)
+  return fn
+
+
+def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
+  """The mesh axes along which devices hold equal copies of ``value`` (a
+  size-1 axis holds one copy, and needs no correction):
+  those of ``on`` that neither its spec nor a batch dimension above shard
+  it over and, inside a partly manual shard_map, the manual axes it does
+  not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
+  leave every value untyped, and then no manual axis counts)."""
+  used = _axes_in([spec]) | batched
+  axes = tuple(a for a in _real_axes(on) if a not in used)
+  if op.place.auto is None or value.varying is None or not any(
+      op.varying[0] + op.varying[1]):
+    return axes
+  return axes + tuple(a for a in _real_axes(op.place.whole)
+                      if a not in op.place.auto.axis_names and
+                      a not in value.varying)
+
+
+def _masked(fn: Callable, primals, mask):
+  """``fn`` as a function of the primals marked in ``mask`` alone."""
+  def partial_fn(*chosen):
+    it = iter(chosen)
+    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
+  return partial_fn, [p for p, m in zip(primals, mask) if m]
+
+
+def _jvp_fn(fn: Callable, mask) -> Callable:
+  """Per-shard tangent function: ``(primals, tangents) -> tangents out``."""
+  n = len(mask)
+
+  def jvp_fn(*xs):
+    partial_fn, chosen = _masked(fn, xs[:n], mask)
+    return list(jax.jvp(partial_fn, chosen, list(xs[n:]))[1])
+  return jvp_fn
+
+
+def _vjp_fn(fn: Callable, mask, scales, psum_axes) -> Callable:
+  """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
+
+  ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
+  of a value counts as a value of its own. The global cotangents follow
+  from two corrections. A result replicated over ``r`` devices is one value
+  with ``r`` copies, so each copy gets ``1/r`` of its cotangent
+  (``scales``). An operand replicated over some mesh axes feeds every copy,
+  so its cotangent sums over them (``psum_axes``).
+  """
+  n = len(mask)
+
+  def vjp_fn(*xs):
+    partial_fn, chosen = _masked(fn, xs[:n], mask)
+    cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
+    _, pullback = jax.vjp(partial_fn, *chosen)
+    grads = pullback(cts)
+    return [jax.lax.psum(g, axes) if axes else g
+            for g, axes in zip(grads, psum_axes)]
+  return vjp_fn
+
+
+def _rule_attr(rule, levels: list, steps: tuple):
+  """The Shardy rule of a derived op, from the author's ``rule``.
+
+  A batch step adds a fresh factor in front of every operand and result; a
+  jvp step repeats the differentiated operands' mappings for the tangents;
+  a vjp step maps each cotangent like its primal.
+  """
+  operands0, results0 = levels[0]
+  sizes, dims = _resolve_rule(rule, [v.shape for v in operands0 + results0],
+                              len(operands0))
+  ops, res = dims[:len(operands0)], dims[len(operands0):]
+  reduction = list(rule.reduction_factors)
+  for k, step in enumerate(steps):
+    factor = None
+    if step.kind == "batch":
+      factor = f"{_BATCH_FACTOR_PREFIX}vmap{k}"
+      sizes[factor] = levels[k + 1][0][0].shape[0]
+    elif step.kind == "vjp":
+      # Cotangents of operands are sharded like the operands, even along
+      # what was a reduction factor.
+      reduction = []
+    ops, res = _step_up(step, ops, res, (factor,))
+  return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
+                              rule.need_replication_factors,
+                              rule.permutation_factors)
+
+
+# --------------------------------------------------------------------------
+# 7. Checks of the per-shard program
+#
+# ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
+# mistakes in it would otherwise give silently wrong numbers. Both are
+# refused while ``lower_fn`` is traced, before XLA runs it (unless the op
+# says ``check_vma=False``):
+#  - a dimension that the mesh does not divide is padded by XLA (the last
+#    shards hold unspecified values past the end); reducing over it mixes the
+#    padding into the result. Refused where the op's rule says the dimension
+#    is reduced: its factor is a reduction factor or appears in no result.
+#  - a result whose sharding is replicated over a mesh axis must be equal on
+#    all devices along it. Each value's *varying axes* (the axes along which
+#    devices may hold different values) are followed through the jaxpr, as
+#    shard_map's check_vma does: operands vary over the axes they are sharded
+#    on, ``axis_index`` and the scattering collectives add their axes,
+#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs. Where a
+#    primitive's effect is unknown (loops, grouped collectives) the answer
+#    is "unknown", and unknown never raises. Size-1 mesh axes never count:
+#    along them there is one device, so nothing can differ.
+# --------------------------------------------------------------------------
+
+def _check_even_reductions(name: str, rule, dims: list, shapes: list,
+                           num_operands: int, in_specs: list, mesh) -> None:
+  """Raises if an operand dimension that the rule reduces over is padded:
+  sharded over mesh axes that do not divide its size. ``dims``: the
+  resolved rule (see ``_resolve_rule``)."""
+  kept = {f for value_dims in dims[num_operands:] for factors in value_dims
+          for f in factors}
+  reduced = set(rule.reduction_factors)
+  for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
+    for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
+      axes = sorted(_axes_in([[entry]]))
+      count = _shard_count(entry, mesh)
+      if count == 1 or shapes[i][d] % count == 0:
+        continue
+      if any(f in reduced or f not in kept for f in factors):
+        raise ValueError(
+            f"partition of {name} shards operand {i} dimension {d} (size "
+            f"{shapes[i][d]}) over mesh axes {axes} ({count} devices), "
+            f"which do not divide it, and the op's sharding rule reduces "
+            "over that dimension: XLA pads the last shards with unspecified "
+            "values, which the reduction would mix into the result (jax."
+            "shard_map refuses such operands too). Shard that dimension "
+            f"over axes that divide its size (or not at all), or pad it to a "
+            f"multiple of {count} before the op; if lower_fn masks the "
+            "padding itself (from jax.lax.axis_index and the global size), "
+            "pass check_vma=False to def_partition.")
+
+
+def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
+                              out_specs: list, axes) -> None:
+  """Raises if a result replicated over one of ``axes`` may vary over it.
+
+  ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
+  of ``lower_fn`` (None: unknown, which never raises). ``axes`` leaves out
+  the mesh's size-1 axes (``_real_axes``): a collective over one, or
+  ``axis_index`` of one, makes nothing differ.
+  """
+  in_varying = [None if spec is None else frozenset(_axes_in([spec]))
+                for spec in in_specs]
+  for i, (varying, spec) in enumerate(zip(_varying(jaxpr, in_varying),
+                                          out_specs)):
+    if varying is None or spec is None:
+      continue
+    for axis in axes:
+      if axis in varying and axis not in _axes_in([spec]):
+        raise ValueError(
+            f"lower_fn of {name} returns result {i} as replicated over mesh "
+            f"axis {axis!r} (its result sharding has spec {spec}), but its "
+            f"value differs between the devices along {axis!r}: it is "
+            f"computed from an operand sharded over {axis!r} (or from "
+            "axis_index) and no collective over that axis makes it equal. "
+            f"Likely fix: a missing jax.lax.psum/pmax/all_gather over "
+            f"{axis!r} in lower_fn, or a result sharding over {axis!r}. If "
+            "the value is equal by construction, pass check_vma=False to "
+            "def_partition.")
+
+
+_INVARIANT_OVER_AXES = frozenset({"psum", "pmax", "pmin", "all_gather",
+                                  "psum_invariant", "all_gather_invariant"})
+_VARYING_OVER_AXES = frozenset({"reduce_scatter", "all_to_all", "ppermute",
+                                "axis_index"})
+_SAME_VALUES = frozenset({"pvary", "pbroadcast"})  # only retype a value
+
+
+def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
+  """Per output of ``jaxpr``: the mesh axes it may vary over (a frozenset),
+  or None where that is unknown; ``in_varying`` likewise per input."""
+  env: dict = dict(zip(jaxpr.invars, in_varying))
+
+  def read(v):
+    return frozenset() if isinstance(v, core.Literal) else env.get(
+        v, frozenset())  # constants are equal everywhere
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    union = None if None in ins else frozenset().union(*ins)
+    name = eqn.primitive.name
+    outs: list = [union] * len(eqn.outvars)
+    if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
+      # One output per operand (a psum of several values is one
+      # equation), each from its own operand.
+      per_operand = ins if len(ins) == len(eqn.outvars) else [union] * len(
+          eqn.outvars)
+      axes = _eqn_axes(eqn)
+      if eqn.params.get("axis_index_groups") is not None:
+        outs = [None] * len(eqn.outvars)
+      elif name in _INVARIANT_OVER_AXES:
+        outs = [None if v is None else v - axes for v in per_operand]
+      else:
+        outs = [None if v is None else v | axes for v in per_operand]
+    elif name == "cond":
+      branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+      outs = [None if ins[0] is None or None in per_out
+              else ins[0].union(*per_out) for per_out in zip(*branches)]
+    elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
+        eqn.params)):
+      sub = _only_subjaxpr(eqn)
+      outs = (_varying(sub, ins) if sub is not None
+              else [None] * len(eqn.outvars))  # loops: not followed
+    for v, out in zip(eqn.outvars, outs):
+      env[v] = out
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _only_subjaxpr(eqn):
+  """The one jaxpr an equation calls with its operands one to one (jit,
+  checkpoint, custom_jvp/vjp calls), or None."""
+  subs = [v for v in eqn.params.values()
+          if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
+  if len(subs) != 1:
+    return None
+  sub = subs[0]
+  jaxpr = getattr(sub, "jaxpr", sub)
+  if (len(jaxpr.invars) != len(eqn.invars) or
+      len(jaxpr.outvars) != len(eqn.outvars)):
+    return None
+  return jaxpr
+
+
+# --------------------------------------------------------------------------
+# 8. Checking an op's partitioning: check_partitioning
+#
+# A wrong ``partition`` (a transformed axis kept sharded, a backward op that
+# forgets a psum) gives plausible numbers, and small tests on one device
+# never run it. The sweep: on each mesh, every operand is replicated or has
+# one dimension sharded over one mesh axis (of more than one device) that
+# divides it. Across operands, all combinations if there are at most
+# ``max_combinations``; else, in this order until the bound: all
+# replicated, each operand's shardings with the others replicated (taken
+# round-robin over the operands), "diagonals" (operand i takes its k-th
+# sharding, for every k), then the remaining product in itertools order.
+# Deterministic: no randomness but the cotangents' fixed seed.
+# --------------------------------------------------------------------------
+
+_DEFAULT_MAX_COMBINATIONS = 32  # per mesh
+
+
+def check_partitioning(fn: Callable, *example_args, grad: bool = False,
+                       meshes=None, rtol: float | None = None,
+                       atol: float | None = None,
+                       max_combinations: int = _DEFAULT_MAX_COMBINATIONS
+                       ) -> PartitioningReport:
+  """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
+  whatever sharding its operands arrive in. For an op author's tests.
+
+  On each mesh, every example argument is placed replicated or with one
+  dimension sharded over one mesh axis that divides it, in combinations
+  across arguments (all of them, or at most ``max_combinations`` per mesh,
+  chosen deterministically: all replicated, each argument sharded alone,
+  all sharded at once, then the rest). Each placement is compiled and run
+  (with ``grad``, its VJP too); its results (and, with ``grad``, its
+  gradients) are compared with ``jax.jit(fn)`` on the arguments on
+  ``jax.devices()[0]``, where every custom-partitioned op runs its own
+  ``fun`` and no callback is asked.
+
+  Args:
+    fn: a ``custom_partitioning`` op, or any function of arrays built from
+      such ops (e.g. a ``jax.custom_vjp`` whose forward and backward are
+      ops). Bind static and non-array arguments into it beforehand
+      (``functools.partial`` or a lambda).
+    *example_args: arrays (``numpy`` or ``jax``), or pytrees of arrays:
+      every leaf is an operand placed in its own shardings. Small shapes
+      keep the check fast; dimensions divisible by the mesh axes' sizes get
+      sharded (with the default meshes on 8 devices: by 2, 4 or 8).
+    grad: also compare the vector-Jacobian product of ``fn`` for fixed
+      random cotangents (seed 0; zero for non-float results; gradients
+      with respect to integer arguments are not compared). Each cotangent
+      is placed with the sharding its result has in that combination (as
+      the jitted forward returns it), so backward ops see cotangents
+      sharded as in a real loss. Two compiles per combination (the forward,
+      then the VJP with the placed cotangents as arguments); one without
+      ``grad``.
+    meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
+      mesh ``('x',)`` over all devices and, where the device count has a
+      factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
+      ``(p, count // p)``, with Auto axes (``jax.sharding.Mesh``; note
+      ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
+      Explicit axis is checked with it set by ``jax.set_mesh``, so that
+      ops take their Explicit-axes path.
+    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype:
+      bfloat16 3e-2, float16 5e-3, float32/complex64 1e-4,
+      float64/complex128 1e-9 for ``rtol``; ``atol`` the same times the
+      reference's largest magnitude (at least 1); integers and booleans
+      exact.
+    max_combinations: keyword; the bound per mesh (default 32). Raise it,
+      or pass ``meshes=``, to check more; the report says how many the
+      bound left out.
+
+  Returns:
+    A ``PartitioningReport``; its ``str`` says how many combinations were
+    checked on which meshes, which arguments no mesh axis divides (checked
+    replicated only) and how many combinations the bound left out.
+
+  Raises:
+    TypeError: ``fn`` is not callable, an example argument (or a leaf of
+      one) is not an array, or ``meshes`` holds a non-mesh.
+    ValueError: ``max_combinations`` is less than 1, or no example argument.
+    AssertionError: a result or gradient differs; the message names the
+      function, the mesh, the operand shardings (as ``PartitionSpec``s),
+      which result or gradient, and the largest error.
+    Exception: an error raised while compiling or running one placement
+      is re-raised with its type (chained to the original), the message
+      naming the mesh and operand shardings; one raised by the reference
+      run on one device, likewise.
+  """
+  name, arg_names, hosts, in_tree = _checked_examples(fn, example_args,
+                                                     max_combinations)
+  flat = all(n.startswith("argument ") and "[" not in n
+             for n in arg_names)  # arrays only
+  meshes = _checked_meshes(name, meshes)
+  run = _runner(fn, name, in_tree, hosts, arg_names, grad)
+  device = jax.devices()[0]
+  try:
+    want = run([jax.device_put(h, device) for h in hosts])
+  except Exception as e:
+    raise _renamed(e, f"check_partitioning({name}): on one device "
+                      f"({device})") from e
+  per_mesh, checked = [], 0
+  sharded_somewhere = [False] * len(hosts)
+  for mesh in meshes:
+    options = [_shardings_of(h.shape, mesh) for h in hosts]
+    for i, o in enumerate(options):
+      sharded_somewhere[i] |= len(o) > 1
+    combinations = _sharding_combinations(options, max_combinations)
+    for specs in combinations:
+      where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
+               f"operand shardings {_specs_text(specs, arg_names, flat)}")
+      placed = [jax.device_put(h, jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec(*spec)))
+                for h, spec in zip(hosts, specs)]
+      try:
+        with _set_mesh_scope(mesh):
+          got = run(placed)
+      except Exception as e:
+        raise _renamed(e, where) from e
+      for (what, g), (_, w) in zip(got, want):
+        _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} "
+                 "on one device")
+    per_mesh.append((_mesh_text(mesh), len(combinations),
+                     math.prod(len(o) for o in options)))
+    checked += len(combinations)
+  replicated_only = tuple(
+      f"{arg_name} (shape {h.shape})"
+      for arg_name, h, s in zip(arg_names, hosts, sharded_somewhere) if not s)
+  return PartitioningReport(name, checked, tuple(per_mesh), replicated_only,
+                            bool(grad), max_combinations)
+
+
+def _checked_examples(fn, example_args: tuple, max_combinations):
+  """``(name, arg_names, host arrays, in_tree)`` of checked arguments."""
+  if not callable(fn):
+    raise TypeError(
+        "check_partitioning: fn must be callable (a custom_partitioning op "
+        f"or a function built from them); got {type(fn).__name__} "
+        f"{_short_repr(fn)}.")
+  name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
+          else None) or getattr(fn, "__qualname__", None) or getattr(
+              fn, "__name__", None) or _short_repr(fn)
+  if not isinstance(max_combinations, int) or max_combinations < 1:
+    raise ValueError(f"check_partitioning({name}): max_combinations must be "
+                     f"a positive int; got {max_combinations!r}.")
+  paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(example_args)
+  if not paths_leaves:
+    raise ValueError(f"check_partitioning({name}): no example argument "
+                     "(an array) to place.")
+  arg_names = [_path_text(path, "argument") for path, _ in paths_leaves]
+  for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
+    if not _is_array(leaf):
+      raise TypeError(
+          f"check_partitioning({name}): example {arg_name} is a "
+          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
+          "numpy or jax arrays; bind other arguments into fn "
+          "(functools.partial or a lambda).")
+  return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
+          in_tree)
+
+
+def _checked_meshes(name: str, meshes) -> list:
+  if meshes is None:
+    return _default_meshes()
+  meshes = [meshes] if isinstance(meshes, jax.sharding.Mesh) else list(meshes)
+  for mesh in meshes:
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"check_partitioning({name}): meshes must hold "
+                      f"jax.sharding.Mesh objects; got {type(mesh).__name__}.")
+  return meshes
+
+
+def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
+            grad: bool) -> Callable:
+  """``run(leaves) -> [(what, array)]``: every result of the jitted
+  forward and, with ``grad``, every gradient of the jitted VJP for fixed
+  cotangents, placed as the forward's results are: the backward ops see
+  them sharded as in a real program's loss."""
+  def forward(args):
+    return fn(*args)
+  forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
+  jitted_forward = jax.jit(forward)
+  if grad:
+    out_shape = jax.eval_shape(fn, *in_tree.unflatten(hosts))
+    rng = np.random.default_rng(0)
+
+    def cotangent(s):
+      if not np.issubdtype(s.dtype, np.inexact):
+        return None  # zero (float0), built while tracing
+      ct = rng.standard_normal(s.shape)
+      if np.issubdtype(s.dtype, np.complexfloating):
+        ct = ct + 1j * rng.standard_normal(s.shape)
+      return ct.astype(s.dtype)
+    cts = jax.tree_util.tree_map(cotangent, out_shape)
+
+    def pullback(args, cts):
+      out, vjp = jax.vjp(fn, *args)
+      full = jax.tree_util.tree_map(
+          lambda o, c: np.zeros(o.shape, jax.dtypes.float0) if c is None
+          else _typed_like(c, o), out, cts, is_leaf=lambda c: c is None)
+      return vjp(full)
+    pullback.__name__ = pullback.__qualname__ = (
+        f"check_partitioning_{name}_vjp")
+    jitted_pullback = jax.jit(pullback)
+
+  def run(leaves):
+    args = in_tree.unflatten(leaves)
+    out = jitted_forward(args)
+    found = [(_path_text(path, "result"), leaf) for path, leaf in
+             jax.tree_util.tree_flatten_with_path(out)[0]]
+    if grad:
+      placed = jax.tree_util.tree_map(
+          lambda o, c: None if c is None else jax.device_put(c, o.sharding),
+          out, cts, is_leaf=lambda c: c is None)
+      grads = jitted_pullback(args, placed)
+      found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
+                in zip(arg_names, jax.tree_util.tree_leaves(grads))
+                if g.dtype != jax.dtypes.float0]
+    return [(what, np.asarray(leaf)) for what, leaf in found]
+  return run
+
+
+def _default_meshes() -> list:
+  """A 1-D mesh ``('x',)`` over all devices and, if the device count has a
+  factor p with 1 < p < count, a 2-D ``('x', 'y')`` mesh of shape
+  ``(p, count // p)`` (p the smallest), both with Auto axes."""
+  devices = np.array(jax.devices())
+  meshes = [jax.sharding.Mesh(devices, ("x",))]
+  n = devices.size
+  p = next((p for p in range(2, n) if n % p == 0), None)
+  if p is not None:
+    meshes.append(jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y")))
+  return meshes
+
+
+def _shardings_of(shape: tuple, mesh) -> list[tuple]:
+  """One operand's candidates: replicated, then each dimension sharded over
+  each mesh axis of more than one device that divides it."""
+  out: list[tuple] = [()]
+  for d, n in enumerate(shape):
+    for name in _real_axes(mesh):
+      if n > 0 and n % mesh.shape[name] == 0:
+        out.append((None,) * d + (name,))
+  return out
+
+
+def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
+  """At most ``bound`` combinations (one entry per operand) of the
+  per-operand ``options`` (each starting with the replicated one), in the
+  order section 8 describes."""
+  total = math.prod(len(o) for o in options)
+  if total <= bound:
+    return list(itertools.product(*options))
+  chosen: dict[tuple, None] = {}
+
+  def add(combination):
+    if len(chosen) < bound:
+      chosen.setdefault(tuple(combination), None)
+  replicated = [o[0] for o in options]
+  add(replicated)
+  longest = max(len(o) for o in options)
+  for k in range(1, longest):  # one operand sharded, round-robin
+    for i, o in enumerate(options):
+      if k < len(o):
+        add(replicated[:i] + [o[k]] + replicated[i + 1:])
+  for k in range(1, longest):  # every operand sharded at once
+    add([o[k % len(o)] for o in options])
+  for combination in itertools.product(*options):
+    if len(chosen) >= bound:
+      break
+    add(combination)
+  return list(chosen)
+
+
+def _mesh_text(mesh) -> str:
+  axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+  types_ = _axis_types(mesh)
+  if types_ is not None and any(
+      t != jax.sharding.AxisType.Auto for t in types_):
+    names = ", ".join(t.name for t in types_)
+    axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
+  return f"Mesh({axes})"
+
+
+def _specs_text(specs, arg_names: list, flat: bool) -> str:
+  """``(PartitionSpec('x'), PartitionSpec())``, one per argument; for
+  pytree arguments, each leaf named."""
+  if flat:
+    return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
+  return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
+                         in zip(arg_names, specs)) + "}"
+
+
+def _spec_text(spec: tuple) -> str:
+  """``PartitionSpec(None, 'x')`` on every jax release (newer ones print
+  ``P(...)``)."""
+  return f"PartitionSpec({', '.join(map(repr, spec))})"
+
+
+def _path_text(path, first: str) -> str:
+  """``argument 1['w']`` / ``result [0]``: a key path, its first key
+  spelled out as ``first`` plus its index."""
+  if first == "argument":
+    return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
+  return f"result {jax.tree_util.keystr(tuple(path))}" if path else "the result"
+
+
+def _renamed(error: Exception, where: str) -> Exception:
+  """``error``'s type with ``where`` before its message (else ``error``
+  itself, with ``where`` as a note, for a type that takes no message)."""
+  try:
+    new = type(error)(f"{where}: {type(error).__name__}: {error}")
+  except Exception:
+    _add_note(error, where)
+    return error
+  return new
+
+
+def _compare(got, want, rtol, atol, what: str) -> None:
+  """Raises AssertionError (message after ``what``) unless ``got`` equals
+  ``want`` within the tolerances (None: by dtype)."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape or got.dtype != want.dtype:
+    raise AssertionError(
+        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
+        f"{want.dtype}{list(want.shape)}")
+  wide = np.complex128 if np.iscomplexobj(want) else np.float64
+  g, w = got.astype(wide), want.astype(wide)
+  tol = _default_tolerance(want.dtype)
+  scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))
+  rtol_ = tol if rtol is None else rtol
+  atol_ = tol * max(scale, 1.0) if atol is None else atol
+  with np.errstate(invalid="ignore"):
+    error = np.abs(g - w)
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    bad = ~same & ~(error <= atol_ + rtol_ * np.abs(w))
+  if not bad.any():
+    return
+  error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
+  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
+                        want.shape)
+  raise AssertionError(
+      f"{what}: largest error {float(np.max(error)):.3g} ({int(bad.sum())} "
+      f"of {bad.size} elements off; at index {tuple(map(int, at))} got "
+      f"{_number(got[at])}, expected {_number(want[at])}; rtol={rtol_:.3g}, "
+      f"atol={atol_:.3g})")
+
+
+def _default_tolerance(dtype) -> float:
+  """rtol (and atol, relative to the reference's largest magnitude) by
+  dtype: 16-bit floats loosely, 32-bit and 64-bit by their precision,
+  integers and booleans exactly."""
+  dtype = np.dtype(dtype)
+  if dtype.name == "bfloat16":
+    return 3e-2
+  if not np.issubdtype(dtype, np.inexact):
+    return 0.0
+  real_size = dtype.itemsize // (2 if np.iscomplexobj(np.zeros((), dtype))
+                                 else 1)
+  return {2: 5e-3, 4: 1e-4, 8: 1e-9}.get(real_size, 1e-4)
+
+
+def _number(value) -> str:
+  value = np.asarray(value).item()
+  return format(value, ".6g") if isinstance(value, (float, complex)) else (
+      str(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitioningReport:
+  """What ``check_partitioning`` checked; ``str()`` says it in a sentence.
+
+  Attributes:
+    name: the checked function's name.
+    checked: how many placements of the operands were compiled, run and
+      compared, over all meshes.
+    meshes: per mesh, ``(description, checked, total)``: combinations run
+      and combinations the sweep has (more than ``checked`` when the bound
+      cut it).
+    replicated_only: the example arguments that no mesh axis divides
+      (described with their shapes): checked replicated only.
+    grad: whether gradients were compared too.
+    max_combinations: the bound per mesh.
+  """
+  name: str
+  checked: int
+  meshes: tuple
+  replicated_only: tuple
+  grad: bool
+  max_combinations: int
+
+  def __str__(self) -> str:
+    what = "results and gradients" if self.grad else "results"
+    per_mesh = "; ".join(f"{text}: {n} of {total}"
+                         for text, n, total in self.meshes)
+    text = (f"check_partitioning({self.name}): {self.checked} combinations "
+            f"of operand shardings checked, {what} equal to {self.name} on "
+            f"one device ({per_mesh}).")
+    if self.replicated_only:
+      text += (f" No mesh axis divides {', '.join(self.replicated_only)}: "
+               "checked replicated only.")
+    left = sum(total - n for _, n, total in self.meshes)
+    if left:
+      text += (f" {left} combinations left unchecked (max_combinations="
+               f"{self.max_combinations} per mesh): raise max_combinations, "
+               "or pass meshes=, to check them.")
+    return text
+
+
+def _short_repr(value, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------
+# Appendix A. Shardings
+#
+# XLA talks in HloShardings on flat lists of shapes; the author's callbacks
+# talk in jax shardings on pytrees of ``jax.ShapeDtypeStruct``. In between,
+# each operand and result is a ``_Value``: its PartitionSpec entries where it
+# has them (what the checks and derived ops work with) and the HloSharding
+# XLA or the author gave, kept as given.
+# --------------------------------------------------------------------------
+
+class _Value(NamedTuple):
+  """An operand or result of an op.
+
+  ``spec``: its PartitionSpec entries (None: it has none, or its sharding is
+  not known); ``hlo``: the HloSharding it came as (None: it is known by
+  ``spec`` alone, or not at all); ``varying``: inside a shard_map, the
+  manual axes it varies over (None: not tracked).
+  """
+  shape: tuple
+  dtype: Any
+  spec: tuple | None = None
+  hlo: xc.HloSharding | None = None
+  varying: frozenset | None = None
+
+  def known(self) -> bool:
+    return self.spec is not None or self.hlo is not None
+
+
+def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
+  """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
+  if shape.is_tuple():
+    shapes = list(shape.tuple_shapes())
+    shardings = (list(sharding.tuple_elements()) if sharding is not None
+                 else [None] * len(shapes))
+    return shapes, shardings
+  return [shape], [sharding]
+
+
+def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
+  if shape.is_tuple():
+    return xc.HloSharding.tuple_sharding(shape, shardings)
+  return shardings[0]
+
+
+def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
+  """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
+  out = []
+  for s, h, v in zip(shapes, hlo_shardings, list(varying) or
+                     [None] * len(shapes)):
+    ndim = len(s.dimensions())
+    spec = None if h is None or on.empty else _decode_spec(h, on, ndim)
+    out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, h, v))
+  return out
+
+
+def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
+  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
+  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
+    # Also covers "replicated within a manual subgroup", which jax's parser
+    # does not handle.
+    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
+      return (None,) * ndim
+  try:
+    spec = _pspec_from_hlo(hlo_sharding, mesh)
+  except Exception:  # noqa: BLE001 - not expressible on this mesh
+    return None
+  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
+  return tuple(spec[:ndim]) + (None,) * (ndim - len(spec))
+
+
+def _hlo_of(v: _Value, on) -> xc.HloSharding:
+  return v.hlo if v.hlo is not None else _spec_hlo(v.spec, on, len(v.shape))
+
+
+def _spec_hlo(spec, mesh, ndim: int) -> xc.HloSharding:
+  return _to_hlo_sharding(jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*spec)), ndim)
+
+
+def _axes_in(specs) -> set:
+  """The mesh axis names used by some PartitionSpec entries."""
+  names: set = set()
+  for spec in specs:
+    for entry in spec or ():
+      names.update(_entry_axes(entry))
+  return names
+
+
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
+
+
+def _real_axes(mesh) -> tuple:
+  """The axes of ``mesh`` with more than one device. Along a size-1 axis
+  there is one device, so nothing is sharded and nothing can differ; XLA's
+  HloShardings cannot even name such an axis."""
+  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _as_xla_spec(spec, mesh) -> tuple:
+  """``spec`` without its size-1 axes: as it reads after a round trip
+  through XLA (as the custom call's callbacks, and upstream's, see it)."""
+  def entry_of(entry):
+    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  return tuple(map(entry_of, spec))
+
+
+def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
+  """A shard of ``v``; a dimension the mesh does not divide is rounded up
+  (XLA pads the last shards)."""
+  if v.spec is None:
+    tile = v.hlo.tile(xc.Shape.array_shape(np.dtype(v.dtype), v.shape))
+    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
+  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
+  return jax.ShapeDtypeStruct(
+      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
+      v.dtype)
+
+
+def _flatten_up_to(tree, value, where: str) -> list:
+  """Flattens ``value`` to the leaves of ``tree``, or raises naming it."""
+  try:
+    return tree.flatten_up_to(value)
+  except (ValueError, TypeError) as e:
+    if isinstance(value, list):  # a list where a tuple is expected is fine
+      return _flatten_up_to(tree, tuple(value), where)
+    raise ValueError(f"{where} {value!r}, whose structure does not match "
+                     f"{tree}.") from e
+
+
+# --------------------------------------------------------------------------
+# Appendix B. Sharding rules for Shardy
 #
 # A rule names a *factor* for every dimension of every operand and result,
 # einsum-style: "i j, j k -> i k". Dimensions that share a factor are sharded
@@ -1149,7 +3242,7 @@ def _reduced_factors(operand_dims: list, result_dims: list) -> set:
 
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
-  """The partition of an op given by its rule alone (section 4,
+  """The partition of an op given by its rule alone (section 5,
   ``_partition_from_rule``): ``(operand specs, result specs)``, as
   PartitionSpec entries.
 
@@ -1201,1185 +3294,143 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
 
 
 # --------------------------------------------------------------------------
-# 3. Shardings
+# Appendix C. The log of what each op was asked
 #
-# XLA talks in HloShardings on flat lists of shapes; the author's callbacks
-# talk in jax shardings on pytrees of ``jax.ShapeDtypeStruct``. In between,
-# each operand and result is a ``_Value``: its PartitionSpec entries where it
-# has them (what the checks and derived ops work with) and the HloSharding
-# XLA or the author gave, kept as given.
+# ``logging.getLogger(__name__)``: a vendored copy logs under its own import
+# path. Silent at the default level (WARNING). At DEBUG, one record per
+# question an op is asked (``infer_sharding_from_operands``,
+# ``propagate_user_sharding`` or ``partition``, by XLA or, under Explicit
+# axes, while tracing), and one where ``fun`` runs instead: the op, the
+# mesh, the shardings the op was asked with and the answer (for a derived
+# op, the author's callbacks' view), the path, why (where the module chose)
+# and whether a cache answered. A derived op is named as jax.vmap, jax.jvp
+# or jax.grad made it ("transpose of jvp of f"). The record's
+# ``custom_partitioning`` attribute holds the op, question, path, mesh,
+# cached and why as a dict.
+# Every call site checks ``_log.isEnabledFor(logging.DEBUG)`` first:
+# formatting costs, and tracing is a hot path.
 # --------------------------------------------------------------------------
 
-class _Value(NamedTuple):
-  """An operand or result of an op.
-
-  ``spec``: its PartitionSpec entries (None: it has none, or its sharding is
-  not known); ``hlo``: the HloSharding it came as (None: it is known by
-  ``spec`` alone, or not at all); ``varying``: inside a shard_map, the
-  manual axes it varies over (None: not tracked).
-  """
-  shape: tuple
-  dtype: Any
-  spec: tuple | None = None
-  hlo: xc.HloSharding | None = None
-  varying: frozenset | None = None
-
-  def known(self) -> bool:
-    return self.spec is not None or self.hlo is not None
-
-
-def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
-  """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
-  if shape.is_tuple():
-    shapes = list(shape.tuple_shapes())
-    shardings = (list(sharding.tuple_elements()) if sharding is not None
-                 else [None] * len(shapes))
-    return shapes, shardings
-  return [shape], [sharding]
-
-
-def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
-  if shape.is_tuple():
-    return xc.HloSharding.tuple_sharding(shape, shardings)
-  return shardings[0]
-
-
-def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
-  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
-  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
-    # Also covers "replicated within a manual subgroup", which jax's parser
-    # does not handle.
-    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
-      return (None,) * ndim
-  try:
-    spec = _pspec_from_hlo(hlo_sharding, mesh)
-  except Exception:  # noqa: BLE001 - not expressible on this mesh
-    return None
-  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
-  return tuple(spec[:ndim]) + (None,) * (ndim - len(spec))
-
-
-def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
-  """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
-  out = []
-  for s, h, v in zip(shapes, hlo_shardings, list(varying) or
-                     [None] * len(shapes)):
-    ndim = len(s.dimensions())
-    spec = None if h is None or on.empty else _decode_spec(h, on, ndim)
-    out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, h, v))
-  return out
-
-
-def _spec_hlo(spec, mesh, ndim: int) -> xc.HloSharding:
-  return _to_hlo_sharding(jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*spec)), ndim)
-
-
-def _hlo_of(v: _Value, on) -> xc.HloSharding:
-  return v.hlo if v.hlo is not None else _spec_hlo(v.spec, on, len(v.shape))
-
-
-def _axes_in(specs) -> set:
-  """The mesh axis names used by some PartitionSpec entries."""
-  names: set = set()
-  for spec in specs:
-    for entry in spec or ():
-      names.update(_entry_axes(entry))
-  return names
-
-
-def _shard_count(entry, mesh) -> int:
-  """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
-
-
-def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` with more than one device. Along a size-1 axis
-  there is one device, so nothing is sharded and nothing can differ; XLA's
-  HloShardings cannot even name such an axis."""
-  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-
-
-def _as_xla_spec(spec, mesh) -> tuple:
-  """``spec`` without its size-1 axes: as it reads after a round trip
-  through XLA (as the custom call's callbacks, and upstream's, see it)."""
-  def entry_of(entry):
-    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-  return tuple(map(entry_of, spec))
-
-
-def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
-  """A shard of ``v``; a dimension the mesh does not divide is rounded up
-  (XLA pads the last shards)."""
-  if v.spec is None:
-    tile = v.hlo.tile(xc.Shape.array_shape(np.dtype(v.dtype), v.shape))
-    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
-  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
-  return jax.ShapeDtypeStruct(
-      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
-      v.dtype)
-
-
-def _flatten_up_to(tree, value, where: str) -> list:
-  """Flattens ``value`` to the leaves of ``tree``, or raises naming it."""
-  try:
-    return tree.flatten_up_to(value)
-  except (ValueError, TypeError) as e:
-    if isinstance(value, list):  # a list where a tuple is expected is fine
-      return _flatten_up_to(tree, tuple(value), where)
-    raise ValueError(f"{where} {value!r}, whose structure does not match "
-                     f"{tree}.") from e
-
-
-# --------------------------------------------------------------------------
-# 3b. Derived ops: vmap, jvp and transposition
-#
-# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
-# the author's op into a *derived* op, whose ``transform`` parameter lists
-# the ``_Step``s, first to last, that lead from the author's op to it. The
-# author's op is the derived op with no steps. XLA asks its questions about
-# the op at the top; the author's callbacks answer them about their own op.
-# So each question is walked down the steps (shapes and shardings
-# translated on the way) and the answer walked back up, with shardings as
-# PartitionSpec entries on the op's mesh. Walking up, ``lower_fn`` becomes
-# ``vmap``/``jvp``/``vjp`` of itself, run on the same local shards.
-# --------------------------------------------------------------------------
-
-class _Step(NamedTuple):
-  """One step from an op to the op derived from it.
-
-  ``"batch"``: every operand and result gains a leading batch dimension.
-  ``"jvp"``: operands are the primals, then the tangents of the primals
-  marked in ``mask``; results are the tangents of the results.
-  ``"vjp"``: operands are the primals, then the cotangents of the results;
-  results are the cotangents of the primals marked in ``mask``.
-  """
-  kind: str
-  mask: tuple = ()
-
-
-def _unbatched(v: _Value) -> _Value:
-  """``v`` without its leading batch dimension. A sharding with no
-  PartitionSpec (e.g. a reshape split a mesh axis) reads as replicated: XLA
-  reshards the operand to whatever ``partition`` asks anyway."""
-  spec = v.spec
-  if spec is None and v.hlo is not None:
-    spec = (None,) * len(v.shape)
-  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
-                v.varying)
-
-
-def _step_down(step: _Step, operands: list, results: list):
-  """The operands and results of the op one ``step`` below."""
-  if step.kind == "batch":
-    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
-  n = len(step.mask)
-  if step.kind == "jvp":
-    return operands[:n], results
-  return operands[:n], operands[n:]  # vjp: cotangents stand for results
-
-
-def _step_up(step: _Step, operands: list, results: list, batch_item=None):
-  """Per-value items of the op one ``step`` up, from those below: items are
-  PartitionSpec entries (``_partition``) or a rule's dimensions
-  (``_rule_attr``); a batch step puts ``batch_item`` in front of each."""
-  if step.kind == "batch":
-    return ([(batch_item, *v) for v in operands],
-            [(batch_item, *v) for v in results])
-  picked = [v for v, m in zip(operands, step.mask) if m]
-  if step.kind == "jvp":  # tangents like their primals
-    return operands + picked, results
-  return operands + results, picked  # vjp: cotangents like their primals
-
-
-def _levels(steps: tuple, operands: list, results: list) -> list:
-  """``levels[k]``: ``(operands, results)`` of the op ``k`` steps above the
-  author's, given those of the op at the top; ``levels[-1]`` is the top."""
-  out = [(operands, results)]
-  for step in reversed(steps):
-    out.append(_step_down(step, *out[-1]))
-  return out[::-1]
-
-
-def _eqn_axes(eqn) -> set:
-  """The mesh axis names an equation's collective runs over."""
-  found: set = set()
-  for param in ("axes", "axis_name"):
-    value = eqn.params.get(param)
-    for axis in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(axis, str):
-        found.add(axis)
-  return found
-
-
-def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
-  """The axes among ``names`` that ``jaxpr``'s collectives run over."""
-  found: set = set()
-  for eqn in jaxpr.eqns:
-    found |= _eqn_axes(eqn) & names
-  for sub in core.subjaxprs(jaxpr):
-    found |= _collective_axes(sub, names)
-  return found
-
-
-def _batch_entry(values: list, used: set, mesh, size: int):
-  """The spec entry the batch dimension keeps: the mesh axes it arrives
-  sharded over (first operand or result that has any) that the op's own
-  partition leaves free and that divide the batch size."""
-  entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
-  axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
-          if a is not None and a not in used]
-  while axes and size % math.prod(mesh.shape[a] for a in axes):
-    axes.pop()
-  if not axes:
-    return None
-  return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _masked(fn: Callable, primals, mask):
-  """``fn`` as a function of the primals marked in ``mask`` alone."""
-  def partial_fn(*chosen):
-    it = iter(chosen)
-    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
-  return partial_fn, [p for p, m in zip(primals, mask) if m]
-
-
-def _jvp_fn(fn: Callable, mask) -> Callable:
-  """Per-shard tangent function: ``(primals, tangents) -> tangents out``."""
-  n = len(mask)
-
-  def jvp_fn(*xs):
-    partial_fn, chosen = _masked(fn, xs[:n], mask)
-    return list(jax.jvp(partial_fn, chosen, list(xs[n:]))[1])
-  return jvp_fn
-
-
-def _vjp_fn(fn: Callable, mask, scales, psum_axes) -> Callable:
-  """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
-
-  ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
-  of a value counts as a value of its own. The global cotangents follow
-  from two corrections. A result replicated over ``r`` devices is one value
-  with ``r`` copies, so each copy gets ``1/r`` of its cotangent
-  (``scales``). An operand replicated over some mesh axes feeds every copy,
-  so its cotangent sums over them (``psum_axes``).
-  """
-  n = len(mask)
-
-  def vjp_fn(*xs):
-    partial_fn, chosen = _masked(fn, xs[:n], mask)
-    cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
-    _, pullback = jax.vjp(partial_fn, *chosen)
-    grads = pullback(cts)
-    return [jax.lax.psum(g, axes) if axes else g
-            for g, axes in zip(grads, psum_axes)]
-  return vjp_fn
-
-
-def _rule_attr(rule, levels: list, steps: tuple):
-  """The Shardy rule of a derived op, from the author's ``rule``.
-
-  A batch step adds a fresh factor in front of every operand and result; a
-  jvp step repeats the differentiated operands' mappings for the tangents;
-  a vjp step maps each cotangent like its primal.
-  """
-  operands0, results0 = levels[0]
-  sizes, dims = _resolve_rule(rule, [v.shape for v in operands0 + results0],
-                              len(operands0))
-  ops, res = dims[:len(operands0)], dims[len(operands0):]
-  reduction = list(rule.reduction_factors)
-  for k, step in enumerate(steps):
-    factor = None
-    if step.kind == "batch":
-      factor = f"{_BATCH_FACTOR_PREFIX}vmap{k}"
-      sizes[factor] = levels[k + 1][0][0].shape[0]
-    elif step.kind == "vjp":
-      # Cotangents of operands are sharded like the operands, even along
-      # what was a reduction factor.
-      reduction = []
-    ops, res = _step_up(step, ops, res, (factor,))
-  return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
-                              rule.need_replication_factors,
-                              rule.permutation_factors)
-
-
-# --------------------------------------------------------------------------
-# 3c. Checks of the per-shard program
-#
-# ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
-# mistakes in it would otherwise give silently wrong numbers. Both are
-# refused while ``lower_fn`` is traced, before XLA runs it (unless the op
-# says ``check_vma=False``):
-#  - a dimension that the mesh does not divide is padded by XLA (the last
-#    shards hold unspecified values past the end); reducing over it mixes the
-#    padding into the result. Refused where the op's rule says the dimension
-#    is reduced: its factor is a reduction factor or appears in no result.
-#  - a result whose sharding is replicated over a mesh axis must be equal on
-#    all devices along it. Each value's *varying axes* (the axes along which
-#    devices may hold different values) are followed through the jaxpr, as
-#    shard_map's check_vma does: operands vary over the axes they are sharded
-#    on, ``axis_index`` and the scattering collectives add their axes,
-#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs. Where a
-#    primitive's effect is unknown (loops, grouped collectives) the answer
-#    is "unknown", and unknown never raises. Size-1 mesh axes never count:
-#    along them there is one device, so nothing can differ.
-# --------------------------------------------------------------------------
-
-_INVARIANT_OVER_AXES = frozenset({"psum", "pmax", "pmin", "all_gather",
-                                  "psum_invariant", "all_gather_invariant"})
-_VARYING_OVER_AXES = frozenset({"reduce_scatter", "all_to_all", "ppermute",
-                                "axis_index"})
-_SAME_VALUES = frozenset({"pvary", "pbroadcast"})  # only retype a value
-
-
-def _only_subjaxpr(eqn):
-  """The one jaxpr an equation calls with its operands one to one (jit,
-  checkpoint, custom_jvp/vjp calls), or None."""
-  subs = [v for v in eqn.params.values()
-          if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
-  if len(subs) != 1:
-    return None
-  sub = subs[0]
-  jaxpr = getattr(sub, "jaxpr", sub)
-  if (len(jaxpr.invars) != len(eqn.invars) or
-      len(jaxpr.outvars) != len(eqn.outvars)):
-    return None
-  return jaxpr
-
-
-def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
-  """Per output of ``jaxpr``: the mesh axes it may vary over (a frozenset),
-  or None where that is unknown; ``in_varying`` likewise per input."""
-  env: dict = dict(zip(jaxpr.invars, in_varying))
-
-  def read(v):
-    return frozenset() if isinstance(v, core.Literal) else env.get(
-        v, frozenset())  # constants are equal everywhere
-
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    union = None if None in ins else frozenset().union(*ins)
-    name = eqn.primitive.name
-    outs: list = [union] * len(eqn.outvars)
-    if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
-      # One output per operand (a psum of several values is one
-      # equation), each from its own operand.
-      per_operand = ins if len(ins) == len(eqn.outvars) else [union] * len(
-          eqn.outvars)
-      axes = _eqn_axes(eqn)
-      if eqn.params.get("axis_index_groups") is not None:
-        outs = [None] * len(eqn.outvars)
-      elif name in _INVARIANT_OVER_AXES:
-        outs = [None if v is None else v - axes for v in per_operand]
-      else:
-        outs = [None if v is None else v | axes for v in per_operand]
-    elif name == "cond":
-      branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
-      outs = [None if ins[0] is None or None in per_out
-              else ins[0].union(*per_out) for per_out in zip(*branches)]
-    elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
-        eqn.params)):
-      sub = _only_subjaxpr(eqn)
-      outs = (_varying(sub, ins) if sub is not None
-              else [None] * len(eqn.outvars))  # loops: not followed
-    for v, out in zip(eqn.outvars, outs):
-      env[v] = out
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
-                              out_specs: list, axes) -> None:
-  """Raises if a result replicated over one of ``axes`` may vary over it.
-
-  ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
-  of ``lower_fn`` (None: unknown, which never raises). ``axes`` leaves out
-  the mesh's size-1 axes (``_real_axes``): a collective over one, or
-  ``axis_index`` of one, makes nothing differ.
-  """
-  in_varying = [None if spec is None else frozenset(_axes_in([spec]))
-                for spec in in_specs]
-  for i, (varying, spec) in enumerate(zip(_varying(jaxpr, in_varying),
-                                          out_specs)):
-    if varying is None or spec is None:
-      continue
-    for axis in axes:
-      if axis in varying and axis not in _axes_in([spec]):
-        raise ValueError(
-            f"lower_fn of {name} returns result {i} as replicated over mesh "
-            f"axis {axis!r} (its result sharding has spec {spec}), but its "
-            f"value differs between the devices along {axis!r}: it is "
-            f"computed from an operand sharded over {axis!r} (or from "
-            "axis_index) and no collective over that axis makes it equal. "
-            f"Likely fix: a missing jax.lax.psum/pmax/all_gather over "
-            f"{axis!r} in lower_fn, or a result sharding over {axis!r}. If "
-            "the value is equal by construction, pass check_vma=False to "
-            "def_partition.")
-
-
-def _check_even_reductions(name: str, rule, dims: list, shapes: list,
-                           num_operands: int, in_specs: list, mesh) -> None:
-  """Raises if an operand dimension that the rule reduces over is padded:
-  sharded over mesh axes that do not divide its size. ``dims``: the
-  resolved rule (see ``_resolve_rule``)."""
-  kept = {f for value_dims in dims[num_operands:] for factors in value_dims
-          for f in factors}
-  reduced = set(rule.reduction_factors)
-  for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
-    for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
-      axes = sorted(_axes_in([[entry]]))
-      count = _shard_count(entry, mesh)
-      if count == 1 or shapes[i][d] % count == 0:
-        continue
-      if any(f in reduced or f not in kept for f in factors):
-        raise ValueError(
-            f"partition of {name} shards operand {i} dimension {d} (size "
-            f"{shapes[i][d]}) over mesh axes {axes} ({count} devices), "
-            f"which do not divide it, and the op's sharding rule reduces "
-            "over that dimension: XLA pads the last shards with unspecified "
-            "values, which the reduction would mix into the result (jax."
-            "shard_map refuses such operands too). Shard that dimension "
-            f"over axes that divide its size (or not at all), or pad it to a "
-            f"multiple of {count} before the op; if lower_fn masks the "
-            "padding itself (from jax.lax.axis_index and the global size), "
-            "pass check_vma=False to def_partition.")
-
-
-# --------------------------------------------------------------------------
-# 4. One lowered op, and the questions XLA asks about it
-#
-# ``_Op`` describes one lowered custom call: its mesh and devices, the
-# author's callbacks and the steps that derive it from the author's op.
-# XLA asks three questions about it (which sharding a result gets from the
-# operands, which sharding it prefers given its user's, and how one shard is
-# computed). Each goes XLA -> ``_xla_<q>`` (4b: XLA's types to ``_Value``s)
-# -> ``_<q>`` (walks the steps down to the author's op, section 3b, and the
-# answer back up) -> ``_ask_<q>``, the only caller of that callback of the
-# author's (``_ask_rule``, in section 5, asks a callable sharding rule
-# while lowering). Section 5b asks the same functions while tracing, under
-# Explicit mesh axes.
-#
-# Meshes: ``op.mesh`` is what the callbacks see; the ``on`` parameters name
-# the mesh a value's spec and HloSharding are on: ``op.mesh``, or for a
-# partition request inside a partly manual shard_map ``op.place.auto``, or
-# for ``partition``'s answer the mesh it returned (``_Answer.on``).
-# --------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Configuration:
-  """jax's configuration on the thread that lowers an op: every option's
-  value (``_config_values``), to run its callbacks under, and the trace
-  context by value (``_trace_context_by_value``), its part of the key."""
-  values: tuple
-  trace_context: tuple
-
-  @classmethod
-  def here(cls) -> _Configuration:
-    return cls(_config_values(), _trace_context_by_value())
-
-
-class _Placement(NamedTuple):
-  """Where a lowered op runs.
-
-  ``mesh`` is what the callbacks see: the real mesh whenever it can be
-  recovered, else the mesh of ``with mesh:`` (the empty mesh if none).
-  Inside a partly manual shard_map it names every axis, the manual ones
-  typed ``AxisType.Manual``; XLA then asks for the partition on ``auto``,
-  the mesh of the auto axes alone, and the per-shard code runs on
-  ``whole``, the shard_map's mesh.
-  """
-  mesh: Any
-  devices: tuple | None
-  auto: Any = None
-  whole: Any = None
-
-
-_STATE = {"state": True}  # marks the fields of an _Op that are not its key
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Op:
-  """What XLA's callbacks need to know about one lowered custom call; built
-  by ``_op_of`` alone, immutable but for its answer cache.
-
-  Every field but those marked ``_STATE`` is part of the op's key
-  (``_register``): ops with equal keys are one op to XLA's callbacks.
-  """
-  name: str
-  partition: Callable | None
-  infer_sharding_from_operands: Callable | None
-  propagate_user_sharding: Callable | None
-  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
-  decode_shardings: bool
-  check_vma: bool
-  static_args: tuple
-  in_tree: Any
-  out_tree: Any
-  steps: tuple  # of _Step: from the author's op to this one
-  place: _Placement
-  # Per operand and result: the manual axes it varies over, if tracked.
-  varying: tuple = ((), ())
-  platforms: Any = None
-  backend: Any = None
-  # jax's configuration where the op was lowered, which ``partition`` and
-  # ``lower_fn`` run under on XLA's thread; None: the caller's own (5b).
-  config: _Configuration | None = None
-  # Partition request -> XLA's answer. The request holds every input of the
-  # answer that is not in the op's key (shapes, dtypes, shardings); the key
-  # holds the rest (section 4c).
-  lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256),
-                                    metadata=_STATE)
-
-  @property
-  def mesh(self):
-    return self.place.mesh
-
-
-def _author_sharding(op: _Op, v: _Value, on):
-  """How the callbacks see ``v`` (a sharding on mesh ``on``): a
-  NamedSharding on the op's mesh where it has a PartitionSpec and
-  ``decode_shardings`` is on, else a GSPMDSharding; None if not known."""
-  if not v.known():
-    return None
-  if op.decode_shardings and v.spec is not None and not op.mesh.empty:
-    return jax.sharding.NamedSharding(op.mesh,
-                                      jax.sharding.PartitionSpec(*v.spec))
-  devices = op.place.devices if on is op.mesh else _mesh_devices(on)
-  return sharding_impls.GSPMDSharding(devices, _hlo_of(v, on))
-
-
-def _structs(op: _Op, tree, values, on=None):
-  """The callbacks' view of ``values``: a pytree of ShapeDtypeStructs."""
-  on = op.mesh if on is None else on
-  return tree.unflatten([jax.ShapeDtypeStruct(
-      v.shape, v.dtype, sharding=_author_sharding(op, v, on))
-      for v in values])
-
-
-def _onto_auto_axes(op: _Op, sharding, where: str):
-  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
-                    "partly manual shard_map it must be a NamedSharding.")
-  auto = op.place.auto
-  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
-  if manual:
-    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
-                     f"over the manual axes {sorted(manual)}; only "
-                     f"{auto.axis_names} may be used here.")
-  return jax.sharding.NamedSharding(auto, sharding.spec)
-
-
-def _concrete(op: _Op, mesh):
-  """A mesh from the author; an AbstractMesh made concrete on the op's
-  devices (as upstream does)."""
-  if not isinstance(mesh, mesh_lib.AbstractMesh):
-    return mesh
-  if not op.mesh.empty and _abstract_of(op.mesh) == mesh:
-    return op.mesh
-  return _mesh_from_abstract(op.place.devices, mesh)
-
-
-def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
-            on=None) -> list[_Value]:
-  """The author's pytree of shardings for ``like`` (values of the same
-  shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
-  on = op.mesh if on is None else on
-  leaves = _flatten_up_to(tree, answer,
-                          f"{callback} of {op.name} returned {what}s")
-  out = []
-  for i, (sharding, v) in enumerate(zip(leaves, like)):
-    where = f"{callback} of {op.name} returned {what} {i}"
-    ndim = len(v.shape)
-    if not isinstance(sharding, jax.sharding.Sharding):
-      raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
-                      "a jax.sharding.Sharding.")
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
-                                            sharding.spec)
-    if set(_sharding_devices(sharding)) != set(op.place.devices):
-      raise ValueError(
-          f"{where} on devices "
-          f"{sorted(d.id for d in _sharding_devices(sharding))}, but the "
-          f"op runs on {sorted(d.id for d in op.place.devices)}.")
-    if isinstance(sharding, jax.sharding.NamedSharding) and (
-        len(sharding.spec) > ndim):
-      raise ValueError(f"{where} with spec {sharding.spec} for a value "
-                       f"of rank {ndim}.")
-    if on is op.place.auto:
-      sharding = _onto_auto_axes(op, sharding, where)
-    hlo = _to_hlo_sharding(sharding, ndim)
-    spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and op.steps:
-      raise NotImplementedError(
-          f"{where}, which has no PartitionSpec on the mesh "
-          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
-          "shardings must have one.")
-    out.append(v._replace(spec=spec, hlo=hlo))
-  return out
-
-
-
-
-
-# -- the author's callbacks, each asked in one place ------------------------
-
-def _ask_infer(op: _Op, operands: list, results: list):
-  """The result shardings ``infer_sharding_from_operands`` gives or, without
-  it, the op's rule implies; None where neither can tell."""
-  if op.infer_sharding_from_operands is not None:
-    answer = op.infer_sharding_from_operands(
-        *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
-        op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
-                               for v in results]))
-    if answer is None:
-      return None
-    return _encode(op, op.out_tree, answer, results,
-                   "infer_sharding_from_operands", "result sharding")
-  # The rule needs every placed operand's PartitionSpec.
-  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
-      v.spec is None and v.hlo is not None for v in operands):
-    return None
-  shapes = [v.shape for v in operands + results]
-  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-    if isinstance(op.partition, _FromRule):  # as the partition will answer
-      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
-                          [None] * len(results))[1]
-    else:
-      specs = _infer_from_rule(op.sharding_rule, shapes,
-                               [v.spec for v in operands])
-  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
-
-
-def _ask_propagate(op: _Op, results: list) -> list[_Value]:
-  """The result shardings ``propagate_user_sharding`` prefers, given the
-  user's (``results``); the user's if it is not defined."""
-  if op.propagate_user_sharding is None:
-    return results
-  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
-                        _structs(op, op.out_tree, results))
-  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
-                 "result sharding")
-
-
-class _Answer(NamedTuple):
-  """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
-  (its collectives name that mesh's axes), the mesh the specs of ``args``
-  and ``results`` are on, and those shardings."""
-  mesh: Any
-  on: Any
-  lower_fn: Callable
-  args: list
-  results: list
-
-
-def _check_answer(op: _Op, answer):
-  """Validates what ``partition`` returned; returns its four parts."""
-  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
-    got = (f"a sequence of length {len(answer)}"
-           if isinstance(answer, (tuple, list)) else type(answer).__name__)
-    raise TypeError(
-        f"partition of {op.name} must return (mesh, lower_fn, "
-        f"result_shardings, arg_shardings); got {got}.")
-  mesh, lower_fn, _, _ = answer
-  if not callable(lower_fn):
-    raise TypeError(f"partition of {op.name} returned a lower_fn of type "
-                    f"{type(lower_fn).__name__}, which is not callable.")
-  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
-    raise TypeError(f"partition of {op.name} returned a mesh of type "
-                    f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
-  devices = op.place.devices
-  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
-  # op got if no mesh could be recovered (as upstream, lower_fn then runs
-  # without mesh axes).
-  if op.place.auto is None and not mesh.empty:
-    if isinstance(mesh, mesh_lib.Mesh):
-      if set(_mesh_devices(mesh)) != set(devices):
-        raise ValueError(
-            f"partition of {op.name} returned a mesh on devices "
-            f"{sorted(d.id for d in _mesh_devices(mesh))}, but the op runs "
-            f"on {sorted(d.id for d in devices)}.")
-    elif mesh.size != len(devices):
-      raise ValueError(
-          f"partition of {op.name} returned a mesh of {mesh.size} "
-          f"devices, but the op runs on {len(devices)}.")
-  return answer
-
-
-def _check_has_partition(name: str, partition, num_devices: int) -> None:
-  if partition is None:
-    raise ValueError(
-        f"custom_partitioning op {name} runs on {num_devices} devices, but "
-        "its def_partition was given partition=None and no sharding_rule to "
-        "derive a partition from: give either.")
-
-
-def _partition_from_rule(op: _Op, operands: list, results: list):
-  """What a ``partition`` written from the op's rule would return, for an
-  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
-  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
-  op's own ``fun``."""
-  lower_fn = op.partition.lower_fn(op.static_args)
-  if op.mesh.empty:  # no axis to name: replicated is right for every op
-    replicated = sharding_impls.GSPMDSharding(op.place.devices,
-                                              xc.HloSharding.replicate())
-    in_shardings = [replicated] * len(operands)
-    out_shardings = [replicated] * len(results)
-  else:
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      in_specs, out_specs = _rule_specs(
-          op.sharding_rule, [v.shape for v in operands + results],
-          [v.spec for v in operands], [v.spec for v in results])
-    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
-        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
-        for specs in (in_specs, out_specs))
-  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
-          op.in_tree.unflatten(in_shardings))
-
-
-def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values whose shardings are on ``on`` (for
-  an op defined by its rule alone, ``_partition_from_rule``)."""
-  _check_has_partition(op.name, op.partition, len(op.place.devices))
-  if isinstance(op.partition, _FromRule):
-    answer = _partition_from_rule(op, operands, results)
-  else:
-    answer = op.partition(*op.static_args, op.mesh,
-                          _structs(op, op.in_tree, operands, on),
-                          _structs(op, op.out_tree, results, on))
-  mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
-  mesh = _concrete(op, mesh)
-  if op.place.auto is not None:
-    # Collectives must name devices of the whole program: lower on the
-    # whole mesh (the returned one may be the mesh with manual types).
-    mesh = op.place.whole
-  else:
-    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
-      raise NotImplementedError(
-          f"partition of {op.name} returned a mesh with axes "
-          f"{dict(mesh.shape)}, but the op's mesh has "
-          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad "
-          "they must be the same.")
-    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
-  return _Answer(mesh, on, lower_fn,
-                 _encode(op, op.in_tree, in_shardings, operands, "partition",
-                         "arg sharding", on),
-                 _encode(op, op.out_tree, out_shardings, results,
-                         "partition", "result sharding", on))
-
-
-# -- lower_fn, traced and checked ------------------------------------------
-
-_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
-
-
-def _calls_host(jaxpr: core.Jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
-  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
-      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
-
-
-def _host_callback_error(op: _Op) -> NotImplementedError:
-  return NotImplementedError(
-      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
-      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
-      "cannot run inside a custom-partitioned op. Move the callback out "
-      "of lower_fn, before or after the op.")
-
-
-def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
-                    results: list) -> core.ClosedJaxpr:
-  """Traces ``lower_fn`` on per-shard shapes, with the checks of section
-  3c; returns its jaxpr (of flat local arrays)."""
-  lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None:
-    shapes = [v.shape for v in operands + results]
-    try:  # a rule that does not fit the op fails elsewhere, with its cause
-      _, dims = _resolve_rule(op.sharding_rule, shapes, len(operands))
-    except ValueError:
-      dims = None
-    if dims is not None:
-      _check_even_reductions(op.name, op.sharding_rule, dims, shapes,
-                             len(operands), [v.spec for v in answer.args], on)
-  local_args = [_local_struct(v, on) for v in answer.args]
-  local_results = [_local_struct(v, on) for v in answer.results]
-  try:
-    with _no_ambient_mesh():
-      closed, out_shape = jax.make_jaxpr(
-          lower_fn, axis_env=list(answer.mesh.shape.items()),
-          return_shape=True)(*op.in_tree.unflatten(local_args))
-  except NameError as e:  # an unbound axis name
-    if not answer.mesh.empty:
-      raise
-    raise ValueError(
-        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
-        "returned the empty mesh: the op's mesh could not be recovered (the "
-        "program's shardings are not NamedShardings and no mesh is set). "
-        "Return a mesh over the op's devices, or use NamedSharding inputs, "
-        "jax.set_mesh or `with mesh:`.") from e
-  got = jax.tree_util.tree_leaves(out_shape)
-  if len(got) != len(local_results):
-    raise ValueError(
-        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
-        f"{len(local_results)} ({op.out_tree}).")
-  for i, (g, want) in enumerate(zip(got, local_results)):
-    if g.shape != want.shape or g.dtype != want.dtype:
-      raise ValueError(
-          f"lower_fn of {op.name} returned result {i} with local shape "
-          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
-          f"{want.dtype}{list(want.shape)}.")
-  if op.check_vma:
-    _check_replicated_results(op.name, closed.jaxpr,
-                              [v.spec for v in answer.args],
-                              [v.spec for v in answer.results],
-                              _real_axes(on))
-  return closed
-
-
-# -- the three questions, walked through the steps ---------------------------
-
-def _infer(op: _Op, levels: list, k: int):
-  """Result values of the op ``k`` steps above the author's, or None."""
-  operands, results = levels[k]
-  if k == 0:
-    return _ask_infer(op, operands, results)
-  step = op.steps[k - 1]
-  if step.kind == "vjp":  # cotangents are sharded like their primals
-    picked = [v for v, m in zip(operands, step.mask) if m]
-    return None if any(v.spec is None for v in picked) else picked
-  inner = _infer(op, levels, k - 1)
-  if inner is None or step.kind == "jvp":
-    return inner
-  used = _axes_in(v.spec for v in inner + levels[k - 1][0])
-  entry = _batch_entry(operands, used, op.mesh, operands[0].shape[0])
-  return [r._replace(spec=(entry, *v.spec), hlo=None)
-          for r, v in zip(results, inner)]
-
-
-def _propagate(op: _Op, results: list, k: int) -> list[_Value]:
-  """Result values of the op ``k`` steps up, given its user's."""
-  if k == 0:
-    return _ask_propagate(op, results)
-  step = op.steps[k - 1]
-  if step.kind == "vjp":  # cotangents of operands: as the user has them
-    return results
-  if step.kind == "jvp" or not results:
-    return _propagate(op, results, k - 1)
-  inner = _propagate(op, _step_down(step, [], results)[1], k - 1)
-  entry = _batch_entry(results, _axes_in(v.spec for v in inner), op.mesh,
-                       results[0].shape[0])
-  return [r._replace(spec=(entry, *v.spec), hlo=None)
-          for r, v in zip(results, inner)]
-
-
-class _PerShard(NamedTuple):
-  """A partitioned op: the per-shard program (a jaxpr of flat local
-  arrays) on ``mesh``, and the shardings it takes and gives."""
-  mesh: Any
-  jaxpr: core.ClosedJaxpr
-  args: list
-  results: list
-
-
-def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
-  """The mesh axes along which devices hold equal copies of ``value`` (a
-  size-1 axis holds one copy, and needs no correction):
-  those of ``on`` that neither its spec nor a batch dimension above shard
-  it over and, inside a partly manual shard_map, the manual axes it does
-  not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
-  leave every value untyped, and then no manual axis counts)."""
-  used = _axes_in([spec]) | batched
-  axes = tuple(a for a in _real_axes(on) if a not in used)
-  if op.place.auto is None or value.varying is None or not any(
-      op.varying[0] + op.varying[1]):
-    return axes
-  return axes + tuple(a for a in _real_axes(op.place.whole)
-                      if a not in op.place.auto.axis_names and
-                      a not in value.varying)
-
-
-def _specs_up(op: _Op, levels: list, answer: _Answer,
-              closed: core.ClosedJaxpr) -> tuple[list, list]:
-  """The author's answer walked up the steps: ``specs[k]`` is the
-  ``(operand specs, result specs)`` of the op ``k`` steps above the
-  author's; ``entries[k]`` what step ``k`` gave its batch dimension (None
-  for jvp and vjp steps). A batch dimension keeps the mesh axes it arrives
-  on unless the level below uses them (in its shardings or ``lower_fn``'s
-  collectives)."""
-  on = answer.on
-  used = _collective_axes(closed.jaxpr, set(on.axis_names))
-  args = [v.spec for v in answer.args]
-  outs = [v.spec for v in answer.results]
-  specs, entries = [(args, outs)], []
-  for step, (level_operands, level_results) in zip(op.steps, levels[1:]):
-    entry = None
-    if step.kind == "batch":
-      entry = _batch_entry(level_operands + level_results,
-                           used | _axes_in(args + outs), on,
-                           level_operands[0].shape[0])
-    args, outs = _step_up(step, args, outs, entry)
-    specs.append((args, outs))
-    entries.append(entry)
-  return specs, entries
-
-
-def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
-                 closed: core.ClosedJaxpr, specs: list,
-                 entries: list) -> Callable:
-  """``lower_fn``'s jaxpr transformed by each step, first to last: the
-  per-shard function of the op at the top. A vjp step corrects for
-  replicated values (``_vjp_fn``), replicated over ``_copies_over``."""
-  on, mesh = answer.on, answer.mesh
-  fn = core.jaxpr_as_fun(closed)
-  for k, step in enumerate(op.steps):
-    if step.kind == "batch":
-      fn = jax.vmap(fn)
-    elif step.kind == "jvp":
-      fn = _jvp_fn(fn, step.mask)
-    else:
-      batched = _axes_in([entries[k + 1:]])
-      (args, outs), (level_operands, level_results) = specs[k], levels[k]
-      scales = [math.prod(mesh.shape[a]
-                          for a in _copies_over(op, on, spec, v, batched))
-                for spec, v in zip(outs, level_results)]
-      psum_axes = [_copies_over(op, on, spec, v, batched)
-                   for spec, v, m in zip(args, level_operands, step.mask)
-                   if m]
-      fn = _vjp_fn(fn, step.mask, scales, psum_axes)
-  return fn
-
-
-def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
-  """Partitions the op: the author's answer and ``lower_fn``, walked up
-  the steps."""
-  levels = _levels(op.steps, operands, results)
-  answer = _ask_partition(op, *levels[0], on)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, *levels[0], answer, _CUSTOM_CALL)
-  closed = _trace_lower_fn(op, answer, *levels[0])
-  if _calls_host(closed.jaxpr):
-    raise _host_callback_error(op)
-  if not op.steps:
-    return _PerShard(answer.mesh, closed, answer.args, answer.results)
-  specs, entries = _specs_up(op, levels, answer, closed)
-  fn = _lower_fn_up(op, levels, answer, closed, specs, entries)
-  arg_specs, result_specs = specs[-1]
-  top_args = [v._replace(spec=s, hlo=None)
-              for v, s in zip(operands, arg_specs)]
-  top_results = [v._replace(spec=s, hlo=None)
-                 for v, s in zip(results, result_specs)]
-  with _no_ambient_mesh():
-    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
-        *[_local_struct(v, answer.on) for v in top_args])
-  return _PerShard(answer.mesh, closed, top_args, top_results)
-
-
-def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
-  """The per-shard program lowered to a module, as bytecode."""
-  # XLA finds a host callback by its index in the list of the program
-  # being compiled, which was fixed before this callback ran; the
-  # per-shard module's own list is not reachable (upstream segfaults).
-  mesh = shard.mesh
-  with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
-    module, host_callbacks = _lower_per_shard(
-        shard.jaxpr, platforms=op.platforms, backend=op.backend,
-        axis_context=sharding_impls.SPMDAxisContext(
-            mesh, frozenset(mesh.axis_names)))
-  if host_callbacks:
-    raise _host_callback_error(op)
-  return mlir.module_to_bytecode(module)
-
-
-# --------------------------------------------------------------------------
-# 4b. The callbacks XLA calls
-#
-# The custom call carries a key in its ``backend_config`` (section 4c); XLA
-# hands it back to the callbacks below, which find the op's ``_Op`` in
-# ``_registry`` by it.
-#
-# Errors: an exception must never escape into XLA raw (under GSPMD that
-# aborts the process). One raised while inferring or propagating is kept in
-# ``_pending`` for the compiling thread (XLA then propagates on its own)
-# and raised by the next partition callback on that thread, of whichever op:
-# XLA compiles one program at a time on a thread and partitions only after
-# propagating, so that callback belongs to the same compile. There, every
-# exception is parked in ``_parked_errors`` under a tag that goes into the
-# message XLA reports; when the compile fails, ``_reraise_callback_error``
-# (registered with jax's compiler) finds the tag and jax raises the original
-# exception, with its type.
-# --------------------------------------------------------------------------
-
-_TARGET = f"CustomSPMDPartitioning.{__name__}"
-_ERROR_TAG = f"[{_TARGET} error #"
-
-
-def _park(error: BaseException, where: str) -> str:
-  """Parks ``error``; returns a message that names it for the handler."""
-  tag = next(_parked_counter)
-  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
-  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
-
-
-def _keep_pending(op: _Op, error: BaseException) -> None:
-  """Keeps an infer/propagate error for this compile (the first one)."""
-  with _weak_lock:
-    _pending.setdefault(threading.get_ident(), (op.name, error))
-
-
-def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
-  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
-  for the op registered under ``key``: the one boundary between XLA and
-  this module. Every error reaches XLA as a ``RuntimeError`` whose message
-  names the parked original (``_park``).
-
-  ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
-  given where the op leaves the question to XLA (also for an unknown key)
-  and where ``answer`` raises: then the error is kept for this compile's
-  partition callback, as raising here would abort the process under GSPMD.
-  Without it (partition): an error kept by then is raised first.
-  """
-  def callback(*args):
-    *xla_args, key = args
-    op = _lookup(key)
-    if leave_to_xla is not None and (op is None or _inexpressible(op.place) or (
-        op.steps and op.mesh.empty)):
-      return leave_to_xla(op, *xla_args)
-    if leave_to_xla is None:
-      if op is None:
-        raise RuntimeError(
-            f"{_TARGET}: no custom_partitioning op is registered under key "
-            f"{key!r}; was its lowering dropped?")
-      with _weak_lock:
-        pending = _pending.pop(threading.get_ident(), None)
-      if pending is not None:
-        name, error = pending
-        raise RuntimeError(_park(error, f"custom_partitioning op {name}")
-                           ) from error
-    try:
-      return answer(op, *xla_args)
-    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
-      if leave_to_xla is None:
-        raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
-                           ) from e
-      _keep_pending(op, e)
-      return leave_to_xla(None, *xla_args)
-  return callback
-
-
-def _drop_pending() -> None:
-  """Ends every kept infer/propagate error: called when a compile ends,
-  failed (XLA failed before the partition callback came) or not (XLA
-  dropped the op before partitioning it), so none reaches a later compile.
-  jax calls this on the caller's thread, not XLA's, which cannot tell
-  which thread compiled, so every kept error goes: a compile running
-  meanwhile on another thread then loses one it kept, goes on as if the
-  callback had returned None, and partition still decides the program."""
-  with _weak_lock:
-    _pending.clear()
-
-
-def _reraise_callback_error(xla_error: Exception):
-  """Compile-error handler: gives back the author's original exception."""
-  _drop_pending()
-  text = str(xla_error)
-  start = text.find(_ERROR_TAG)
-  if start < 0:
-    return None
-  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
-  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
-
-
-def _lookup(key: bytes) -> _Op | None:
-  with _weak_lock:
-    return _registry.get(key.decode() if isinstance(key, bytes) else key)
-
-
-
-
-
-
-def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
-  """The result sharding XLA gets from the operands', or None."""
-  result_shapes, _ = _hlo_parts(result_shape, None)
-  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
-  levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
-                   results)
-  inferred = _infer(op, levels, len(op.steps))
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_infer(op, levels[-1][0], inferred)
-  if inferred is None:
-    return None
-  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
-
-
-def _answer_propagate(op: _Op, user_sharding, shape):
-  """The result sharding the op prefers, given its user's."""
-  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
-  if op.propagate_user_sharding is None and not op.steps:
-    return _users_sharding(op, user_sharding, shape)
-  if op.steps and any(v.spec is None for v in results):
-    return user_sharding
-  propagated = _propagate(op, results, len(op.steps))
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_propagate(op, results, propagated)
-  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
-
-
-def _users_sharding(op: _Op | None, user_sharding, shape):
-  """What XLA keeps where the op does not propagate: the user's sharding."""
-  if op is not None and _log.isEnabledFor(logging.DEBUG):
-    _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
-                                   op.mesh), None)
-  return user_sharding
-
-
-def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
-                      result_sharding):
-  """``(per-shard module, operand shardings, result sharding)`` for XLA,
-  from ``op.lowered`` where XLA asked it before."""
-  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
-                   for s, h in zip(arg_shapes, arg_shardings)),
-             str(result_shape), str(result_sharding))
-  hit = op.lowered.get(request)
-  if hit is not None:
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
-                              result_sharding, hit)
-    return hit
-  if op.steps and op.mesh.empty:
-    raise NotImplementedError(
-        f"{op.name} is lowered for several devices without a mesh; "
-        "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
-        "one (jit with NamedSharding arguments, jax.set_mesh or `with "
-        "mesh:`).")
+_log = logging.getLogger(__name__)
+
+# The paths an op takes.
+_CUSTOM_CALL = "custom call"
+_SHARD_MAP = "shard_map under Explicit axes"
+_FUN = "fun"
+
+
+def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
+           answered: str = "", by: str = "", why: str = "",
+           cached: bool = False) -> None:
+  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
+  axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+  where = (f"{path}, {'Shardy' if _use_shardy() else 'GSPMD'}"
+           if path == _CUSTOM_CALL else path)
+  text = (f"custom_partitioning op {name}: {question} [{where}] "
+          f"{f'on mesh {axes}' if axes else 'with no mesh'}")
+  if asked:
+    text += f"; asked with {asked}"
+  if answered:
+    text += (f"; answered from the cache: {answered}" if cached
+             else f"; {by} answered {answered}")
+  elif cached:
+    text += "; answered from the cache"
+  if why:
+    text += f"; {why}"
+  _log.debug(text, extra={"custom_partitioning": dict(
+      op=name, question=question, path=path, mesh=axes, cached=cached,
+      why=why)})
+
+
+def _logged_spec(v: _Value) -> str:
+  if v.spec is not None:
+    return _spec_text(v.spec)
+  return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
+
+
+def _logged(operands=None, results=None) -> str:
+  parts = [f"{what} [{', '.join(map(_logged_spec, values))}]"
+           for what, values in (("operands", operands), ("results", results))
+           if values is not None]
+  return ", ".join(parts)
+
+
+def _answered_by(op: _Op) -> str:
+  return ("the sharding rule" if isinstance(op.partition, _FromRule)
+          else "partition")
+
+
+def _debug_partition(op: _Op, operands: list, results: list, answer,
+                     path: str, why: str = "") -> None:
+  """The record of a ``partition`` question, asked about the author's op
+  (``operands``, ``results``) and answered by ``answer`` (an _Answer)."""
+  _debug(op.name, "partition", path=path, mesh=op.mesh,
+         asked=_logged(operands, results),
+         answered=_logged(answer.args, answer.results) if answer else "",
+         by=_answered_by(op), why=why)
+
+
+def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
+                            result_shape, result_sharding, hit) -> None:
+  """The record of a ``partition`` question XLA asked before, answered
+  with ``hit`` (what ``_answer_partition`` gave XLA)."""
   on = op.mesh if op.place.auto is None else op.place.auto
-  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
-  # XLA calls on a thread of its own, which has none of the lowering
-  # thread's context managers: partition and lower_fn run under the
-  # configuration the op was lowered (and keyed) with.
-  with _config_entered(op.config.values):
-    shard = _partition(
-        op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
-        _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
-    module = _per_shard_module(op, shard)
-  answer = (module, [_hlo_of(v, on) for v in shard.args],
-            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
-  op.lowered.put(request, answer)
-  return answer
+  result_shapes, _ = _hlo_parts(result_shape, None)
+  _, answered_args, answered_result = hit
+  _debug(op.name, "partition", path=_CUSTOM_CALL,
+         mesh=op.mesh, cached=True,
+         asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
+                       _from_xla(*_hlo_parts(result_shape, result_sharding),
+                                 on)),
+         answered=_logged(_from_xla(arg_shapes, answered_args, on),
+                          _from_xla(result_shapes, _hlo_parts(
+                              result_shape, answered_result)[1], on)))
 
 
+def _debug_infer(op: _Op, operands: list, inferred,
+                 path: str = _CUSTOM_CALL) -> None:
+  if op.infer_sharding_from_operands is not None:
+    by = "infer_sharding_from_operands"
+  elif op.sharding_rule is not None:
+    by = "the sharding rule (no infer_sharding_from_operands)"
+  else:
+    by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
+  _debug(op.name, "infer_sharding_from_operands",
+         path=path, mesh=op.mesh, asked=_logged(operands), by=by,
+         answered=(_logged(results=inferred) if inferred is not None else
+                   "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
+                   else "nothing"))
 
 
-_register_partitioner(
-    _TARGET, _xla_callback(_answer_propagate, _users_sharding),
-    _xla_callback(_answer_partition),
-    _xla_callback(_answer_infer, lambda op, *_: None))
-_register_compile_error_handler(_reraise_callback_error)
-_register_compile_end_listener(_drop_pending)
+def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
+  """``answer`` None: the user's sharding was kept without asking."""
+  by = ("the module (no propagate_user_sharding: the user's sharding)"
+        if answer is None else "propagate_user_sharding")
+  _debug(op.name, "propagate_user_sharding",
+         path=_CUSTOM_CALL, mesh=op.mesh, asked=_logged(results=users),
+         by=by, answered=_logged(results=users if answer is None
+                                 else answer))
+
+
+def _debug_inlined(ctx, call, steps: tuple) -> None:
+  """The record of an op lowered as its ``fun`` (``_partitioned_placement``
+  said None): no question is asked."""
+  axis_context = ctx.module_context.axis_context
+  mesh = getattr(axis_context, "mesh", None)
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext) and (
+      set(axis_context.manual_axes) == set(mesh.axis_names)):
+    why = "inside a shard_map manual over every mesh axis (one shard's code)"
+  elif steps and getattr(axis_context, "manual_axes", None):
+    why = ("a derived op inside a partly manual shard_map before jax 0.5.3, "
+           "whose shardings cannot be expressed")
+  else:
+    why = "the program runs on one device"
+  _debug(_fun_name(call), "path", path=_FUN,
+         mesh=mesh, why=f"fun is compiled as it is: {why}")
 
 
 # --------------------------------------------------------------------------
-# 4c. Keys
+# Appendix D. Keys
 #
 # The key names an op to XLA's callbacks and, inside the compiled program,
 # is part of the persistent compilation cache's key. It digests a description
@@ -2407,38 +3458,25 @@ _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # Classes of this module whose objects are described by what a function of
-# them returns; each is registered right after its class (section 4's here).
+# them returns; all are registered in the wiring block at the end.
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
-# An op by every field that is not state: a field added to _Op is in the key
-# unless it is marked as state.
-_DESCRIBED_BY[_Op] = lambda op: tuple(
-    (f.name, getattr(op, f.name)) for f in dataclasses.fields(op)
-    if not f.metadata.get("state"))
-# The configuration by its trace context: what jax keys its own traces on
-# (jax.jit reuses a trace whatever the other options say), so two lowerings
-# with equal contexts trace lower_fn alike.
-_DESCRIBED_BY[_Configuration] = lambda config: config.trace_context
+
+
 _SKIPPED_CLASS_ATTRS = frozenset({
     "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
     "__annotations__", "__dataclass_fields__", "__dataclass_params__",
     "__match_args__"})
 
 
-def _is_library(module_name: str | None) -> bool:
-  return (module_name or "").split(".")[0] in _LIBRARY_PREFIXES
-
-
-class _TooBig(Exception):
-  pass
-
-
-def _code_names(code: types.CodeType) -> list[str]:
-  """Global and attribute names used by ``code`` and the code nested in it."""
-  names = set(code.co_names)
-  for const in code.co_consts:
-    if isinstance(const, types.CodeType):
-      names.update(_code_names(const))
-  return sorted(names)
+def _digest(scope: str, *parts) -> str:
+  """A digest of ``parts`` (see the section comment); 40 hex digits."""
+  describer = _Describer(scope)
+  try:
+    describer.add((jax.__version__, *parts))
+  except (_TooBig, RecursionError):
+    describer.out = ["too big to describe"]
+    describer.opaque(parts)
+  return hashlib.sha256("\n".join(describer.out).encode()).hexdigest()[:40]
 
 
 class _Describer:
@@ -2612,1712 +3650,505 @@ class _Describer:
       self.add(const)
 
 
-def _digest(scope: str, *parts) -> str:
-  """A digest of ``parts`` (see the section comment); 40 hex digits."""
-  describer = _Describer(scope)
-  try:
-    describer.add((jax.__version__, *parts))
-  except (_TooBig, RecursionError):
-    describer.out = ["too big to describe"]
-    describer.opaque(parts)
-  return hashlib.sha256("\n".join(describer.out).encode()).hexdigest()[:40]
+def _is_library(module_name: str | None) -> bool:
+  return (module_name or "").split(".")[0] in _LIBRARY_PREFIXES
+
+
+class _TooBig(Exception):
+  pass
+
+
+def _code_names(code: types.CodeType) -> list[str]:
+  """Global and attribute names used by ``code`` and the code nested in it."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names.update(_code_names(const))
+  return sorted(names)
 
 
 # --------------------------------------------------------------------------
-# 4d. The log of what XLA asked
+# Appendix E. Module state
 #
-# ``logging.getLogger(__name__)``: a vendored copy logs under its own import
-# path. Silent at the default level (WARNING). At DEBUG, one record per
-# question an op is asked (``infer_sharding_from_operands``,
-# ``propagate_user_sharding`` or ``partition``, by XLA or, under Explicit
-# axes, while tracing), and one where ``fun`` runs instead: the op, the
-# mesh, the shardings the op was asked with and the answer (for a derived
-# op, the author's callbacks' view), the path, why (where the module chose)
-# and whether a cache answered. A derived op is named as jax.vmap, jax.jvp
-# or jax.grad made it ("transpose of jvp of f"). The record's
-# ``custom_partitioning`` attribute holds the op, question, path, mesh,
-# cached and why as a dict.
-# Every call site checks ``_log.isEnabledFor(logging.DEBUG)`` first:
-# formatting costs, and tracing is a hot path.
-# --------------------------------------------------------------------------
-
-_log = logging.getLogger(__name__)
-
-# The paths an op takes.
-_CUSTOM_CALL = "custom call"
-_SHARD_MAP = "shard_map under Explicit axes"
-_FUN = "fun"
-
-
-def _logged_spec(v: _Value) -> str:
-  if v.spec is not None:
-    return _spec_text(v.spec)
-  return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
-
-
-def _logged(operands=None, results=None) -> str:
-  parts = [f"{what} [{', '.join(map(_logged_spec, values))}]"
-           for what, values in (("operands", operands), ("results", results))
-           if values is not None]
-  return ", ".join(parts)
-
-
-def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
-           answered: str = "", by: str = "", why: str = "",
-           cached: bool = False) -> None:
-  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
-  axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
-  where = (f"{path}, {'Shardy' if _use_shardy() else 'GSPMD'}"
-           if path == _CUSTOM_CALL else path)
-  text = (f"custom_partitioning op {name}: {question} [{where}] "
-          f"{f'on mesh {axes}' if axes else 'with no mesh'}")
-  if asked:
-    text += f"; asked with {asked}"
-  if answered:
-    text += (f"; answered from the cache: {answered}" if cached
-             else f"; {by} answered {answered}")
-  elif cached:
-    text += "; answered from the cache"
-  if why:
-    text += f"; {why}"
-  _log.debug(text, extra={"custom_partitioning": dict(
-      op=name, question=question, path=path, mesh=axes, cached=cached,
-      why=why)})
-
-
-def _answered_by(op: _Op) -> str:
-  return ("the sharding rule" if isinstance(op.partition, _FromRule)
-          else "partition")
-
-
-def _debug_partition(op: _Op, operands: list, results: list, answer,
-                     path: str, why: str = "") -> None:
-  """The record of a ``partition`` question, asked about the author's op
-  (``operands``, ``results``) and answered by ``answer`` (an _Answer)."""
-  _debug(op.name, "partition", path=path, mesh=op.mesh,
-         asked=_logged(operands, results),
-         answered=_logged(answer.args, answer.results) if answer else "",
-         by=_answered_by(op), why=why)
-
-
-def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
-                            result_shape, result_sharding, hit) -> None:
-  """The record of a ``partition`` question XLA asked before, answered
-  with ``hit`` (what ``_answer_partition`` gave XLA)."""
-  on = op.mesh if op.place.auto is None else op.place.auto
-  result_shapes, _ = _hlo_parts(result_shape, None)
-  _, answered_args, answered_result = hit
-  _debug(op.name, "partition", path=_CUSTOM_CALL,
-         mesh=op.mesh, cached=True,
-         asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
-                       _from_xla(*_hlo_parts(result_shape, result_sharding),
-                                 on)),
-         answered=_logged(_from_xla(arg_shapes, answered_args, on),
-                          _from_xla(result_shapes, _hlo_parts(
-                              result_shape, answered_result)[1], on)))
-
-
-def _debug_infer(op: _Op, operands: list, inferred,
-                 path: str = _CUSTOM_CALL) -> None:
-  if op.infer_sharding_from_operands is not None:
-    by = "infer_sharding_from_operands"
-  elif op.sharding_rule is not None:
-    by = "the sharding rule (no infer_sharding_from_operands)"
-  else:
-    by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
-  _debug(op.name, "infer_sharding_from_operands",
-         path=path, mesh=op.mesh, asked=_logged(operands), by=by,
-         answered=(_logged(results=inferred) if inferred is not None else
-                   "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
-                   else "nothing"))
-
-
-def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
-  """``answer`` None: the user's sharding was kept without asking."""
-  by = ("the module (no propagate_user_sharding: the user's sharding)"
-        if answer is None else "propagate_user_sharding")
-  _debug(op.name, "propagate_user_sharding",
-         path=_CUSTOM_CALL, mesh=op.mesh, asked=_logged(results=users),
-         by=by, answered=_logged(results=users if answer is None
-                                 else answer))
-
-
-def _debug_inlined(ctx, call, steps: tuple) -> None:
-  """The record of an op lowered as its ``fun`` (``_partitioned_placement``
-  said None): no question is asked."""
-  axis_context = ctx.module_context.axis_context
-  mesh = getattr(axis_context, "mesh", None)
-  if isinstance(axis_context, sharding_impls.SPMDAxisContext) and (
-      set(axis_context.manual_axes) == set(mesh.axis_names)):
-    why = "inside a shard_map manual over every mesh axis (one shard's code)"
-  elif steps and getattr(axis_context, "manual_axes", None):
-    why = ("a derived op inside a partly manual shard_map before jax 0.5.3, "
-           "whose shardings cannot be expressed")
-  else:
-    why = "the program runs on one device"
-  _debug(_fun_name(call), "path", path=_FUN,
-         mesh=mesh, why=f"fun is compiled as it is: {why}")
-
-
-# --------------------------------------------------------------------------
-# 5. The primitive
+# All state this module keeps, except the stores on their objects (per op,
+# per lowered op). Caches are bounded ``_LRU``s, each with its own lock; a
+# hit answers what a fresh computation would (where each cache is filled, a
+# comment says what its key holds).
 #
-# ``custom_partitioning_p`` carries the traced body (``call``) and the
-# author's callbacks as parameters, with the same names as jax's own, plus
-# this module's ``transform`` (the steps) and ``check_vma``, both read with
-# a default so that binding it with upstream's parameters alone still works.
+#   store           maps                                    bound   cleared
+#   op._traces      call signature -> traced fun            64/op   C, D
+#   op._programs    call signature -> _Program (2)          64/op   C, D
+#   _eager          eager call -> jitted function           64      C
+#   _derived        (body, tag, avals) -> derived body      64      C
+#   _Op.lowered     partition request -> XLA's answer       256/op  C
+#   _pending        XLA's thread -> (op name, callback      threads P, F
+#                   error) of the compile on it
+#   _registry       custom call key -> _Op (_register, 3)   weak    -
+#   _parked_errors  tag -> a callback's exception           64      C, R
+#   _parked_counter the next tag (section 4)                -       -
+#   _call_names     body -> name of its function            weak    -
+#   _lapack_ready   jaxlib's LAPACK kernels registered (F)  -       never
+#
+# What each key holds of jax's configuration (its trace context, which
+# jax's own tracing caches key on): op._traces, op._programs and _derived
+# hold the context itself; _registry's key holds it by value (appendix D),
+# as part of the _Op, so _Op.lowered's answers hold for it too. _eager's
+# values are jax.jit functions, which key on the configuration themselves,
+# and build nothing that depends on it. _pending is no cache.
+#
+# C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
+# D: ``def_partition``; P: popped by the next partition callback on that
+# thread; F: emptied when a compile ends (section 4); R: popped when the
+# failed compile re-raises it. Lowerings and executables that may still
+# call back keep their ``_registry`` entries alive. The weak tables and
+# ``_pending`` share ``_weak_lock``.
+# Not state: ``_DESCRIBED_BY`` (appendix D), a table filled at import.
 # --------------------------------------------------------------------------
 
-custom_partitioning_p = core.Primitive("custom_partitioning")
-custom_partitioning_p.multiple_results = True
-# Lowering needs the concrete devices (to pick the mesh and key the op).
-dispatch.prim_requires_devices_during_lowering.add(custom_partitioning_p)
+_CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
 
 
-def _abstract_eval(*avals, call, **_):
-  del avals
-  return call.out_avals
+class _LRU:
+  """A thread-safe LRU map, emptied (lazily) by ``jax.clear_caches()``."""
+
+  def __init__(self, size: int = _CACHE_SIZE):
+    self._size = size
+    self._data: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self._epoch = None
+
+  def _current(self) -> collections.OrderedDict:
+    """The entries of this cache epoch; call with the lock held."""
+    epoch = _cache_epoch()
+    if epoch is not self._epoch:
+      self._data.clear()
+      self._epoch = epoch
+    return self._data
+
+  def get(self, key):
+    with self._lock:
+      value = self._current().get(key)
+      if value is not None:
+        self._data.move_to_end(key)
+      return value
+
+  def cached(self, key, build: Callable[[], Any]):
+    """The value under ``key``; if missing, ``build()``, kept (unless
+    ``key`` is None: then nothing is looked up or kept)."""
+    value = None if key is None else self.get(key)
+    if value is None:
+      value = build()
+      if key is not None:
+        self.put(key, value)
+    return value
+
+  def pop(self, key):
+    with self._lock:
+      return self._current().pop(key, None)
+
+  def put(self, key, value) -> None:
+    with self._lock:
+      self._current()[key] = value
+      self._data.move_to_end(key)
+      while len(self._data) > self._size:
+        self._data.popitem(last=False)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._data.clear()
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._current())
 
 
-custom_partitioning_p.def_abstract_eval(_abstract_eval)
+_eager = _LRU()
+_derived = _LRU()
+_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_parked_errors = _LRU()
+_parked_counter = itertools.count()
+_pending: dict[int, tuple[str, BaseException]] = {}
+_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_weak_lock = threading.Lock()
 
 
-# The rules below bind *derived* ops (section 3b): the same callbacks, a
-# longer ``transform`` and, as ``call``, the body transformed alike, which
-# gives the derived op its abstract values and its single-device code.
-
-def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
-                  operands) -> core.ClosedJaxpr:
-  """``fun`` (the body transformed as ``tag`` says) traced for
-  ``operands``; ``tag`` (not a ``_Step``) says which operands are batched
-  or differentiated."""
-  # A pure function of the key: the body, the tag, the operands' avals
-  # (under Explicit axes with shardings, which the results inherit) and
-  # jax's trace context.
-  in_avals = tuple(_typeof(x) for x in operands)
-  key = (call, tag, in_avals, _config.trace_context())
-
-  def build():
-    derived = core.ClosedJaxpr(*_trace_to_jaxpr(_wrap(fun, in_avals, ()),
-                                                 in_avals))
-    _name_call(derived, f"{label} of {_fun_name(call)}")
-    return derived
-  return _derived.cached(key, build)
+def _store_sizes(op=None) -> dict[str, int]:
+  """Entries per store above (and ``op``'s own, if given), for tests."""
+  with _weak_lock:
+    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
+  sizes.update(eager=len(_eager), derived=len(_derived),
+               parked_errors=len(_parked_errors))
+  if op is not None:
+    sizes.update(traces=len(op._traces), programs=len(op._programs))
+  return sizes
 
 
-def _steps(params) -> tuple:
-  """The ``transform`` of an equation; () (the author's op) if it has none,
-  as when ``custom_partitioning_p`` is bound with upstream's parameters."""
-  return params.get("transform", ())
+# --------------------------------------------------------------------------
+# Appendix F. Compatibility
+#
+# Every jax._src import and every difference between jax releases, each
+# branch naming the release that forced it (delete it once that release
+# leaves the supported range). Python internals are gated on jax's version,
+# C++ bindings (Shardy, XLA) on jaxlib's: a jax release may run on the
+# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
+# --------------------------------------------------------------------------
+
+def _typeof(x) -> core.AbstractValue:
+  """The abstract value of a concrete array, tracer or Python scalar."""
+  # jax 0.5.3 added core.typeof; 0.10.0 removed core.get_aval.
+  if hasattr(core, "typeof"):
+    return core.typeof(x)
+  # jax 0.4.36 removed ConcreteArray, the abstract value of a concrete
+  # array before it; tracing must not see (or key on) the array's values.
+  if _JAX_VERSION < (0, 4, 36):
+    return core.raise_to_shaped(core.get_aval(x))
+  return core.get_aval(x)
 
 
-def _bind_derived(args, params, step: _Step, call) -> list:
-  return custom_partitioning_p.bind(
-      *args, **dict(params, call=call, transform=_steps(params) + (step,)))
+def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
+  """Wraps ``fun`` for tracing, with debug info naming its arguments."""
+  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
+  # api_util.debug_info); before it, we trace without debug info.
+  if _JAX_VERSION < (0, 5, 1):
+    return lu.wrap_init(fun)
+  info = api_util.debug_info("custom_partitioning", fun, args, {},
+                             static_argnums=static_argnums)
+  return lu.wrap_init(fun, debug_info=info)
 
 
-def _differentiable(aval) -> bool:
-  return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
+def _name_call(call, name: str) -> None:
+  """Names the function a traced body came from (``_fun_name``)."""
+  # jax 0.5.1 added DebugInfo.func_name; before it (see ``_wrap``), the
+  # names are kept in the weak table ``_call_names``.
+  with _weak_lock:
+    _call_names[call] = name
 
 
-def _jvp(primals, tangents, **params):
-  """The primal stays the op; the tangents come from a derived jvp op.
-
-  Per shard, the jvp op runs ``jax.jvp`` of ``lower_fn`` on the shardings
-  of the op's own partition. An op with a non-float result is
-  differentiated through its body instead (XLA partitions that copy).
-  """
-  call = params["call"]
-  out = custom_partitioning_p.bind(*primals, **params)
-  mask = tuple(type(t) is not ad.Zero and _differentiable(_typeof(p))
-               for p, t in zip(primals, tangents))
-  if not any(mask):
-    return out, [ad.Zero(a.to_tangent_aval()) for a in call.out_avals]
-  if not all(_differentiable(a) for a in call.out_avals):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
-  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
-  derived = _derived_call(call, ("jvp", mask), "jvp",
-                          _jvp_fn(core.jaxpr_as_fun(call), mask), operands)
-  return out, _bind_derived(operands, params, _Step("jvp", mask), derived)
+def _fun_name(call) -> str:
+  with _weak_lock:
+    name = _call_names.get(call)
+  return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
 
 
-def _transpose(cts, *args, **params):
-  """Transposes a jvp op (linear in its tangents) into a vjp op."""
-  steps = _steps(params)
-  k = max((i for i, s in enumerate(steps) if s.kind != "batch"),
-          default=None)
-  call = params["call"]
-  if k is None or steps[k].kind != "jvp" or any(
-      ad.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
+def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals):
+  """Traces ``flat_fun`` to a jaxpr; returns ``(jaxpr, consts)``."""
+  # jax 0.7.0 dropped the fourth result (attrs).
+  jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
+  return jaxpr, consts
+
+
+def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
+  """The flat list of MLIR types for a sequence of abstract values."""
+  # jax 0.10.1 made aval_to_ir_types take the module context first.
+  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
+  return [t for aval in avals for t in mlir.aval_to_ir_types(*first, aval)]
+
+
+def _module_backend(ctx: mlir.LoweringRuleContext):
+  # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
+  if _JAX_VERSION < (0, 5, 0):
+    return ctx.module_context.backend_or_name
+  return ctx.module_context.backend
+
+
+def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
+  """Lowers the per-shard jaxpr; returns ``(module, host_callbacks)``."""
+  # jax 0.5.0 renamed the backend_or_name keyword to backend.
+  kwargs: dict[str, Any] = {
+      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
+  params: dict[str, Any] = {}
+  # jax 0.7.0 dropped the name_stack keyword.
+  if _JAX_VERSION < (0, 7, 0):
+    kwargs["name_stack"] = source_info_util.new_name_stack()
+  # jax 0.7.1 added num_const_args, in_avals and hoist_constants_as_args.
+  if _JAX_VERSION >= (0, 7, 1):
+    kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
+    params["hoist_constants_as_args"] = False
+  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr).
+  if _JAX_VERSION >= (0, 11, 0):
+    kwargs["out_avals"] = closed_jaxpr.out_avals
+  result = mlir.lower_jaxpr_to_module(
+      "custom_partitioning_shard", closed_jaxpr,
+      ordered_effects=[],
+      donated_args=[False] * len(closed_jaxpr.in_avals),
+      axis_context=axis_context, platforms=platforms,
+      lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
+  return result.module, result.host_callbacks
+
+
+# jaxlib registers its LAPACK kernels with XLA only when jax lowers a
+# linear-algebra primitive for CPU (jax._src.lib.lapack._lapack.initialize,
+# jax 0.4.35 to 0.11; a few tenths of a second, once). A program that the
+# persistent cache loads runs per-shard code nobody lowered in this process,
+# and XLA segfaults calling an unregistered kernel (jax.export initializes
+# them for a deserialized module alike). So an op whose body uses one
+# initializes them when it is lowered for CPU.
+_lapack_ready = False
+
+
+def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
+  global _lapack_ready
+  if _lapack_ready or "cpu" not in platforms:
+    return
+  from jax._src.lax import linalg  # noqa: PLC0415 - loaded by jax already
+  linear_algebra = {p for p in vars(linalg).values()
+                    if isinstance(p, core.Primitive)}
+  if _uses_any(jaxpr, linear_algebra):
+    from jax._src.lib import lapack  # noqa: PLC0415
+    lapack._lapack.initialize()
+    _lapack_ready = True
+
+
+def _uses_any(jaxpr: core.Jaxpr, primitives: set) -> bool:
+  return any(eqn.primitive in primitives for eqn in jaxpr.eqns) or any(
+      _uses_any(sub, primitives) for sub in core.subjaxprs(jaxpr))
+
+
+def _is_exporting(ctx: mlir.LoweringRuleContext) -> bool:
+  return bool(ctx.module_context.lowering_parameters.for_export)
+
+
+def _ambient_mesh(getter: str):
+  """``mesh_lib.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
+  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh; until 0.5.1
+  # they return () when no mesh is set.
+  if not hasattr(mesh_lib, getter):
+    return None
+  mesh = getattr(mesh_lib, getter)()
+  return None if isinstance(mesh, tuple) else mesh
+
+
+def _with_block_mesh():
+  """The mesh of the enclosing ``with mesh:`` (the empty mesh if none)."""
+  return mesh_lib.thread_resources.env.physical_mesh
+
+
+def _context_abstract_mesh(axis_context):
+  """The abstract mesh that the jit's shardings were built on, if any."""
+  am = getattr(axis_context, "abstract_mesh", None)
+  if am is None or am.empty:
+    am = _ambient_mesh("get_abstract_mesh")
+  return None if am is None or am.empty else am
+
+
+def _aval_mesh(aval):
+  """The abstract mesh an abstract value is sharded on, if it has one."""
+  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
+
+
+def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
+  """A concrete mesh of ``devices`` shaped and named like ``am``."""
+  # jax 0.4.36 added mesh axis types; before it, meshes have none.
+  kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
+  return mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
+                       am.axis_names, **kwargs)
+
+
+def _pspec_from_hlo(hlo_sharding: xc.HloSharding, mesh) -> tuple:
+  """The PartitionSpec entries of ``hlo_sharding`` on ``mesh``."""
+  parsed = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
+  # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
+  if _JAX_VERSION < (0, 5, 3):
+    parsed = parsed.get_partition_spec()
+  return tuple(parsed)
+
+
+def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
+                   reduction, need_replication, permutation):
+  kwargs: dict[str, Any] = {}
+  # jaxlib 0.5.0 added the special factor kinds to Shardy rules.
+  if _JAXLIB_VERSION >= (0, 5, 0):
+    kwargs.update(reduction_factors=reduction,
+                  need_replication_factors=need_replication,
+                  permutation_factors=permutation)
+  elif reduction or need_replication or permutation:
     raise NotImplementedError(
-        f"{_fun_name(call)}: a custom_partitioning op can be transposed "
-        "only in its tangents, as jax.grad does.")
-  mask = steps[k].mask
-  n = len(mask)
-  cts = [ad.instantiate_zeros(ct) for ct in cts]
-
-  def body(*xs):
-    primals, out_cts = xs[:n], xs[n:]
-
-    def linear(*tangents):
-      return core.jaxpr_as_fun(call)(*primals, *tangents)
-    # The vjp of a linear function is its transpose at any point; the
-    # primals have the tangents' types (inside shard_map, also their
-    # varying manual axes, which jax.linear_transpose would drop).
-    _, pullback = jax.vjp(linear, *(p for p, m in zip(primals, mask) if m))
-    return list(pullback(list(out_cts)))
-  operands = [*args[:n], *cts]
-  derived = _derived_call(call, ("transpose",), "transpose", body, operands)
-  outs = custom_partitioning_p.bind(*operands, **dict(
-      params, call=derived,
-      transform=steps[:k] + (_Step("vjp", mask),) + steps[k + 1:]))
-  return [None] * n + list(outs)
+        "Shardy sharding rules with reduction, need_replication or "
+        "permutation factors need jax/jaxlib 0.5.0 or newer; found jaxlib "
+        f"{'.'.join(map(str, _JAXLIB_VERSION))}. Upgrade, use GSPMD, or drop "
+        "the special factors from the rule.")
+  # jaxlib 0.6.1: rules of custom calls are marked is_custom. Before it,
+  # is_custom=True fails the compile ("Unable to convert StableHLO to MHLO"
+  # on 0.4.x; "can only define custom sharding rules on stablehlo" on 0.5.x).
+  if _JAXLIB_VERSION >= (0, 6, 1):
+    kwargs["is_custom"] = True
+  return sdy.OpShardingRuleAttr.get(
+      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
+      result_mappings=result_mappings, **kwargs)
 
 
-def _batch(args, dims, **params):
-  """Batches the op: every operand gets the batch dimension in front."""
-  # An unbatched operand has dimension None (batching.not_mapped).
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  call = params["call"]
-  if size == 0:  # nothing to partition (and no item to unbatch below)
-    outs = jax.vmap(core.jaxpr_as_fun(call), in_axes=list(dims))(*args)
-    return outs, [0] * len(outs)
-  args = [jax.lax.broadcast(x, (size,)) if d is None
-          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-  batched = tuple(d is not None for d in dims)
-
-  def body(*xs):
-    # The body sees the broadcast operands unbatched again: with Explicit
-    # mesh axes, vmap wants all batch dimensions sharded alike.
-    return jax.vmap(core.jaxpr_as_fun(call),
-                    in_axes=[0 if b else None for b in batched])(
-                        *[x if b else x[0] for x, b in zip(xs, batched)])
-  derived = _derived_call(call, ("batch", batched), "vmap", body, args)
-  outs = _bind_derived(args, params, _Step("batch"), derived)
-  return outs, [0] * len(outs)
+# jax 0.5.3 made axis types a per-axis tuple of jax.sharding.AxisType; before
+# it, meshes cannot type single axes Manual, so a NamedSharding cannot express
+# the manual subgroup of XLA's shardings inside a partly manual shard_map.
+_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
 
 
-ad.primitive_jvps[custom_partitioning_p] = _jvp
-ad.primitive_transposes[custom_partitioning_p] = _transpose
-batching.primitive_batchers[custom_partitioning_p] = _batch
+def _inexpressible(place) -> bool:
+  """Whether a NamedSharding cannot carry the manual subgroup that XLA
+  expects of a sharding inside the partly manual shard_map the op is placed
+  in (XLA aborts on one without): before jax 0.5.3 (untyped axes)."""
+  return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
 
 
-class _Unhashable:
-  """Unhashable static arguments as an equation parameter (by identity)."""
-  __slots__ = ("value",)
-
-  def __init__(self, value):
-    self.value = value
-
-  def __hash__(self):
-    return id(self.value)
-
-  def __eq__(self, other):
-    return isinstance(other, _Unhashable) and other.value is self.value
+def _with_manual_axes(mesh, manual_axes):
+  """``mesh`` with ``manual_axes`` typed ``AxisType.Manual``."""
+  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
+    return mesh
+  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
+                 for name, t in zip(mesh.axis_names, mesh.axis_types))
+  return mesh_lib.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
 
 
-_DESCRIBED_BY[_Unhashable] = lambda obj: obj.value
+def _auto_submesh(mesh, manual_axes):
+  """The sub-mesh over the non-manual axes (devices of one manual group)."""
+  index = tuple(0 if name in manual_axes else slice(None)
+                for name in mesh.axis_names)
+  keep = [i for i, name in enumerate(mesh.axis_names)
+          if name not in manual_axes]
+  names = tuple(mesh.axis_names[i] for i in keep)
+  # jax 0.5.3 made axis types a per-axis tuple (_MESH_TYPES_MANUAL_AXES).
+  if not _MESH_TYPES_MANUAL_AXES:
+    return mesh_lib.Mesh(mesh.devices[index], names)
+  return mesh_lib.Mesh(mesh.devices[index], names,
+                       axis_types=tuple(mesh.axis_types[i] for i in keep))
 
 
-class _FromRule:
-  """The ``partition`` parameter of an op defined by its sharding rule
-  alone: XLA's partition question is answered from the rule
-  (``_partition_from_rule``), and each shard runs ``fun`` itself. Holds
-  where a call's static arguments and unpassed defaults go among ``fun``'s
-  arguments (``lower_fn`` gets the operands alone)."""
-  __slots__ = ("fun", "static_argnums", "defaults")
-
-  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
-    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
-                                                    defaults)
-
-  def _parts(self):
-    # Defaults are fun's own default objects: compared by identity, as
-    # they need not be hashable.
-    return (self.fun, self.static_argnums,
-            tuple((i, id(value)) for i, value in self.defaults))
-
-  def __hash__(self):
-    return hash(self._parts())
-
-  def __eq__(self, other):
-    return isinstance(other, _FromRule) and other._parts() == self._parts()
-
-  def lower_fn(self, static_args: tuple) -> Callable:
-    """``fun`` as a function of the operands, ``static_args`` bound."""
-    fixed = dict(zip(self.static_argnums, static_args))
-    fixed.update(self.defaults)
-    fun = self.fun
-
-    def lower_fn(*operands):
-      it = iter(operands)
-      return fun(*(fixed[i] if i in fixed else next(it)
-                   for i in range(len(fixed) + len(operands))))
-    name = getattr(fun, "__name__", "")
-    lower_fn.__name__ = name if name.isidentifier() else "fun"
-    return lower_fn
+def _no_ambient_mesh():
+  """Clears the ambient abstract mesh while tracing and lowering lower_fn."""
+  # jax 0.5.3 to 0.8.x: under an ambient mesh with Explicit axes (set_mesh
+  # or use_mesh), the per-shard module gets sharding constraints that XLA
+  # cannot export (Shardy, 0.5.x) or run ("Sharding" custom call, 0.6-0.8).
+  if not hasattr(mesh_lib, "use_abstract_mesh"):
+    return contextlib.nullcontext()
+  return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
 
 
-_DESCRIBED_BY[_FromRule] = lambda obj: (obj.fun, obj.static_argnums,
-                                        obj.defaults)
+def _varying_axes(aval) -> frozenset | None:
+  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
+  # jax 0.6 added ShapedArray.vma (shard_map's check_vma); jax 0.10 moved it
+  # to ShapedArray.manual_axis_type.varying.
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return mat.varying
+  return getattr(aval, "vma", None)
 
 
-def _static_values(static_args):
-  if isinstance(static_args, _Unhashable):
-    return static_args.value
-  return static_args
+# Private attributes of jax's mesh and sharding classes, unchanged from 0.4.35
+# through 0.11; one place to change if jax renames them.
+def _mesh_devices(mesh) -> tuple:
+  return tuple(mesh._flat_devices_tuple)  # in mesh order
 
 
-def _any_sharded(xs) -> bool:
-  """Whether some ``x`` is a concrete array split over several devices (one
-  device holds its whole array: fully replicated)."""
-  for x in xs:
-    if (isinstance(x, jax.Array) and not isinstance(x, core.Tracer) and
-        not x.sharding.is_fully_replicated):
+def _sharding_devices(sharding) -> tuple:
+  return tuple(sharding._device_assignment)
+
+
+def _to_hlo_sharding(sharding, ndim: int) -> xc.HloSharding:
+  return sharding._to_xla_hlo_sharding(ndim)
+
+
+def _gspmd_hlo(sharding) -> xc.HloSharding:
+  return sharding._hlo_sharding
+
+
+# The shard_map path (reshard -> shard_map -> reshard while tracing) needs
+# Explicit axis types (jax 0.5.3), jax.shard_map with check_vma (jax 0.6)
+# and jax.sharding.reshard (exported from jax 0.7.0); without all three
+# every op keeps the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+
+# jax 0.5.3 added ShardingTypeError (raised while tracing when jax cannot
+# type a result's sharding); before it nothing can raise it.
+_ShardingTypeError = getattr(core, "ShardingTypeError", type(
+    "_NeverRaised", (Exception,), {}))
+
+
+def _axis_types(mesh) -> tuple | None:
+  """The mesh's axis type per axis (``jax.sharding.AxisType``), or None."""
+  # jax 0.4.36 added axis types, as a dict of axes by type; jax 0.5.3 made
+  # them a tuple of one type per axis.
+  types_ = getattr(mesh, "axis_types", None)
+  return types_ if isinstance(types_, tuple) else None
+
+
+def _all_explicit(am) -> bool:
+  """Whether every axis of the abstract mesh ``am`` is typed Explicit."""
+  types_ = _axis_types(am)
+  return bool(am.axis_names) and types_ is not None and all(
+      t == jax.sharding.AxisType.Explicit for t in types_)
+
+
+def _abstract_of(mesh):
+  return mesh.abstract_mesh
+
+
+def _set_mesh_scope(mesh):
+  """A context that sets ``mesh`` as jax's ambient mesh, if it has any axis
+  typed Explicit (section 8); else (or before jax 0.5.3) does nothing."""
+  # jax 0.7.0 added jax.set_mesh; from 0.5.3 to 0.6.x it is
+  # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
+  setter = getattr(jax, "set_mesh", None) or getattr(
+      jax.sharding, "use_mesh", None)
+  if setter is None or jax.sharding.AxisType.Explicit not in (
+      _axis_types(mesh) or ()):
+    return contextlib.nullcontext()
+  return setter(mesh)
+
+
+def _typed_like(x, like):
+  """``x`` resharded to the sharding in ``like``'s type where that type has
+  one on Explicit mesh axes (a cotangent must match its output's type);
+  else ``x``."""
+  # jax 0.5.0 gave ShapedArray a sharding; jax 0.7.0 exported reshard.
+  aval = _typeof(like)
+  if not hasattr(jax.sharding, "reshard") or (
+      jax.sharding.AxisType.Explicit not in (
+          _axis_types(_aval_mesh(aval)) or ())):
+    return x
+  return jax.sharding.reshard(x, aval.sharding.spec)
+
+
+def _unsharded(aval):
+  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
+  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
+  return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _vmapped_over_mesh_axis(x) -> bool:
+  """Whether ``x`` is (the primal of) a ``jax.vmap`` tracer whose batch
+  dimension is sharded over a mesh axis in its type."""
+  # jax's vmap of shard_map moves such a batch dimension to no mesh axis
+  # (an all-gather; jax 0.10.2; over a size-1 axis, that axis is then
+  # unbound in lower_fn), where the op's own batching rule keeps it:
+  # the shard_map path leaves these calls to the custom call.
+  # BatchTracer.val and .batch_dim, JVPTracer.primal: unchanged from jax
+  # 0.4.35 to 0.11.0.
+  while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
+    if isinstance(x, ad.JVPTracer):
+      x = x.primal
+      continue
+    dim, x = x.batch_dim, x.val
+    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
+    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
       return True
   return False
 
 
-def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``).
+def _use_shardy() -> bool:
+  return bool(_config.use_shardy_partitioner.value)
 
-  Compiled, like a jax.jit'd function; partitioned by the op's callbacks
-  only if some operand is really sharded (upstream runs the body and never
-  asks them, and a ``partition`` written for sharded operands must not be
-  asked about host data).
-  """
-  # Cache key: the params hold the body and every callback; jax.jit keys on
-  # the operands' types and shardings itself.
-  call = params["call"]
-  if _jit_disabled():  # jax.jit would call straight back into this impl
-    return core.jaxpr_as_fun(call)(*args)
-  sharded = _any_sharded(args)
-  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
-  fn = _eager.cached(key, lambda: jax.jit(
-      functools.partial(custom_partitioning_p.bind, **params) if sharded
-      else core.jaxpr_as_fun(call)))
-  return fn(*args)
 
+def _at_top_level() -> bool:
+  return core.trace_state_clean()  # no jax transformation is tracing
 
-custom_partitioning_p.def_impl(_impl)
 
-
-def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
-  """The first mesh the caller gave that ``fits``, of: ``with mesh:``
-  (unless ``with_block`` is False: the shard_map path, section 5b, takes
-  only the others), ``jax.set_mesh``, an eager call's operands' mesh. None
-  if none does. The one order of precedence for every path."""
-  sources = ((_with_block_mesh(),) if with_block else ()) + (
-      _ambient_mesh("get_concrete_mesh"), eager_mesh)
-  return next((m for m in sources
-               if m is not None and not m.empty and fits(m)), None)
-
-
-def _placement(axis_context, avals) -> _Placement:
-  """Where a lowering runs: the mesh of the first of these that is known.
-
-  1. The enclosing shard_map's (its manual axes typed Manual).
-  2. One the caller gave (``_caller_mesh``) on the program's devices; where
-     jax does not say them (inside another primitive's lowering, through
-     ``mlir.lower_fun``), one of the shape of the program's abstract mesh.
-  3. The program's abstract mesh, on its devices.
-  4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
-     source).
-  """
-  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-    whole, manual = axis_context.mesh, axis_context.manual_axes
-    if not manual:
-      return _Placement(whole, _mesh_devices(whole))
-    return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
-                      _auto_submesh(whole, manual), whole)
-  devices = getattr(axis_context, "device_assignment", None)
-  if devices is None:
-    num_devices = getattr(axis_context, "num_devices", None)
-    abstract = [am for am in [_context_abstract_mesh(axis_context)] +
-                [_aval_mesh(a) for a in avals] if am is not None]
-    mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
-        dict(am.shape) == dict(m.shape) for am in abstract))
-    return _Placement(_with_block_mesh() if mesh is None else mesh,
-                      None if mesh is None else _mesh_devices(mesh))
-  devices = tuple(devices)
-  mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
-  if mesh is not None:
-    return _Placement(mesh, devices)
-  am = _context_abstract_mesh(axis_context)
-  if am is not None and am.size == len(devices):
-    return _Placement(_mesh_from_abstract(devices, am), devices)
-  return _Placement(_with_block_mesh(), devices)
-
-
-def _partitioned_placement(ctx, steps) -> _Placement | None:
-  """The placement of an op XLA partitions, or None where its body is
-  inlined instead: every mesh axis manual (the code of one shard), one
-  device, or a derived op inside a partly manual shard_map before jax 0.5.3
-  (its shardings need the manual subgroup that only typed meshes express,
-  else XLA aborts)."""
-  axis_context = ctx.module_context.axis_context
-  if (isinstance(axis_context, sharding_impls.SPMDAxisContext) and
-      set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
-    return None
-  place = _placement(axis_context, ctx.avals_in)
-  if (place.devices is not None and len(place.devices) == 1) or getattr(
-      axis_context, "num_devices", None) == 1:
-    return None
-  if steps and _inexpressible(place):
-    return None
-  return place
-
-
-def _check_lowerable(ctx, name: str, place: _Placement, params) -> None:
-  if _is_exporting(ctx):
-    raise NotImplementedError(
-        f"jax.export cannot serialize the custom_partitioning op {name}: its "
-        "partitioning callbacks are Python functions that XLA calls while "
-        "compiling, and they cannot be stored in a serialized artifact. "
-        "Export on a single device, or export the per-shard code (e.g. "
-        "with jax.shard_map) instead.")
-  if place.devices is None:
-    raise ValueError(
-        f"custom_partitioning op {name} is lowered for several devices, but "
-        "jax did not say which: this happens when the op is lowered inside "
-        "another primitive's lowering rule (e.g. through mlir.lower_fun), "
-        "where jax cannot see it. Set the mesh around the call, with "
-        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its "
-        "devices, or call the op outside that primitive.")
-  _check_has_partition(name, params["partition"], len(place.devices))
-
-
-@contextlib.contextmanager
-def _naming(prefix: str, suffix: str = ""):
-  """Re-raises a plain ValueError or TypeError with ``prefix`` and
-  ``suffix`` around its message (naming the op); subclasses, whose types
-  callers may catch, pass unchanged."""
-  try:
-    yield
-  except (ValueError, TypeError) as e:
-    if type(e) not in (ValueError, TypeError):
-      raise
-    raise type(e)(f"{prefix}{e}{suffix}") from e
-
-
-def _ask_rule(ctx, params, mesh, levels):
-  """The op's rule (a callable ``sharding_rule`` asked here, about the
-  author's op) and, under Shardy, its attribute for the custom call."""
-  rule = params["sharding_rule"]
-  if callable(rule):
-    operand_types, result_types = (
-        _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
-        for side in levels[0])
-    produced = rule(*_static_values(params["static_args"]), mesh,
-                    operand_types, result_types)
-    kwargs: dict = {}
-    if isinstance(produced, (tuple, list)) and len(produced) == 2:
-      produced, kwargs = produced
-    if isinstance(produced, str):
-      produced = str_to_sdy_sharding_rule(produced, **kwargs)
-    elif not isinstance(produced, SdyShardingRule):
-      raise ValueError(
-          "A callable sharding_rule must return an SdyShardingRule, an "
-          f"einsum-like string, or (string, kwargs); got {produced!r}.")
-    rule = produced
-  attr = None
-  if _use_shardy() and rule is not None:
-    attr = _rule_attr(rule, levels, _steps(params))
-  return rule, attr
-
-
-def _register(ctx, op: _Op, params) -> str:
-  """Registers ``op`` under its key (section 4c); returns the key."""
-  # One scope per lowering: the keep-alive list lives exactly as long as the
-  # lowering and its executables, so its id is unique while they live.
-  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
-  call = params["call"]
-  # The key holds the body and every field of the op (the callbacks, static
-  # arguments, pytrees, steps, placement, platforms, backend, and jax's
-  # configuration where it is lowered, which partition and lower_fn run
-  # under), plus the partitioner. XLA's questions are answered from these
-  # and from what XLA asks with (shapes and shardings): so a live op found
-  # under an equal key answers as this one would, whichever was first.
-  key = f"{_TARGET}:" + _digest(scope, str(call.jaxpr), call.consts, op,
-                                _use_shardy())
-  with _weak_lock:
-    # Keep the first live entry: equal keys answer alike, and lowerings that
-    # already hold it must keep finding it.
-    op = _registry.setdefault(key, op)
-  ctx.module_context.add_keepalive(op)
-  return key
-
-
-def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
-  call, steps = params["call"], _steps(params)
-  place = _partitioned_placement(ctx, steps)
-  if place is None:
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_inlined(ctx, call, steps)
-    return mlir.lower_fun(core.jaxpr_as_fun(call),
-                          multiple_results=True)(ctx, *values)
-  name = _fun_name(call)
-  _check_lowerable(ctx, name, place, params)
-  _ensure_lapack(ctx.module_context.platforms, call.jaxpr)
-  levels = _levels(steps, [_Value(a.shape, a.dtype) for a in call.in_avals],
-                   [_Value(a.shape, a.dtype) for a in call.out_avals])
-  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-    rule, rule_attr = _ask_rule(ctx, params, place.mesh, levels)
-  op = _op_of(params, place, rule,
-              varying=tuple(tuple(_varying_axes(a) for a in avals)
-                            for avals in (ctx.avals_in, ctx.avals_out)),
-              platforms=ctx.module_context.platforms,
-              backend=_module_backend(ctx), config=_Configuration.here())
-  key = _register(ctx, op, params)
-  custom_call = hlo.CustomCallOp(
-      _ir_types(ctx, call.out_avals), list(values),
-      call_target_name=ir.StringAttr.get(_TARGET),
-      has_side_effect=ir.BoolAttr.get(False),
-      api_version=mlir.i32_attr(2),
-      called_computations=ir.ArrayAttr.get([]),
-      backend_config=ir.StringAttr.get(key),
-      operand_layouts=None, result_layouts=None)
-  # Shardy's verifier refuses a rule on an op without operands. There it
-  # could only tie the results to each other; without it, XLA propagates
-  # around the op and ``partition`` still decides every sharding.
-  if rule_attr is not None and values:
-    custom_call.attributes["sdy.sharding_rule"] = rule_attr
-  return custom_call.results
-
-
-def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
-  """The one builder of an ``_Op``: from its equation's parameters
-  (``custom_partitioning._params``), where it runs, its rule (a callable
-  ``sharding_rule`` asked by now) and, for a custom call, what its
-  lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
-  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
-             infer_sharding_from_operands=params[
-                 "infer_sharding_from_operands"],
-             propagate_user_sharding=params["propagate_user_sharding"],
-             sharding_rule=rule, decode_shardings=params["decode_shardings"],
-             check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=_static_values(params["static_args"]),
-             in_tree=params["in_tree"], out_tree=params["out_tree"],
-             steps=_steps(params), place=place, **lowered)
-
-
-mlir.register_lowering(custom_partitioning_p, _lowering)
-
-
-# --------------------------------------------------------------------------
-# 5b. Explicit mesh axes: partitioning while tracing
-#
-# Under Explicit mesh axes every operand's sharding is part of its type, so
-# ``partition`` can be asked while tracing (section 4's functions, as XLA's
-# callbacks ask them) and the op emitted as the program it describes:
-# reshard the operands to its arg shardings, ``jax.shard_map(lower_fn)``,
-# reshard the results to the op's result types. With no custom call left,
-# whatever jax does for shard_map holds for the op: grad/jvp/vmap, export,
-# host callbacks, an honest persistent-cache key, jax's lowering cache.
-#
-# Taken when the operands sharded on a mesh share one abstract mesh with
-# every axis Explicit, the ambient abstract mesh (if any) is that mesh (so
-# not inside a shard_map) and a concrete mesh of several devices for it is
-# known (jax.set_mesh, or an eager call's operands), outside
-# jax.disable_jit() and a vmap whose batch dimension is sharded over a mesh
-# axis (vmap of shard_map would gather it). Else, or when shard_map cannot
-# run what ``partition`` returned (uneven shards, another mesh, no
-# PartitionSpec), the op keeps the custom call -- unless jax cannot type
-# its body under these axes (ShardingTypeError, e.g. ``q @ k.T`` both
-# row-sharded), which the custom call cannot run either: then the error
-# names the op.
-# Result types: jax's typing of ``fun`` (as upstream's); for an untypable
-# body, infer_sharding_from_operands, else the rule, else partition's.
-# --------------------------------------------------------------------------
-
-# -- a call's arguments (here and in section 6) ----------------------------
-
-class _CallArgs(NamedTuple):
-  """One call's arguments, by role."""
-  static_argnums: tuple  # positions of the static arguments, author's order
-  static_args: tuple     # their values, passed first to every callback
-  defaults: tuple        # (position, value) of unpassed Python defaults
-  dyn_args: tuple        # the rest: the operands (pytrees of arrays)
-
-
-class _FlatArgs(NamedTuple):
-  """A call's operands, flattened once for every step that needs them."""
-  leaves: list
-  in_tree: Any
-  in_avals: tuple
-
-
-def _flatten(args: _CallArgs) -> _FlatArgs:
-  leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
-  return _FlatArgs(leaves, in_tree, tuple(_typeof(x) for x in leaves))
-
-
-def _positions(defaults: tuple) -> tuple:
-  return tuple(i for i, _ in defaults) if defaults else ()
-
-
-def _is_array(value) -> bool:
-  return isinstance(value, (np.ndarray, np.generic, jax.Array))
-
-
-def _is_hashable(value) -> bool:
-  try:
-    hash(value)
-  except TypeError:
-    return False
-  return True
-
-
-# -- the path ---------------------------------------------------------------
-
-def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
-  """The gate of this section's path: ``(mesh, why_not)``, the concrete
-  mesh the op runs on as shard_map, or None and, where the operands' mesh
-  is all Explicit, why not (for the log). Reads no callback."""
-  if not _EXPLICIT_PATH or _jit_disabled():
-    return None, None
-  meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
-  if len(meshes) != 1:
-    return None, (None if not any(map(_all_explicit, meshes)) else
-                  "the operands are on different meshes")
-  (am,) = meshes
-  if not _all_explicit(am):
-    return None, None
-  ambient = _ambient_mesh("get_abstract_mesh")
-  if ambient is not None and not ambient.empty and ambient != am:
-    return None, ("another mesh is ambient (inside a shard_map or "
-                  "auto_axes)")
-  mesh = _caller_mesh(lambda m: _abstract_of(m) == am, eager_mesh,
-                      with_block=False)
-  if mesh is None:
-    return None, ("no concrete mesh for the operands' mesh is known (set "
-                  "one with jax.set_mesh)")
-  if mesh.size == 1:  # the body, inlined
-    return None, None
-  if any(map(_vmapped_over_mesh_axis, flat.leaves)):
-    return None, ("under a jax.vmap whose batch dimension is sharded over "
-                  "a mesh axis")
-  return mesh, None
-
-
-def _operands_mesh(leaves):
-  """The concrete mesh an eager call's operands are sharded on, if any."""
-  for x in leaves:
-    sharding = getattr(x, "sharding", None)
-    if (isinstance(sharding, jax.sharding.NamedSharding) and
-        isinstance(sharding.mesh, mesh_lib.Mesh)):
-      return sharding.mesh
-  return None
-
-
-def _spec_of(aval) -> tuple:
-  """The PartitionSpec entries of an abstract value's type, one per axis."""
-  spec = tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
-  return spec + (None,) * (len(aval.shape) - len(spec))
-
-
-class _Program(NamedTuple):
-  """A call signature's plan under Explicit axes: ``run``, the jitted
-  reshard -> shard_map -> reshard program, or None and ``why`` the op keeps
-  the custom call."""
-  run: Callable | None
-  out_tree: Any
-  why: str = ""
-
-
-def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
-                      mesh) -> _Program:
-  """Plans one call signature: ``partition`` asked while tracing, the
-  answer checked for what shard_map can run, then the program built."""
-  call, out_tree, type_error = _typed_trace(user_op, args, flat)
-  params = user_op._params(args, flat, call, out_tree,
-                           _is_hashable(args.static_args))
-  rule = params["sharding_rule"]
-  op = _op_of(params, _Placement(mesh, _mesh_devices(mesh)),
-              None if callable(rule) else rule)
-  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
-                                              type_error)
-  answer = None
-  if isinstance(op.partition, _FromRule) and callable(rule):
-    why = (NotImplementedError, "its partition is derived from a callable "
-           "sharding_rule, which is asked only while lowering.")
-  else:
-    answer = _ask_partition(op, operands, results, mesh)
-    why = _unrunnable(answer, mesh)
-  if why is not None:
-    if type_error is not None:  # the custom call cannot run it either
-      raise why[0](
-          f"custom_partitioning op {op.name}: jax cannot type its body "
-          f"under Explicit mesh axes ({type_error}), so it runs as "
-          f"jax.shard_map of its lower_fn, but {why[1]}") from type_error
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
-                       why=("asked while tracing; not run as shard_map "
-                            f"under Explicit axes: {why[1]}"))
-    return _Program(None, out_tree, why[1])
-  _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, operands, results, answer, _SHARD_MAP)
-  return _Program(_shard_map_program(op, answer, flat.in_avals,
-                                     typed or answer.results,
-                                     getattr(user_op.fun, "__name__", "")),
-                  out_tree)
-
-
-def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
-  """``(call, out_tree, type_error)``: ``fun`` traced on the operands'
-  types or, where jax cannot type it there (``type_error``), without
-  shardings."""
-  try:
-    return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
-  except (_ShardingTypeError, ValueError) as e:
-    # Where jax cannot type a result's sharding it raises ShardingTypeError,
-    # and for some ops a plain ValueError (rfft of a sharded axis, jax
-    # 0.10.2): a body that traces without shardings runs as shard_map alike.
-    with _no_ambient_mesh():
-      try:
-        return (*user_op._trace_fun(args, flat.in_tree,
-                                    [_unsharded(a) for a in flat.in_avals]),
-                e)
-      except Exception:
-        if isinstance(e, _ShardingTypeError):
-          raise
-        raise e from None  # a ValueError of the body itself
-
-
-def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
-  """``(operands, results, typed)``: the values the callbacks are asked
-  about, with specs as the custom call's would have them (no size-1 axes),
-  and the result types the program gives (None: ``partition``'s). The types
-  are jax's typing of ``fun`` or, for a body it cannot type, what the op's
-  inference says where it places every result."""
-  operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
-              for a in in_avals]
-  results = [_Value(a.shape, a.dtype) for a in call.out_avals]
-  if type_error is None:
-    typed = [v._replace(spec=_spec_of(a))
-             for v, a in zip(results, call.out_avals)]
-    return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
-                      for v in typed], typed
-  inferred = _ask_infer(op, operands, results)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_infer(op, operands, inferred, _SHARD_MAP)
-  if inferred is not None and all(v.spec is not None for v in inferred):
-    return operands, inferred, inferred
-  return operands, results, None
-
-
-def _unrunnable(answer: _Answer, mesh):
-  """``(error type, reason)`` where shard_map cannot run ``partition``'s
-  answer on ``mesh``; None where it can."""
-  if answer.mesh.axis_names != mesh.axis_names or (
-      dict(answer.mesh.shape) != dict(mesh.shape)):
-    return NotImplementedError, (
-        f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
-        f"not the op's {dict(mesh.shape)}.")
-  for what, side in (("operand", answer.args), ("result", answer.results)):
-    for i, v in enumerate(side):
-      if v.spec is None:
-        return NotImplementedError, (
-            f"partition returned a sharding for {what} {i} that has no "
-            f"PartitionSpec on the mesh {dict(mesh.shape)}.")
-      for d, entry in enumerate(v.spec):
-        count = _shard_count(entry, mesh)
-        if v.shape[d] % count:
-          return ValueError, (
-              f"partition shards {what} {i} dimension {d} (size "
-              f"{v.shape[d]}) over {count} devices, which do not divide "
-              "it, and jax.shard_map takes only even shards. Shard that "
-              "dimension over axes that divide its size, or pad it.")
-  return None
-
-
-def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
-                       fun_name: str) -> Callable:
-  """The jitted program: reshard to ``partition``'s arg shardings,
-  ``jax.shard_map`` of ``lower_fn``, reshard to the result types."""
-  mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
-  out_axes = [_axes_in([v.spec]) for v in answer.results]
-
-  def per_shard(*local_args):
-    outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
-    return [_invariant_over_size1(x, axes, mesh)
-            for x, axes in zip(outs, out_axes)]
-  # An operand whose type differs from partition's answer only in size-1
-  # axes (which XLA's shardings drop) keeps its type, so that lower_fn types
-  # as under a plain shard_map of it (a psum over ('z', 'y') on P(('z', 'y'))
-  # needs the operand varying over 'y').
-  arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
-               for t, v in zip(map(_spec_of, in_avals), answer.args)]
-  # The program names no devices: jax.jit reuses its traces for every
-  # concrete mesh of one abstract mesh, and gives the devices when lowering.
-  am = _abstract_of(mesh)
-  mapped = jax.shard_map(
-      per_shard, mesh=am, check_vma=op.check_vma,
-      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
-      out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
-
-  def reshard(xs, specs):  # an equation only where the type changes
-    return [x if _spec_of(_typeof(x)) == spec else jax.sharding.reshard(
-        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec)))
-        for x, spec in zip(xs, specs)]
-
-  def program(*flat):
-    return reshard(mapped(*reshard(flat, arg_specs)),
-                   [v.spec for v in typed])
-  program.__name__ = fun_name if fun_name.isidentifier() else "op"
-  return jax.jit(program)
-
-
-def _invariant_over_size1(x, spec_axes: set, mesh):
-  """``x`` typed invariant over the size-1 mesh axes it varies over in
-  shard_map's types (say after ``all_to_all`` or ``axis_index`` over one)
-  and its out spec does not name: shard_map's check_vma would refuse it,
-  though along such an axis nothing can differ. A psum over them adds
-  nothing."""
-  axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
-               if mesh.shape[a] == 1 and a not in spec_axes)
-  if not axes:
-    return x
-  if x.dtype == np.bool_:  # psum takes numbers
-    return jax.lax.psum(x.astype(np.int8), axes).astype(np.bool_)
-  return jax.lax.psum(x, axes)
-
-
-def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
-                   eager_mesh=None):
-  """The op's results, run as reshard -> shard_map -> reshard; None where
-  the op keeps the custom call."""
-  mesh, why_not = _explicit_mesh(flat, eager_mesh)
-  if mesh is None:
-    if why_not is not None and _log.isEnabledFor(logging.DEBUG):
-      _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
-             why=f"not run as shard_map under Explicit axes: {why_not}")
-    return None
-  key = None
-  if _is_hashable(args.static_args):
-    # All that fun's trace and the callbacks are given (see _traced).
-    key = (args.static_args, _positions(args.defaults), flat.in_tree,
-           flat.in_avals, mesh, _config.trace_context())
-  if key is not None and _log.isEnabledFor(logging.DEBUG):
-    hit = user_op._programs.get(key)
-    if hit is not None:
-      _debug(user_op._name, "partition", mesh=mesh, cached=True,
-             path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
-             asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
-                            for a in flat.in_avals]))
-  program = user_op._programs.cached(key, lambda: _explicit_program(
-      user_op, args, flat, mesh))
-  if program.run is None:
-    return None
-  with _naming(  # shard_map's checks, e.g. check_vma
-      f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
-      "lower_fn under Explicit mesh axes: ", " (shard_map's check_vma types "
-      "every value, loop carries too: a carry that becomes varying over an "
-      "axis needs jax.lax.pvary, or pass check_vma=False to def_partition)"):
-    out = program.run(*flat.leaves)
-  return jax.tree_util.tree_unflatten(program.out_tree, out)
-
-
-# --------------------------------------------------------------------------
-# 6. The public decorator
-# --------------------------------------------------------------------------
-
-class _Signature:
-  """Binds a call's keyword arguments to positions, like jax does."""
-
-  _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY,
-                 inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-  def __init__(self, fun: Callable):
-    try:
-      self._sig = inspect.signature(fun)
-    except (TypeError, ValueError):  # e.g. some builtins: positional only
-      self._sig = self._plain = None
-      return
-    params = self._sig.parameters.values()
-    # Calls with exactly this many positional args need no binding.
-    self._plain = (len(params)
-                   if all(p.kind in self._POSITIONAL for p in params)
-                   else None)
-
-  def positional(self, args: tuple, kwargs: dict, name: str):
-    """``(args, unpassed)``: every positional parameter's value in order,
-    defaults filled in, and the positions that took their default."""
-    if self._sig is None or (not kwargs and len(args) == self._plain):
-      if kwargs:
-        raise TypeError(f"{name} takes no keyword arguments here: its "
-                        "signature cannot be inspected.")
-      return args, ()
-    try:
-      bound = self._sig.bind(*args, **kwargs).arguments
-    except TypeError as e:
-      raise TypeError(f"{name}: {e}") from None
-    out, unpassed = [], []
-    for param in self._sig.parameters.values():
-      if param.kind == param.KEYWORD_ONLY and param.name in bound:
-        raise TypeError(
-            f"{name}: keyword-only argument {param.name!r} cannot be passed "
-            "to a custom_partitioning function (its arguments are bound to "
-            "positions); make it positional or leave it at its default.")
-      if param.kind == param.VAR_KEYWORD and bound.get(param.name):
-        raise TypeError(
-            f"{name}: **{param.name} arguments cannot be passed to a "
-            "custom_partitioning function; pass them positionally.")
-      if param.kind == param.VAR_POSITIONAL:
-        out.extend(bound.get(param.name, ()))
-      elif param.kind in self._POSITIONAL:
-        if param.name not in bound:
-          unpassed.append(len(out))
-        out.append(bound.get(param.name, param.default))
-    return tuple(out), tuple(unpassed)
-
-
-def _static_args(static_argnums, args: tuple, name: str) -> tuple:
-  """``(positions, values)`` of the static arguments; ``static_argnums`` is
-  an int or ints, maybe negative."""
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
-  positions: list[int] = []
-  for i in static_argnums or ():
-    if not -len(args) <= i < len(args):
-      raise IndexError(
-          f"custom_partitioning function {name}: static_argnums entry {i} "
-          f"is out of range for a call with {len(args)} arguments.")
-    if i % len(args) not in positions:  # the author's order: callbacks see it
-      positions.append(i % len(args))
-  for i in positions:
-    if any(isinstance(leaf, core.Tracer)
-           for leaf in jax.tree_util.tree_leaves(args[i])):
-      raise _errors.UnexpectedTracerError(
-          f"custom_partitioning function {name} got a traced value as "
-          f"argument {i}, which static_argnums marks static. Static "
-          "arguments must be concrete Python values.")
-  return tuple(positions), tuple(args[i] for i in positions)
-
-
-def _checked_rule(name: str, sharding_rule, extra: dict):
-  """``def_partition``'s ``sharding_rule``, a string parsed with the factor
-  keywords ``extra``."""
-  if isinstance(sharding_rule, str):
-    return str_to_sdy_sharding_rule(sharding_rule, **extra)
-  if not (sharding_rule is None or callable(sharding_rule) or
-          isinstance(sharding_rule, SdyShardingRule)):
-    raise TypeError(
-        f"def_partition of {name}: sharding_rule must be a str, an "
-        f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
-  if extra:
-    raise ValueError(
-        f"def_partition of {name}: {sorted(extra)} only apply to a string "
-        "sharding_rule; put them into the SdyShardingRule (or the (string, "
-        "kwargs) pair your callable returns) instead.")
-  return sharding_rule
-
-
-@custom_api_util.register_custom_decorator_type
-class custom_partitioning:
-  """Gives a function its own SPMD partitioning rules.
-
-  ``custom_partitioning(fun, static_argnums=())`` wraps ``fun`` (arguments
-  and results are pytrees of arrays); a call binds ``custom_partitioning_p``
-  and returns ``fun``'s results. Under ``jax.jit`` on several devices the op
-  is one XLA custom call partitioned by the callbacks of ``def_partition``;
-  on one device, in a ``shard_map`` manual over every mesh axis and under
-  ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
-  ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
-  transformed on the same local shards (section 3b; upstream supports none
-  of the three).
-
-  An eager call is compiled: partitioned if an operand is a ``jax.Array``
-  sharded over several devices (not fully replicated), else ``fun`` runs
-  and no callback is asked (as upstream does for every eager call). Traces
-  of ``fun`` are cached per op on what ``jax.jit`` keys on (static
-  arguments, operand pytree and avals, jax's config);
-  ``jax.clear_caches()`` empties them and every cache of this module, so
-  ``fun`` is traced anew and sees new settings of switches it reads.
-
-  Args:
-    fun: the function. A call's keyword arguments are bound to positions by
-      ``inspect.signature(fun)``; keyword-only parameters keep their
-      defaults. An unpassed default stays a Python value, as under
-      ``jax.jit`` (so ``custom_partitioning(jnp.fft.fft)`` works), unless
-      it is an array (then an operand) or static (then callbacks get it).
-    static_argnums: int or ints: positions of non-array arguments, passed
-      first to every callback; unhashable ones only skip the trace cache.
-
-  Raises (when called):
-    ValueError: ``def_partition`` was never called.
-    NotImplementedError: Shardy is on but only GSPMD callbacks were given.
-    jax.errors.UnexpectedTracerError: a static argument is a tracer.
-    TypeError: a keyword-only argument is passed, or the call does not
-      match ``fun``'s signature.
-    IndexError: a ``static_argnums`` entry is out of range for the call.
-
-  Mirrors ``jax.experimental.custom_partitioning.custom_partitioning``.
-  """
-
-  def __init__(self, fun: Callable, static_argnums: int | Sequence[int] = ()):
-    functools.update_wrapper(self, fun)
-    self.fun = fun
-    self.static_argnums = static_argnums
-    self._defined = False  # def_partition called
-    self._traces = _LRU()  # see _traced
-    self._programs = _LRU()  # see _explicit_call
-    self._generation = 0  # counts def_partition calls (see _eager_call)
-    self._signature = _Signature(fun)
-    self._name = getattr(fun, "__qualname__", None) or repr(fun)
-
-  __getattr__: Any = custom_api_util.forward_attr
-  # Until def_partition sets them:
-  partition = infer_sharding_from_operands = propagate_user_sharding = None
-  sharding_rule = None
-  decode_shardings = check_vma = True
-
-  def def_partition(self, partition=None, infer_sharding_from_operands=None,
-                    propagate_user_sharding=None, decode_shardings=True,
-                    sharding_rule=None, *, check_vma=True,
-                    reduction_factors=(), need_replication_factors=(),
-                    permutation_factors=(), **factor_sizes):
-    """Defines how the op is partitioned; returns ``partition``.
-
-    Callbacks get the static arguments first. Shapes are pytrees (like the
-    op's arguments or results) of ``jax.ShapeDtypeStruct`` whose
-    ``.sharding`` is XLA's choice.
-
-    Args:
-      partition: ``(*static, mesh, arg_shapes, result_shape) -> (mesh,
-        lower_fn, result_shardings, arg_shardings)``. XLA reshards the
-        operands to ``arg_shardings`` (a pytree like the arguments);
-        ``lower_fn(*local_args)`` computes one shard, may use collectives
-        over ``mesh``'s axes and returns results sharded as
-        ``result_shardings``. None (the default) with a ``sharding_rule``:
-        derived from the rule, for both partitioners and Explicit axes.
-        Each factor keeps the mesh axes the operands arrive sharded on
-        (a factor they bring on different axes is replicated, and of two
-        factors on one axis the later one); replicated are the special
-        factors, factors only in operands or only in results,
-        and factors of compound dimensions. Each shard runs ``fun`` (with
-        the static arguments) on its local arrays, so the rule must hold
-        shard-wise. None without a rule: ``fun`` runs on one device, and on
-        several the call raises ``ValueError``.
-      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
-        for a body jax cannot type): ``(*static, mesh, arg_shapes,
-        result_shape) -> result sharding(s)``; ``result_shape`` has no
-        shardings, nor has an operand XLA has not placed yet (``.sharding``
-        None). Default: derived from ``sharding_rule``.
-      propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
-        result sharding(s)`` preferred given the user's; default: the user's.
-      decode_shardings: True: ``NamedSharding``s on the real mesh when one
-        can be recovered (``with mesh``, ``jax.set_mesh`` or the jit's
-        shardings); else (or False) ``GSPMDSharding``s.
-      sharding_rule: Shardy only: an einsum-like string (see
-        ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
-        ``(*static, mesh, operand_types, result_types) -> rule`` or
-        ``-> (string, kwargs)``.
-      check_vma: keyword-only; this module's, upstream has no such checks.
-        True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
-        result that may vary along a mesh axis (a missing ``psum``) and for
-        padding that would enter a reduction. False turns both off.
-      reduction_factors, need_replication_factors, permutation_factors,
-      **factor_sizes: for a string ``sharding_rule`` only.
-
-    Raises:
-      TypeError: ``partition`` is neither callable nor None, or
-        ``sharding_rule`` is of another type.
-      ValueError: factor keywords without a string rule, or a bad rule.
-      When called on several devices: ``ValueError`` if neither
-      ``partition`` nor ``sharding_rule`` is given.
-    """
-    if partition is not None and not callable(partition):
-      raise TypeError(
-          f"def_partition of {self._name}: partition must be callable; got "
-          f"{type(partition).__name__}.")
-    sharding_rule = _checked_rule(self._name, sharding_rule, dict(
-        factor_sizes, **{kind: factors for kind, factors in zip(
-            _SPECIAL_FACTOR_KINDS, (reduction_factors,
-                                    need_replication_factors,
-                                    permutation_factors)) if factors}))
-    self._defined = True
-    (self.partition, self.infer_sharding_from_operands,
-     self.propagate_user_sharding, self.decode_shardings, self.sharding_rule,
-     self.check_vma) = (partition, infer_sharding_from_operands,
-                        propagate_user_sharding, decode_shardings,
-                        sharding_rule, bool(check_vma))
-    self._traces.clear()
-    self._programs.clear()
-    self._generation += 1
-    return partition
-
-  def __call__(self, *args, **kwargs):
-    if not self._defined:
-      raise ValueError(
-          f"custom_partitioning function {self._name} has no partitioning "
-          "rules: call its def_partition(...) before calling it.")
-    args = self._split(args, kwargs)
-    if (_at_top_level() and not _jit_disabled() and
-        _is_hashable(args.static_args)):
-      return self._eager_call(args)
-    return self._bind(args)
-
-  def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
-    """Binds a call's arguments to positions and sorts them by role."""
-    args, unpassed = self._signature.positional(args, kwargs, self._name)
-    if not unpassed and not (self.static_argnums or self.static_argnums == 0):
-      return _CallArgs((), (), (), args)  # the common case, kept fast
-    static_argnums, static_args = _static_args(self.static_argnums, args,
-                                               self._name)
-    # Like jax.jit: unpassed Python defaults are constants, not operands.
-    defaults = tuple((i, args[i]) for i in unpassed
-                     if i not in static_argnums and not _is_array(args[i]))
-    fixed = set(static_argnums) | {i for i, _ in defaults}
-    return _CallArgs(static_argnums, static_args, defaults,
-                     tuple(a for i, a in enumerate(args) if i not in fixed))
-
-  def _eager_call(self, args: _CallArgs):
-    """A call outside any transformation, compiled (see the class
-    docstring). Cache: (op, its def_partition generation, static
-    arguments, positions of unpassed defaults, sharded?, mesh) -> jitted
-    function; jax.jit keys on the operands' types and shardings itself."""
-    leaves = jax.tree_util.tree_leaves(args.dyn_args)
-    sharded = _any_sharded(leaves)
-    # Under Explicit axes the operands' mesh is the op's (section 5b).
-    mesh = _operands_mesh(leaves) if sharded else None
-    key = (self, self._generation, args.static_args,
-           _positions(args.defaults), sharded, mesh)
-
-    def build():  # only on a miss: eager calls are a hot path
-      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
-             else self._run_body)
-      if not sharded and _log.isEnabledFor(logging.DEBUG):
-        _debug(self._name, "path", path=_FUN, mesh=None,
-               why="an eager call with no operand sharded over several "
-               "devices: fun is compiled as it is")
-      base = args._replace(dyn_args=())  # holds no operand alive
-
-      def call(*dyn):
-        return run(base._replace(dyn_args=dyn))
-      return jax.jit(call)
-    return _eager.cached(key, build)(*args.dyn_args)
-
-  def _traced(self, args: _CallArgs, flat: _FlatArgs):
-    """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
-    trace cache where it can be (``key`` is None where not)."""
-    if not _is_hashable(args.static_args):
-      return (*self._trace_fun(args, flat.in_tree, flat.in_avals), None)
-    # jax.jit's trace key (its trace context holds the config states), plus
-    # the positions of unpassed defaults. Like jax.jit, it does not see the
-    # globals and closures ``fun`` reads.
-    key = (args.static_args, _positions(args.defaults), flat.in_tree,
-           flat.in_avals, _use_shardy(), _config.trace_context())
-    traced = self._traces.cached(key, lambda: self._trace_fun(
-        args, flat.in_tree, flat.in_avals))
-    return (*traced, key)
-
-  def _run_body(self, args: _CallArgs):
-    flat = _flatten(args)
-    call, out_tree, _ = self._traced(args, flat)
-    return jax.tree_util.tree_unflatten(
-        out_tree, core.jaxpr_as_fun(call)(*flat.leaves))
-
-  def _bind(self, args: _CallArgs, eager_mesh=None):
-    if (_use_shardy() and self.sharding_rule is None and
-        (self.infer_sharding_from_operands is not None or
-         self.propagate_user_sharding is not None)):
-      raise NotImplementedError(
-          f"custom_partitioning function {self._name} is used with the "
-          "Shardy partitioner, but only GSPMD callbacks "
-          "(infer_sharding_from_operands / propagate_user_sharding) are "
-          "defined. Add a sharding_rule to def_partition, e.g. "
-          "sharding_rule='i j -> i j'.")
-    flat = _flatten(args)
-    explicit = _explicit_call(self, args, flat, eager_mesh)
-    if explicit is not None:
-      return explicit
-    call, out_tree, key = self._traced(args, flat)
-    out_flat = custom_partitioning_p.bind(
-        *flat.leaves, **self._params(args, flat, call, out_tree,
-                                     key is not None))
-    return jax.tree_util.tree_unflatten(out_tree, out_flat)
-
-  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree,
-              hashable: bool) -> dict:
-    """The parameters of a call's equation: the traced body and the
-    callbacks under their API names, as upstream binds them, and this
-    module's ``check_vma`` and ``transform`` (the steps, section 3b). The
-    shard_map path builds its op from the same (``_op_of``)."""
-    return dict(
-        call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=self._partition_of(args),
-        propagate_user_sharding=self.propagate_user_sharding,
-        infer_sharding_from_operands=self.infer_sharding_from_operands,
-        decode_shardings=self.decode_shardings,
-        sharding_rule=self.sharding_rule,
-        static_args=(args.static_args if hashable
-                     else _Unhashable(args.static_args)),
-        check_vma=self.check_vma, transform=())
-
-  def _partition_of(self, args: _CallArgs):
-    """The ``partition`` a call binds: the author's, or for an op defined
-    by its rule alone a ``_FromRule`` (None where neither is given)."""
-    if self.partition is not None or self.sharding_rule is None:
-      return self.partition
-    return _FromRule(self.fun, args.static_argnums, args.defaults)
-
-  def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
-    """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
-    over stay constants of ``call`` (``lower_fn`` captures its own); a
-    closed-over tracer cannot reach XLA's callbacks and is rejected."""
-    # Every argument in call order; the fixed ones are not operands.
-    fixed = dict(zip(args.static_argnums, args.static_args))
-    fixed.update(args.defaults)
-    dyn = iter(args.dyn_args)
-    all_args = tuple(fixed[i] if i in fixed else next(dyn)
-                     for i in range(len(fixed) + len(args.dyn_args)))
-    wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
-    if fixed:
-      wrapped, _ = api_util.argnums_partial(
-          wrapped, [i for i in range(len(all_args)) if i not in fixed],
-          all_args, require_static_args_hashable=False)
-    flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
-    try:
-      jaxpr, consts = _trace_to_jaxpr(flat_fun, in_avals)
-    except _ShardingTypeError as e:
-      raise type(e)(
-          f"custom_partitioning function {self._name}: jax cannot type its "
-          f"body with these operand shardings ({e}). With every mesh axis "
-          "Explicit and the mesh set by jax.set_mesh(mesh), the op runs as "
-          "jax.shard_map of its lower_fn, which needs no such typing.") from e
-    if any(isinstance(c, core.Tracer) for c in consts):
-      raise _errors.UnexpectedTracerError(
-          f"custom_partitioning function {self._name} closes over a traced "
-          "value (e.g. a variable of an enclosing jax.jit or jax.grad). "
-          "Pass it to the function as an argument instead.")
-    call = core.ClosedJaxpr(jaxpr, consts)
-    _name_call(call, self._name)
-    return call, out_tree()
-
-
-_DESCRIBED_BY[custom_partitioning] = lambda obj: (
-    obj.fun, obj.static_argnums, obj.partition,
-    obj.infer_sharding_from_operands, obj.propagate_user_sharding,
-    obj.decode_shardings, obj.sharding_rule, obj.check_vma)
-
-
-# --------------------------------------------------------------------------
-# 6b. Checking an op's partitioning: check_partitioning
-#
-# A wrong ``partition`` (a transformed axis kept sharded, a backward op that
-# forgets a psum) gives plausible numbers, and small tests on one device
-# never run it. ``check_partitioning`` runs ``jax.jit(fn)`` with the example
-# arguments placed in many shardings, on one or more meshes, and compares
-# every result (and, with ``grad=True``, every gradient) with ``fn`` run on
-# one device, where each custom-partitioned op runs its own ``fun``.
-#
-# The sweep: on each mesh, every operand is replicated or has one dimension
-# sharded over one mesh axis (of more than one device) that divides it.
-# Across operands, all combinations if there are at most
-# ``max_combinations``; else, in this order until the bound: all
-# replicated, each operand's shardings with the others replicated (taken
-# round-robin over the operands), "diagonals" (operand i takes its k-th
-# sharding, for every k), then the remaining product in itertools order.
-# Deterministic: no randomness but the cotangents' fixed seed. With
-# ``grad``, each combination runs the jitted forward, places each cotangent
-# with the sharding its result came back with (typed on Explicit axes), and
-# runs the jitted VJP on those: a backward op whose partition keys on the
-# cotangent's sharding is checked as a real loss runs it, not only with
-# replicated cotangents. Two compiles per combination.
-# --------------------------------------------------------------------------
-
-_DEFAULT_MAX_COMBINATIONS = 32  # per mesh
-
-
-def _default_tolerance(dtype) -> float:
-  """rtol (and atol, relative to the reference's largest magnitude) by
-  dtype: 16-bit floats loosely, 32-bit and 64-bit by their precision,
-  integers and booleans exactly."""
-  dtype = np.dtype(dtype)
-  if dtype.name == "bfloat16":
-    return 3e-2
-  if not np.issubdtype(dtype, np.inexact):
-    return 0.0
-  real_size = dtype.itemsize // (2 if np.iscomplexobj(np.zeros((), dtype))
-                                 else 1)
-  return {2: 5e-3, 4: 1e-4, 8: 1e-9}.get(real_size, 1e-4)
-
-
-def _spec_text(spec: tuple) -> str:
-  """``PartitionSpec(None, 'x')`` on every jax release (newer ones print
-  ``P(...)``)."""
-  return f"PartitionSpec({', '.join(map(repr, spec))})"
-
-
-def _specs_text(specs, arg_names: list, flat: bool) -> str:
-  """``(PartitionSpec('x'), PartitionSpec())``, one per argument; for
-  pytree arguments, each leaf named."""
-  if flat:
-    return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
-  return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
-                         in zip(arg_names, specs)) + "}"
-
-
-def _mesh_text(mesh) -> str:
-  axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
-  types_ = _axis_types(mesh)
-  if types_ is not None and any(
-      t != jax.sharding.AxisType.Auto for t in types_):
-    names = ", ".join(t.name for t in types_)
-    axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
-  return f"Mesh({axes})"
-
-
-def _path_text(path, first: str) -> str:
-  """``argument 1['w']`` / ``result [0]``: a key path, its first key
-  spelled out as ``first`` plus its index."""
-  if first == "argument":
-    return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
-  return f"result {jax.tree_util.keystr(tuple(path))}" if path else "the result"
-
-
-def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates: replicated, then each dimension sharded over
-  each mesh axis of more than one device that divides it."""
-  out: list[tuple] = [()]
-  for d, n in enumerate(shape):
-    for name in _real_axes(mesh):
-      if n > 0 and n % mesh.shape[name] == 0:
-        out.append((None,) * d + (name,))
-  return out
-
-
-def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
-  """At most ``bound`` combinations (one entry per operand) of the
-  per-operand ``options`` (each starting with the replicated one), in the
-  order section 6b describes."""
-  total = math.prod(len(o) for o in options)
-  if total <= bound:
-    return list(itertools.product(*options))
-  chosen: dict[tuple, None] = {}
-
-  def add(combination):
-    if len(chosen) < bound:
-      chosen.setdefault(tuple(combination), None)
-  replicated = [o[0] for o in options]
-  add(replicated)
-  longest = max(len(o) for o in options)
-  for k in range(1, longest):  # one operand sharded, round-robin
-    for i, o in enumerate(options):
-      if k < len(o):
-        add(replicated[:i] + [o[k]] + replicated[i + 1:])
-  for k in range(1, longest):  # every operand sharded at once
-    add([o[k % len(o)] for o in options])
-  for combination in itertools.product(*options):
-    if len(chosen) >= bound:
-      break
-    add(combination)
-  return list(chosen)
-
-
-@dataclasses.dataclass(frozen=True)
-class PartitioningReport:
-  """What ``check_partitioning`` checked; ``str()`` says it in a sentence.
-
-  Attributes:
-    name: the checked function's name.
-    checked: how many placements of the operands were compiled, run and
-      compared, over all meshes.
-    meshes: per mesh, ``(description, checked, total)``: combinations run
-      and combinations the sweep has (more than ``checked`` when the bound
-      cut it).
-    replicated_only: the example arguments that no mesh axis divides
-      (described with their shapes): checked replicated only.
-    grad: whether gradients were compared too.
-    max_combinations: the bound per mesh.
-  """
-  name: str
-  checked: int
-  meshes: tuple
-  replicated_only: tuple
-  grad: bool
-  max_combinations: int
-
-  def __str__(self) -> str:
-    what = "results and gradients" if self.grad else "results"
-    per_mesh = "; ".join(f"{text}: {n} of {total}"
-                         for text, n, total in self.meshes)
-    text = (f"check_partitioning({self.name}): {self.checked} combinations "
-            f"of operand shardings checked, {what} equal to {self.name} on "
-            f"one device ({per_mesh}).")
-    if self.replicated_only:
-      text += (f" No mesh axis divides {', '.join(self.replicated_only)}: "
-               "checked replicated only.")
-    left = sum(total - n for _, n, total in self.meshes)
-    if left:
-      text += (f" {left} combinations left unchecked (max_combinations="
-               f"{self.max_combinations} per mesh): raise max_combinations, "
-               "or pass meshes=, to check them.")
-    return text
-
-
-def _default_meshes() -> list:
-  """A 1-D mesh ``('x',)`` over all devices and, if the device count has a
-  factor p with 1 < p < count, a 2-D ``('x', 'y')`` mesh of shape
-  ``(p, count // p)`` (p the smallest), both with Auto axes."""
-  devices = np.array(jax.devices())
-  meshes = [jax.sharding.Mesh(devices, ("x",))]
-  n = devices.size
-  p = next((p for p in range(2, n) if n % p == 0), None)
-  if p is not None:
-    meshes.append(jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y")))
-  return meshes
-
-
-def _renamed(error: Exception, where: str) -> Exception:
-  """``error``'s type with ``where`` before its message (else ``error``
-  itself, with ``where`` as a note, for a type that takes no message)."""
-  try:
-    new = type(error)(f"{where}: {type(error).__name__}: {error}")
-  except Exception:
-    _add_note(error, where)
-    return error
-  return new
-
-
-def _number(value) -> str:
-  value = np.asarray(value).item()
-  return format(value, ".6g") if isinstance(value, (float, complex)) else (
-      str(value))
-
-
-def _compare(got, want, rtol, atol, what: str) -> None:
-  """Raises AssertionError (message after ``what``) unless ``got`` equals
-  ``want`` within the tolerances (None: by dtype)."""
-  got, want = np.asarray(got), np.asarray(want)
-  if got.shape != want.shape or got.dtype != want.dtype:
-    raise AssertionError(
-        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
-        f"{want.dtype}{list(want.shape)}")
-  wide = np.complex128 if np.iscomplexobj(want) else np.float64
-  g, w = got.astype(wide), want.astype(wide)
-  tol = _default_tolerance(want.dtype)
-  scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))
-  rtol_ = tol if rtol is None else rtol
-  atol_ = tol * max(scale, 1.0) if atol is None else atol
-  with np.errstate(invalid="ignore"):
-    error = np.abs(g - w)
-    same = (g == w) | (np.isnan(g) & np.isnan(w))
-    bad = ~same & ~(error <= atol_ + rtol_ * np.abs(w))
-  if not bad.any():
-    return
-  error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
-  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
-                        want.shape)
-  raise AssertionError(
-      f"{what}: largest error {float(np.max(error)):.3g} ({int(bad.sum())} "
-      f"of {bad.size} elements off; at index {tuple(map(int, at))} got "
-      f"{_number(got[at])}, expected {_number(want[at])}; rtol={rtol_:.3g}, "
-      f"atol={atol_:.3g})")
-
-
-def check_partitioning(fn: Callable, *example_args, grad: bool = False,
-                       meshes=None, rtol: float | None = None,
-                       atol: float | None = None,
-                       max_combinations: int = _DEFAULT_MAX_COMBINATIONS
-                       ) -> PartitioningReport:
-  """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
-  whatever sharding its operands arrive in. For an op author's tests.
-
-  On each mesh, every example argument is placed replicated or with one
-  dimension sharded over one mesh axis that divides it, in combinations
-  across arguments (all of them, or at most ``max_combinations`` per mesh,
-  chosen deterministically: all replicated, each argument sharded alone,
-  all sharded at once, then the rest). Each placement is compiled and run
-  (with ``grad``, its VJP too); its results (and, with ``grad``, its
-  gradients) are compared with ``jax.jit(fn)`` on the arguments on
-  ``jax.devices()[0]``, where every custom-partitioned op runs its own
-  ``fun`` and no callback is asked.
-
-  Args:
-    fn: a ``custom_partitioning`` op, or any function of arrays built from
-      such ops (e.g. a ``jax.custom_vjp`` whose forward and backward are
-      ops). Bind static and non-array arguments into it beforehand
-      (``functools.partial`` or a lambda).
-    *example_args: arrays (``numpy`` or ``jax``), or pytrees of arrays:
-      every leaf is an operand placed in its own shardings. Small shapes
-      keep the check fast; dimensions divisible by the mesh axes' sizes get
-      sharded (with the default meshes on 8 devices: by 2, 4 or 8).
-    grad: also compare the vector-Jacobian product of ``fn`` for fixed
-      random cotangents (seed 0; zero for non-float results; gradients
-      with respect to integer arguments are not compared). Each cotangent
-      is placed with the sharding its result has in that combination (as
-      the jitted forward returns it), so backward ops see cotangents
-      sharded as in a real loss. Two compiles per combination (the forward,
-      then the VJP with the placed cotangents as arguments); one without
-      ``grad``.
-    meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
-      mesh ``('x',)`` over all devices and, where the device count has a
-      factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
-      ``(p, count // p)``, with Auto axes (``jax.sharding.Mesh``; note
-      ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
-      Explicit axis is checked with it set by ``jax.set_mesh``, so that
-      ops take their Explicit-axes path.
-    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype:
-      bfloat16 3e-2, float16 5e-3, float32/complex64 1e-4,
-      float64/complex128 1e-9 for ``rtol``; ``atol`` the same times the
-      reference's largest magnitude (at least 1); integers and booleans
-      exact.
-    max_combinations: keyword; the bound per mesh (default 32). Raise it,
-      or pass ``meshes=``, to check more; the report says how many the
-      bound left out.
-
-  Returns:
-    A ``PartitioningReport``; its ``str`` says how many combinations were
-    checked on which meshes, which arguments no mesh axis divides (checked
-    replicated only) and how many combinations the bound left out.
-
-  Raises:
-    TypeError: ``fn`` is not callable, an example argument (or a leaf of
-      one) is not an array, or ``meshes`` holds a non-mesh.
-    ValueError: ``max_combinations`` is less than 1, or no example argument.
-    AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand shardings (as ``PartitionSpec``s),
-      which result or gradient, and the largest error.
-    Exception: an error raised while compiling or running one placement
-      is re-raised with its type (chained to the original), the message
-      naming the mesh and operand shardings; one raised by the reference
-      run on one device, likewise.
-  """
-  name, arg_names, hosts, in_tree = _checked_examples(fn, example_args,
-                                                     max_combinations)
-  flat = all(n.startswith("argument ") and "[" not in n
-             for n in arg_names)  # arrays only
-  meshes = _checked_meshes(name, meshes)
-  run = _runner(fn, name, in_tree, hosts, arg_names, grad)
-  device = jax.devices()[0]
-  try:
-    want = run([jax.device_put(h, device) for h in hosts])
-  except Exception as e:
-    raise _renamed(e, f"check_partitioning({name}): on one device "
-                      f"({device})") from e
-  per_mesh, checked = [], 0
-  sharded_somewhere = [False] * len(hosts)
-  for mesh in meshes:
-    options = [_shardings_of(h.shape, mesh) for h in hosts]
-    for i, o in enumerate(options):
-      sharded_somewhere[i] |= len(o) > 1
-    combinations = _sharding_combinations(options, max_combinations)
-    for specs in combinations:
-      where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
-               f"operand shardings {_specs_text(specs, arg_names, flat)}")
-      placed = [jax.device_put(h, jax.sharding.NamedSharding(
-          mesh, jax.sharding.PartitionSpec(*spec)))
-                for h, spec in zip(hosts, specs)]
-      try:
-        with _set_mesh_scope(mesh):
-          got = run(placed)
-      except Exception as e:
-        raise _renamed(e, where) from e
-      for (what, g), (_, w) in zip(got, want):
-        _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} "
-                 "on one device")
-    per_mesh.append((_mesh_text(mesh), len(combinations),
-                     math.prod(len(o) for o in options)))
-    checked += len(combinations)
-  replicated_only = tuple(
-      f"{arg_name} (shape {h.shape})"
-      for arg_name, h, s in zip(arg_names, hosts, sharded_somewhere) if not s)
-  return PartitioningReport(name, checked, tuple(per_mesh), replicated_only,
-                            bool(grad), max_combinations)
-
-
-def _checked_examples(fn, example_args: tuple, max_combinations):
-  """``(name, arg_names, host arrays, in_tree)`` of checked arguments."""
-  if not callable(fn):
-    raise TypeError(
-        "check_partitioning: fn must be callable (a custom_partitioning op "
-        f"or a function built from them); got {type(fn).__name__} "
-        f"{_short_repr(fn)}.")
-  name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
-          else None) or getattr(fn, "__qualname__", None) or getattr(
-              fn, "__name__", None) or _short_repr(fn)
-  if not isinstance(max_combinations, int) or max_combinations < 1:
-    raise ValueError(f"check_partitioning({name}): max_combinations must be "
-                     f"a positive int; got {max_combinations!r}.")
-  paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(example_args)
-  if not paths_leaves:
-    raise ValueError(f"check_partitioning({name}): no example argument "
-                     "(an array) to place.")
-  arg_names = [_path_text(path, "argument") for path, _ in paths_leaves]
-  for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
-    if not _is_array(leaf):
-      raise TypeError(
-          f"check_partitioning({name}): example {arg_name} is a "
-          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
-          "numpy or jax arrays; bind other arguments into fn "
-          "(functools.partial or a lambda).")
-  return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
-          in_tree)
-
-
-def _checked_meshes(name: str, meshes) -> list:
-  if meshes is None:
-    return _default_meshes()
-  meshes = [meshes] if isinstance(meshes, jax.sharding.Mesh) else list(meshes)
-  for mesh in meshes:
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise TypeError(f"check_partitioning({name}): meshes must hold "
-                      f"jax.sharding.Mesh objects; got {type(mesh).__name__}.")
-  return meshes
-
-
-def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
-            grad: bool) -> Callable:
-  """``run(leaves) -> [(what, array)]``: every result of the jitted
-  forward and, with ``grad``, every gradient of the jitted VJP for fixed
-  cotangents, placed as the forward's results are: the backward ops see
-  them sharded as in a real program's loss."""
-  def forward(args):
-    return fn(*args)
-  forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
-  jitted_forward = jax.jit(forward)
-  if grad:
-    out_shape = jax.eval_shape(fn, *in_tree.unflatten(hosts))
-    rng = np.random.default_rng(0)
-
-    def cotangent(s):
-      if not np.issubdtype(s.dtype, np.inexact):
-        return None  # zero (float0), built while tracing
-      ct = rng.standard_normal(s.shape)
-      if np.issubdtype(s.dtype, np.complexfloating):
-        ct = ct + 1j * rng.standard_normal(s.shape)
-      return ct.astype(s.dtype)
-    cts = jax.tree_util.tree_map(cotangent, out_shape)
-
-    def pullback(args, cts):
-      out, vjp = jax.vjp(fn, *args)
-      full = jax.tree_util.tree_map(
-          lambda o, c: np.zeros(o.shape, jax.dtypes.float0) if c is None
-          else _typed_like(c, o), out, cts, is_leaf=lambda c: c is None)
-      return vjp(full)
-    pullback.__name__ = pullback.__qualname__ = (
-        f"check_partitioning_{name}_vjp")
-    jitted_pullback = jax.jit(pullback)
-
-  def run(leaves):
-    args = in_tree.unflatten(leaves)
-    out = jitted_forward(args)
-    found = [(_path_text(path, "result"), leaf) for path, leaf in
-             jax.tree_util.tree_flatten_with_path(out)[0]]
-    if grad:
-      placed = jax.tree_util.tree_map(
-          lambda o, c: None if c is None else jax.device_put(c, o.sharding),
-          out, cts, is_leaf=lambda c: c is None)
-      grads = jitted_pullback(args, placed)
-      found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
-                in zip(arg_names, jax.tree_util.tree_leaves(grads))
-                if g.dtype != jax.dtypes.float0]
-    return [(what, np.asarray(leaf)) for what, leaf in found]
-  return run
+def _jit_disabled() -> bool:
+  return bool(_config.disable_jit.value)
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -4326,13 +4157,91 @@ def _add_note(error: BaseException, note: str) -> None:
     error.add_note(note)
 
 
-def _short_repr(value, limit: int = 60) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+# Options that jax sets while tracing, not users, and that lower_fn is
+# traced without, as it is without the ambient mesh: an enclosing
+# jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
+# on plain local types (section 7 checks it).
+_TRACING_OPTIONS = frozenset({"check_vma"})
+
+
+def _config_values() -> tuple:
+  """Every jax option's value on this thread, context managers included, as
+  ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
+  # Config._value_holders and State (.value, and calling it for a context
+  # manager that sets the option on this thread alone): unchanged from jax
+  # 0.4.35 to 0.11.
+  return tuple((name, holder.value)
+               for name, holder in _config.config._value_holders.items()
+               if isinstance(holder, _config.State) and
+               name not in _TRACING_OPTIONS)
+
+
+@contextlib.contextmanager
+def _config_entered(values: tuple):
+  """Runs the block on this thread under ``values`` (``_config_values``):
+  each option that differs here is set by its own context manager, as the
+  user's ``with`` did on the thread that took the values."""
+  holders = _config.config._value_holders
+  with contextlib.ExitStack() as stack:
+    for name, value in values:
+      state = holders[name]
+      if state.value != value:
+        stack.enter_context(state(value))
+    yield
+
+
+def _trace_context_by_value() -> tuple:
+  """jax's trace context (the configuration its tracing caches key on),
+  with each entry described by value, so that equal configurations give
+  equal descriptions in every process."""
+  # The axis environment is a tuple of frames in jax 0.4.35 (empty outside
+  # a transformation), a core.AxisEnv object (whose repr is its address) in
+  # jax 0.10 and 0.11. Other entries are plain values, enums, meshes and
+  # tuples of them, which the key's describer takes by value.
+  axis_env = getattr(core, "AxisEnv", None)
+  return tuple(
+      ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
+       getattr(v, "explicit_mesh_axis_names", None))
+      if axis_env is not None and isinstance(v, axis_env) else v
+      for v in _config.trace_context())
+
+
+@_jax_util.cache(max_size=1, trace_context_in_key=False)
+def _cache_epoch() -> object:
+  """A token that changes when ``jax.clear_caches()`` is called."""
+  # jax's util.cache is cleared by jax.clear_caches() on every release
+  # (through a set of clear functions up to 0.4.x, util.register_cache
+  # since). With jax_check_tracer_leaks on it does not memoize at all.
+  return object()
+
+
+def _register_partitioner(name: str, prop_user_sharding, partition,
+                          infer_sharding_from_operands) -> None:
+  """Registers the XLA custom-call partitioner, also with PJRT plugins."""
+  kwargs = dict(prop_user_sharding=prop_user_sharding, partition=partition,
+                infer_sharding_from_operands=infer_sharding_from_operands,
+                can_side_effecting_have_replicated_sharding=True)
+  xc.register_custom_call_partitioner(name, **kwargs)
+  xla_bridge.register_plugin_callbacks(
+      functools.partial(xc.register_custom_call_partitioner, name=name,
+                        **kwargs))
+
+
+def _register_compile_error_handler(handler) -> None:
+  _compiler.register_xla_runtime_error_handler(handler)
+
+
+def _register_compile_end_listener(callback) -> None:
+  """Calls ``callback()`` after each backend compile that succeeds (jax
+  records ``dispatch.BACKEND_COMPILE_EVENT`` then, 0.4.35 to 0.11)."""
+  def listener(event, duration, **_):
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      callback()
+  _monitoring.register_event_duration_secs_listener(listener)
 
 
 # --------------------------------------------------------------------------
-# 7. Self-demo: python custom_partitioning.py
+# Self-demo: python custom_partitioning.py
 # --------------------------------------------------------------------------
 
 def _batched_fft_op() -> custom_partitioning:
@@ -4423,6 +4332,41 @@ def _demo() -> None:
   print("OK: the custom fft and its gradient are right and ran on the row "
         "shards with no gather")
 
+
+# --------------------------------------------------------------------------
+# Wiring: all that this module registers with jax and XLA, at import
+# --------------------------------------------------------------------------
+
+custom_partitioning_p.def_abstract_eval(_abstract_eval)
+custom_partitioning_p.def_impl(_impl)
+mlir.register_lowering(custom_partitioning_p, _lowering)
+ad.primitive_jvps[custom_partitioning_p] = _jvp
+ad.primitive_transposes[custom_partitioning_p] = _transpose
+batching.primitive_batchers[custom_partitioning_p] = _batch
+# Lowering needs the concrete devices (to pick the mesh and key the op).
+dispatch.prim_requires_devices_during_lowering.add(custom_partitioning_p)
+_register_partitioner(
+    _TARGET, _xla_callback(_answer_propagate, _users_sharding),
+    _xla_callback(_answer_partition),
+    _xla_callback(_answer_infer, lambda op, *_: None))
+_register_compile_error_handler(_reraise_callback_error)
+_register_compile_end_listener(_drop_pending)
+# How the key describes this module's objects (appendix D): an op by every
+# field that is not state (a field added to _Op is in the key unless it is
+# marked as state); the configuration by its trace context, what jax keys
+# its own traces on (jax.jit reuses a trace whatever the other options say).
+_DESCRIBED_BY.update({
+    _Op: lambda op: tuple((f.name, getattr(op, f.name))
+                          for f in dataclasses.fields(op)
+                          if not f.metadata.get("state")),
+    _Configuration: lambda config: config.trace_context,
+    _Unhashable: lambda obj: obj.value,
+    _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
+    custom_partitioning: lambda obj: (
+        obj.fun, obj.static_argnums, obj.partition,
+        obj.infer_sharding_from_operands, obj.propagate_user_sharding,
+        obj.decode_shardings, obj.sharding_rule, obj.check_vma),
+})
 
 if __name__ == "__main__":
   _demo()

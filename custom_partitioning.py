@@ -906,10 +906,12 @@ def _impl(*args, **params):
 
 def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   call, steps = params["call"], _steps(params)
-  place = _partitioned_placement(ctx, steps)
+  place, why = _partitioned_placement(ctx, steps)
   if place is None:
     if _log.isEnabledFor(logging.DEBUG):
-      _debug_inlined(ctx, call, steps)
+      _debug(_fun_name(call), "path", path=_FUN, why=f"fun is compiled as "
+             f"it is: {why}", mesh=getattr(ctx.module_context.axis_context,
+                                           "mesh", None))
     return mlir.lower_fun(core.jaxpr_as_fun(call),
                           multiple_results=True)(ctx, *values)
   name = _fun_name(call)
@@ -941,23 +943,24 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   return custom_call.results
 
 
-def _partitioned_placement(ctx, steps) -> _Placement | None:
-  """The placement of an op XLA partitions, or None where its body is
-  inlined instead: every mesh axis manual (the code of one shard), one
-  device, or a derived op inside a partly manual shard_map before jax 0.5.3
-  (its shardings need the manual subgroup that only typed meshes express,
-  else XLA aborts)."""
+def _partitioned_placement(ctx, steps):
+  """``(placement, why)``: where the op XLA partitions runs, or None and
+  why its body is inlined instead (the code of one shard, one device, or
+  shardings that need the manual subgroup only typed meshes express, else
+  XLA aborts)."""
   axis_context = ctx.module_context.axis_context
   if (isinstance(axis_context, sharding_impls.SPMDAxisContext) and
       set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
-    return None
+    return None, ("inside a shard_map manual over every mesh axis (one "
+                  "shard's code)")
   place = _placement(axis_context, ctx.avals_in)
   if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
-    return None
+    return None, "the program runs on one device"
   if steps and _inexpressible(place):
-    return None
-  return place
+    return None, ("a derived op inside a partly manual shard_map before jax "
+                  "0.5.3, whose shardings cannot be expressed")
+  return place, None
 
 
 def _placement(axis_context, avals) -> _Placement:
@@ -3412,21 +3415,6 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
                                  else answer))
 
 
-def _debug_inlined(ctx, call, steps: tuple) -> None:
-  """The record of an op lowered as its ``fun`` (``_partitioned_placement``
-  said None): no question is asked."""
-  axis_context = ctx.module_context.axis_context
-  mesh = getattr(axis_context, "mesh", None)
-  if isinstance(axis_context, sharding_impls.SPMDAxisContext) and (
-      set(axis_context.manual_axes) == set(mesh.axis_names)):
-    why = "inside a shard_map manual over every mesh axis (one shard's code)"
-  elif steps and getattr(axis_context, "manual_axes", None):
-    why = ("a derived op inside a partly manual shard_map before jax 0.5.3, "
-           "whose shardings cannot be expressed")
-  else:
-    why = "the program runs on one device"
-  _debug(_fun_name(call), "path", path=_FUN,
-         mesh=mesh, why=f"fun is compiled as it is: {why}")
 
 
 # --------------------------------------------------------------------------

@@ -6059,6 +6059,21 @@ class ExplicitPathTest(CPTestCase):
     self.assertEqual(jax.typeof(out), jax.typeof(jax.jit(fun)(x)))
     self.assertPlainJax(f, x)
 
+  def test_programs_are_a_store_of_their_own(self):
+    """One planned program per call signature, kept apart from the custom
+    call's traces; jax.clear_caches() and def_partition empty it."""
+    op = elementwise_op()
+    jax.jit(op)(self.x)
+    jax.jit(op)(jax.device_put(_data((8, 32)), self.rows))
+    sizes = cp._store_sizes(op)
+    self.assertEqual((sizes["programs"], sizes["traces"]), (2, 0))
+    jax.clear_caches()
+    self.assertEqual(cp._store_sizes(op)["programs"], 0)
+    jax.jit(op)(self.x)
+    self.assertEqual(cp._store_sizes(op)["programs"], 1)
+    op.def_partition(op.partition, sharding_rule=op.sharding_rule)
+    self.assertEqual(cp._store_sizes(op)["programs"], 0)
+
   def test_eager_with_and_without_set_mesh(self):
     op, _ = self.fft()
     want = np.fft.fft(self.xh)

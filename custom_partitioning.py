@@ -1046,7 +1046,7 @@ def _ask_rule(ctx, params, mesh, levels):
   if callable(rule):
     operand_types, result_types = (
         _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
-        for side in levels[0])
+        for side in (levels[0].operands, levels[0].results))
     produced = rule(*_static_values(params["static_args"]), mesh,
                     operand_types, result_types)
     kwargs: dict = {}
@@ -1061,7 +1061,7 @@ def _ask_rule(ctx, params, mesh, levels):
     rule = produced
   attr = None
   if _use_shardy() and rule is not None:
-    attr = _rule_attr(rule, levels, _steps(params))
+    attr = _rule_attr(rule, levels)
   return rule, attr
 
 
@@ -1291,9 +1291,9 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
   levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
                    results)
-  inferred = _infer(op, levels, len(op.steps))
+  inferred = _infer(op, levels)
   if _log.isEnabledFor(logging.DEBUG):
-    _debug_infer(op, levels[-1][0], inferred)
+    _debug_infer(op, levels[-1].operands, inferred)
   if inferred is None:
     return None
   return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
@@ -1306,7 +1306,7 @@ def _answer_propagate(op: _Op, user_sharding, shape):
     return _users_sharding(op, user_sharding, shape)
   if op.steps and any(v.spec is None for v in results):
     return user_sharding
-  propagated = _propagate(op, results, len(op.steps))
+  propagated = _propagate(op, op.steps, results)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_propagate(op, results, propagated)
   return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
@@ -1372,25 +1372,22 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
   """Partitions the op: the author's answer and ``lower_fn``, walked up
   the steps."""
   levels = _levels(op.steps, operands, results)
-  answer = _ask_partition(op, *levels[0], on)
+  values = levels[0].operands, levels[0].results
+  answer = _ask_partition(op, *values, on)
   if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, *levels[0], answer, _CUSTOM_CALL)
-  closed = _trace_lower_fn(op, answer, *levels[0])
+    _debug_partition(op, *values, answer, _CUSTOM_CALL)
+  closed = _trace_lower_fn(op, answer, *values)
   if _calls_host(closed.jaxpr):
     raise _host_callback_error(op)
   if not op.steps:
     return _PerShard(answer.mesh, closed, answer.args, answer.results)
-  specs, entries = _specs_up(op, levels, answer, closed)
-  fn = _lower_fn_up(op, levels, answer, closed, specs, entries)
-  arg_specs, result_specs = specs[-1]
-  top_args = [v._replace(spec=s, hlo=None)
-              for v, s in zip(operands, arg_specs)]
-  top_results = [v._replace(spec=s, hlo=None)
-                 for v, s in zip(results, result_specs)]
+  levels = _specs_up(levels, answer, closed)
+  fn = _lower_fn_up(op, levels, answer, closed)
+  top = levels[-1]
   with _no_ambient_mesh():
     closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
-        *[_local_struct(v, answer.on) for v in top_args])
-  return _PerShard(answer.mesh, closed, top_args, top_results)
+        *[_local_struct(v, answer.on) for v in top.operands])
+  return _PerShard(answer.mesh, closed, top.operands, top.results)
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
@@ -1737,8 +1734,8 @@ def _jvp(primals, tangents, **params):
     return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
   operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
   derived = _derived_call(call, ("jvp", mask), "jvp",
-                          _jvp_fn(core.jaxpr_as_fun(call), mask), operands)
-  return out, _bind_derived(operands, params, _Step("jvp", mask), derived)
+                          _Jvp(mask).lower(core.jaxpr_as_fun(call)), operands)
+  return out, _bind_derived(operands, params, _Jvp(mask), derived)
 
 
 def _differentiable(aval) -> bool:
@@ -1772,10 +1769,10 @@ def _bind_derived(args, params, step: _Step, call) -> list:
 def _transpose(cts, *args, **params):
   """Transposes a jvp op (linear in its tangents) into a vjp op."""
   steps = _steps(params)
-  k = max((i for i, s in enumerate(steps) if s.kind != "batch"),
+  k = max((i for i, s in enumerate(steps) if not isinstance(s, _Batch)),
           default=None)
   call = params["call"]
-  if k is None or steps[k].kind != "jvp" or any(
+  if k is None or not isinstance(steps[k], _Jvp) or any(
       ad.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
     raise NotImplementedError(
         f"{_fun_name(call)}: a custom_partitioning op can be transposed "
@@ -1798,7 +1795,7 @@ def _transpose(cts, *args, **params):
   derived = _derived_call(call, ("transpose",), "transpose", body, operands)
   outs = custom_partitioning_p.bind(*operands, **dict(
       params, call=derived,
-      transform=steps[:k] + (_Step("vjp", mask),) + steps[k + 1:]))
+      transform=steps[:k] + (_Vjp(mask),) + steps[k + 1:]))
   return [None] * n + list(outs)
 
 
@@ -1821,30 +1818,50 @@ def _batch(args, dims, **params):
                     in_axes=[0 if b else None for b in batched])(
                         *[x if b else x[0] for x, b in zip(xs, batched)])
   derived = _derived_call(call, ("batch", batched), "vmap", body, args)
-  outs = _bind_derived(args, params, _Step("batch"), derived)
+  outs = _bind_derived(args, params, _Batch(), derived)
   return outs, [0] * len(outs)
 
 
-class _Step(NamedTuple):
-  """One step from an op to the op derived from it.
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """One step from an op to the op derived from it, a subclass for each
+  transformation: the values below it (``down``), per-value items above it
+  (``up``: PartitionSpec entries or a rule's dimensions) and its part of
+  each question, from the part below (``inner``, ``fn``); by default, that
+  of a step that keeps shardings. As equation parameters (``transform``),
+  steps compare and hash by class and fields, as keys (appendix D)
+  describe them."""
 
-  ``"batch"``: every operand and result gains a leading batch dimension.
-  ``"jvp"``: operands are the primals, then the tangents of the primals
-  marked in ``mask``; results are the tangents of the results.
-  ``"vjp"``: operands are the primals, then the cotangents of the results;
-  results are the cotangents of the primals marked in ``mask``.
-  """
-  kind: str
-  mask: tuple = ()
+  def infer(self, op, level, below, inner):
+    return inner()
+
+  def propagate(self, op, results, inner):
+    return inner(results)
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    return (*self.up(ops, res), reduction)
+
+  def entry(self, values, used, mesh):
+    return None
 
 
-def _levels(steps: tuple, operands: list, results: list) -> list:
-  """``levels[k]``: ``(operands, results)`` of the op ``k`` steps above the
-  author's, given those of the op at the top; ``levels[-1]`` is the top."""
-  out = [(operands, results)]
-  for step in reversed(steps):
-    out.append(_step_down(step, *out[-1]))
-  return out[::-1]
+class _Level(NamedTuple):
+  """An op on the way from the author's (``step`` None) up to the one XLA
+  asks about: its values as asked or, walked up by ``_specs_up``, as
+  partitioned; ``entry``: the spec entry its step gave a batch dimension."""
+  step: _Step | None
+  operands: list
+  results: list
+  entry: Any = None
+
+
+def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
+  """The ops from the author's to the one at the top, whose values are
+  ``operands`` and ``results``: each one's walked down from those."""
+  if not steps:
+    return [_Level(None, operands, results)]
+  return [*_levels(steps[:-1], *steps[-1].down(operands, results)),
+          _Level(steps[-1], operands, results)]
 
 
 def _unbatched(v: _Value) -> _Value:
@@ -1858,100 +1875,158 @@ def _unbatched(v: _Value) -> _Value:
                 v.varying)
 
 
-def _step_down(step: _Step, operands: list, results: list):
-  """The operands and results of the op one ``step`` below."""
-  if step.kind == "batch":
+def _with_specs(values: list, specs) -> list[_Value]:
+  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch(_Step):
+  """``jax.vmap``: every operand and result gains a leading dimension."""
+
+  def down(self, operands, results):
     return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
-  n = len(step.mask)
-  if step.kind == "jvp":
-    return operands[:n], results
-  return operands[:n], operands[n:]  # vjp: cotangents stand for results
+
+  def up(self, operands, results, batch_item=None):
+    return [[(batch_item, *v) for v in side] for side in (operands, results)]
+
+  def infer(self, op, level, below, inner):
+    inferred = inner()
+    if inferred is None:
+      return None
+    used = _axes_in(v.spec for v in inferred + below.operands)
+    entry = self.entry(level.operands, used, op.mesh)
+    return _with_specs(level.results, [(entry, *v.spec) for v in inferred])
+
+  def propagate(self, op, results, inner):
+    preferred = inner([_unbatched(v) for v in results])
+    entry = self.entry(results, _axes_in(v.spec for v in preferred), op.mesh)
+    return _with_specs(results, [(entry, *v.spec) for v in preferred])
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    factor = f"{_BATCH_FACTOR_PREFIX}vmap{len(sizes)}"  # a fresh factor
+    sizes[factor] = level.operands[0].shape[0]
+    return (*self.up(ops, res, (factor,)), reduction)
+
+  def entry(self, values, used, mesh):
+    """The spec entry the batch dimension keeps: the mesh axes it arrives
+    sharded over (first of ``values`` that has any) that the op below
+    leaves free (not in ``used``) and that divide the batch size, or None."""
+    entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
+    axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
+            if a is not None and a not in used]
+    while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
+      axes.pop()
+    if not axes:
+      return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+  def lower(self, fn, *_):
+    return jax.vmap(fn)
 
 
-def _step_up(step: _Step, operands: list, results: list, batch_item=None):
-  """Per-value items of the op one ``step`` up, from those below: items are
-  PartitionSpec entries (``_partition``) or a rule's dimensions
-  (``_rule_attr``); a batch step puts ``batch_item`` in front of each."""
-  if step.kind == "batch":
-    return ([(batch_item, *v) for v in operands],
-            [(batch_item, *v) for v in results])
-  picked = [v for v, m in zip(operands, step.mask) if m]
-  if step.kind == "jvp":  # tangents like their primals
-    return operands + picked, results
-  return operands + results, picked  # vjp: cotangents like their primals
+@dataclasses.dataclass(frozen=True)
+class _Jvp(_Step):
+  """``jax.jvp``: operands are the primals, then the tangents of those
+  marked in ``mask``; results are the tangents of the results, each
+  sharded like its primal."""
+  mask: tuple
+
+  def down(self, operands, results):
+    return operands[:len(self.mask)], results
+
+  def up(self, operands, results, batch_item=None):
+    return operands + [v for v, m in zip(operands, self.mask) if m], results
+
+  def lower(self, fn, *_):
+    """Per-shard tangent function: ``(primals, tangents) -> tangents``."""
+    def jvp_fn(*xs):
+      partial_fn, chosen = _masked(fn, xs[:len(self.mask)], self.mask)
+      return list(jax.jvp(partial_fn, chosen, list(xs[len(self.mask):]))[1])
+    return jvp_fn
 
 
-def _infer(op: _Op, levels: list, k: int):
-  """Result values of the op ``k`` steps above the author's, or None."""
-  operands, results = levels[k]
-  if k == 0:
-    return _ask_infer(op, operands, results)
-  step = op.steps[k - 1]
-  if step.kind == "vjp":  # cotangents are sharded like their primals
-    picked = [v for v, m in zip(operands, step.mask) if m]
-    return None if any(v.spec is None for v in picked) else picked
-  inner = _infer(op, levels, k - 1)
-  if inner is None or step.kind == "jvp":
-    return inner
-  used = _axes_in(v.spec for v in inner + levels[k - 1][0])
-  entry = _batch_entry(operands, used, op.mesh, operands[0].shape[0])
-  return [r._replace(spec=(entry, *v.spec), hlo=None)
-          for r, v in zip(results, inner)]
+@dataclasses.dataclass(frozen=True)
+class _Vjp(_Step):
+  """The transposition step of ``jax.grad``: operands are the primals,
+  then the cotangents of the results; results are the cotangents of the
+  primals marked in ``mask``, sharded like the primals (even along what
+  was a reduction factor) or, propagated, as the user has them."""
+  mask: tuple
 
+  def down(self, operands, results):  # cotangents stand for results
+    return operands[:len(self.mask)], operands[len(self.mask):]
 
-def _propagate(op: _Op, results: list, k: int) -> list[_Value]:
-  """Result values of the op ``k`` steps up, given its user's."""
-  if k == 0:
-    return _ask_propagate(op, results)
-  step = op.steps[k - 1]
-  if step.kind == "vjp":  # cotangents of operands: as the user has them
+  def up(self, operands, results, batch_item=None):
+    return operands + results, [v for v, m in zip(operands, self.mask) if m]
+
+  def infer(self, op, level, below, inner):
+    primals = [v for v, m in zip(level.operands, self.mask) if m]
+    return None if any(v.spec is None for v in primals) else primals
+
+  def propagate(self, op, results, inner):
     return results
-  if step.kind == "jvp" or not results:
-    return _propagate(op, results, k - 1)
-  inner = _propagate(op, _step_down(step, [], results)[1], k - 1)
-  entry = _batch_entry(results, _axes_in(v.spec for v in inner), op.mesh,
-                       results[0].shape[0])
-  return [r._replace(spec=(entry, *v.spec), hlo=None)
-          for r, v in zip(results, inner)]
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    return (*self.up(ops, res), [])
+
+  def lower(self, fn, op, answer, below, batched):
+    """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
+
+    ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
+    of a value counts as a value of its own. The global cotangents follow
+    from two corrections. A result replicated over ``r`` devices is one value
+    with ``r`` copies, so each copy gets ``1/r`` of its cotangent
+    (``scales``). An operand replicated over some mesh axes feeds every copy,
+    so its cotangent sums over them (``psum_axes``).
+    """
+    def copies(v):  # the mesh axes along which devices hold copies of v
+      return _copies_over(op, answer.on, v.spec, v, batched)
+    scales = [math.prod(answer.mesh.shape[a] for a in copies(v))
+              for v in below.results]
+    psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
+    n = len(self.mask)
+
+    def vjp_fn(*xs):
+      partial_fn, chosen = _masked(fn, xs[:n], self.mask)
+      cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
+      _, pullback = jax.vjp(partial_fn, *chosen)
+      return [jax.lax.psum(g, axes) if axes else g
+              for g, axes in zip(pullback(cts), psum_axes)]
+    return vjp_fn
 
 
-def _batch_entry(values: list, used: set, mesh, size: int):
-  """The spec entry the batch dimension keeps: the mesh axes it arrives
-  sharded over (first operand or result that has any) that the op's own
-  partition leaves free and that divide the batch size."""
-  entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
-  axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
-          if a is not None and a not in used]
-  while axes and size % math.prod(mesh.shape[a] for a in axes):
-    axes.pop()
-  if not axes:
-    return None
-  return axes[0] if len(axes) == 1 else tuple(axes)
+def _infer(op: _Op, levels: list):
+  """Result values of the op at the top of ``levels``, or None."""
+  *below, top = levels
+  if top.step is None:
+    return _ask_infer(op, top.operands, top.results)
+  return top.step.infer(op, top, below[-1], lambda: _infer(op, below))
 
 
-def _specs_up(op: _Op, levels: list, answer: _Answer,
-              closed: core.ClosedJaxpr) -> tuple[list, list]:
-  """The author's answer walked up the steps: ``specs[k]`` is the
-  ``(operand specs, result specs)`` of the op ``k`` steps above the
-  author's; ``entries[k]`` what step ``k`` gave its batch dimension (None
-  for jvp and vjp steps). A batch dimension keeps the mesh axes it arrives
-  on unless the level below uses them (in its shardings or ``lower_fn``'s
-  collectives)."""
-  on = answer.on
-  used = _collective_axes(closed.jaxpr, set(on.axis_names))
-  args = [v.spec for v in answer.args]
-  outs = [v.spec for v in answer.results]
-  specs, entries = [(args, outs)], []
-  for step, (level_operands, level_results) in zip(op.steps, levels[1:]):
-    entry = None
-    if step.kind == "batch":
-      entry = _batch_entry(level_operands + level_results,
-                           used | _axes_in(args + outs), on,
-                           level_operands[0].shape[0])
-    args, outs = _step_up(step, args, outs, entry)
-    specs.append((args, outs))
-    entries.append(entry)
-  return specs, entries
+def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
+  """Result values of the op ``steps`` above the author's, given its user's."""
+  if not steps:
+    return _ask_propagate(op, results)
+  return steps[-1].propagate(
+      op, results, lambda below: _propagate(op, steps[:-1], below))
+
+
+def _specs_up(levels: list, answer: _Answer,
+              closed: core.ClosedJaxpr) -> list[_Level]:
+  """``levels`` as partitioned: the author's answer walked up the steps. A
+  batch dimension keeps the mesh axes it arrives on unless the level below
+  uses them (in its shardings or ``lower_fn``'s collectives)."""
+  used = _collective_axes(closed.jaxpr, set(answer.on.axis_names))
+  out = [levels[0]._replace(operands=answer.args, results=answer.results)]
+  for level in levels[1:]:
+    args, outs = ([v.spec for v in side]
+                  for side in (out[-1].operands, out[-1].results))
+    entry = level.step.entry(level.operands + level.results,
+                             used | _axes_in(args + outs), answer.on)
+    args, outs = level.step.up(args, outs, entry)
+    out.append(_Level(level.step, _with_specs(level.operands, args),
+                      _with_specs(level.results, outs), entry))
+  return out
 
 
 def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
@@ -1976,29 +2051,16 @@ def _eqn_axes(eqn) -> set:
 
 
 def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
-                 closed: core.ClosedJaxpr, specs: list,
-                 entries: list) -> Callable:
-  """``lower_fn``'s jaxpr transformed by each step, first to last: the
-  per-shard function of the op at the top. A vjp step corrects for
-  replicated values (``_vjp_fn``), replicated over ``_copies_over``."""
-  on, mesh = answer.on, answer.mesh
-  fn = core.jaxpr_as_fun(closed)
-  for k, step in enumerate(op.steps):
-    if step.kind == "batch":
-      fn = jax.vmap(fn)
-    elif step.kind == "jvp":
-      fn = _jvp_fn(fn, step.mask)
-    else:
-      batched = _axes_in([entries[k + 1:]])
-      (args, outs), (level_operands, level_results) = specs[k], levels[k]
-      scales = [math.prod(mesh.shape[a]
-                          for a in _copies_over(op, on, spec, v, batched))
-                for spec, v in zip(outs, level_results)]
-      psum_axes = [_copies_over(op, on, spec, v, batched)
-                   for spec, v, m in zip(args, level_operands, step.mask)
-                   if m]
-      fn = _vjp_fn(fn, step.mask, scales, psum_axes)
-  return fn
+                 closed: core.ClosedJaxpr, batched=frozenset()) -> Callable:
+  """The per-shard function of the op at the top of ``levels`` (as
+  partitioned): ``lower_fn``'s jaxpr transformed by each step, first to
+  last; ``batched``: the mesh axes batch dimensions above shard over."""
+  *below, top = levels
+  if top.step is None:
+    return core.jaxpr_as_fun(closed)
+  fn = _lower_fn_up(op, below, answer, closed,
+                    batched | _axes_in([[top.entry]]))
+  return top.step.lower(fn, op, answer, below[-1], batched)
 
 
 def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
@@ -2026,60 +2088,16 @@ def _masked(fn: Callable, primals, mask):
   return partial_fn, [p for p, m in zip(primals, mask) if m]
 
 
-def _jvp_fn(fn: Callable, mask) -> Callable:
-  """Per-shard tangent function: ``(primals, tangents) -> tangents out``."""
-  n = len(mask)
-
-  def jvp_fn(*xs):
-    partial_fn, chosen = _masked(fn, xs[:n], mask)
-    return list(jax.jvp(partial_fn, chosen, list(xs[n:]))[1])
-  return jvp_fn
-
-
-def _vjp_fn(fn: Callable, mask, scales, psum_axes) -> Callable:
-  """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
-
-  ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
-  of a value counts as a value of its own. The global cotangents follow
-  from two corrections. A result replicated over ``r`` devices is one value
-  with ``r`` copies, so each copy gets ``1/r`` of its cotangent
-  (``scales``). An operand replicated over some mesh axes feeds every copy,
-  so its cotangent sums over them (``psum_axes``).
-  """
-  n = len(mask)
-
-  def vjp_fn(*xs):
-    partial_fn, chosen = _masked(fn, xs[:n], mask)
-    cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
-    _, pullback = jax.vjp(partial_fn, *chosen)
-    grads = pullback(cts)
-    return [jax.lax.psum(g, axes) if axes else g
-            for g, axes in zip(grads, psum_axes)]
-  return vjp_fn
-
-
-def _rule_attr(rule, levels: list, steps: tuple):
-  """The Shardy rule of a derived op, from the author's ``rule``.
-
-  A batch step adds a fresh factor in front of every operand and result; a
-  jvp step repeats the differentiated operands' mappings for the tangents;
-  a vjp step maps each cotangent like its primal.
-  """
-  operands0, results0 = levels[0]
-  sizes, dims = _resolve_rule(rule, [v.shape for v in operands0 + results0],
-                              len(operands0))
-  ops, res = dims[:len(operands0)], dims[len(operands0):]
-  reduction = list(rule.reduction_factors)
-  for k, step in enumerate(steps):
-    factor = None
-    if step.kind == "batch":
-      factor = f"{_BATCH_FACTOR_PREFIX}vmap{k}"
-      sizes[factor] = levels[k + 1][0][0].shape[0]
-    elif step.kind == "vjp":
-      # Cotangents of operands are sharded like the operands, even along
-      # what was a reduction factor.
-      reduction = []
-    ops, res = _step_up(step, ops, res, (factor,))
+def _rule_attr(rule, levels: list):
+  """The Shardy rule of a derived op: the author's ``rule`` walked up the
+  steps (``rule_up``)."""
+  bottom = levels[0]
+  n = len(bottom.operands)
+  sizes, dims = _resolve_rule(
+      rule, [v.shape for v in bottom.operands + bottom.results], n)
+  ops, res, reduction = dims[:n], dims[n:], list(rule.reduction_factors)
+  for level in levels[1:]:
+    ops, res, reduction = level.step.rule_up(level, sizes, ops, res, reduction)
   return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
                               rule.need_replication_factors,
                               rule.permutation_factors)
@@ -3450,6 +3468,8 @@ _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
 
 
+
+
 _SKIPPED_CLASS_ATTRS = frozenset({
     "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
     "__annotations__", "__dataclass_fields__", "__dataclass_params__",
@@ -4348,6 +4368,7 @@ _DESCRIBED_BY.update({
                           for f in dataclasses.fields(op)
                           if not f.metadata.get("state")),
     _Configuration: lambda config: config.trace_context,
+    _Step: dataclasses.astuple,  # by class and fields: jvp and vjp differ
     _Unhashable: lambda obj: obj.value,
     _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
     custom_partitioning: lambda obj: (

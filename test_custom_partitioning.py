@@ -4851,6 +4851,20 @@ class CacheBoundsTest(CPTestCase):
     self.assertEqual(sizes["eager"], 0)  # emptied by jax.clear_caches()
     self.assertLessEqual(sizes["call_names"], cp._CACHE_SIZE + 8)
 
+  def test_an_lru_hit_outlives_older_entries(self):
+    """A hit becomes the newest entry, a full cache drops its oldest, and
+    jax.clear_caches() empties it."""
+    lru = cp._LRU(2)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    self.assertEqual(lru.get("a"), 1)  # "b" is now the oldest
+    lru.put("c", 3)
+    self.assertIsNone(lru.get("b"))
+    self.assertEqual((lru.get("a"), lru.get("c")), (1, 3))
+    jax.clear_caches()
+    self.assertIsNone(lru.get("a"))
+    self.assertEqual(len(lru), 0)
+
   def test_derived_ops_keep_their_tables_bounded(self):
     op = elementwise_op()
     s = NamedSharding(self.mesh(), P("x"))
@@ -5424,6 +5438,25 @@ class DropInTest(CPTestCase):
     np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(op(x)))(self.x),
                                np.cos(self.xh) * 2, rtol=1e-5)
     self.assertGreater(len(calls), 1)
+
+  def test_eager_call_finds_a_sharded_operand_inside_a_pytree(self):
+    """The first operand on one device, the second a dict holding a sharded
+    array: the call is partitioned (its operands' leaves are looked at)."""
+    calls = []
+    body = lambda a, tree: a + tree["b"]
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(len(jax.tree_util.tree_leaves(arg_shapes)))
+      s = NamedSharding(mesh, P("x", None))
+      return mesh, body, s, (s, {"b": s})
+
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: NamedSharding(m, P("x", None))),
+        sharding_rule="i j, i j -> i j")
+    out = op(jnp.asarray(self.xh), {"b": self.x})
+    np.testing.assert_allclose(out, self.xh * 2, rtol=1e-6)
+    self.assertEqual(calls, [2])
 
   def test_unpassed_defaults_stay_python_values(self):
     op = custom_partitioning(jnp.fft.fft)

@@ -98,6 +98,8 @@ from jax._src import monitoring as _monitoring
 from jax._src import util as _jax_util
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import linalg
+from jax._src.lib import lapack
 from jax._src.lib import version as _jaxlib_version
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
@@ -293,7 +295,7 @@ class custom_partitioning:
         leaves = jax.tree_util.tree_leaves(dyn_args)
         break
     sharded = _any_sharded(leaves)
-    # Under Explicit axes the operands' mesh is the op's (section 2).
+    # Under Explicit axes the operands' mesh is the op's.
     mesh = _operands_mesh(leaves) if sharded else None
     if args is None:
       key = (self, self._generation, (), (), sharded, mesh)
@@ -365,7 +367,7 @@ class custom_partitioning:
               hashable: bool) -> dict:
     """The parameters of a call's equation: the traced body and the
     callbacks under their API names, as upstream binds them, and this
-    module's ``check_vma`` and ``transform`` (the steps, section 6). The
+    module's ``check_vma`` and ``transform`` (a derived op's steps). The
     shard_map path builds its op from the same (``_op_of``)."""
     return dict(
         call=call, in_tree=flat.in_tree, out_tree=out_tree,
@@ -389,12 +391,9 @@ class custom_partitioning:
     """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
     over stay constants of ``call`` (``lower_fn`` captures its own); a
     closed-over tracer cannot reach XLA's callbacks and is rejected."""
-    # Every argument in call order; the fixed ones are not operands.
     fixed = dict(zip(args.static_argnums, args.static_args))
     fixed.update(args.defaults)
-    dyn = iter(args.dyn_args)
-    all_args = tuple(fixed[i] if i in fixed else next(dyn)
-                     for i in range(len(fixed) + len(args.dyn_args)))
+    all_args = _in_call_order(fixed, args.dyn_args)
     wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
     if fixed:
       wrapped, _ = api_util.argnums_partial(
@@ -518,6 +517,14 @@ def _static_args(static_argnums, args: tuple, name: str) -> tuple:
   return tuple(positions), tuple(args[i] for i in positions)
 
 
+def _in_call_order(fixed: dict, operands) -> tuple:
+  """Every argument in call order: ``fixed`` (position -> value: static
+  arguments and unpassed defaults) among the operands."""
+  it = iter(operands)
+  return tuple(fixed[i] if i in fixed else next(it)
+               for i in range(len(fixed) + len(operands)))
+
+
 def _is_array(value) -> bool:
   return isinstance(value, (np.ndarray, np.generic, jax.Array))
 
@@ -612,9 +619,7 @@ class _FromRule:
     fun = self.fun
 
     def lower_fn(*operands):
-      it = iter(operands)
-      return fun(*(fixed[i] if i in fixed else next(it)
-                   for i in range(len(fixed) + len(operands))))
+      return fun(*_in_call_order(fixed, operands))
     name = getattr(fun, "__name__", "")
     lower_fn.__name__ = name if name.isidentifier() else "fun"
     return lower_fn
@@ -699,9 +704,9 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
 
 def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
   """The first mesh the caller gave that ``fits``, of: ``with mesh:``
-  (unless ``with_block`` is False: the shard_map path, section 2, takes
-  only the others), ``jax.set_mesh``, an eager call's operands' mesh. None
-  if none does. The one order of precedence for every path."""
+  (unless ``with_block`` is False: the shard_map path takes only the
+  others), ``jax.set_mesh``, an eager call's operands' mesh. None if none
+  does. The one order of precedence for every path."""
   sources = ((_with_block_mesh(),) if with_block else ()) + (
       _ambient_mesh("get_concrete_mesh"), eager_mesh)
   return next((m for m in sources
@@ -1161,7 +1166,7 @@ class _Op:
   config: _Configuration | None = None
   # Partition request -> XLA's answer. The request holds every input of the
   # answer that is not in the op's key (shapes, dtypes, shardings); the key
-  # holds the rest (appendix D).
+  # holds the rest.
   lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256),
                                     metadata=_STATE)
 
@@ -1237,7 +1242,8 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
   """
   def callback(*args):
     *xla_args, key = args
-    op = _lookup(key)
+    with _weak_lock:
+      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
     if leave_to_xla is not None and (op is None or _inexpressible(op.place) or (
         op.steps and op.mesh.empty)):
       return leave_to_xla(op, *xla_args)
@@ -1258,14 +1264,10 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
       if leave_to_xla is None:
         raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
                            ) from e
-      _keep_pending(op, e)
+      with _weak_lock:  # the first error of this compile
+        _pending.setdefault(threading.get_ident(), (op.name, e))
       return leave_to_xla(None, *xla_args)
   return callback
-
-
-def _lookup(key: bytes) -> _Op | None:
-  with _weak_lock:
-    return _registry.get(key.decode() if isinstance(key, bytes) else key)
 
 
 def _park(error: BaseException, where: str) -> str:
@@ -1273,12 +1275,6 @@ def _park(error: BaseException, where: str) -> str:
   tag = next(_parked_counter)
   _parked_errors.put(tag, error)  # bounded: old compiles that never failed
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
-
-
-def _keep_pending(op: _Op, error: BaseException) -> None:
-  """Keeps an infer/propagate error for this compile (the first one)."""
-  with _weak_lock:
-    _pending.setdefault(threading.get_ident(), (op.name, error))
 
 
 def _drop_pending() -> None:
@@ -1848,8 +1844,7 @@ class _Step:
   (``up``: PartitionSpec entries or a rule's dimensions) and its part of
   each question, from the part below (``inner``, ``fn``); by default, that
   of a step that keeps shardings. As equation parameters (``transform``),
-  steps compare and hash by class and fields, as keys (appendix D)
-  describe them."""
+  steps compare and hash by class and fields, as keys describe them."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -2745,12 +2740,10 @@ def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
 
 
 def _hlo_of(v: _Value, on) -> xc.HloSharding:
-  return v.hlo if v.hlo is not None else _spec_hlo(v.spec, on, len(v.shape))
-
-
-def _spec_hlo(spec, mesh, ndim: int) -> xc.HloSharding:
+  if v.hlo is not None:
+    return v.hlo
   return _to_hlo_sharding(jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*spec)), ndim)
+      on, jax.sharding.PartitionSpec(*v.spec)), len(v.shape))
 
 
 def _axes_in(specs) -> set:
@@ -3282,8 +3275,8 @@ def _reduced_factors(operand_dims: list, result_dims: list) -> set:
 
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
-  """The partition of an op given by its rule alone (section 5,
-  ``_partition_from_rule``): ``(operand specs, result specs)``, as
+  """The partition of an op given by its rule alone
+  (``_partition_from_rule``): ``(operand specs, result specs)``, as
   PartitionSpec entries.
 
   ``shapes`` are the operands', then the results'; ``in_specs`` and
@@ -3395,11 +3388,6 @@ def _logged(operands=None, results=None) -> str:
   return ", ".join(parts)
 
 
-def _answered_by(op: _Op) -> str:
-  return ("the sharding rule" if isinstance(op.partition, _FromRule)
-          else "partition")
-
-
 def _debug_partition(op: _Op, operands: list, results: list, answer,
                      path: str, why: str = "") -> None:
   """The record of a ``partition`` question, asked about the author's op
@@ -3407,7 +3395,8 @@ def _debug_partition(op: _Op, operands: list, results: list, answer,
   _debug(op.name, "partition", path=path, mesh=op.mesh,
          asked=_logged(operands, results),
          answered=_logged(answer.args, answer.results) if answer else "",
-         by=_answered_by(op), why=why)
+         by=("the sharding rule" if isinstance(op.partition, _FromRule)
+             else "partition"), why=why)
 
 
 def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
@@ -3452,8 +3441,6 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
                                  else answer))
 
 
-
-
 # --------------------------------------------------------------------------
 # Appendix D. Keys
 #
@@ -3485,8 +3472,6 @@ _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # Classes of this module whose objects are described by what a function of
 # them returns; all are registered in the wiring block at the end.
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
-
-
 
 
 _SKIPPED_CLASS_ATTRS = frozenset({
@@ -3923,11 +3908,9 @@ def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
   global _lapack_ready
   if _lapack_ready or "cpu" not in platforms:
     return
-  from jax._src.lax import linalg  # noqa: PLC0415 - loaded by jax already
   linear_algebra = {p for p in vars(linalg).values()
                     if isinstance(p, core.Primitive)}
   if _uses_any(jaxpr, linear_algebra):
-    from jax._src.lib import lapack  # noqa: PLC0415
     lapack._lapack.initialize()
     _lapack_ready = True
 
@@ -4127,7 +4110,7 @@ def _abstract_of(mesh):
 
 def _set_mesh_scope(mesh):
   """A context that sets ``mesh`` as jax's ambient mesh, if it has any axis
-  typed Explicit (section 8); else (or before jax 0.5.3) does nothing."""
+  typed Explicit; else (or before jax 0.5.3) does nothing."""
   # jax 0.7.0 added jax.set_mesh; from 0.5.3 to 0.6.x it is
   # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
   setter = getattr(jax, "set_mesh", None) or getattr(
@@ -4198,7 +4181,7 @@ def _add_note(error: BaseException, note: str) -> None:
 # Options that jax sets while tracing, not users, and that lower_fn is
 # traced without, as it is without the ambient mesh: an enclosing
 # jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
-# on plain local types (section 7 checks it).
+# on plain local types.
 _TRACING_OPTIONS = frozenset({"check_vma"})
 
 
@@ -4263,10 +4246,6 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
   xla_bridge.register_plugin_callbacks(
       functools.partial(xc.register_custom_call_partitioner, name=name,
                         **kwargs))
-
-
-def _register_compile_error_handler(handler) -> None:
-  _compiler.register_xla_runtime_error_handler(handler)
 
 
 def _register_compile_end_listener(callback) -> None:
@@ -4388,7 +4367,7 @@ _register_partitioner(
     _TARGET, _xla_callback(_answer_propagate, _users_sharding),
     _xla_callback(_answer_partition),
     _xla_callback(_answer_infer, lambda op, *_: None))
-_register_compile_error_handler(_reraise_callback_error)
+_compiler.register_xla_runtime_error_handler(_reraise_callback_error)
 _register_compile_end_listener(_drop_pending)
 # How the key describes this module's objects (appendix D): an op by every
 # field that is not state (a field added to _Op is in the key unless it is

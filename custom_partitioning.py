@@ -259,7 +259,7 @@ class custom_partitioning:
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
     eager = _at_top_level() and not _jit_disabled()
-    if (eager and not kwargs and len(args) == self._signature._plain and
+    if (eager and not kwargs and len(args) == self._signature.plain and
         not (self.static_argnums or self.static_argnums == 0)):
       # The common case, kept fast: every argument is an operand (what
       # _split would answer, without building its _CallArgs).
@@ -446,18 +446,18 @@ class _Signature:
     try:
       self._sig = inspect.signature(fun)
     except (TypeError, ValueError):  # e.g. some builtins: positional only
-      self._sig = self._plain = None
+      self._sig = self.plain = None
       return
     params = self._sig.parameters.values()
     # Calls with exactly this many positional args need no binding.
-    self._plain = (len(params)
-                   if all(p.kind in self._POSITIONAL for p in params)
-                   else None)
+    self.plain = (len(params)
+                  if all(p.kind in self._POSITIONAL for p in params)
+                  else None)
 
   def positional(self, args: tuple, kwargs: dict, name: str):
     """``(args, unpassed)``: every positional parameter's value in order,
     defaults filled in, and the positions that took their default."""
-    if self._sig is None or (not kwargs and len(args) == self._plain):
+    if self._sig is None or (not kwargs and len(args) == self.plain):
       if kwargs:
         raise TypeError(f"{name} takes no keyword arguments here: its "
                         "signature cannot be inspected.")

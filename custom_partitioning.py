@@ -1316,9 +1316,9 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
 
 def _answer_propagate(op: _Op, user_sharding, shape):
   """The result sharding the op prefers, given its user's."""
-  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
   if op.propagate_user_sharding is None and not op.steps:
     return _users_sharding(op, user_sharding, shape)
+  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
   if op.steps and any(v.spec is None for v in results):
     return user_sharding
   propagated = _propagate(op, op.steps, results)
@@ -1711,7 +1711,7 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
   if op.propagate_user_sharding is None:
     return results
   answer = op.propagate_user_sharding(*op.static_args, op.mesh,
-                        _structs(op, op.out_tree, results))
+                                      _structs(op, op.out_tree, results))
   return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
                  "result sharding")
 
@@ -2344,10 +2344,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       naming the mesh and operand shardings; one raised by the reference
       run on one device, likewise.
   """
-  name, arg_names, hosts, in_tree = _checked_examples(fn, example_args,
-                                                     max_combinations)
-  flat = all(n.startswith("argument ") and "[" not in n
-             for n in arg_names)  # arrays only
+  name, arg_names, hosts, in_tree, flat = _checked_examples(
+      fn, example_args, max_combinations)
   meshes = _checked_meshes(name, meshes)
   run = _runner(fn, name, in_tree, hosts, arg_names, grad)
   device = jax.devices()[0]
@@ -2388,7 +2386,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
 
 
 def _checked_examples(fn, example_args: tuple, max_combinations):
-  """``(name, arg_names, host arrays, in_tree)`` of checked arguments."""
+  """``(name, arg_names, host arrays, in_tree, flat)`` of checked
+  arguments; ``flat``: every argument is an array (no pytree)."""
   if not callable(fn):
     raise TypeError(
         "check_partitioning: fn must be callable (a custom_partitioning op "
@@ -2413,7 +2412,7 @@ def _checked_examples(fn, example_args: tuple, max_combinations):
           "numpy or jax arrays; bind other arguments into fn "
           "(functools.partial or a lambda).")
   return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
-          in_tree)
+          in_tree, all(len(path) == 1 for path, _ in paths_leaves))
 
 
 def _checked_meshes(name: str, meshes) -> list:

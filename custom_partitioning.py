@@ -530,14 +530,20 @@ def _is_array(value) -> bool:
 
 
 def _any_sharded(xs) -> bool:
-  """Whether some ``x`` is a concrete array split over several devices (one
-  device holds its whole array: fully replicated)."""
+  """Whether some ``x`` is a concrete array split over several devices, or
+  whose NamedSharding names a mesh axis (of size 1: jax types the array as
+  sharded over it, and so must type the body as jit would)."""
   for x in xs:
     if ((type(x) is _ArrayImpl or
          isinstance(x, jax.Array) and not isinstance(x, core.Tracer)) and
-        not x.sharding.is_fully_replicated):
+        (not x.sharding.is_fully_replicated or _names_an_axis(x.sharding))):
       return True
   return False
+
+
+def _names_an_axis(sharding) -> bool:
+  return (isinstance(sharding, jax.sharding.NamedSharding) and
+          any(map(_entry_axes, sharding.spec)))
 
 
 def _operands_mesh(leaves):
@@ -663,13 +669,38 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
       user_op, args, flat, mesh))
   if program.run is None:
     return None
-  with _naming(  # shard_map's checks, e.g. check_vma
-      f"custom_partitioning op {user_op._name}, run as jax.shard_map of its "
-      "lower_fn under Explicit mesh axes: ", " (shard_map's check_vma types "
-      "every value, loop carries too: a carry that becomes varying over an "
-      "axis needs jax.lax.pvary, or pass check_vma=False to def_partition)"):
-    out = program.run(*flat.leaves)
-  return jax.tree_util.tree_unflatten(program.out_tree, out)
+  return jax.tree_util.tree_unflatten(
+      program.out_tree, _run_program(user_op, program, key, flat, mesh))
+
+
+def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
+  """Runs (traces) the program, and where shard_map's types refuse what
+  the custom call would run (``lower_fn`` traced untyped), its untyped
+  twin: a loop carry that a collective makes varying, left unmarked
+  (TypeError), or a result the module's check proved replicated (by an
+  all_gather, say) that shard_map's cannot (ValueError). A result that
+  neither check follows (a loop) keeps shard_map's refusal."""
+  prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
+            "of its lower_fn under Explicit mesh axes: ")
+  try:
+    with _naming(prefix, _shard_map_advice):
+      return program.run(*flat.leaves)
+  except (TypeError, ValueError) as e:
+    if (program.untyped is None or type(e) not in (TypeError, ValueError)
+        or type(e) is ValueError and not program.proven):
+      raise
+    why = e.__cause__ or e
+  with _naming(prefix):
+    out = program.untyped(*flat.leaves)
+  # A fresh plan would be refused alike: keep the untyped program.
+  if key is not None:
+    user_op._programs.put(key, program._replace(run=program.untyped,
+                                                untyped=None))
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug(user_op._name, "path", path=_SHARD_MAP, mesh=mesh,
+           why=f"run with shard_map's check_vma off: its types refuse "
+           f"lower_fn ({why})")
+  return out
 
 
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
@@ -716,10 +747,27 @@ def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
 class _Program(NamedTuple):
   """A call signature's plan under Explicit axes: ``run``, the jitted
   reshard -> shard_map -> reshard program, or None and ``why`` the op keeps
-  the custom call."""
+  the custom call; ``untyped``: the program with shard_map's check_vma off
+  (None where the op has it off already); ``proven``: whether the module's
+  check proved every replicated result equal along its axes."""
   run: Callable | None
   out_tree: Any
   why: str = ""
+  untyped: Callable | None = None
+  proven: bool = False
+
+
+def _shard_map_advice(error: Exception) -> str:
+  """The way out of an error of the shard_map program, where one fits: for
+  its check that results are replicated as their out specs say (whose own
+  advice names jax.shard_map's argument, not the op's)."""
+  if "out_specs" not in str(error):
+    return ""
+  return (" (here: shard_map's check_vma cannot prove a result replicated "
+          "over an axis its sharding leaves out; reduce it over that axis "
+          "(jax.lax.psum, pmax, all_gather), or, if lower_fn makes it equal "
+          "on every device in a way jax does not follow, pass "
+          "check_vma=False to def_partition)")
 
 
 def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
@@ -752,13 +800,15 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                        why=("asked while tracing; not run as shard_map "
                             f"under Explicit axes: {why[1]}"))
     return _Program(None, out_tree, why[1])
-  _trace_lower_fn(op, answer, operands, results)  # the checks, naming op
+  # The checks, naming the op.
+  _, proven = _trace_lower_fn(op, answer, operands, results)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _SHARD_MAP)
-  return _Program(_shard_map_program(op, answer, flat.in_avals,
-                                     typed or answer.results,
-                                     getattr(user_op.fun, "__name__", "")),
-                  out_tree)
+  build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
+                            typed or answer.results,
+                            getattr(user_op.fun, "__name__", ""))
+  return _Program(build(op.check_vma), out_tree, untyped=(
+      build(False) if op.check_vma else None), proven=proven)
 
 
 def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
@@ -836,7 +886,7 @@ def _unrunnable(answer: _Answer, mesh):
 
 
 def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
-                       fun_name: str) -> Callable:
+                       fun_name: str, check_vma: bool) -> Callable:
   """The jitted program: reshard to ``partition``'s arg shardings,
   ``jax.shard_map`` of ``lower_fn``, reshard to the result types."""
   mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
@@ -856,7 +906,7 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
   am = _abstract_of(mesh)
   mapped = jax.shard_map(
-      per_shard, mesh=am, check_vma=op.check_vma,
+      per_shard, mesh=am, check_vma=check_vma,
       in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
       out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
 
@@ -1051,16 +1101,17 @@ def _check_has_partition(name: str, partition, num_devices: int) -> None:
 
 
 @contextlib.contextmanager
-def _naming(prefix: str, suffix: str = ""):
+def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
   """Re-raises a plain ValueError or TypeError with ``prefix`` and
-  ``suffix`` around its message (naming the op); subclasses, whose types
-  callers may catch, pass unchanged."""
+  ``suffix`` (or what it returns for the error) around its message (naming
+  the op); subclasses, whose types callers may catch, pass unchanged."""
   try:
     yield
   except (ValueError, TypeError) as e:
     if type(e) not in (ValueError, TypeError):
       raise
-    raise type(e)(f"{prefix}{e}{suffix}") from e
+    after = suffix(e) if callable(suffix) else suffix
+    raise type(e)(f"{prefix}{e}{after}") from e
 
 
 def _ask_rule(ctx, params, mesh, levels):
@@ -1391,7 +1442,7 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
   answer = _ask_partition(op, *values, on)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, *values, answer, _CUSTOM_CALL)
-  closed = _trace_lower_fn(op, answer, *values)
+  closed, _ = _trace_lower_fn(op, answer, *values)
   if _calls_host(closed.jaxpr):
     raise _host_callback_error(op)
   if not op.steps:
@@ -1588,9 +1639,10 @@ def _author_sharding(op: _Op, v: _Value, on):
 
 
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
-                    results: list) -> core.ClosedJaxpr:
+                    results: list) -> tuple[core.ClosedJaxpr, bool]:
   """Traces ``lower_fn`` on per-shard shapes, with the checks of section
-  7; returns its jaxpr (of flat local arrays)."""
+  7; returns its jaxpr (of flat local arrays) and whether the check proved
+  every replicated result equal along its axes (False where unchecked)."""
   lower_fn, on = answer.lower_fn, answer.on
   if op.check_vma and op.sharding_rule is not None:
     shapes = [v.shape for v in operands + results]
@@ -1604,7 +1656,7 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
   try:
-    with _no_ambient_mesh():
+    with _manual_scope(answer.mesh):
       closed, out_shape = jax.make_jaxpr(
           lower_fn, axis_env=list(answer.mesh.shape.items()),
           return_shape=True)(*op.in_tree.unflatten(local_args))
@@ -1628,12 +1680,10 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
           f"lower_fn of {op.name} returned result {i} with local shape "
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
-  if op.check_vma:
-    _check_replicated_results(op.name, closed.jaxpr,
-                              [v.spec for v in answer.args],
-                              [v.spec for v in answer.results],
-                              _real_axes(on))
-  return closed
+  proven = op.check_vma and _check_replicated_results(
+      op.name, closed.jaxpr, [v.spec for v in answer.args],
+      [v.spec for v in answer.results], _real_axes(on))
+  return closed, proven
 
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
@@ -2127,7 +2177,8 @@ def _rule_attr(rule, levels: list):
 #  - a dimension that the mesh does not divide is padded by XLA (the last
 #    shards hold unspecified values past the end); reducing over it mixes the
 #    padding into the result. Refused where the op's rule says the dimension
-#    is reduced: its factor is a reduction factor or appears in no result.
+#    is reduced (``_reduced_factors``: a reduction factor, a factor in no
+#    result, or one a result lacks while sharing another with the operand).
 #  - a result whose sharding is replicated over a mesh axis must be equal on
 #    all devices along it. Each value's *varying axes* (the axes along which
 #    devices may hold different values) are followed through the jaxpr, as
@@ -2144,16 +2195,14 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
   """Raises if an operand dimension that the rule reduces over is padded:
   sharded over mesh axes that do not divide its size. ``dims``: the
   resolved rule (see ``_resolve_rule``)."""
-  kept = {f for value_dims in dims[num_operands:] for factors in value_dims
-          for f in factors}
-  reduced = set(rule.reduction_factors)
+  reduced = _reduced_factors(rule, dims, num_operands)
   for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
     for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
       axes = sorted(_axes_in([[entry]]))
       count = _shard_count(entry, mesh)
       if count == 1 or shapes[i][d] % count == 0:
         continue
-      if any(f in reduced or f not in kept for f in factors):
+      if reduced.intersection(factors):
         raise ValueError(
             f"partition of {name} shards operand {i} dimension {d} (size "
             f"{shapes[i][d]}) over mesh axes {axes} ({count} devices), "
@@ -2168,8 +2217,9 @@ def _check_even_reductions(name: str, rule, dims: list, shapes: list,
 
 
 def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
-                              out_specs: list, axes) -> None:
-  """Raises if a result replicated over one of ``axes`` may vary over it.
+                              out_specs: list, axes) -> bool:
+  """Raises if a result replicated over one of ``axes`` may vary over it;
+  returns whether every such result was proven equal (none unknown).
 
   ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
   of ``lower_fn`` (None: unknown, which never raises). ``axes`` leaves out
@@ -2178,9 +2228,11 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
   """
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
+  proven = True
   for i, (varying, spec) in enumerate(zip(_varying(jaxpr, in_varying),
                                           out_specs)):
     if varying is None or spec is None:
+      proven = proven and spec is not None and set(axes) <= _axes_in([spec])
       continue
     for axis in axes:
       if axis in varying and axis not in _axes_in([spec]):
@@ -2194,6 +2246,7 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
             f"{axis!r} in lower_fn, or a result sharding over {axis!r}. If "
             "the value is equal by construction, pass check_vma=False to "
             "def_partition.")
+  return proven
 
 
 _INVARIANT_OVER_AXES = frozenset({"psum", "pmax", "pmin", "all_gather",
@@ -2924,6 +2977,19 @@ class SdyShardingRule:
       if not whole and factor not in factor_sizes:
         raise ValueError(f"Factor {factor} only occurs in compound factors; "
                          "give its size as a keyword argument.")
+    for i, mapping in enumerate(operand_mappings + result_mappings):
+      factors = [f for dim in mapping for f in (
+          dim if isinstance(dim, CompoundFactor) else (dim,))]
+      twice = sorted({f for f in factors if factors.count(f) > 1})
+      if twice:
+        raise ValueError(
+            f"Factor {twice[0]} names two dimensions of "
+            f"{_value_name(i, len(operand_mappings))} in the rule "
+            f"{_rule_text(operand_mappings, result_mappings)!r}: a factor "
+            "names one dimension per operand or result (Shardy refuses to "
+            "reuse one for two dimensions of an array). Give each dimension "
+            "a factor of its own (e.g. 'i j -> i') and list those that "
+            "must not be sharded in need_replication_factors.")
     seen: set[str] = set()
     for kind, factors in zip(_SPECIAL_FACTOR_KINDS, (
         reduction_factors, need_replication_factors, permutation_factors)):
@@ -3033,6 +3099,16 @@ def str_to_sdy_sharding_rule(rule: str, *,
                          need_replication_factors=need_replication_factors,
                          permutation_factors=permutation_factors,
                          **factor_sizes)
+
+
+def _rule_text(operand_mappings, result_mappings) -> str:
+  """A rule's mappings as rule text (``"i j, j k -> i k"``)."""
+  def dim_text(dim):
+    if isinstance(dim, CompoundFactor):
+      return f"({' '.join(dim)})"
+    return "..." if _is_batching(dim) else dim
+  return " -> ".join(", ".join(" ".join(map(dim_text, m)) for m in side)
+                     for side in (operand_mappings, result_mappings))
 
 
 def _value_name(i: int, num_operands: int) -> str:
@@ -3255,16 +3331,19 @@ def _entry_axes(entry) -> tuple:
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _reduced_factors(operand_dims: list, result_dims: list) -> set:
-  """The factors of a resolved rule that no shard can keep: those in
-  results only, and those a result is reduced over: factors of the
-  operands it shares a factor with (of every operand, for a result with no
-  factor) that it lacks, as ``n`` for the second result of
-  ``"b n -> b n, b"``."""
-  factors = [{f for fs in value_dims for f in fs}
-             for value_dims in operand_dims + result_dims]
-  ins, outs = factors[:len(operand_dims)], factors[len(operand_dims):]
-  reduced = set().union(*outs) - set().union(*ins)
+def _reduced_factors(rule: SdyShardingRule, dims: list,
+                     num_operands: int) -> set:
+  """The factors of a resolved rule (``dims``, see ``_resolve_rule``) that no
+  shard can keep, the one definition every check and derivation uses: the
+  rule's reduction factors; factors of operands in no result (``j`` of
+  ``"i, j -> i"``, as ``x * sum(y)`` reads it); factors in results only; and
+  those a result is reduced over: factors of the operands it shares a factor
+  with (of every operand, for a result with no factor) that it lacks, as
+  ``n`` for the second result of ``"b n -> b n, b"``."""
+  factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
+  ins, outs = factors[:num_operands], factors[num_operands:]
+  reduced = set(rule.reduction_factors) | (
+      set().union(*ins) ^ set().union(*outs))
   for out in outs:
     for operand in ins:
       if operand & out or not out:
@@ -3283,17 +3362,16 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
   keeps the mesh axes the operands bring it on, else those the results
   bring (slicing a replicated operand costs no communication); operands (or
   results) that bring it on different axes leave it replicated. Replicated
-  too: the special factors, factors that some result lacks (reduced there)
-  or that are in results only, factors of compound dimensions or seen with
-  two sizes, and a factor
-  whose axes an earlier factor (in order of first use) keeps.
+  too: the special factors, the reduced factors (``_reduced_factors``),
+  factors of compound dimensions or seen with two sizes, and a factor whose
+  axes an earlier factor (in order of first use) keeps.
   """
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands)
 
-  blocked = (set(rule.reduction_factors) | set(rule.need_replication_factors)
+  blocked = (set(rule.need_replication_factors)
              | set(rule.permutation_factors) |
-             _reduced_factors(dims[:num_operands], dims[num_operands:]))
+             _reduced_factors(rule, dims, num_operands))
   for value_dims, shape in zip(dims, shapes):
     for factors, size in zip(value_dims, shape):
       if len(factors) > 1 or size != sizes[factors[0]]:
@@ -4038,6 +4116,26 @@ def _no_ambient_mesh():
   if not hasattr(mesh_lib, "use_abstract_mesh"):
     return contextlib.nullcontext()
   return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
+
+
+def _manual_scope(mesh):
+  """The ambient mesh ``lower_fn`` is traced under: ``mesh`` with every axis
+  Manual, as inside ``jax.shard_map``, so that ``jax.lax.pcast`` (``pvary``)
+  can mark a value (a loop carry) varying; outside ``jax.shard_map``'s own
+  typing (check_vma) such a cast adds no equation. The empty mesh where jax
+  types no varying axes."""
+  # The casts' abstract evaluation asserts that their axes are Manual in
+  # the ambient mesh (_VARYING_TYPES).
+  if not _VARYING_TYPES or mesh.empty:
+    return _no_ambient_mesh()
+  am = _abstract_of(mesh)
+  return mesh_lib.use_abstract_mesh(am.update_axis_types(
+      {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
+
+
+# jax 0.6.0 added jax.lax.pvary, the cast to varying types; 0.8.2 added
+# jax.lax.pcast(x, axes, to="varying") for it, and 0.10.0 removed pvary.
+_VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
 
 
 def _varying_axes(aval) -> frozenset | None:

@@ -15,6 +15,7 @@ rather than start another process, unless it needs one of its own (a crash
 to survive, a fresh process to observe).
 """
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -1128,6 +1129,30 @@ class RuleParsingTest(unittest.TestCase):
           self.assertEqual(up[1], ours[1])
         else:
           self.assertIs(type(ours[1]), type(up[1]))
+
+
+class RepeatedFactorTest(unittest.TestCase):
+  """A factor may name one dimension per operand or result: Shardy refuses
+  a reused one, so the module refuses it where the rule is given."""
+
+  def test_a_factor_twice_in_one_value_is_refused_by_name(self):
+    for rule, factor, where in (("i i -> i", "i", "operand 0"),
+                                ("i j -> j j", "j", "result 0"),
+                                ("k, (a i) i -> i", "i", "operand 1")):
+      with self.subTest(rule=rule):
+        kw = {"a": 2} if "(a" in rule else {}
+        with self.assertRaises(ValueError) as cm:
+          str_to_sdy_sharding_rule(rule, **kw)
+        for part in (f"Factor {factor} ", where, repr(rule)):
+          self.assertIn(part, str(cm.exception))
+    op = custom_partitioning(jnp.diagonal)
+    with self.assertRaises(ValueError) as cm:
+      op.def_partition(sharding_rule="i i -> i")
+    self.assertIn("'i i -> i'", str(cm.exception))
+    with self.assertRaises(ValueError):
+      SdyShardingRule((ArrayMapping("i", "i"),), (ArrayMapping("i"),))
+    # One factor in two values stays a rule.
+    str_to_sdy_sharding_rule("i j, j k -> i k")
 
 
 class RuleObjectsTest(unittest.TestCase):
@@ -4495,6 +4520,191 @@ both_partitioners(RuleOnlyExplicitTest)
 del RuleOnlyExplicitTest
 
 
+def _ring_sum_op(carry):
+  """An op whose lower_fn sums the rows' shards around a ring (ppermute in
+  a fori_loop, the structure of ring attention); ``carry`` makes the loop's
+  initial accumulator from a zeros array."""
+  def total(x):  # every 4 elements: the sum over the shards, tiled
+    return jnp.tile(x.reshape(8, -1).sum(0), 8)
+
+  def ring(x):
+    perm = [(i, (i + 1) % 8) for i in range(8)]
+
+    def body(i, c):
+      acc, cur = c
+      return acc + cur, jax.lax.ppermute(cur, "x", perm)
+    acc0 = carry(jnp.zeros(x.shape, x.dtype))
+    return jax.lax.fori_loop(0, 8, body, (acc0, x))[0]
+  op = custom_partitioning(total)
+  op.def_partition(
+      lambda m, a, r: (m, ring, NamedSharding(m, P("x")),
+                       (NamedSharding(m, P("x")),)),
+      infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P("x")),
+      sharding_rule="i -> i")
+  return op, total
+
+
+def _varying_casts():
+  """The ways a loop carry is marked varying over 'x': unmarked, and jax's
+  cast where the release has one (pcast from jax 0.8.2, pvary before)."""
+  casts = {"unmarked": lambda z: z}
+  if hasattr(jax.lax, "pcast"):
+    casts["pcast"] = lambda z: jax.lax.pcast(z, ("x",), to="varying")
+  elif hasattr(jax.lax, "pvary"):
+    casts["pvary"] = lambda z: jax.lax.pvary(z, ("x",))
+  return casts
+
+
+class PromisesTest(CPTestCase):
+  """What the newest paths promise, in values: rule-only reductions, loop
+  carries, eager calls on size-1 Explicit axes."""
+
+  def meshes(self):
+    """(label, mesh, context factory) for Auto axes and, where jax has the
+    path, Explicit axes under jax.set_mesh."""
+    out = [("auto", self.mesh(), contextlib.nullcontext)]
+    if not NO_EXPLICIT_PATH:
+      m = jax.make_mesh((8,), ("x",),
+                        axis_types=(jax.sharding.AxisType.Explicit,))
+      out.append(("explicit", m, lambda: jax.set_mesh(m)))
+    return out
+
+  def test_a_factor_in_no_result_is_replicated(self):
+    """``j`` of ``"i, j -> i"`` (``x * sum(y)``) is reduced: the derived
+    partition replicates ``y``, with and without check_vma, as README
+    promises; it was kept sharded (each device used its partial sum)."""
+    xh, yh = _data((16,)), _data((16,)) + 3.0
+    bh = _data((16,)) * 2.0
+    cases = (("i, j -> i", lambda x, y: x * jnp.sum(y), yh),
+             ("i, k -> i", lambda x, b: x + jnp.mean(b), bh))
+    for label, m, ctx in self.meshes():
+      for rule, body, other in cases:
+        for check_vma in (True, False):
+          op = _rule_only(body, rule, check_vma=check_vma)
+          with self.subTest(mesh=label, rule=rule, check_vma=check_vma), ctx():
+            want = body(xh, other)
+            x = jax.device_put(xh, NamedSharding(m, P()))
+            y = jax.device_put(other, NamedSharding(m, P("x")))
+            np.testing.assert_allclose(jax.jit(op)(x, y), want, rtol=1e-5)
+            np.testing.assert_allclose(op(x, y), want, rtol=1e-5)  # eager
+            g = jax.jit(jax.grad(lambda x, y: (op(x, y) ** 2).sum(),
+                                 argnums=(0, 1)))(x, y)
+            g_want = jax.grad(lambda x, y: (body(x, y) ** 2).sum(),
+                              argnums=(0, 1))(xh, other)
+            for got, exp in zip(g, g_want):
+              np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-4)
+
+  def test_a_padded_factor_in_no_result_is_replicated(self):
+    """10 elements over a 4-device axis: the derived partition replicates
+    them, and its own padding check has nothing to refuse."""
+    m = self.mesh((4,), ("x",))
+    xh, yh = _data((16,)), _data((10,)) + 3.0
+    for check_vma in (True, False):
+      op = _rule_only(lambda x, y: x * jnp.sum(y), "i, j -> i",
+                      check_vma=check_vma)
+      f = jax.jit(lambda x, y: op(x, jax.lax.with_sharding_constraint(
+          y, NamedSharding(m, P("x")))))
+      with self.subTest(check_vma=check_vma):
+        np.testing.assert_allclose(f(xh, yh), xh * yh.sum(), rtol=1e-5)
+
+  def test_one_definition_of_a_reduced_factor(self):
+    """The derivation and the padding check agree on which factors are
+    reduced."""
+    def reduced(rule, shapes, n):
+      r = str_to_sdy_sharding_rule(rule)
+      _, dims = cp._resolve_rule(r, shapes, n)
+      return cp._reduced_factors(r, dims, n)
+    self.assertEqual(reduced("i, j -> i", [(4,), (6,), (4,)], 2), {"j"})
+    self.assertEqual(reduced("i j -> ", [(4, 6), ()], 1), {"i", "j"})
+    self.assertEqual(reduced("b n -> b n, b", [(4, 6)] * 2 + [(4,)], 1),
+                     {"n"})
+    self.assertEqual(reduced("i j, j k -> i k", [(2, 3), (3, 4), (2, 4)],
+                             2), {"j"})
+    self.assertEqual(reduced("b n -> b k", [(4, 6), (4, 5)], 1), {"n", "k"})
+    self.assertEqual(reduced("i -> i", [(4,), (4,)], 1), set())
+    specs = cp._rule_specs(str_to_sdy_sharding_rule("i, j -> i"),
+                           [(16,), (16,), (16,)], [(None,), ("x",)], [None])
+    self.assertEqual(specs, ([(None,), (None,)], [(None,)]))
+
+  def test_loop_carries_unmarked_and_cast(self):
+    """A ring loop's carry, unmarked or cast to varying, gives right values
+    on Auto and Explicit axes, under jit and jit(grad); jax's cast traced
+    outside a manual mesh used to assert, and shard_map's types refused the
+    unmarked carry on Explicit axes."""
+    xh = _data((32,))
+    for label, m, ctx in self.meshes():
+      for name, cast in _varying_casts().items():
+        op, total = _ring_sum_op(cast)
+        with self.subTest(mesh=label, carry=name), ctx():
+          x = jax.device_put(xh, NamedSharding(m, P("x")))
+          f = jax.jit(op)
+          np.testing.assert_allclose(f(x), total(xh), rtol=1e-5)
+          self.assertCollectives(self.hlo(f, x),
+                                 present=("collective-permute",))
+          if label == "explicit":  # still the shard_map path
+            self.assertNotIn("CustomSPMDPartitioning", f.lower(x).as_text())
+          g = jax.jit(jax.grad(lambda x: (op(x) ** 2).sum()))(x)
+          np.testing.assert_allclose(
+              g, jax.grad(lambda x: (total(x) ** 2).sum())(xh), rtol=1e-4)
+
+  def test_an_eager_call_on_a_size1_explicit_axis_answers_as_jit(self):
+    """An operand sharded only over a size-1 Explicit axis: jax types it
+    as sharded over that axis, so the eager call must partition as jit
+    does (it ran fun alone, which jax cannot type there)."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((8, 1), ("x", "y"), axis_types=(explicit,) * 2)
+
+    def cumsum(x):
+      return jnp.cumsum(x, 1)
+    op = custom_partitioning(cumsum)
+    op.def_partition(
+        lambda m_, a, r: (m_, cumsum, NamedSharding(m_, P("x", None)),
+                          (NamedSharding(m_, P("x", None)),)),
+        infer_sharding_from_operands=lambda m_, a, r: NamedSharding(
+            m_, P("x", None)),
+        sharding_rule="b n -> b n", need_replication_factors=("n",))
+    xh = _data((8, 8))
+    with jax.set_mesh(m):
+      x = jax.device_put(xh, NamedSharding(m, P(None, "y")))
+      self.skipWithoutSpecialFactors(lambda: jax.jit(op)(x))
+      jitted = jax.jit(op)(x)
+      eager = op(x)
+    np.testing.assert_allclose(jitted, np.cumsum(xh, 1), rtol=1e-5)
+    np.testing.assert_allclose(eager, jitted, rtol=0)
+    self.assertEqual(eager.sharding, jitted.sharding)
+
+  def test_a_replicated_result_shard_map_cannot_type_runs(self):
+    """A top-k whose all_gather result the module's check proves
+    replicated, but shard_map's types cannot: it runs under Explicit axes
+    as under Auto ones (it was refused, with advice about loop carries)."""
+    def topk(x):
+      return jax.lax.top_k(x, 4)[0]
+
+    def lower_fn(x):
+      g = jax.lax.all_gather(topk(x), "x", axis=0, tiled=True)
+      return topk(g)
+    op = custom_partitioning(topk)
+    op.def_partition(
+        lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
+                         (NamedSharding(m, P("x")),)),
+        infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
+        sharding_rule="i -> j", need_replication_factors=("j",))
+    xh = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    for label, m, ctx in self.meshes():
+      with self.subTest(mesh=label), ctx():
+        x = jax.device_put(xh, NamedSharding(m, P("x")))
+        f = jax.jit(op)
+        self.skipWithoutSpecialFactors(lambda: f(x))
+        np.testing.assert_allclose(f(x), np.sort(xh)[::-1][:4], rtol=1e-6)
+        self.assertCollectives(self.hlo(f, x), present=("all-gather",))
+
+
+both_partitioners(PromisesTest)
+del PromisesTest
+
+
 class DebugLogTest(CPTestCase):
   """The log of what each op was asked: DEBUG records on cp's logger."""
 
@@ -6381,10 +6591,12 @@ class ExplicitPathTest(CPTestCase):
     self.assertIn("named_op", str(cm.exception))
     self.assertIn("shard_map", str(cm.exception))
 
-  def test_shard_map_type_errors_name_the_op(self):
+  def test_an_unmarked_varying_carry_runs_as_the_custom_call_would(self):
     """Found by a breaker: a loop whose carry becomes varying passes the
-    module's check (loops are not followed) but not shard_map's typing;
-    the TypeError names the op and the way out."""
+    module's check (loops are not followed) but not shard_map's typing.
+    Upstream's custom call runs it right, and so does the op: as shard_map
+    with check_vma off (it was refused with advice to use jax.lax.pvary,
+    which jax 0.10 removed)."""
     def sum_sq(x):
       return (x ** 2).sum(0)
 
@@ -6392,19 +6604,35 @@ class ExplicitPathTest(CPTestCase):
       acc = jax.lax.fori_loop(0, x.shape[0], lambda i, a: a + x[i] ** 2,
                               jnp.zeros(x.shape[1], x.dtype))
       return jax.lax.psum(acc, "x")
-    op = custom_partitioning(sum_sq)
-    op.def_partition(lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
-                                      (NamedSharding(m, P("x", None)),)),
-                     sharding_rule="i j -> j")
-    with self.assertRaises(TypeError) as cm:
-      jax.jit(op)(self.x)
-    self.assertIn("sum_sq", str(cm.exception))
-    self.assertIn("pvary", str(cm.exception))
-    op.def_partition(lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
-                                      (NamedSharding(m, P("x", None)),)),
-                     sharding_rule="i j -> j", check_vma=False)
-    np.testing.assert_allclose(jax.jit(op)(self.x), (self.xh ** 2).sum(0),
-                               rtol=1e-5)
+    for check_vma in (True, False):
+      op = custom_partitioning(sum_sq)
+      op.def_partition(lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
+                                        (NamedSharding(m, P("x", None)),)),
+                       sharding_rule="i j -> j", check_vma=check_vma)
+      with self.subTest(check_vma=check_vma):
+        f = jax.jit(op)
+        np.testing.assert_allclose(f(self.x), (self.xh ** 2).sum(0),
+                                   rtol=1e-5)
+        self.assertPlainJax(f, self.x, gathers=True)
+        g = jax.jit(jax.grad(lambda x: op(x).sum()))(self.x)
+        np.testing.assert_allclose(g, 2 * self.xh, rtol=1e-5)
+
+  def test_shard_maps_refusal_advises_what_fits(self):
+    """A result whose replication neither check can follow (a loop) keeps
+    shard_map's refusal; the advice names def_partition's check_vma and
+    the collectives, not loop carries or jax.shard_map's own argument."""
+    op = custom_partitioning(lambda x: jnp.sum(x, 0))
+    op.def_partition(
+        lambda m, a, r: (m, lambda x: jax.lax.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 1.0),
+            (0, jnp.sum(x, 0)))[1], NamedSharding(m, P()),
+            (NamedSharding(m, P("x", None)),)),
+        sharding_rule="i j -> j", check_vma=True)
+    e = self.assertRaisesNaming(
+        ValueError, ["run as jax.shard_map", "out_specs", "jax.lax.psum",
+                     "check_vma=False to def_partition"], jax.jit(op), self.x)
+    self.assertNotIn("pvary", str(e))
+    self.assertNotIn("carr", str(e))
 
   def test_untypable_body_off_the_explicit_path_names_the_op(self):
     """On a mixed mesh the op keeps the custom call, which needs jax's

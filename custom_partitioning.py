@@ -1,3 +1,23 @@
+# custom_partitioning.py: JAX's custom_partitioning in one vendorable file.
+# Copyright 2026 The custom_partitioning.py Authors.
+# SPDX-License-Identifier: Apache-2.0
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+# The API (names, callback contracts, sharding-rule notation) is JAX's
+# (jax.experimental.custom_partitioning, Copyright The JAX Authors,
+# Apache-2.0); this file is an independent implementation of it.
+
 """Custom SPMD partitioning for JAX, in one file you can vendor.
 
 What this is
@@ -10,19 +30,37 @@ staged out as one XLA custom call; while compiling, XLA asks this module
 (through Python callbacks) which sharding the result should get and how to
 compute one shard: a program lowered from the author's ``lower_fn``. ``_demo``
 at the end is a complete example (``python custom_partitioning.py`` runs it).
+The API contract is in the docstrings of ``custom_partitioning``, its
+``def_partition`` and ``check_partitioning``.
+
+Version
+-------
+1.0.0 (``__version__``), numbered MAJOR.MINOR.PATCH: a change that can break
+code that ran (an API changed or removed, a jax release dropped) bumps MAJOR;
+one that only adds (a feature, a jax release supported) bumps MINOR; a fix
+bumps PATCH. A change to this file that a user can notice bumps it, in the
+same commit, here and in ``__version__``.
 
 How to vendor
 -------------
 Copy this file into your project and import it instead of
 ``jax.experimental.custom_partitioning``; it needs only ``jax`` and
-``jaxlib``. Its XLA call target is derived from the name under which it is
-imported, so jax's own implementation and any number of copies coexist.
+``jaxlib``. Keep this header: it is the license of your copy. Importing it
+registers, under names derived from the name it is imported as (so jax's own
+implementation and any number of copies coexist): the primitive
+``custom_partitioning_p`` with its rules, the XLA custom-call partitioner
+``CustomSPMDPartitioning.<module name>`` (also with PJRT plugins), a handler
+that turns this module's tagged compile errors back into the author's
+exception, a listener for jax's compile events, and the decorator type with
+jax's custom-decorator registry (the wiring block at the end). It changes no
+jax option and no environment variable.
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 to 0.11.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
-0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
-partitioner; 0.11 needs Python 3.12). Every ``jax._src`` import sits
+jax/jaxlib 0.4.35 through 0.11.0 (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2,
+0.7.2, 0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
+partitioner; 0.11 needs Python 3.12). Older releases raise ``ImportError``;
+newer ones are not refused, but untested. Every ``jax._src`` import sits
 below, every version difference in appendix F.
 
 Reading order
@@ -36,8 +74,6 @@ transposition); 7. checks of the per-shard program; 8.
 B. the Shardy rule parser; C. the DEBUG log; D. keys; E. the module's
 state; F. compatibility. Then a self-demo and the wiring block, which
 registers everything this module hooks into jax and XLA.
-
-The API design is JAX's; this is an independent implementation of it.
 """
 
 from __future__ import annotations
@@ -59,6 +95,14 @@ import types
 from typing import Any, NamedTuple
 import weakref
 
+__version__ = "1.0.0"
+__all__ = [  # jax's six names, then this module's own
+    "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
+    "ArrayMapping", "CompoundFactor", "BATCHING",
+    "str_to_sdy_sharding_rule", "sdy_sharding_rule_to_mlir",
+    "check_partitioning", "PartitioningReport",
+]
+
 if __name__ == "__main__":  # the demo needs 8 devices; set before jax loads
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
@@ -76,7 +120,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 _JAX_VERSION = _version_tuple(jax.__version__)
 if _JAX_VERSION < (0, 4, 35):
   raise ImportError(
-      f"{__name__} supports jax 0.4.35 to 0.11.x; found jax "
+      f"{__name__} supports jax 0.4.35 or newer; found jax "
       f"{jax.__version__}. Upgrade jax and jaxlib, or use "
       "jax.experimental.custom_partitioning.")
 
@@ -141,6 +185,18 @@ class custom_partitioning:
   ``jax.clear_caches()`` empties them and every cache of this module, so
   ``fun`` is traced anew and sees new settings of switches it reads.
 
+  Under Explicit mesh axes (jax 0.7 or newer, mesh set by ``jax.set_mesh``)
+  ``partition`` is asked while tracing, and the op becomes ``lower_fn``
+  under ``jax.shard_map`` between two reshards, with no custom call
+  (section 2). A custom call carries a key that digests the op (its code,
+  the values its callbacks read, static arguments, mesh, jax's
+  configuration), so jax's persistent compilation cache hits across
+  processes; as with ``jax.jit``, callbacks must not depend on state that
+  no argument shows (environment variables, files). Lowered inside another
+  primitive's lowering rule (``mlir.lower_fun(op)``), the op takes its
+  devices from the mesh set around the call (``jax.set_mesh`` or ``with
+  mesh:``).
+
   Args:
     fun: the function. A call's keyword arguments are bound to positions by
       ``inspect.signature(fun)``; keyword-only parameters keep their
@@ -185,17 +241,46 @@ class custom_partitioning:
                     permutation_factors=(), **factor_sizes):
     """Defines how the op is partitioned; returns ``partition``.
 
-    Callbacks get the static arguments first. Shapes are pytrees (like the
-    op's arguments or results) of ``jax.ShapeDtypeStruct`` whose
-    ``.sharding`` is XLA's choice.
+    Callbacks get the static arguments first. ``arg_shapes``,
+    ``result_shape`` and ``user_shape`` are pytrees shaped like the op's
+    arguments or results, of ``jax.ShapeDtypeStruct`` whose ``.sharding``
+    is XLA's choice (see ``decode_shardings``).
+
+    Order: a sharding rule (string or ``SdyShardingRule``, and the
+    ``operand_types``/``result_types`` a callable rule gets) lists operands
+    and results in jax's flattening order, not always the call's: ``fun``'s
+    parameters in order (keyword arguments bound to their positions), each
+    flattened as ``jax.tree_util.tree_leaves`` does (dict entries by sorted
+    key). For ``fun(d)`` called as ``fun({"x": x, "w": w})`` with x (n, k)
+    and w (n,), returning ``{"y": (n, k), "norm": (n,)}``, the rule is
+    ``"i, i j -> i, i j"``. Everything else (shapes, ``lower_fn``'s
+    arguments and results, the shardings ``partition`` returns) is a pytree
+    shaped like the arguments or results.
+
+    Uneven shapes: a dimension of size n sharded over k devices reaches
+    ``lower_fn`` as shards of ceil(n / k), the last ones padded with
+    unspecified values (zeros on CPU in practice); XLA drops the padding of
+    the results. Element-wise and row-wise code is right as it is. A
+    reduction over a padded dimension would mix the padding in, and is
+    refused (see ``check_vma``): shard a reduced dimension only over axes
+    that divide it, or mask the padding in ``lower_fn`` (from
+    ``jax.lax.axis_index`` and the global size) and pass
+    ``check_vma=False``.
 
     Args:
       partition: ``(*static, mesh, arg_shapes, result_shape) -> (mesh,
         lower_fn, result_shardings, arg_shardings)``. XLA reshards the
         operands to ``arg_shardings`` (a pytree like the arguments);
-        ``lower_fn(*local_args)`` computes one shard, may use collectives
-        over ``mesh``'s axes and returns results sharded as
-        ``result_shardings``. None (the default) with a ``sharding_rule``:
+        ``lower_fn(*local_args)`` computes one shard (local arrays in the
+        arguments' pytree structure), may use collectives over the axes of
+        the mesh returned (``psum``, ``all_gather``, ``axis_index``, ...)
+        and returns results sharded as ``result_shardings``. That mesh is
+        ``mesh``, another mesh over the same devices (other axis names,
+        say) or an ``AbstractMesh`` (made concrete on the op's devices,
+        shardings on it too). Where no mesh could be recovered, ``mesh`` is
+        the empty mesh: returned, ``lower_fn`` runs with no mesh axes (one
+        that names an axis gets an error saying how to give the op a mesh).
+        None (the default) with a ``sharding_rule``:
         derived from the rule, for both partitioners and Explicit axes.
         Each factor keeps the mesh axes the operands arrive sharded on
         (a factor they bring on different axes is replicated, and of two
@@ -222,7 +307,13 @@ class custom_partitioning:
       check_vma: keyword-only; this module's, upstream has no such checks.
         True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
         result that may vary along a mesh axis (a missing ``psum``) and for
-        padding that would enter a reduction. False turns both off.
+        padding that would enter a reduction (a dimension the rule reduces:
+        a reduction factor, or a factor in no result). It follows through
+        ``lower_fn``'s jaxpr the axes along which each value may vary, as
+        ``jax.shard_map``'s ``check_vma`` does; where it cannot follow a
+        value (loops, grouped collectives) it never refuses, and a mesh
+        axis of size 1 never counts. False turns both off (for code right
+        by a construction the check cannot see).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -231,7 +322,20 @@ class custom_partitioning:
         ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
       When called on several devices: ``ValueError`` if neither
-      ``partition`` nor ``sharding_rule`` is given.
+      ``partition`` nor ``sharding_rule`` is given. While the op is
+      compiled (from ``jax.jit``, ``.compile()`` or an eager call): an
+      exception raised in a callback, with its own type (XLA's error as
+      its ``__cause__``); ``TypeError`` or ``ValueError`` naming the
+      callback and position for a malformed answer (not a 4-tuple, a
+      ``lower_fn`` that is not callable, a sharding that is not a
+      ``jax.sharding.Sharding``, a pytree unlike the operands or results,
+      other devices than the op's); ``ValueError`` naming the result for
+      ``lower_fn`` results of the wrong number, per-shard shape or dtype,
+      and for the ``check_vma`` checks; on the custom-call path,
+      ``NotImplementedError`` for host callbacks in ``lower_fn`` and for
+      ``jax.export``; under ``jax.vmap``/``jvp``/``grad``,
+      ``NotImplementedError`` for a returned mesh shaped unlike the op's or
+      a sharding without a ``PartitionSpec``.
     """
     if partition is not None and not callable(partition):
       raise TypeError(
@@ -4208,7 +4312,7 @@ def _abstract_of(mesh):
 def _set_mesh_scope(mesh):
   """A context that sets ``mesh`` as jax's ambient mesh, if it has any axis
   typed Explicit; else (or before jax 0.5.3) does nothing."""
-  # jax 0.7.0 added jax.set_mesh; from 0.5.3 to 0.6.x it is
+  # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0 it is
   # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)

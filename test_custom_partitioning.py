@@ -6804,29 +6804,36 @@ class CheckPartitioningTest(CPTestCase):
     self.x, self.w = _data((8, 4)), _data((4, 3))
 
   def test_correct_fft_passes_on_the_default_meshes(self):
-    """README's example test runs, passes and prints what README says."""
-    import contextlib
-    import io
-    readme, blocks = _readme()
-    snippet, = [b for b in blocks if "cp.check_partitioning(" in b]
-    names = {"__name__": "readme_check_partitioning"}
-    exec(compile(snippet, "README.md", "exec"), names)
+    """README's example test runs and passes (with the self-demo's FFT as
+    its ``myops.fft``); the report says what ran."""
+    import types
+    _, blocks = _readme()
+    snippet = _block(blocks, "class FftTest")
+    myops = types.ModuleType("myops")
+    myops.fft = _fft_op()
+    saved = sys.modules.get("myops")
+    sys.modules["myops"] = myops
+    try:
+      names = {"__name__": "readme_check_partitioning"}
+      exec(compile(snippet, "README.md", "exec"), names)
+    finally:
+      if saved is None:
+        del sys.modules["myops"]
+      else:
+        sys.modules["myops"] = saved
     # A loader of its own: the default one carries `unittest -k` patterns.
-    suite = unittest.TestLoader().loadTestsFromTestCase(
-        names["FftPartitionTest"])
-    result, out = unittest.TestResult(), io.StringIO()
-    with contextlib.redirect_stdout(out):
-      suite.run(result)
+    suite = unittest.TestLoader().loadTestsFromTestCase(names["FftTest"])
+    result = unittest.TestResult()
+    suite.run(result)
     self.assertEqual((result.testsRun, result.errors, result.failures),
-                     (2, [], []))
+                     (1, [], []))
     # P(), P('x'), P(None, 'x') on ('x': 8); two more per axis on (2, 4).
-    printed = (
+    self.assertEqual(
+        str(cp.check_partitioning(_fft_op(), self.z)),
         "check_partitioning(_batched_fft_op.<locals>.fft): 8 combinations "
         "of operand shardings checked, results equal to "
         "_batched_fft_op.<locals>.fft on one device (Mesh('x': 8): 3 of 3; "
         "Mesh('x': 2, 'y': 4): 5 of 5).")
-    self.assertEqual(out.getvalue(), printed + "\n")
-    self.assertIn(f"    {printed}\n", readme)
 
   def test_fft_keeping_the_transformed_axis_sharded_fails(self):
     error = self.assertRaisesNaming(
@@ -6990,54 +6997,94 @@ del CheckPartitioningTest
 
 
 # --------------------------------------------------------------------------
-# The README: its example runs, its snippets are right
+# The README: its quickstart runs, its snippets are right, its facts hold
 # --------------------------------------------------------------------------
 
 def _readme():
-  """README's text and its python code blocks."""
-  with open(os.path.join(HERE, "README.md")) as f:
+  """README's text and its python code blocks (skips where there is no
+  README, as beside a vendored copy)."""
+  path = os.path.join(HERE, "README.md")
+  if not os.path.exists(path):
+    raise unittest.SkipTest(f"no README.md in {HERE}")
+  with open(path) as f:
     readme = f.read()
   return readme, re.findall(r"```python\n(.*?)```", readme, re.S)
 
 
+def _block(blocks, marker):
+  """The one README code block containing ``marker``."""
+  found = [b for b in blocks if marker in b]
+  if len(found) != 1:
+    raise AssertionError(f"README: {len(found)} code blocks hold {marker!r}")
+  return found[0]
+
+
+def _words_to_int(word):
+  return {"four": 4, "six": 6}[word]
+
+
+def _bare_signature(fn):
+  """``inspect.signature(fn)`` as source text, without annotations (the
+  module's are strings) and without ``self``."""
+  sig = inspect.signature(fn)
+  params = [p.replace(annotation=inspect.Parameter.empty)
+            for name, p in sig.parameters.items() if name != "self"]
+  return str(sig.replace(parameters=params,
+                         return_annotation=inspect.Signature.empty))
+
+
 class ReadmeTest(unittest.TestCase):
 
-  def test_readme_example_runs(self):
-    """The README's example is real code: run it as a user would."""
+  def test_readme_quickstart_runs(self):
+    """The quickstart is real code within README's first 60 lines: run it
+    as a user would, in a fresh process on a machine with one CPU device,
+    with README's own logging block in front; it prints what README says,
+    and logs the record README quotes."""
     readme, blocks = _readme()
-    example = [b for b in blocks
-               if "from custom_partitioning import custom_partitioning" in b]
-    self.assertEqual(len(example), 1, "README has one full example")
-    # A fresh process without this file's forced device count: the example
-    # must force its 8 devices itself, as on a user's one-CPU machine (run in
-    # this process it would find 8 devices already and prove nothing).
+    quickstart = _block(blocks, "# was: from jax.experimental.custom_")
+    log_setup = _block(blocks, 'getLogger("custom_partitioning")')
+    end = readme.index(quickstart) + len(quickstart)
+    printed_at = readme.index("\n    ", end)  # its quoted output
+    last = readme.index("\n", printed_at + 1)
+    last = readme.index("\n", last + 1)  # two lines of output
+    self.assertLessEqual(readme[:last].count("\n") + 1, 60,
+                         "the quickstart ends after README's line 60")
+    # Without this file's forced device count: the quickstart must force
+    # its 8 devices itself (in this process it would find 8 already).
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split()
         if not f.startswith("--xla_force_host_platform_device_count"))
-    env.pop("JAX_PLATFORMS", None)  # the example sets it too
+    env.pop("JAX_PLATFORMS", None)  # the quickstart sets it too
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (HERE, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", example[0]], cwd=HERE,
-                          env=env, capture_output=True, text=True,
-                          timeout=300)
+    if not SPECIAL_FACTORS:  # Shardy refuses need_replication_factors
+      env["JAX_USE_SHARDY_PARTITIONER"] = "0"  # (this release's default)
+    proc = subprocess.run(
+        [sys.executable, "-c", log_setup + "\n" + quickstart], cwd=HERE,
+        env=env, capture_output=True, text=True, timeout=300)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    # It asserts its results; what it prints is what README says it prints.
     printed = [line for line in proc.stdout.splitlines() if line]
-    self.assertEqual(printed[0], "8 devices: scaled_fft(x, 2.0) equals "
-                     "numpy's fft * 2", proc.stdout)
+    self.assertEqual(printed[0], "fft, cholesky: equal to numpy, each "
+                     "device on its own rows, no gather", proc.stdout)
+    self.assertEqual(len(printed), 2, proc.stdout)
     for line in printed:
       self.assertIn(f"    {line}\n", readme, "README quotes another output")
+    records = [line for line in proc.stderr.splitlines()
+               if line.startswith("custom_partitioning: custom_partitioning"
+                                  " op cholesky: partition [")]
+    self.assertTrue(records, proc.stderr[-3000:])
+    record = records[0]
+    if "[custom call, Shardy]" in record:  # README quotes Shardy's
+      self.assertIn(f"    {record}\n", readme)
 
   def test_readme_snippets(self):
     """Every code block parses; the reduction snippet is right on 10 rows
-    (not divisible: kept whole) and on 16 (sharded, one all-reduce); the
-    rule-only Cholesky runs with no collective and logs what README
-    quotes."""
+    (not divisible: kept whole) and on 16 (sharded, one all-reduce)."""
     readme, blocks = _readme()
     for block in blocks:
       compile(block, "README.md", "exec")
-    snippet, = [b for b in blocks if "def col_max" in b]
+    snippet = _block(blocks, "def col_max")
     names = {"jax": jax, "jnp": jnp, "NamedSharding": NamedSharding, "P": P,
              "custom_partitioning": custom_partitioning}
     exec(compile(snippet, "README.md", "exec"), names)
@@ -7048,23 +7095,125 @@ class ReadmeTest(unittest.TestCase):
       f = jax.jit(names["col_max"], out_shardings=whole)
       np.testing.assert_array_equal(f(x), x.max(0), f"{n} rows")
       self.assertEqual("all-reduce" in CPTestCase.hlo(f, x), n == 16)
-    # The rule-only Cholesky: batch-sharded, no collective; and its log
-    # record as README quotes it.
-    snippet, = [b for b in blocks if "def batched_cholesky" in b]
-    exec(compile(snippet, "README.md", "exec"), names)
-    chol = names["batched_cholesky"]
-    chol.__qualname__ = chol._name = "batched_cholesky"  # as in a module
-    a = jax.device_put(_spd((8, 4, 4)), NamedSharding(CPTestCase.mesh(),
-                                                      P("x")))
-    if cp._use_shardy():  # the last check: the rest has run
-      skip_without_special_factors(self, lambda: jax.jit(chol)(a))
-    with self.assertLogs(cp._log, "DEBUG") as cm:
-      text = CPTestCase.hlo(jax.jit(chol), a)
-    for name in _COLLECTIVES:
-      self.assertNotIn(name, text)
-    if cp._use_shardy():
-      self.assertIn(f"    {cp.__name__}: {cm.records[0].getMessage()}\n",
-                    readme)
+
+  def test_readme_names_are_the_exports(self):
+    """README's list of names is ``__all__``; jax's names in it are what
+    ``jax.experimental.custom_partitioning`` exports (jax 0.5 on; before,
+    its first two)."""
+    readme, _ = _readme()
+    names = re.search(r"- \*\*Names\.\*\* (.*?)\n- ", readme, re.S).group(1)
+    count_theirs, theirs, count_ours, ours = re.fullmatch(
+        r"`__all__` holds jax's (\w+) names, (.*?) \(jax before 0\.5 "
+        r"exports only the first two\), and (\w+) more: (.*)\.",
+        " ".join(names.split())).groups()
+    theirs, ours = (re.findall(r"`(\w+)`", t) for t in (theirs, ours))
+    self.assertEqual(len(theirs), _words_to_int(count_theirs))
+    self.assertEqual(len(ours), _words_to_int(count_ours))
+    self.assertEqual(theirs + ours, list(cp.__all__))
+    for name in cp.__all__:
+      self.assertTrue(hasattr(cp, name), name)
+    exported = [n for n in dir(_up_cp) if not n.startswith("_")]
+    if JAX_VERSION >= (0, 5, 0):
+      self.assertEqual(sorted(exported), sorted(theirs))
+    else:
+      self.assertEqual(sorted(exported), sorted(theirs[:2]))
+
+  def test_readme_signatures_are_the_code(self):
+    """Each README heading that spells a signature spells the real one."""
+    readme, _ = _readme()
+    functions = {"custom_partitioning": custom_partitioning,
+                 "op.def_partition": custom_partitioning.def_partition,
+                 "check_partitioning": cp.check_partitioning}
+    headings = re.findall(r"^#+ `([\w.]+)(\(.*\))`$", readme, re.M)
+    self.assertIn("op.def_partition", [name for name, _ in headings])
+    for name, signature in headings:
+      self.assertEqual(signature, _bare_signature(functions[name]), name)
+
+  def test_readme_release_range(self):
+    """README, the module docstring, the module's version check and the CI
+    matrix name the same releases."""
+    readme, _ = _readme()
+    ranges = set(re.findall(r"(\d+\.\d+\.\d+) (?:through|to) "
+                            r"(\d+\.\d+\.\d+)", readme))
+    self.assertEqual(len(ranges), 1, ranges)
+    (low, high), = ranges
+    self.assertIn(f"{low} through {high}", cp.__doc__)
+    with open(cp.__file__) as f:
+      source = f.read()
+    floor = re.search(r"_JAX_VERSION < \((\d+), (\d+), (\d+)\)", source)
+    self.assertEqual(".".join(floor.groups()), low)
+    matrix = os.path.join(HERE, ".ci", "matrix")
+    if not os.path.exists(matrix):
+      self.skipTest("no .ci/matrix beside the tests")
+    with open(matrix) as f:  # its default: every supported release
+      default = re.search(r"\|\| versions=\((.*?)\)", f.read(),
+                          re.S).group(1)
+    releases = [v.split("@")[0] for v in default.replace("\\", " ").split()]
+    self.assertEqual((releases[0], releases[-1]), (low, high))
+    section = readme.split("## Supported versions", 1)[1].split("\n## ")[0]
+    for release in releases:  # a row each
+      self.assertRegex(section, rf"(?m)^\| {re.escape(release)}[ |(]")
+
+  def test_readme_version_size_and_private_imports(self):
+    """``__version__`` is in README and the module docstring; README's line
+    counts hold (within 10%, and upstream's on jax 0.10.2 exactly); its
+    list of private jax modules is what the module imports."""
+    readme, _ = _readme()
+    self.assertRegex(cp.__version__, r"^\d+\.\d+\.\d+$")
+    self.assertIn(f'`__version__ = "{cp.__version__}"`', readme)
+    self.assertIn(f"\n{cp.__version__} (``__version__``)", cp.__doc__)
+    with open(cp.__file__) as f:
+      source = f.read()
+    total, code, upstream = (int(n.replace(",", "")) for n in re.search(
+        r"one file of about ([\d,]+) lines, ([\d,]+) of them code; "
+        r"upstream's two modules: ([\d,]+) lines \(jax 0\.10\.2\)",
+        readme).groups())
+    self.assertLess(abs(source.count("\n") - total), total / 10)
+    self.assertLess(abs(_code_lines(source) - code), code / 10)
+    if JAX_VERSION[:3] == (0, 10, 2):
+      import jax._src.custom_partitioning as up_module
+      lines = 0
+      for path in (up_module.__file__, _up_rules.__file__):
+        with open(path) as f:
+          lines += f.read().count("\n")
+      self.assertEqual(lines, upstream)
+    imported = sorted(_jax_src_imports(source))
+    count = int(re.search(r"imports (\d+) private `jax._src` modules",
+                          readme).group(1))
+    self.assertEqual(count, len(imported))
+    listed = re.search(r"file uses them: `jax._src.` (.*?); and",
+                       readme, re.S).group(1)
+    self.assertEqual(sorted("jax._src." + n for n in
+                            re.findall(r"`([\w.]+)`", listed)), imported)
+
+
+def _code_lines(source):
+  """Lines of ``source`` that are neither blank, comments nor docstrings."""
+  import ast
+  lines = source.splitlines()
+  other = {i + 1 for i, line in enumerate(lines)
+           if not line.strip() or line.strip().startswith("#")}
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+      first = node.body[0] if node.body else None
+      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+          and isinstance(first.value.value, str)):
+        other.update(range(first.lineno, first.end_lineno + 1))
+  return len(lines) - len(other)
+
+
+def _jax_src_imports(source):
+  """The ``jax._src`` modules ``source`` imports, as dotted names."""
+  import ast
+  found = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names
+                   if a.name.startswith("jax._src"))
+    elif isinstance(node, ast.ImportFrom) and (
+        node.module or "").startswith("jax._src"):
+      found.update(f"{node.module}.{a.name}" for a in node.names)
+  return found
 
 
 if __name__ == "__main__":

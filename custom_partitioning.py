@@ -285,8 +285,10 @@ class custom_partitioning:
         Each factor keeps the mesh axes the operands arrive sharded on
         (a factor they bring on different axes is replicated, and of two
         factors on one axis the later one); replicated are the special
-        factors, factors only in operands or only in results,
-        and factors of compound dimensions. Each shard runs ``fun`` (with
+        factors, the reduced ones (in no result, in results only, or
+        lacking from a result that shares another factor with the operand:
+        ``j`` of ``"i, j -> i"`` for ``x * sum(y)``), and factors of
+        compound dimensions. Each shard runs ``fun`` (with
         the static arguments) on its local arrays, so the rule must hold
         shard-wise. None without a rule: ``fun`` runs on one device, and on
         several the call raises ``ValueError``.
@@ -308,12 +310,20 @@ class custom_partitioning:
         True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
         result that may vary along a mesh axis (a missing ``psum``) and for
         padding that would enter a reduction (a dimension the rule reduces:
-        a reduction factor, or a factor in no result). It follows through
+        a reduced factor, as for a derived partition). It follows through
         ``lower_fn``'s jaxpr the axes along which each value may vary, as
         ``jax.shard_map``'s ``check_vma`` does; where it cannot follow a
         value (loops, grouped collectives) it never refuses, and a mesh
-        axis of size 1 never counts. False turns both off (for code right
-        by a construction the check cannot see).
+        axis of size 1 never counts. ``lower_fn`` is traced as a
+        ``jax.shard_map`` body is, so ``jax.lax.pcast(x, axes,
+        to="varying")`` (``pvary`` before jax 0.8.2) may mark a loop carry;
+        an unmarked one works too, as upstream. Under Explicit axes the op
+        runs as ``jax.shard_map`` with its own ``check_vma``; where that
+        refuses what this check accepts (an unmarked varying carry, a result
+        made equal by ``all_gather``), the op runs with it off, as the
+        custom call would; a result neither check follows (a loop) keeps
+        the refusal. False turns both off (for code right by a
+        construction the checks cannot see).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 

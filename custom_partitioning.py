@@ -2318,11 +2318,13 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
       Explicit axis is checked with it set by ``jax.set_mesh``, so that
       ops take their Explicit-axes path.
-    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype:
-      bfloat16 3e-2, float16 5e-3, float32/complex64 1e-4,
-      float64/complex128 1e-9 for ``rtol``; ``atol`` the same times the
-      reference's largest magnitude (at least 1); integers and booleans
-      exact.
+    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype (as
+      jax types it: bfloat16 and the float8 types are floats): ``rtol``
+      1e-9 for 64-bit floats (complex128's parts too), 1e-4 for 32-bit,
+      5e-3 for float16, 3e-2 for bfloat16, twice the machine epsilon for
+      narrower floats (float8_e4m3fn 0.25, float8_e5m2 0.5); ``atol`` the
+      same times the reference's largest magnitude (at least 1); integers
+      and booleans exact.
     max_combinations: keyword; the bound per mesh (default 32). Raise it,
       or pass ``meshes=``, to check more; the report says how many the
       bound left out.
@@ -2440,11 +2442,11 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
     out_shape = jax.eval_shape(fn, *in_tree.unflatten(hosts))
     rng = np.random.default_rng(0)
 
-    def cotangent(s):
-      if not np.issubdtype(s.dtype, np.inexact):
+    def cotangent(s):  # floats as jax types them (bfloat16, float8 too)
+      if not jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
         return None  # zero (float0), built while tracing
       ct = rng.standard_normal(s.shape)
-      if np.issubdtype(s.dtype, np.complexfloating):
+      if jax.numpy.issubdtype(s.dtype, jax.numpy.complexfloating):
         ct = ct + 1j * rng.standard_normal(s.shape)
       return ct.astype(s.dtype)
     cts = jax.tree_util.tree_map(cotangent, out_shape)
@@ -2604,16 +2606,20 @@ def _compare(got, want, rtol, atol, what: str) -> None:
 
 def _default_tolerance(dtype) -> float:
   """rtol (and atol, relative to the reference's largest magnitude) by
-  dtype: 16-bit floats loosely, 32-bit and 64-bit by their precision,
-  integers and booleans exactly."""
-  dtype = np.dtype(dtype)
-  if dtype.name == "bfloat16":
-    return 3e-2
-  if not np.issubdtype(dtype, np.inexact):
+  dtype, as jax types it (bfloat16 and the float8 types are floats; to
+  numpy they are not ``inexact``): by the precision of the real part, 64
+  bits 1e-9, 32 bits 1e-4, float16 5e-3, bfloat16 3e-2, narrower floats
+  twice their epsilon (float8_e4m3fn 0.25); integers and booleans
+  exactly."""
+  if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
     return 0.0
-  real_size = dtype.itemsize // (2 if np.iscomplexobj(np.zeros((), dtype))
-                                 else 1)
-  return {2: 5e-3, 4: 1e-4, 8: 1e-9}.get(real_size, 1e-4)
+  info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
+  if info.bits >= 32:
+    return 1e-9 if info.bits >= 64 else 1e-4
+  # Summed in another order, a float8 sum rounds otherwise: a correct psum
+  # of random rows was off by up to 2 epsilon of the largest magnitude.
+  return {"float16": 5e-3, "bfloat16": 3e-2}.get(np.dtype(dtype).name,
+                                                  2 * float(info.eps))
 
 
 def _number(value) -> str:

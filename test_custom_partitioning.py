@@ -6757,6 +6757,30 @@ class CheckPartitioningTest(CPTestCase):
         self.w[:, 0], grad=True, meshes=[explicit])
 
 
+  def test_bfloat16_and_float8_are_floats(self):
+    """ml_dtypes' floats (not numpy.inexact): random cotangents, and a
+    tolerance by their precision that a correct psum's order passes."""
+    double = _rule_only(lambda x: x * 2, "i -> i")
+    types = (jnp.bfloat16, jnp.float8_e4m3fn)
+    report = cp.check_partitioning(
+        lambda a, b: (double(a), double(b)), *(_data((8,), t) for t in types),
+        grad=True, meshes=_mesh1d(), max_combinations=3)
+    self.assertEqual(report.checked, 3)  # P() both, then each P('x')
+    self.assertIn("results and gradients equal", str(report))
+    # A psum over the rows' axis, whatever the placement: float8 sums
+    # round with their order.
+    column_sum = _column_sum_op()
+    x = _data((8, 16), jnp.float8_e4m3fn)
+    on_mesh = jax.device_put(x, NamedSharding(_mesh1d(), P()))
+    self.assertFalse(np.array_equal(jax.jit(column_sum)(on_mesh),
+                                    jax.jit(column_sum)(x)))  # one device
+    cp.check_partitioning(column_sum, x, meshes=_mesh1d(), max_combinations=1)
+    # Its precision, not any: a sum twice too large is caught.
+    self.assertRaisesNaming(
+        AssertionError, ["result differs", "rtol=0.25, atol=18)"],
+        cp.check_partitioning, _column_sum_op(scale=2.0), x,
+        meshes=_mesh1d(), max_combinations=1)
+
 both_partitioners(CheckPartitioningTest)
 del CheckPartitioningTest
 

@@ -2850,10 +2850,10 @@ class PartitioningReport:
     text = (f"check_partitioning({self.name}): {self.checked} combinations "
             f"of operand shardings checked, {what} equal to {self.name} on "
             f"one device ({per_mesh}).")
-    if self.cotangent_placements:
-      text += (f" Cotangents also checked in {self.cotangent_placements} "
-               "shardings other than their results' (the operands "
-               "replicated).")
+    n = self.cotangent_placements
+    if n:
+      text += (f" Cotangents also checked in {n} sharding{'s' * (n > 1)} "
+               "other than their results' (the operands replicated).")
     text += (" Placements checked: replicated"
              + "".join(f", {c}" for c in self.placements) + ".")
     if self.replicated_only:

@@ -6576,7 +6576,7 @@ def _global_mean(first_axis_only=False):
   """The mean of a matrix: each shard's mean, psummed over the axes the
   operand is sharded on and divided by their number of shards; an axis
   that does not divide its dimension is not kept (the operand comes whole
-  along it). ``first_axis_only`` divides by the first sharded axis's size
+  along it: padding would enter the mean). ``first_axis_only`` divides by the first sharded axis's size
   only: right while one axis shards the operand."""
   @custom_partitioning
   def mean(x):
@@ -6990,7 +6990,7 @@ class CheckPartitioningTest(CPTestCase):
     report = cp.check_partitioning(_linear(), x, self.w, grad=True,
                                    meshes=mesh, max_combinations=1)
     self.assertEqual(report.cotangent_placements, 1)  # result (8, 3): P('x')
-    self.assertIn("Cotangents also checked in 1 shardings other than their "
+    self.assertIn("Cotangents also checked in 1 sharding other than their "
                   "results' (the operands replicated).", str(report))
 
 

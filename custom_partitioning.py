@@ -2430,17 +2430,32 @@ def _only_subjaxpr(eqn):
 #
 # A wrong ``partition`` (a transformed axis kept sharded, a backward op that
 # forgets a psum) gives plausible numbers, and small tests on one device
-# never run it. The sweep: on each mesh, every operand is replicated or has
-# one dimension sharded over one mesh axis (of more than one device) that
-# divides it. Across operands, all combinations if there are at most
+# never run it. The sweep, on each mesh and over its axes of more than one
+# device (``_shardings_of``): every operand replicated or in one of four
+# classes of placements. One dimension over one axis that divides it;
+# several dimensions, every axis on a dimension of its own that it divides;
+# one dimension over all the axes as a tuple (in mesh order, then
+# reversed), where their product divides it; padded, one dimension over an
+# axis that does not divide it. jax cannot put an array in a padded
+# sharding (``device_put`` refuses): it is placed replicated, then
+# constrained inside ``jit``, as a user's program reaches it, and XLA pads
+# the last shards. Across operands, all combinations if there are at most
 # ``max_combinations``; else, in this order until the bound: all
 # replicated, each operand's shardings with the others replicated (taken
 # round-robin over the operands), "diagonals" (operand i takes its k-th
 # sharding, for every k), then the remaining product in itertools order.
-# Deterministic: no randomness but the cotangents' fixed seed.
+# With ``grad``, each cotangent is placed as its result comes out of the
+# jitted forward; then, the operands replicated, the cotangents take their
+# one-axis shardings, diagonally (``_cotangent_specs``). Deterministic: no
+# randomness but the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
 _DEFAULT_MAX_COMBINATIONS = 32  # per mesh
+_ONE_AXIS = "one dimension over one axis"
+_SEVERAL = "several dimensions over one axis each"
+_TUPLE = "one dimension over a tuple of axes"
+_PADDED = "padded"
+_CLASSES = (_ONE_AXIS, _SEVERAL, _TUPLE, _PADDED)
 
 
 def check_partitioning(fn: Callable, *example_args, grad: bool = False,
@@ -2451,15 +2466,20 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
   whatever sharding its operands arrive in. For an op author's tests.
 
-  On each mesh, every example argument is placed replicated or with one
-  dimension sharded over one mesh axis that divides it, in combinations
-  across arguments (all of them, or at most ``max_combinations`` per mesh,
-  chosen deterministically: all replicated, each argument sharded alone,
-  all sharded at once, then the rest). Each placement is compiled and run
-  (with ``grad``, its VJP too); its results (and, with ``grad``, its
-  gradients) are compared with ``jax.jit(fn)`` on the arguments on
-  ``jax.devices()[0]``, where every custom-partitioned op runs its own
-  ``fun`` and no callback is asked.
+  On each mesh, every example argument is placed replicated or in one of
+  these classes of shardings over the mesh's axes of more than one device:
+  one dimension over one axis that divides it; several dimensions, every
+  axis on a dimension of its own; one dimension over all the axes as a
+  tuple (mesh order and reversed); padded, one dimension over an axis that
+  does not divide it (XLA pads the last shards; not on Explicit axes, where
+  jax types no uneven sharding). Combinations across arguments: all of
+  them, or at most ``max_combinations`` per mesh, chosen deterministically
+  (all replicated, each argument sharded alone, all sharded at once, then
+  the rest). Each placement is compiled and run (with ``grad``, its VJP
+  too); its results (and, with ``grad``, its gradients) are compared with
+  ``jax.jit(fn)`` on the arguments on ``jax.devices()[0]``, where every
+  custom-partitioned op runs its own ``fun`` and no callback is asked.
+  Padding never reaches a global result, so none is compared.
 
   Args:
     fn: a ``custom_partitioning`` op, or any function of arrays built from
@@ -2468,16 +2488,21 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       (``functools.partial`` or a lambda).
     *example_args: arrays (``numpy`` or ``jax``), or pytrees of arrays:
       every leaf is an operand placed in its own shardings. Small shapes
-      keep the check fast; dimensions divisible by the mesh axes' sizes get
-      sharded (with the default meshes on 8 devices: by 2, 4 or 8).
+      keep the check fast. Dimensions divisible by the mesh axes' sizes get
+      sharded evenly (with the default meshes on 8 devices: by 2, 4 or 8),
+      the others padded: a shape with both kinds checks both.
     grad: also compare the vector-Jacobian product of ``fn`` for fixed
       random cotangents (seed 0; zero for non-float results; gradients
       with respect to integer arguments are not compared). Each cotangent
       is placed with the sharding its result has in that combination (as
-      the jitted forward returns it), so backward ops see cotangents
-      sharded as in a real loss. Two compiles per combination (the forward,
-      then the VJP with the placed cotangents as arguments); one without
-      ``grad``.
+      the jitted forward returns it: never padded), so backward ops see
+      cotangents sharded as in a real loss. Two compiles per combination
+      (the forward, then the VJP with the placed cotangents as arguments);
+      one without ``grad``. Then, on each mesh without Explicit axes, the
+      operands replicated, the cotangents take their results' shardings of
+      one dimension over one axis (the k-th of each, for every k): one VJP
+      compile each, for backward ops that go wrong only on cotangents
+      sharded otherwise than their results.
     meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
       mesh ``('x',)`` over all devices and, where the device count has a
       factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
@@ -2485,27 +2510,31 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
       Explicit axis is checked with it set by ``jax.set_mesh``, so that
       ops take their Explicit-axes path.
-    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype:
-      bfloat16 3e-2, float16 5e-3, float32/complex64 1e-4,
-      float64/complex128 1e-9 for ``rtol``; ``atol`` the same times the
-      reference's largest magnitude (at least 1); integers and booleans
-      exact.
+    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype (as
+      jax types it: bfloat16 and the float8 types are floats): ``rtol``
+      1e-9 for 64-bit floats (complex128's parts too), 1e-4 for 32-bit,
+      5e-3 for float16, 3e-2 for bfloat16, twice the machine epsilon for
+      narrower floats (float8_e4m3fn 0.25, float8_e5m2 0.5); ``atol`` the
+      same times the reference's largest magnitude (at least 1); integers
+      and booleans exact.
     max_combinations: keyword; the bound per mesh (default 32). Raise it,
       or pass ``meshes=``, to check more; the report says how many the
       bound left out.
 
   Returns:
     A ``PartitioningReport``; its ``str`` says how many combinations were
-    checked on which meshes, which arguments no mesh axis divides (checked
-    replicated only) and how many combinations the bound left out.
+    checked on which meshes, which classes of placements, and for each
+    argument which classes were not tried and why (no axis divides it, or
+    the bound left them out).
 
   Raises:
     TypeError: ``fn`` is not callable, an example argument (or a leaf of
       one) is not an array, or ``meshes`` holds a non-mesh.
     ValueError: ``max_combinations`` is less than 1, or no example argument.
     AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand shardings (as ``PartitionSpec``s),
-      which result or gradient, and the largest error.
+      function, the mesh, the operand shardings (as ``PartitionSpec``s;
+      and the cotangents' where they are not their results'), which
+      result or gradient, and the largest error.
     Exception: an error raised while compiling or running one placement
       is re-raised with its type (chained to the original), the message
       naming the mesh and operand shardings; one raised by the reference
@@ -2514,42 +2543,36 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   name, arg_names, hosts, in_tree, flat = _checked_examples(
       fn, example_args, max_combinations)
   meshes = _checked_meshes(name, meshes)
-  run = _runner(fn, name, in_tree, hosts, arg_names, grad)
+  run, ct_shapes = _runner(fn, name, in_tree, hosts, arg_names, grad)
   device = jax.devices()[0]
   try:
     want = run([jax.device_put(h, device) for h in hosts])
   except Exception as e:
     raise _renamed(e, f"check_partitioning({name}): on one device "
                       f"({device})") from e
-  per_mesh, checked = [], 0
-  sharded_somewhere = [False] * len(hosts)
+  check = _checker(run, want, name, arg_names, flat, hosts, (rtol, atol))
+  per_mesh, checked, cotangents = [], 0, 0
+  offered, tried = [set() for _ in hosts], [set() for _ in hosts]
   for mesh in meshes:
     options = [_shardings_of(h.shape, mesh) for h in hosts]
-    for i, o in enumerate(options):
-      sharded_somewhere[i] |= len(o) > 1
     combinations = _sharding_combinations(options, max_combinations)
     for specs in combinations:
-      where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
-               f"operand shardings {_specs_text(specs, arg_names, flat)}")
-      placed = [jax.device_put(h, jax.sharding.NamedSharding(
-          mesh, jax.sharding.PartitionSpec(*spec)))
-                for h, spec in zip(hosts, specs)]
-      try:
-        with _set_mesh_scope(mesh):
-          got = run(placed)
-      except Exception as e:
-        raise _renamed(e, where) from e
-      for (what, g), (_, w) in zip(got, want):
-        _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} "
-                 "on one device")
+      check(mesh, specs)
+    for ct_specs in _cotangent_specs(ct_shapes, mesh):
+      check(mesh, [()] * len(hosts), ct_specs)
+      cotangents += 1
+    for i, h in enumerate(hosts):
+      offered[i].update(_placement_class(s, h.shape, mesh)
+                        for s in options[i])
+      tried[i].update(_placement_class(specs[i], h.shape, mesh)
+                      for specs in combinations)
     per_mesh.append((_mesh_text(mesh), len(combinations),
                      math.prod(len(o) for o in options)))
     checked += len(combinations)
-  replicated_only = tuple(
-      f"{arg_name} (shape {h.shape})"
-      for arg_name, h, s in zip(arg_names, hosts, sharded_somewhere) if not s)
-  return PartitioningReport(name, checked, tuple(per_mesh), replicated_only,
-                            bool(grad), max_combinations)
+  return PartitioningReport(
+      name, checked, tuple(per_mesh), grad=bool(grad),
+      max_combinations=max_combinations, cotangent_placements=cotangents,
+      **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
 def _checked_examples(fn, example_args: tuple, max_combinations):
@@ -2593,54 +2616,122 @@ def _checked_meshes(name: str, meshes) -> list:
   return meshes
 
 
+def _checker(run: Callable, want: list, name: str, arg_names: list,
+             flat: bool, hosts: list, tolerances: tuple) -> Callable:
+  """``check(mesh, specs, ct_specs=None)``: runs ``hosts`` placed in
+  ``specs`` on ``mesh`` (and the cotangents in ``ct_specs``, if given) and
+  compares every result with ``want``, raising as ``check_partitioning``
+  says."""
+  def check(mesh, specs, ct_specs=None):
+    where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
+             f"operand shardings {_specs_text(specs, arg_names, flat)}")
+    if ct_specs is not None:
+      where += f" and cotangent shardings {_specs_text(ct_specs, [], True)}"
+    placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
+    try:
+      with _set_mesh_scope(mesh):
+        got = run([x for x, _ in placed], tuple(c for _, c in placed),
+                  ct_specs, mesh)
+    except Exception as e:
+      raise _renamed(e, where) from e
+    for (what, g), (_, w) in zip(got, want):
+      _compare(g, w, *tolerances, f"{where}: {what} differs from {name} on "
+               "one device")
+  return check
+
+
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
-            grad: bool) -> Callable:
-  """``run(leaves) -> [(what, array)]``: every result of the jitted
-  forward and, with ``grad``, every gradient of the jitted VJP for fixed
-  cotangents, placed as the forward's results are: the backward ops see
-  them sharded as in a real program's loss."""
-  def forward(args):
-    return fn(*args)
+            grad: bool) -> tuple[Callable, list]:
+  """``(run, cotangent shapes)``.
+
+  ``run(leaves, constraints=None, ct_specs=None, mesh=None)`` returns
+  ``[(what, array)]``: every result of the jitted forward on the operands
+  ``leaves`` (each constrained inside ``jit`` to its sharding in
+  ``constraints``, where one is given) and, with ``grad``, every gradient
+  of the jitted VJP for fixed cotangents, placed as the forward's results
+  are (so backward ops see them sharded as in a real program's loss) or,
+  given ``ct_specs``, in those on ``mesh``. The shapes: each result's, or
+  None for a result without cotangent (not a float)."""
+  def args_of(leaves, constraints):
+    return in_tree.unflatten(_constrained(leaves, constraints))
+
+  def forward(leaves, constraints):
+    return fn(*args_of(leaves, constraints))
   forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
-  jitted_forward = jax.jit(forward)
-  if grad:
-    out_shape = jax.eval_shape(fn, *in_tree.unflatten(hosts))
-    rng = np.random.default_rng(0)
+  jitted_forward = jax.jit(forward, static_argnums=1)
+  cts = _cotangents(fn, in_tree.unflatten(hosts)) if grad else []
 
-    def cotangent(s):
-      if not np.issubdtype(s.dtype, np.inexact):
-        return None  # zero (float0), built while tracing
-      ct = rng.standard_normal(s.shape)
-      if np.issubdtype(s.dtype, np.complexfloating):
-        ct = ct + 1j * rng.standard_normal(s.shape)
-      return ct.astype(s.dtype)
-    cts = jax.tree_util.tree_map(cotangent, out_shape)
+  def pullback(leaves, cts, constraints, ct_constraints):
+    out, vjp = jax.vjp(fn, *args_of(leaves, constraints))
+    outs, out_tree = jax.tree_util.tree_flatten(out)
+    cts = _constrained(cts, ct_constraints)
+    return vjp(out_tree.unflatten([
+        np.zeros(o.shape, jax.dtypes.float0) if c is None
+        else _typed_like(c, o) for o, c in zip(outs, cts)]))
+  pullback.__name__ = pullback.__qualname__ = (
+      f"check_partitioning_{name}_vjp")
+  jitted_pullback = jax.jit(pullback, static_argnums=(2, 3))
 
-    def pullback(args, cts):
-      out, vjp = jax.vjp(fn, *args)
-      full = jax.tree_util.tree_map(
-          lambda o, c: np.zeros(o.shape, jax.dtypes.float0) if c is None
-          else _typed_like(c, o), out, cts, is_leaf=lambda c: c is None)
-      return vjp(full)
-    pullback.__name__ = pullback.__qualname__ = (
-        f"check_partitioning_{name}_vjp")
-    jitted_pullback = jax.jit(pullback)
-
-  def run(leaves):
-    args = in_tree.unflatten(leaves)
-    out = jitted_forward(args)
+  def run(leaves, constraints=None, ct_specs=None, mesh=None):
+    constraints = constraints or (None,) * len(leaves)
+    out = jitted_forward(leaves, constraints)
     found = [(_path_text(path, "result"), leaf) for path, leaf in
              jax.tree_util.tree_flatten_with_path(out)[0]]
     if grad:
-      placed = jax.tree_util.tree_map(
-          lambda o, c: None if c is None else jax.device_put(c, o.sharding),
-          out, cts, is_leaf=lambda c: c is None)
-      grads = jitted_pullback(args, placed)
+      placed = []
+      for c, o, spec in zip(cts, jax.tree_util.tree_leaves(out),
+                            ct_specs or [None] * len(cts)):
+        if c is None:
+          placed.append((None, None))
+        elif spec is None:  # as its result comes out of the forward
+          placed.append((jax.device_put(c, _arguable(o, mesh)), None))
+        else:
+          placed.append(_placed(c, mesh, spec))
+      grads = jitted_pullback(leaves, [c for c, _ in placed], constraints,
+                              tuple(k for _, k in placed))
       found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
                 in zip(arg_names, jax.tree_util.tree_leaves(grads))
                 if g.dtype != jax.dtypes.float0]
     return [(what, np.asarray(leaf)) for what, leaf in found]
-  return run
+  return run, [None if c is None else c.shape for c in cts]
+
+
+def _cotangents(fn: Callable, args: tuple) -> list:
+  """Fixed random cotangents (seed 0) of ``fn``'s results, flat; None for
+  a result that is not a float (its zero cotangent, float0, is built while
+  tracing). Float as jax types it: bfloat16 and float8 are not
+  ``numpy.inexact``."""
+  rng = np.random.default_rng(0)
+
+  def cotangent(s):
+    if not jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
+      return None
+    ct = rng.standard_normal(s.shape)
+    if jax.numpy.issubdtype(s.dtype, jax.numpy.complexfloating):
+      ct = ct + 1j * rng.standard_normal(s.shape)
+    return ct.astype(s.dtype)
+  return [cotangent(s) for s in
+          jax.tree_util.tree_leaves(jax.eval_shape(fn, *args))]
+
+
+def _constrained(xs: list, shardings) -> list:
+  """``xs`` inside ``jit``, each constrained to its sharding (if not
+  None)."""
+  return [x if s is None else jax.lax.with_sharding_constraint(x, s)
+          for x, s in zip(xs, shardings)]
+
+
+def _placed(host, mesh, spec: tuple) -> tuple:
+  """``(array, constraint)``: ``host`` put on ``mesh`` in ``spec``, and
+  None; for a padded ``spec``, which ``jax.device_put`` refuses, ``host``
+  put replicated and ``spec``'s sharding, to constrain it to inside
+  ``jit``."""
+  sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*spec))
+  if _placement_class(spec, host.shape, mesh) != _PADDED:
+    return jax.device_put(host, sharding), None
+  return jax.device_put(host, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec())), sharding
 
 
 def _default_meshes() -> list:
@@ -2657,14 +2748,58 @@ def _default_meshes() -> list:
 
 
 def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates: replicated, then each dimension sharded over
-  each mesh axis of more than one device that divides it."""
-  out: list[tuple] = [()]
-  for d, n in enumerate(shape):
-    for name in _real_axes(mesh):
-      if n > 0 and n % mesh.shape[name] == 0:
-        out.append((None,) * d + (name,))
-  return out
+  """One operand's candidates, in section 8's order: replicated; one
+  dimension over one axis; several dimensions; a tuple of axes; padded
+  (none on a mesh with an Explicit axis: jax types no uneven sharding).
+  Axes: those of more than one device."""
+  axes, rank = _real_axes(mesh), len(shape)
+
+  def divides(d: int, names: tuple) -> bool:
+    return shape[d] > 0 and shape[d] % math.prod(
+        mesh.shape[a] for a in names) == 0
+
+  def spec(entries: dict) -> tuple:  # {dimension: entry}
+    return tuple(entries.get(d) for d in range(max(entries) + 1))
+  one = [spec({d: a}) for d in range(rank) for a in axes if divides(d, (a,))]
+  several, tuples, padded = [], [], []
+  if len(axes) > 1:
+    several = [spec(dict(zip(dims, axes)))
+               for dims in itertools.permutations(range(rank), len(axes))
+               if all(divides(d, (a,)) for d, a in zip(dims, axes))]
+    tuples = [spec({d: t}) for d in range(rank)
+              for t in (axes, axes[::-1]) if divides(d, t)]
+  if not _any_explicit(mesh):
+    padded = [spec({d: a}) for d in range(rank) for a in axes
+              if shape[d] % mesh.shape[a]]
+  return [()] + one + several + tuples + padded
+
+
+def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
+  """The class of placements (section 8) ``spec`` is in; None: replicated."""
+  entries = [(n, e) for n, e in zip(shape, spec) if e is not None]
+  if not entries:
+    return None
+  if any(n % _shard_count(e, mesh) for n, e in entries):
+    return _PADDED
+  if any(isinstance(e, tuple) for _, e in entries):
+    return _TUPLE
+  return _SEVERAL if len(entries) > 1 else _ONE_AXIS
+
+
+def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
+  """The cotangents' placements besides their results' (with the operands
+  replicated): each takes the k-th of its shardings of one dimension over
+  one axis, for every k (``shapes``: None for a result without cotangent).
+  None on a mesh with an Explicit axis, where a cotangent must have its
+  result's type."""
+  if _any_explicit(mesh):
+    return []
+  options = [[()] if shape is None else [
+      s for s in _shardings_of(shape, mesh)
+      if _placement_class(s, shape, mesh) in (None, _ONE_AXIS)]
+             for shape in shapes]
+  longest = max(map(len, options), default=1)
+  return [tuple(o[k % len(o)] for o in options) for k in range(1, longest)]
 
 
 def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
@@ -2693,6 +2828,53 @@ def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
       break
     add(combination)
   return list(chosen)
+
+
+def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
+              tried: list) -> dict:
+  """The report's ``replicated_only``, ``placements`` and ``untried``, from
+  the classes (``_placement_class``) each operand's sweep ``offered`` and
+  those it ``tried``, over all meshes."""
+  untried = []
+  for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
+    missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
+              for c in _CLASSES if c not in done]
+    if missed and offer != {None}:
+      untried.append(f"on {arg_name} (shape {h.shape}): {', '.join(missed)}")
+  return dict(
+      replicated_only=tuple(f"{arg_name} (shape {h.shape})" for arg_name, h,
+                            offer in zip(arg_names, hosts, offered)
+                            if offer == {None}),
+      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)),
+      untried=tuple(untried))
+
+
+def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
+  """Why no placement of class ``cls`` was tried for an operand of
+  ``shape``: the bound, if some mesh ``offered`` one; else, why none
+  did."""
+  if offered:
+    return "left out by max_combinations"
+  axes = [_real_axes(mesh) for mesh in meshes]
+  if not any(axes):
+    return "no mesh has an axis of more than one device"
+  if cls == _PADDED:
+    explicit = [_any_explicit(m) for m, a in zip(meshes, axes) if a]
+    if all(explicit):
+      return "jax types no uneven sharding on Explicit mesh axes"
+    if any(explicit):
+      return ("jax types no uneven sharding on Explicit mesh axes, and every "
+              "other mesh axis divides each of its dimensions")
+    return "every mesh axis divides each of its dimensions"
+  if cls == _ONE_AXIS:
+    return "no mesh axis divides any of its dimensions"
+  if cls == _SEVERAL and len(shape) < 2:
+    return "it has fewer than two dimensions"
+  if all(len(a) < 2 for a in axes):
+    return "no mesh has two axes of more than one device"
+  if cls == _SEVERAL:
+    return "no mesh's axes each divide a different one of its dimensions"
+  return "no mesh's axes together divide any of its dimensions"
 
 
 def _mesh_text(mesh) -> str:
@@ -2771,16 +2953,20 @@ def _compare(got, want, rtol, atol, what: str) -> None:
 
 def _default_tolerance(dtype) -> float:
   """rtol (and atol, relative to the reference's largest magnitude) by
-  dtype: 16-bit floats loosely, 32-bit and 64-bit by their precision,
-  integers and booleans exactly."""
-  dtype = np.dtype(dtype)
-  if dtype.name == "bfloat16":
-    return 3e-2
-  if not np.issubdtype(dtype, np.inexact):
+  dtype, as jax types it (bfloat16 and the float8 types are floats; to
+  numpy they are not ``inexact``): by the precision of the real part, 64
+  bits 1e-9, 32 bits 1e-4, float16 5e-3, bfloat16 3e-2, narrower floats
+  twice their epsilon (float8_e4m3fn 0.25); integers and booleans
+  exactly."""
+  if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
     return 0.0
-  real_size = dtype.itemsize // (2 if np.iscomplexobj(np.zeros((), dtype))
-                                 else 1)
-  return {2: 5e-3, 4: 1e-4, 8: 1e-9}.get(real_size, 1e-4)
+  info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
+  if info.bits >= 32:
+    return 1e-9 if info.bits >= 64 else 1e-4
+  # Summed in another order, a float8 sum rounds otherwise: a correct psum
+  # of random rows was off by up to 2 epsilon of the largest magnitude.
+  return {"float16": 5e-3, "bfloat16": 3e-2}.get(np.dtype(dtype).name,
+                                                  2 * float(info.eps))
 
 
 def _number(value) -> str:
@@ -2791,7 +2977,7 @@ def _number(value) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PartitioningReport:
-  """What ``check_partitioning`` checked; ``str()`` says it in a sentence.
+  """What ``check_partitioning`` checked; ``str()`` says it in sentences.
 
   Attributes:
     name: the checked function's name.
@@ -2800,10 +2986,19 @@ class PartitioningReport:
     meshes: per mesh, ``(description, checked, total)``: combinations run
       and combinations the sweep has (more than ``checked`` when the bound
       cut it).
-    replicated_only: the example arguments that no mesh axis divides
-      (described with their shapes): checked replicated only.
+    replicated_only: the example arguments (described with their shapes)
+      that no mesh could place but replicated: checked replicated only.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.
+    placements: the classes of placements some argument was checked in
+      (besides replicated), of ``"one dimension over one axis"``,
+      ``"several dimensions over one axis each"``, ``"one dimension over a
+      tuple of axes"`` and ``"padded"``.
+    untried: per argument with classes not checked, a sentence naming them
+      and why (no mesh axis divides it, or ``max_combinations``).
+    cotangent_placements: with ``grad``, how many placements of the
+      cotangents other than as their results were checked (the operands
+      replicated).
   """
   name: str
   checked: int
@@ -2811,6 +3006,9 @@ class PartitioningReport:
   replicated_only: tuple
   grad: bool
   max_combinations: int
+  placements: tuple = ()
+  untried: tuple = ()
+  cotangent_placements: int = 0
 
   def __str__(self) -> str:
     what = "results and gradients" if self.grad else "results"
@@ -2819,9 +3017,17 @@ class PartitioningReport:
     text = (f"check_partitioning({self.name}): {self.checked} combinations "
             f"of operand shardings checked, {what} equal to {self.name} on "
             f"one device ({per_mesh}).")
+    n = self.cotangent_placements
+    if n:
+      text += (f" Cotangents also checked in {n} sharding{'s' * (n > 1)} "
+               "other than their results' (the operands replicated).")
+    text += (" Placements checked: replicated"
+             + "".join(f", {c}" for c in self.placements) + ".")
     if self.replicated_only:
       text += (f" No mesh axis divides {', '.join(self.replicated_only)}: "
                "checked replicated only.")
+    if self.untried:
+      text += f" Not tried {'; '.join(self.untried)}."
     left = sum(total - n for _, n, total in self.meshes)
     if left:
       text += (f" {left} combinations left unchecked (max_combinations="
@@ -4315,6 +4521,13 @@ def _all_explicit(am) -> bool:
       t == jax.sharding.AxisType.Explicit for t in types_)
 
 
+def _any_explicit(mesh) -> bool:
+  """Whether some axis of ``mesh`` is typed Explicit."""
+  # Before jax 0.5.3 (see _axis_types) no axis is Explicit.
+  types_ = _axis_types(mesh)
+  return types_ is not None and jax.sharding.AxisType.Explicit in types_
+
+
 def _abstract_of(mesh):
   return mesh.abstract_mesh
 
@@ -4326,8 +4539,7 @@ def _set_mesh_scope(mesh):
   # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)
-  if setter is None or jax.sharding.AxisType.Explicit not in (
-      _axis_types(mesh) or ()):
+  if setter is None or not _any_explicit(mesh):
     return contextlib.nullcontext()
   return setter(mesh)
 
@@ -4343,6 +4555,22 @@ def _typed_like(x, like):
           _axis_types(_aval_mesh(aval)) or ())):
     return x
   return jax.sharding.reshard(x, aval.sharding.spec)
+
+
+def _arguable(result: jax.Array, mesh) -> jax.sharding.Sharding:
+  """The sharding of a jitted program's ``result`` (on ``mesh``, or one
+  device if None), as ``jax.jit`` takes it for an argument."""
+  # jax 0.4.35 to 0.5.3 under Shardy return a result that XLA shards its
+  # own way (that of a padded operand: rows over 2 of 8 devices, say) with
+  # a GSPMDSharding, which their jit then refuses for an argument; jax
+  # 0.10.2 returns a NamedSharding. Named on the mesh where a
+  # PartitionSpec can say it, else replicated.
+  sharding = result.sharding
+  if mesh is None or not isinstance(sharding, sharding_impls.GSPMDSharding):
+    return sharding
+  spec = _decode_spec(_gspmd_hlo(sharding), mesh, result.ndim)
+  return jax.sharding.NamedSharding(mesh,
+                                    jax.sharding.PartitionSpec(*spec or ()))
 
 
 def _unsharded(aval):

@@ -6794,6 +6794,110 @@ def _scale_keying_on_the_cotangent():
   return scaled
 
 
+def _sharded_axes(entries):
+  """The mesh axes named by PartitionSpec entries, in order."""
+  return tuple(a for e in entries if e is not None
+               for a in (e if isinstance(e, tuple) else (e,)))
+
+
+def _global_mean(first_axis_only=False):
+  """The mean of a matrix: each shard's mean, psummed over the axes the
+  operand is sharded on and divided by their number of shards; an axis
+  that does not divide its dimension is not kept (the operand comes whole
+  along it: padding would enter the mean). ``first_axis_only`` divides by the first sharded axis's size
+  only: right while one axis shards the operand."""
+  @custom_partitioning
+  def mean(x):
+    return jnp.mean(x)
+
+  def partition(mesh, arg_shapes, result_shape):
+    x = arg_shapes[0]
+    spec = [e if e is not None and n % int(np.prod([
+        mesh.shape[a] for a in _sharded_axes([e])])) == 0 else None
+            for n, e in zip(x.shape, _spec(x.sharding, x.ndim))]
+    axes = _sharded_axes(spec)
+    count = int(np.prod([mesh.shape[a] for a in axes[:1 if first_axis_only
+                                                     else None]]))
+
+    def lower_fn(x):
+      return jax.lax.psum(jnp.mean(x), axes) / count if axes else jnp.mean(x)
+    return (mesh, lower_fn, NamedSharding(mesh, P()),
+            (NamedSharding(mesh, P(*spec)),))
+
+  mean.def_partition(
+      partition, sharding_rule="i j -> ",
+      infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()))
+  return mean
+
+
+def _roll_up(keep_padded=True):
+  """``jnp.roll(x, -1, 0)``: each shard passes its first row to the shard
+  before it (a ppermute over the rows' axis). Right on even shards; on
+  padded ones the last real row receives padding. ``keep_padded=False``
+  keeps rows whole where their axis does not divide them."""
+  @custom_partitioning
+  def roll(x):
+    return jnp.roll(x, -1, 0)
+
+  def rows(mesh, x):  # one axis, or none (ppermute orders a tuple its way)
+    axis = _rows_axis(x)
+    if not isinstance(axis, str) or (not keep_padded and
+                                     x.shape[0] % mesh.shape[axis]):
+      return None
+    return axis
+
+  def partition(mesh, arg_shapes, result_shape):
+    axis = rows(mesh, arg_shapes[0])
+    n = mesh.shape[axis] if axis else 1
+
+    def lower_fn(x):
+      if axis is None:
+        return jnp.roll(x, -1, 0)
+      first = jax.lax.ppermute(x[:1], axis, [(i, (i - 1) % n)
+                                             for i in range(n)])
+      return jnp.concatenate([x[1:], first])
+    s = NamedSharding(mesh, P(axis))
+    return mesh, lower_fn, s, (s,)
+
+  roll.def_partition(
+      partition, sharding_rule="i j -> i j",
+      infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+          m, P(rows(m, a[0]))))
+  return roll
+
+
+def _scale_trusting_the_cotangent():
+  """``x * w`` (x (b, n), w (n,)) as a custom_vjp whose backward op shards
+  x and the cotangent by the cotangent's rows but decides the psum of dw by
+  x's: right while the cotangent arrives sharded as its result (x's rows),
+  wrong when x is replicated and the cotangent sharded."""
+  scale = custom_partitioning(lambda x, w: x * w)
+  scale.def_partition(sharding_rule="b n, n -> b n")
+
+  def bwd_body(x, w, ct):
+    return ct * w, jnp.sum(ct * x, 0)
+  scale_bwd = custom_partitioning(bwd_body)
+
+  def partition(mesh, arg_shapes, result_shape):
+    summed = _rows_axis(arg_shapes[0])  # x's
+    rows = NamedSharding(mesh, P(_rows_axis(arg_shapes[2])))  # ct's
+    whole = NamedSharding(mesh, P())
+
+    def lower_fn(x, w, ct):
+      dx, dw = bwd_body(x, w, ct)
+      return dx, jax.lax.psum(dw, summed) if summed else dw
+    return mesh, lower_fn, (rows, whole), (rows, whole, rows)
+  scale_bwd.def_partition(partition, sharding_rule="b n, n, b n -> b n, n",
+                          check_vma=False)
+
+  @jax.custom_vjp
+  def scaled(x, w):
+    return scale(x, w)
+  scaled.defvjp(lambda x, w: (scale(x, w), (x, w)),
+                lambda res, ct: scale_bwd(*res, ct))
+  return scaled
+
+
 class CheckPartitioningTest(CPTestCase):
   """check_partitioning: passes right ops, names what a wrong one got
   wrong. Most tests use the 1-D mesh only: each placement is a compile."""
@@ -6827,13 +6931,19 @@ class CheckPartitioningTest(CPTestCase):
     suite.run(result)
     self.assertEqual((result.testsRun, result.errors, result.failures),
                      (1, [], []))
-    # P(), P('x'), P(None, 'x') on ('x': 8); two more per axis on (2, 4).
+    # P(), P('x'), P(None, 'x') on ('x': 8); on (2, 4): P(), four of one
+    # axis, P('x', 'y'), P('y', 'x'), and both tuples on either dimension.
+    # No axis leaves 8 or 16 padded.
     self.assertEqual(
         str(cp.check_partitioning(_fft_op(), self.z)),
-        "check_partitioning(_batched_fft_op.<locals>.fft): 8 combinations "
+        "check_partitioning(_batched_fft_op.<locals>.fft): 14 combinations "
         "of operand shardings checked, results equal to "
         "_batched_fft_op.<locals>.fft on one device (Mesh('x': 8): 3 of 3; "
-        "Mesh('x': 2, 'y': 4): 5 of 5).")
+        "Mesh('x': 2, 'y': 4): 11 of 11). Placements checked: replicated, "
+        "one dimension over one axis, several dimensions over one axis "
+        "each, one dimension over a tuple of axes. Not tried on argument 0 "
+        "(shape (8, 16)): padded (every mesh axis divides each of its "
+        "dimensions).")
 
   def test_fft_keeping_the_transformed_axis_sharded_fails(self):
     error = self.assertRaisesNaming(
@@ -6847,14 +6957,16 @@ class CheckPartitioningTest(CPTestCase):
     self.assertNotIn("PartitionSpec('x')", str(error))  # rows are right
 
   def test_grad_finds_a_backward_op_missing_a_psum(self):
-    # Forward and backward right: passes. w (4, 3): no axis of 8 divides it.
+    # Forward and backward right: passes. The first two combinations:
+    # P(), P(); then x's rows sharded (padded ones: test_padded_placements).
     report = cp.check_partitioning(_linear(), self.x, self.w, grad=True,
-                                   meshes=_mesh1d())
+                                   meshes=_mesh1d(), max_combinations=2)
     self.assertEqual(report.checked, 2)
     self.assertIn("results and gradients equal to", str(report))
     wrong = _linear(psum=False, check_vma=False)
     # The forward op is right: without grad nothing differs.
-    cp.check_partitioning(wrong, self.x, self.w, meshes=_mesh1d())
+    cp.check_partitioning(wrong, self.x, self.w, meshes=_mesh1d(),
+                          max_combinations=2)
     self.assertRaisesNaming(
         AssertionError,
         ["check_partitioning(_linear.<locals>.linear) on Mesh('x': 8) with "
@@ -6862,7 +6974,7 @@ class CheckPartitioningTest(CPTestCase):
          "with respect to argument 1 differs from _linear.<locals>.linear "
          "on one device: largest error "],
         cp.check_partitioning, wrong, self.x, self.w, grad=True,
-        meshes=_mesh1d())
+        meshes=_mesh1d(), max_combinations=2)
 
   def test_grad_feeds_cotangents_sharded_like_the_results(self):
     # A real loss's cotangent arrives sharded like the result: here x's
@@ -6881,7 +6993,8 @@ class CheckPartitioningTest(CPTestCase):
         ["check_partitioning(_scale_keying_on_the_cotangent.<locals>.scaled) "
          "on Mesh('x': 8) with operand shardings (PartitionSpec('x'), "
          "PartitionSpec()): gradient with respect to argument 1 differs"],
-        cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh)
+        cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh,
+        max_combinations=2)
 
   def test_compile_error_is_reraised_naming_the_combination(self):
     op = _same_sharding_op(jnp.sin)
@@ -6907,20 +7020,33 @@ class CheckPartitioningTest(CPTestCase):
         ["on Mesh('x': 8) with operand shardings (PartitionSpec('x'), "
          "PartitionSpec()): ValueError: ", "psum"],
         cp.check_partitioning, _linear(psum=False), self.x, self.w,
-        grad=True, meshes=_mesh1d())
+        grad=True, meshes=_mesh1d(), max_combinations=2)
     self.assertIsInstance(error.__cause__, ValueError)
 
   def test_an_argument_no_axis_divides_is_checked_replicated(self):
-    op = elementwise_op()
+    op = elementwise_op(rule="i -> i")
 
     def both(a, tree):
-      return op(a), op(tree["b"])
-    b = _data((3, 5))
-    report = cp.check_partitioning(both, self.x, {"b": b}, meshes=_mesh1d())
-    self.assertEqual(report.checked, 2)  # a: P(), P('x'); b: P() only
-    self.assertEqual(report.replicated_only, ("argument 1['b'] (shape (3, 5))",))
-    self.assertIn("No mesh axis divides argument 1['b'] (shape (3, 5)): "
-                  "checked replicated only.", str(report))
+      return op(a), op(tree["b"]) * tree["s"]
+    a, b, scalar = _data((8,)), _data((3,)), np.float32(3.0)
+    report = cp.check_partitioning(both, a, {"b": b, "s": scalar},
+                                   meshes=_mesh1d())
+    # a: P(), P('x'); b: P(), P('x') padded; s: P() only.
+    self.assertEqual(report.checked, 4)
+    self.assertEqual(report.replicated_only, ("argument 1['s'] (shape ())",))
+    self.assertEqual(report.placements, (
+        "one dimension over one axis", "padded"))
+    text = str(report)
+    self.assertIn("No mesh axis divides argument 1['s'] (shape ()): "
+                  "checked replicated only.", text)
+    # Each argument's untried classes, and why: no report reads as complete.
+    self.assertIn(
+        "Not tried on argument 0 (shape (8,)): several dimensions over one "
+        "axis each (it has fewer than two dimensions), one dimension over "
+        "a tuple of axes (no mesh has two axes of more than one device), "
+        "padded (every mesh axis divides each of its dimensions); on "
+        "argument 1['b'] (shape (3,)): one dimension over one axis (no mesh "
+        "axis divides any of its dimensions), several", text)
     # Pytree leaves are named by their paths; so is a result.
     bad_fft = _fft_keeping_all_sharded()
     self.assertRaisesNaming(
@@ -6928,7 +7054,7 @@ class CheckPartitioningTest(CPTestCase):
         ["with operand shardings {argument 0: PartitionSpec(), argument "
          "1['b']: PartitionSpec(None, 'x')}: result [1] differs"],
         cp.check_partitioning, lambda a, tree: (op(a), bad_fft(tree["b"])),
-        self.x, {"b": self.z}, meshes=_mesh1d())
+        a, {"b": self.z}, meshes=_mesh1d())
 
   def test_bound_and_order_are_deterministic(self):
     a, b, c = ([(), ("x",), (None, "x")], [(), ("y",)],
@@ -6945,9 +7071,13 @@ class CheckPartitioningTest(CPTestCase):
                                    max_combinations=1)
     self.assertIsInstance(report, cp.PartitioningReport)
     self.assertEqual(report.checked, 1)
-    self.assertIn("Mesh('x': 8): 1 of 3). 2 combinations left unchecked "
-                  "(max_combinations=1 per mesh): raise max_combinations, "
-                  "or pass meshes=, to check them.", str(report))
+    self.assertEqual(report.placements, ())
+    self.assertIn("Mesh('x': 8): 1 of 3). Placements checked: replicated. "
+                  "Not tried on argument 0 (shape (8, 16)): one dimension "
+                  "over one axis (left out by max_combinations), ", str(report))
+    self.assertIn(" 2 combinations left unchecked (max_combinations=1 per "
+                  "mesh): raise max_combinations, or pass meshes=, to check "
+                  "them.", str(report))
 
   def test_type_errors_name_the_culprit(self):
     fft = _fft_op()
@@ -6977,6 +7107,10 @@ class CheckPartitioningTest(CPTestCase):
     self.assertIn("results and gradients equal to _batched_fft_op.<locals>."
                   "fft on one device (Mesh('x': 8, axis_types=(Explicit,)): "
                   "3 of 3)", str(report))
+    # A cotangent takes its result's type there: none placed otherwise.
+    self.assertEqual(report.cotangent_placements, 0)
+    self.assertIn("padded (jax types no uneven sharding on Explicit mesh "
+                  "axes)", str(report))
     self.assertRaisesNaming(
         AssertionError, ["Mesh('x': 8, axis_types=(Explicit,)) with operand "
                          "shardings (PartitionSpec(None, 'x'),)"],
@@ -6990,6 +7124,109 @@ class CheckPartitioningTest(CPTestCase):
                          "gradient with respect to argument 1 differs"],
         cp.check_partitioning, _scale_keying_on_the_cotangent(), self.x,
         self.w[:, 0], grad=True, meshes=[explicit])
+
+  def test_bfloat16_and_float8_are_floats(self):
+    """ml_dtypes' floats (not numpy.inexact): random cotangents, and a
+    tolerance by their precision that a correct psum's order passes."""
+    double = _rule_only(lambda x: x * 2, "i -> i")
+    types = (jnp.bfloat16, jnp.float8_e4m3fn)
+    report = cp.check_partitioning(
+        lambda a, b: (double(a), double(b)), *(_data((8,), t) for t in types),
+        grad=True, meshes=_mesh1d(), max_combinations=3)
+    self.assertEqual(report.checked, 3)  # P() both, then each P('x')
+    self.assertIn("results and gradients equal", str(report))
+    # A psum over the rows' axis, whatever the placement: float8 sums
+    # round with their order.
+    column_sum = _column_sum_op()
+    x = _data((8, 16), jnp.float8_e4m3fn)
+    on_mesh = jax.device_put(x, NamedSharding(_mesh1d(), P()))
+    self.assertFalse(np.array_equal(jax.jit(column_sum)(on_mesh),
+                                    jax.jit(column_sum)(x)))  # one device
+    cp.check_partitioning(column_sum, x, meshes=_mesh1d(), max_combinations=1)
+    # Its precision, not any: a sum twice too large is caught.
+    self.assertRaisesNaming(
+        AssertionError, ["result differs", "rtol=0.25, atol=18)"],
+        cp.check_partitioning, _column_sum_op(scale=2.0), x,
+        meshes=_mesh1d(), max_combinations=1)
+
+  def test_two_axes_and_tuples_of_axes(self):
+    """One operand on both axes of the 2-D mesh, and one dimension over
+    both: a mean that divides by one axis's size is caught there."""
+    mesh = CPTestCase.mesh((2, 4), ("x", "y"))
+    x = _data((10, 8))
+    # 10 rows: 'x' divides them, 'y' pads them; 8 columns: both divide.
+    report = cp.check_partitioning(_global_mean(), x, meshes=mesh)
+    self.assertEqual(report.placements, (
+        "one dimension over one axis", "several dimensions over one axis "
+        "each", "one dimension over a tuple of axes", "padded"))
+    self.assertEqual((report.checked, report.untried), (8, ()))
+    self.assertEqual(str(report), (
+        "check_partitioning(_global_mean.<locals>.mean): 8 combinations of "
+        "operand shardings checked, results equal to _global_mean.<locals>."
+        "mean on one device (Mesh('x': 2, 'y': 4): 8 of 8). Placements "
+        "checked: replicated, one dimension over one axis, several "
+        "dimensions over one axis each, one dimension over a tuple of axes, "
+        "padded."))
+    wrong = _global_mean(first_axis_only=True)
+    self.assertRaisesNaming(
+        AssertionError,
+        ["check_partitioning(_global_mean.<locals>.mean) on Mesh('x': 2, "
+         "'y': 4) with operand shardings (PartitionSpec('x', 'y'),): the "
+         "result differs"],
+        cp.check_partitioning, wrong, x, meshes=mesh)
+    # Right as long as one axis shards it: a tuple of both is caught too
+    # (3 columns: no two dimensions for the two axes).
+    self.assertRaisesNaming(
+        AssertionError, ["with operand shardings (PartitionSpec(('x', "
+                         "'y')),): the result differs"],
+        cp.check_partitioning, wrong, _data((8, 3)), meshes=mesh)
+
+  def test_padded_placements(self):
+    """A dimension over an axis that does not divide it (10 rows over 8
+    devices): placed by a constraint inside jit, as XLA pads it. A roll
+    that sends padding into the last real row is caught; right ops pass,
+    and padding never reaches the compared results."""
+    x = _data((10, 4))
+    self.assertRaisesNaming(
+        AssertionError,
+        ["check_partitioning(_roll_up.<locals>.roll) on Mesh('x': 8) with "
+         "operand shardings (PartitionSpec('x'),): the result differs from "
+         "_roll_up.<locals>.roll on one device: largest error ",
+         "at index (9, "],
+        cp.check_partitioning, _roll_up(), x, meshes=_mesh1d())
+    report = cp.check_partitioning(_roll_up(keep_padded=False), x,
+                                   meshes=_mesh1d())
+    self.assertEqual((report.checked, report.placements), (3, ("padded",)))
+    report = cp.check_partitioning(elementwise_op(), x, grad=True,
+                                   meshes=_mesh1d())
+    self.assertEqual(report.checked, 3)  # P(), either dimension padded
+    self.assertIn("results and gradients equal", str(report))
+
+  def test_cotangents_sharded_otherwise_than_their_results(self):
+    # In a real program: x replicated, its result's cotangent sharded.
+    scaled = _scale_trusting_the_cotangent()
+    x, w = _data((8, 4)), _data((4,))
+    mesh = _mesh1d()
+    rows = NamedSharding(mesh, P("x"))
+    loss = lambda x, w: jnp.sum(jax.lax.with_sharding_constraint(
+        scaled(x, w), rows) ** 2)
+    whole = NamedSharding(mesh, P())
+    dw = jax.jit(jax.grad(loss, 1))(jax.device_put(x, whole),
+                                    jax.device_put(w, whole))
+    self.assertGreater(np.abs(np.asarray(dw) - 2 * (x * w * x).sum(0)).max(),
+                       1e-3)  # the bug is real
+    self.assertRaisesNaming(
+        AssertionError,
+        ["on Mesh('x': 8) with operand shardings (PartitionSpec(), "
+         "PartitionSpec()) and cotangent shardings (PartitionSpec('x'),): "
+         "gradient with respect to argument 1 differs"],
+        cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh,
+        max_combinations=1)
+    report = cp.check_partitioning(_linear(), x, self.w, grad=True,
+                                   meshes=mesh, max_combinations=1)
+    self.assertEqual(report.cotangent_placements, 1)  # result (8, 3): P('x')
+    self.assertIn("Cotangents also checked in 1 sharding other than their "
+                  "results' (the operands replicated).", str(report))
 
 
 both_partitioners(CheckPartitioningTest)

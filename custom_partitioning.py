@@ -312,18 +312,22 @@ class custom_partitioning:
         padding that would enter a reduction (a dimension the rule reduces:
         a reduced factor, as for a derived partition). It follows through
         ``lower_fn``'s jaxpr the axes along which each value may vary, as
-        ``jax.shard_map``'s ``check_vma`` does; where it cannot follow a
-        value (loops, grouped collectives) it never refuses, and a mesh
-        axis of size 1 never counts. ``lower_fn`` is traced as a
+        ``jax.shard_map``'s ``check_vma`` does (loop carries to a fixed
+        point, as it types them); where it cannot follow a value (grouped
+        collectives, unknown primitives with subprograms) it never refuses,
+        and a mesh axis of size 1 never counts. ``lower_fn`` is traced as a
         ``jax.shard_map`` body is, so ``jax.lax.pcast(x, axes,
         to="varying")`` (``pvary`` before jax 0.8.2) may mark a loop carry;
         an unmarked one works too, as upstream. Under Explicit axes the op
         runs as ``jax.shard_map`` with its own ``check_vma``; where that
-        refuses what this check accepts (an unmarked varying carry, a result
+        refuses what this check proved (an unmarked varying carry, a result
         made equal by ``all_gather``), the op runs with it off, as the
-        custom call would; a result neither check follows (a loop) keeps
-        the refusal. False turns both off (for code right by a
-        construction the checks cannot see).
+        custom call would; else its refusal stands. A reduction that a
+        derived op's transposition makes (the gradient of a broadcast)
+        never sees XLA's padding: cotangents are zeroed past the end.
+        False turns the checks off (for code right by a construction the
+        checks cannot see, such as a ring all-reduce whose result is
+        declared replicated).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -789,11 +793,11 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
 
 def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
   """Runs (traces) the program, and where shard_map's types refuse what
-  the custom call would run (``lower_fn`` traced untyped), its untyped
-  twin: a loop carry that a collective makes varying, left unmarked
-  (TypeError), or a result the module's check proved replicated (by an
-  all_gather, say) that shard_map's cannot (ValueError). A result that
-  neither check follows (a loop) keeps shard_map's refusal."""
+  the module's own check proved (every result replicated where its
+  sharding says), its untyped twin, as the custom call would run it: a
+  loop carry that a collective makes varying, left unmarked (TypeError),
+  or a result made equal by an all_gather (ValueError). Where the check
+  did not prove it, shard_map's refusal stands."""
   prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
             "of its lower_fn under Explicit mesh axes: ")
   try:
@@ -801,7 +805,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
       return program.run(*flat.leaves)
   except (TypeError, ValueError) as e:
     if (program.untyped is None or type(e) not in (TypeError, ValueError)
-        or type(e) is ValueError and not program.proven):
+        or not program.proven):
       raise
     why = e.__cause__ or e
   with _naming(prefix):
@@ -872,16 +876,21 @@ class _Program(NamedTuple):
 
 
 def _shard_map_advice(error: Exception) -> str:
-  """The way out of an error of the shard_map program, where one fits: for
-  its check that results are replicated as their out specs say (whose own
-  advice names jax.shard_map's argument, not the op's)."""
-  if "out_specs" not in str(error):
-    return ""
-  return (" (here: shard_map's check_vma cannot prove a result replicated "
-          "over an axis its sharding leaves out; reduce it over that axis "
-          "(jax.lax.psum, pmax, all_gather), or, if lower_fn makes it equal "
-          "on every device in a way jax does not follow, pass "
-          "check_vma=False to def_partition)")
+  """The way out of an error of the shard_map program, where one fits (jax's
+  own advice names jax.shard_map's argument, not the op's): for its check
+  that results are replicated as their out specs say, and for its typing
+  of loop carries."""
+  if type(error) is ValueError and "out_specs" in str(error):
+    return (" (here: shard_map's check_vma cannot prove a result replicated "
+            "over an axis its sharding leaves out; reduce it over that axis "
+            "(jax.lax.psum, pmax, all_gather), or, if lower_fn makes it "
+            "equal on every device in a way jax does not follow, pass "
+            "check_vma=False to def_partition)")
+  if type(error) is TypeError and "carry" in str(error):
+    return (" (here: shard_map's check_vma types loop carries: one that a "
+            f"collective makes varying needs {_VARYING_CAST} on its initial "
+            "value; or pass check_vma=False to def_partition)")
+  return ""
 
 
 def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
@@ -2166,7 +2175,11 @@ class _Vjp(_Step):
 
     def vjp_fn(*xs):
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
+      # The transposition reduces where the forward broadcast (a primal
+      # without a dimension of the result): padding must add nothing.
+      cts = [_without_padding(ct, v, answer.on) for ct, v in zip(
+          xs[n:], below.results)]
+      cts = [ct if r == 1 else ct / r for ct, r in zip(cts, scales)]
       _, pullback = jax.vjp(partial_fn, *chosen)
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(pullback(cts), psum_axes)]
@@ -2258,6 +2271,21 @@ def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
                       a not in value.varying)
 
 
+def _without_padding(x, v: _Value, on):
+  """``x``, a shard of ``v``, zero past ``v``'s end along each dimension
+  the mesh does not divide (XLA pads the last shards with unspecified
+  values)."""
+  if v.spec is None or x.dtype == jax.dtypes.float0:
+    return x
+  for d, entry in enumerate(v.spec):
+    if v.shape[d] % _shard_count(entry, on) == 0:
+      continue
+    start = jax.lax.axis_index(_entry_axes(entry)) * x.shape[d]
+    keep = start + jax.lax.broadcasted_iota(np.int32, x.shape, d) < v.shape[d]
+    x = jax.lax.select(keep, x, jax.lax.full_like(x, 0))
+  return x
+
+
 def _masked(fn: Callable, primals, mask):
   """``fn`` as a function of the primals marked in ``mask`` alone."""
   def partial_fn(*chosen):
@@ -2298,9 +2326,10 @@ def _rule_attr(rule, levels: list):
 #    devices may hold different values) are followed through the jaxpr, as
 #    shard_map's check_vma does: operands vary over the axes they are sharded
 #    on, ``axis_index`` and the scattering collectives add their axes,
-#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs. Where a
-#    primitive's effect is unknown (loops, grouped collectives) the answer
-#    is "unknown", and unknown never raises. Size-1 mesh axes never count:
+#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs, loop carries
+#    take the union over the iterations. Where a primitive's effect is
+#    unknown (grouped collectives, other primitives with subprograms) the
+#    answer is "unknown", and unknown never raises. Size-1 axes never count:
 #    along them there is one device, so nothing can differ.
 # --------------------------------------------------------------------------
 
@@ -2400,14 +2429,45 @@ def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
       branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
       outs = [None if ins[0] is None or None in per_out
               else ins[0].union(*per_out) for per_out in zip(*branches)]
+    elif name in ("scan", "while"):
+      outs = _loop_varying(eqn, ins)
     elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
         eqn.params)):
       sub = _only_subjaxpr(eqn)
       outs = (_varying(sub, ins) if sub is not None
-              else [None] * len(eqn.outvars))  # loops: not followed
+              else [None] * len(eqn.outvars))
     for v, out in zip(eqn.outvars, outs):
       env[v] = out
   return [read(v) for v in jaxpr.outvars]
+
+
+def _loop_varying(eqn, ins: list) -> list:
+  """``_varying`` of a ``scan`` or ``while`` equation: each carry varies
+  over what it starts with and whatever any iteration adds (iterated to a
+  fixed point: the sets only grow), and a while loop's carries over what
+  its predicate varies over too (devices may stop after different counts).
+  A carry that becomes varying only on a later iteration (a ppermute of a
+  shard into it) is followed, as shard_map's check_vma types it."""
+  def union(*sets):
+    return None if None in sets else frozenset().union(*sets)
+  p = eqn.params
+  if eqn.primitive.name == "scan":
+    n, k = p["num_consts"], p["num_carry"]
+    body, consts, carry, xs = p["jaxpr"].jaxpr, ins[:n], ins[n:n + k], ins[
+        n + k:]
+    cond, cond_consts = None, []
+  else:
+    n, m = p["cond_nconsts"], p["body_nconsts"]
+    body, consts, carry, xs = p["body_jaxpr"].jaxpr, ins[n:n + m], ins[
+        n + m:], []
+    cond, cond_consts, k = p["cond_jaxpr"].jaxpr, ins[:n], len(carry)
+  while True:
+    outs = _varying(body, consts + carry + xs)
+    stop = [] if cond is None else _varying(cond, cond_consts + carry)
+    new = [union(c, o, *stop) for c, o in zip(carry, outs[:k])]
+    if new == carry:
+      return new + outs[k:]
+    carry = new
 
 
 def _only_subjaxpr(eqn):
@@ -4455,6 +4515,9 @@ def _manual_scope(mesh):
 
 # jax 0.6.0 added jax.lax.pvary, the cast to varying types; 0.8.2 added
 # jax.lax.pcast(x, axes, to="varying") for it, and 0.10.0 removed pvary.
+# Advice names the one this jax has.
+_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
+                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
 _VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
 
 

@@ -4701,6 +4701,80 @@ class PromisesTest(CPTestCase):
         self.assertCollectives(self.hlo(f, x), present=("all-gather",))
 
 
+  def test_a_gradient_reduces_no_padding(self):
+    """Found by a breaker: the gradient of a broadcast sums the cotangent
+    over the broadcast dimension; over a padded one (10 rows over 4
+    devices) XLA's padding entered the sum (12 instead of 10)."""
+    m = self.mesh((4,), ("x",))
+    rows = NamedSharding(m, P("x"))
+
+    def plus(x, s):
+      return x + s
+    ops = {"rule-only": _rule_only(plus, "i, -> i"),
+           "partition": custom_partitioning(plus)}
+    ops["partition"].def_partition(
+        lambda m_, a, r: (m_, plus, NamedSharding(m_, P("x")),
+                          (NamedSharding(m_, P("x")), NamedSharding(m_, P()))),
+        sharding_rule="i, -> i")
+    mean_op = _rule_only(lambda x, b: x + jnp.mean(b), "i j, k -> i j")
+    for label, op in ops.items():
+      with self.subTest(op=label):
+        g = jax.jit(jax.grad(lambda x, s: op(
+            jax.lax.with_sharding_constraint(x, rows), s).sum(), 1))(
+                np.zeros(10, np.float32), np.float32(1))
+        np.testing.assert_allclose(g, 10.0)
+    xh, bh = _data((10, 6)), _data((6,))
+    g = jax.jit(jax.grad(lambda x, b: mean_op(
+        jax.lax.with_sharding_constraint(x, rows), b).sum(), 1))(xh, bh)
+    np.testing.assert_allclose(g, np.full(6, 60 / 6), rtol=1e-5)  # 60 / 6
+
+  def test_loop_carries_are_followed(self):
+    """Found by a breaker: a carry that varies only from a loop's second
+    iteration, or an unmarked one, hid a missing psum from the check (a
+    scan's body was followed once; under Explicit axes the op then ran
+    untyped): refused on Auto and Explicit axes. A correct ring all-reduce
+    declared replicated is refused as shard_map refuses it; check_vma=False
+    runs it."""
+    def swap(x):  # the carry (z, z) becomes (z, local) then (local, ...)
+      local = x.sum(0)
+      z = jnp.zeros(local.shape, local.dtype)
+      return jax.lax.fori_loop(0, 2, lambda i, c: (c[1], c[0] + local),
+                               (z, z))[0]
+
+    def while_sum(x):
+      local = x.sum(0)
+      return jax.lax.while_loop(
+          lambda c: c[0] < 1, lambda c: (c[0] + 1, c[1] + local),
+          (0, jnp.zeros(local.shape, local.dtype)))[1]
+
+    def ring_sum(x):
+      perm = [(i, (i + 1) % 8) for i in range(8)]
+      local = x.sum(0)
+      return jax.lax.fori_loop(0, 8, lambda i, c: (
+          c[0] + c[1], jax.lax.ppermute(c[1], "x", perm)),
+          (jnp.zeros_like(local), local))[0]
+    xh = _data((16, 4))
+    for label, m, ctx in self.meshes():
+      for lower_fn in (swap, while_sum, ring_sum):
+        for check_vma in (True, False):
+          op = custom_partitioning(lambda x: x.sum(0))
+          op.def_partition(
+              lambda m_, a, r, f=lower_fn: (
+                  m_, f, NamedSharding(m_, P()),
+                  (NamedSharding(m_, P("x")),)),
+              sharding_rule="i j -> j", check_vma=check_vma)
+          with self.subTest(mesh=label, lower_fn=lower_fn.__name__,
+                            check_vma=check_vma), ctx():
+            x = jax.device_put(xh, NamedSharding(m, P("x")))
+            if check_vma:
+              self.assertRaisesNaming(
+                  ValueError, ["result 0", "replicated", "'x'"],
+                  jax.jit(op), x)
+            elif lower_fn is ring_sum:
+              np.testing.assert_allclose(jax.jit(op)(x), xh.sum(0),
+                                         rtol=1e-5)
+
+
 both_partitioners(PromisesTest)
 del PromisesTest
 

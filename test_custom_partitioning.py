@@ -4343,6 +4343,18 @@ class RuleOnlyTest(CPTestCase):
     v = jax.device_put(yh[0], NamedSharding(m, P("x")))
     np.testing.assert_allclose(jax.jit(outer)(u, v), np.outer(xh[0], yh[0]),
                                rtol=1e-6)
+    # Results that bring b on one of the two axes do not decide it: the
+    # operands conflict, so b stays replicated and each shard adds whole
+    # arrays (found by a breaker: the results decided, b on 'x').
+    seen = []
+
+    def add_seen(a, b):
+      seen.append(a.shape)
+      return a + b
+    f = jax.jit(_rule_only(add_seen, "b n, b n -> b n"),
+                out_shardings=NamedSharding(m, P("x")))
+    np.testing.assert_allclose(f(x, y), xh + yh, rtol=1e-6)
+    self.assertEqual(set(seen), {(8, 8)})
 
   def test_derived_shardings(self):
     """_rule_specs, the partition's shardings, on the cases it decides."""
@@ -4370,6 +4382,20 @@ class RuleOnlyTest(CPTestCase):
     # n is in result 0 but reduced for result 1 (found by a breaker).
     self.assertEqual(specs("b n -> b n, b", [s, s, (8,)], [("x", "y")]),
                      ([("x", None)], [("x", None), ("x",)]))
+    # The operands' axes win over those the results bring (found by a
+    # breaker: the results' overrode them).
+    self.assertEqual(specs("i j -> i j", [s, s], [("x", None)], [("y", None)]),
+                     ([("x", None)], [("x", None)]))
+    self.assertEqual(specs("i j -> i j", [s, s], [(None, "x")], [("y", "x")]),
+                     ([("y", "x")], [("y", "x")]))  # the results fill i in
+    # Operands that conflict leave i replicated, whatever the results bring
+    # (found by a breaker: the results decided).
+    self.assertEqual(specs("i j, i j -> i j", [s] * 3,
+                           [("x", None), ("y", None)], [("x", None)]),
+                     ([(None, None)] * 2, [(None, None)]))
+    # A result with no factor (a scalar) is reduced over every factor.
+    self.assertEqual(specs("i j -> ", [s, ()], [("x", "y")], [()]),
+                     ([(None, None)], [()]))
 
   def test_a_rule_of_the_wrong_arity_names_the_op(self):
     """Found by a breaker: under GSPMD the rule's error reached the user
@@ -4391,6 +4417,45 @@ class RuleOnlyTest(CPTestCase):
       doubled, top = run(x)
       np.testing.assert_allclose(doubled, xh * 2, rtol=1e-6)
       np.testing.assert_allclose(top, xh.max(-1), rtol=1e-6)
+
+  def test_the_operands_axes_win_over_the_results(self):
+    """x arrives on 'x', ``out_shardings`` asks for 'y': the rule keeps
+    'x' for the operand and the result (slicing needs no communication;
+    the result is resharded after the op). Found by a breaker: the
+    results' 'y' overrode the operand's 'x'."""
+    seen = []
+
+    def doubled(x):
+      seen.append(x.shape)
+      return x * 2.0
+    m = self.mesh((2, 4), ("x", "y"))
+    xh = _data((8, 8))
+    x = jax.device_put(xh, NamedSharding(m, P("x")))
+    out = jax.jit(_rule_only(doubled, "i j -> i j"),
+                  out_shardings=NamedSharding(m, P("y")))(x)
+    np.testing.assert_allclose(out, xh * 2, rtol=1e-6)
+    self.assertEqual(_spec(out.sharding, 2), ("y", None))
+    # Each shard ran fun on rows split over 'x' (8 / 2), none over 'y'.
+    self.assertIn((4, 8), seen)
+    self.assertNotIn((2, 8), seen)
+
+  def test_a_scalar_result_reduces_every_factor(self):
+    """``jnp.sum`` with ``"i j -> "``: the result has no factor, so it is
+    reduced over i and j and x arrives whole on each shard (found by a
+    breaker: i stayed on 'x', and each shard's partial sum was returned as
+    the replicated total; check_vma=False let it through)."""
+    seen = []
+
+    def total(x):
+      seen.append(x.shape)
+      return jnp.sum(x)
+    xh = _data((16, 8))
+    x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+    for check_vma in (True, False):
+      with self.subTest(check_vma=check_vma):
+        op = _rule_only(total, "i j -> ", check_vma=check_vma)
+        np.testing.assert_allclose(jax.jit(op)(x), xh.sum(), rtol=1e-5)
+    self.assertEqual(set(seen), {(16, 8)})
 
   def test_static_args_defaults_and_callable_rule(self):
     def scaled(k, x, offset=1.0, scale=1.0):

@@ -6631,6 +6631,26 @@ def _scale_keying_on_the_cotangent():
   return scaled
 
 
+def _row_sum_psumming_columns():
+  """``z.sum(1)``, partitioned as its operand arrives: each shard sums its
+  columns, then a psum over the columns' axis adds the partial sums (right,
+  but rounded otherwise than one device's sum)."""
+  op = custom_partitioning(_row_sum)
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows, cols = _spec(arg_shapes[0].sharding, 2)
+
+    def lower_fn(z):
+      return jax.lax.psum(z.sum(1), cols) if cols else z.sum(1)
+    return (mesh, lower_fn, NamedSharding(mesh, P(rows)),
+            (NamedSharding(mesh, P(rows, cols)),))
+
+  op.def_partition(partition, sharding_rule="i j -> i",
+                   infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+                       m, P(_rows_axis(a[0]))))
+  return op
+
+
 class CheckPartitioningTest(CPTestCase):
   """check_partitioning: passes right ops, names what a wrong one got
   wrong. Most tests use the 1-D mesh only: each placement is a compile."""
@@ -6759,6 +6779,51 @@ class CheckPartitioningTest(CPTestCase):
          "1['b']: PartitionSpec(None, 'x')}: result [1] differs"],
         cp.check_partitioning, lambda a, tree: (op(a), bad_fft(tree["b"])),
         self.x, {"b": self.z}, meshes=_mesh1d())
+
+  def test_replicated_only_means_on_every_mesh(self):
+    """w (4, 3): sharded on the (2, 4) mesh (rows over 'x' or 'y'), not on
+    the 1-D mesh of 8. Found by a breaker: the last mesh alone decided, and
+    w was reported "checked replicated only"."""
+    op = elementwise_op()
+    report = cp.check_partitioning(
+        op, self.w, meshes=[self.mesh((2, 4), ("x", "y")), _mesh1d()])
+    self.assertEqual(report.replicated_only, ())
+    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (1, 1)])
+    self.assertNotIn("No mesh axis divides", str(report))
+
+  def test_size_1_axes_are_not_swept(self):
+    """On a (8, 1) mesh, sharding over 'y' is replicated: x (8, 4) is
+    checked P() and P('x') only (found by a breaker: P('y') and
+    P(None, 'y') were compiled too)."""
+    m = self.mesh((8, 1), ("x", "y"))
+    self.assertEqual(cp._shardings_of((8, 4), m), [(), ("x",)])
+    report = cp.check_partitioning(elementwise_op(), self.x, meshes=m)
+    self.assertEqual((report.checked, report.meshes),
+                     (2, (("Mesh('x': 8, 'y': 1)", 2, 2),)))
+
+  def test_default_tolerances_by_dtype(self):
+    """A complex dtype is as precise as its real part (found by a breaker:
+    complex64 got float64's 1e-9)."""
+    for dtype, tol in ((np.float16, 5e-3), (np.float32, 1e-4),
+                       (np.float64, 1e-9), (np.complex64, 1e-4),
+                       (np.complex128, 1e-9), (np.int32, 0.0),
+                       (np.int8, 0.0), (np.bool_, 0.0)):
+      with self.subTest(dtype=dtype):
+        self.assertEqual(cp._default_tolerance(dtype), tol)
+
+  def test_complex64_rounding_passes_the_default_tolerance(self):
+    """A right complex64 row sum whose shards add partial sums (psum)
+    rounds otherwise than one device: within complex64's default
+    tolerance, and not equal (else the check could not fail)."""
+    op = _row_sum_psumming_columns()
+    z = (_data((8, 64)) + 1j * _data((8, 64))[::-1]).astype(np.complex64)
+    report = cp.check_partitioning(op, z)
+    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (5, 5)])
+    cols = NamedSharding(_mesh1d(), P(None, "x"))
+    got = np.asarray(jax.jit(op)(jax.device_put(z, cols)))
+    want = np.asarray(jax.jit(op)(jax.device_put(z, jax.devices()[0])))
+    self.assertFalse(np.array_equal(got, want))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
 
   def test_bound_and_order_are_deterministic(self):
     a, b, c = ([(), ("x",), (None, "x")], [(), ("y",)],

@@ -850,6 +850,24 @@ class StaticArgsTest(CPTestCase):
     self.assertTrue(calls)
     self.assertEqual(set(calls), {("ab", 3.0), ("abc", 2.0)}, calls)
 
+  def test_an_int_static_argnums_eagerly(self):
+    """``static_argnums=0``, an int as upstream allows: an eager call
+    passes k to partition (found by a breaker: the eager fast path took
+    the int 0 for "no static argument"; the suite passed only tuples)."""
+    calls = []
+    op = custom_partitioning(lambda k, x: x * k, static_argnums=0)
+
+    def partition(k, mesh, arg_shapes, result_shape):
+      calls.append(k)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * k, s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda k, m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    np.testing.assert_allclose(op(3.0, self.x), self.xh * 3, rtol=1e-6)
+    self.assertEqual(calls, [3.0])
+
   def test_unhashable_static_jit(self):
     op = custom_partitioning(lambda cfg, x: x * cfg["a"] + cfg["b"][0],
                              static_argnums=(0,))
@@ -4589,6 +4607,7 @@ class DebugLogTest(CPTestCase):
     self.assertEqual(len(records), 2, cm.output)
     self.assertEqual([r.custom_partitioning["cached"] for r in records],
                      [False, True])
+    self.assertEqual(records[0].custom_partitioning["mesh"], {"x": 8})
     text = records[0].getMessage()
     for fragment in ("twice", "{'x': 8}", "PartitionSpec('x', None)",
                      "Shardy" if self.shardy else "GSPMD",
@@ -4602,6 +4621,7 @@ class DebugLogTest(CPTestCase):
       jax.jit(op)(_data((4, 4)))
     (record,) = self.records(cm, op="twice")
     self.assertEqual(record.custom_partitioning["path"], "fun")
+    self.assertEqual(record.custom_partitioning["mesh"], {})
 
   def test_explicit_path_and_why_it_falls_back(self):
     if NO_EXPLICIT_PATH:
@@ -5523,6 +5543,26 @@ class DropInTest(CPTestCase):
     np.testing.assert_allclose(out, self.xh * 2, rtol=1e-6)
     self.assertEqual(calls, [2])
 
+  def test_eager_call_finds_a_sharded_operand_before_host_data(self):
+    """``op(x_sharded, w_numpy)``: the leaves of every operand are looked
+    at, not only those of the first that is not a jax array (found by a
+    breaker: fun ran, partition was never asked)."""
+    calls = []
+    body = lambda x, w: x * w
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(len(arg_shapes))
+      s = NamedSharding(mesh, P("x", None))
+      return mesh, body, s, (s, NamedSharding(mesh, P()))
+
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: NamedSharding(m, P("x", None))),
+        sharding_rule="i j, j -> i j")
+    w = _data((8,)) + 2.0
+    np.testing.assert_allclose(op(self.x, w), self.xh * w, rtol=1e-6)
+    self.assertEqual(calls, [2])
+
   def test_unpassed_defaults_stay_python_values(self):
     op = custom_partitioning(jnp.fft.fft)
     seen = []
@@ -6431,20 +6471,36 @@ class ExplicitPathTest(CPTestCase):
     self.assertPlainJax(f, self.x, gathers=True)
 
   def test_shard_maps_own_check_names_the_op(self):
-    """A loop hides the missing psum from the module's check; shard_map's
-    check_vma catches it, and the error names the op."""
-    def named_op(x):
+    """A while loop hides the missing psum from the module's check (loops
+    are not followed); shard_map's check_vma catches it, and the error
+    names the op. The loop's carry changes (x * 1.0): a carry jax can hoist
+    out of the loop (fori_loop of ``lambda i, v: v`` on jax 0.10.2) would
+    reach the module's own check instead. Found by a breaker too: a psum
+    over every varying axis the result spec does not name (meant for the
+    size-1 ones) made this sum silently right and hid the bug."""
+    def column_sums(x):
       return jnp.sum(x, 0)
-    op = custom_partitioning(named_op)
+
+    def lower_fn(x):
+      return jax.lax.while_loop(lambda c: c[0] < 2,
+                                lambda c: (c[0] + 1, c[1] * 1.0),
+                                (0, jnp.sum(x, 0)))[1]
+    op = custom_partitioning(column_sums)
     op.def_partition(
-        lambda m, a, r: (m, lambda x: jax.lax.fori_loop(
-            0, 2, lambda i, v: v, jnp.sum(x, 0)), NamedSharding(m, P()),
-            (NamedSharding(m, P("x", None)),)),
+        lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
+                         (NamedSharding(m, P("x", None)),)),
         sharding_rule="i j -> j")
     with self.assertRaises(ValueError) as cm:
       jax.jit(op)(self.x)
-    self.assertIn("named_op", str(cm.exception))
-    self.assertIn("shard_map", str(cm.exception))
+    text = str(cm.exception)
+    # The module's wrapper of shard_map's errors, with jax's own words (the
+    # op's qualified name holds this test's, hence "shard_map", so that
+    # alone proves nothing); the module's check says "lower_fn of
+    # ...column_sums returns result 0 as replicated ...".
+    self.assertIn(".column_sums, run as jax.shard_map of its lower_fn under "
+                  "Explicit mesh axes: ", text)
+    self.assertIn("out_specs", text)
+    self.assertNotIn("returns result 0 as replicated", text)
 
   def test_shard_map_type_errors_name_the_op(self):
     """Found by a breaker: a loop whose carry becomes varying passes the

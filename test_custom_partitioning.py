@@ -313,6 +313,15 @@ class _CallbackError(Exception):
   """A user exception type that must reach the caller unchanged."""
 
 
+class _TwoArgError(Exception):
+  """A user exception whose constructor takes two arguments, so it cannot
+  be rebuilt from a message alone."""
+
+  def __init__(self, code, text):
+    super().__init__(f"{code}: {text}")
+    self.code = code
+
+
 def _raise(*args, **kwargs):
   """An author's callback that raises."""
   raise _CallbackError("raised by the author's callback")
@@ -3550,6 +3559,32 @@ class SizeOneAxisTest(CPTestCase):
             jitted(xb), np.sin(np.stack([self.xh, -self.xh])) * 2, rtol=1e-5)
         self.assertIn("CustomSPMDPartitioning", jitted.lower(xb).as_text())
 
+  def test_explicit_path_bool_result_over_a_size_1_axis(self):
+    """A bool result varying over the size-1 axis (axis_index) is made
+    invariant as a number and comes back a bool (found by a breaker: a
+    psum of the bool made it int32)."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((8, 1), ("z", "y"), axis_types=(explicit,) * 2)
+
+    def positive(x):
+      return x > 0
+    op = custom_partitioning(positive)
+
+    def partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P("z", None))
+      return (mesh, lambda x: x + 0 * jax.lax.axis_index("y") > 0, rows,
+              (rows,))
+    op.def_partition(partition, sharding_rule="i j -> i j")
+    with jax.set_mesh(m):
+      x = jax.device_put(self.xh, NamedSharding(m, P("z", None)))
+      jitted = jax.jit(op)
+      out = jitted(x)
+      self.assertNotIn("CustomSPMDPartitioning", jitted.lower(x).as_text())
+    self.assertEqual(out.dtype, np.bool_)
+    np.testing.assert_array_equal(out, self.xh > 0)
+
   def test_explicit_path_psum_over_a_tuple_with_a_size_1_axis(self):
     """Found by a breaker: ``psum`` over ('z', 'y') of an operand typed
     P(('z', 'y')) or P('z', 'y') runs as under a plain shard_map (jax
@@ -4414,6 +4449,9 @@ class RuleOnlyTest(CPTestCase):
     # A result with no factor (a scalar) is reduced over every factor.
     self.assertEqual(specs("i j -> ", [s, ()], [("x", "y")], [()]),
                      ([(None, None)], [()]))
+    # A factor in results only is replicated, whatever the results bring.
+    self.assertEqual(specs("i -> i j", [(8,), s], [(None,)], [("y", "x")]),
+                     ([("y",)], [("y", None)]))
 
   def test_a_rule_of_the_wrong_arity_names_the_op(self):
     """Found by a breaker: under GSPMD the rule's error reached the user
@@ -4474,6 +4512,21 @@ class RuleOnlyTest(CPTestCase):
         op = _rule_only(total, "i j -> ", check_vma=check_vma)
         np.testing.assert_allclose(jax.jit(op)(x), xh.sum(), rtol=1e-5)
     self.assertEqual(set(seen), {(16, 8)})
+
+  def test_a_factor_in_results_only_is_replicated(self):
+    """``"i -> i j"``, a broadcast: j is in the result only, so each shard
+    builds it whole, though the result asks for j over 'x' (found by a
+    breaker: j kept the result's 'x', and the shard's whole j did not fit
+    it)."""
+    def spread(v):
+      return jnp.broadcast_to(v[:, None], (8, 16)) * 1.0
+    m = self.mesh()
+    vh = _data((8,))
+    out = jax.jit(_rule_only(spread, "i -> i j"),
+                  out_shardings=NamedSharding(m, P(None, "x")))(
+                      jax.device_put(vh, NamedSharding(m, P())))
+    np.testing.assert_allclose(out, np.broadcast_to(vh[:, None], (8, 16)))
+    self.assertEqual(_spec(out.sharding, 2), (None, "x"))
 
   def test_static_args_defaults_and_callable_rule(self):
     def scaled(k, x, offset=1.0, scale=1.0):
@@ -6815,6 +6868,21 @@ class CheckPartitioningTest(CPTestCase):
         cp.check_partitioning, _linear(psum=False), self.x, self.w,
         grad=True, meshes=_mesh1d())
     self.assertIsInstance(error.__cause__, ValueError)
+    # A type that takes no message alone is re-raised itself, the
+    # combination in a note (found by a breaker: the TypeError of rebuilding
+    # it replaced the author's exception).
+    def partition_raising_two_args(mesh, arg_shapes, result_shape):
+      raise _TwoArgError(7, "refused by the author's callback")
+    op.def_partition(partition_raising_two_args,
+                     infer_sharding_from_operands=op.infer_sharding_from_operands,
+                     sharding_rule=op.sharding_rule)
+    with self.assertRaises(_TwoArgError) as cm:
+      cp.check_partitioning(op, self.x, meshes=_mesh1d())
+    self.assertEqual(cm.exception.code, 7)
+    if sys.version_info >= (3, 11):  # BaseException.add_note
+      self.assertIn("check_partitioning(", cm.exception.__notes__[-1])
+      self.assertIn("on Mesh('x': 8) with operand shardings "
+                    "(PartitionSpec(),)", cm.exception.__notes__[-1])
 
   def test_an_argument_no_axis_divides_is_checked_replicated(self):
     op = elementwise_op()
@@ -6835,6 +6903,25 @@ class CheckPartitioningTest(CPTestCase):
          "1['b']: PartitionSpec(None, 'x')}: result [1] differs"],
         cp.check_partitioning, lambda a, tree: (op(a), bad_fft(tree["b"])),
         self.x, {"b": self.z}, meshes=_mesh1d())
+
+  def test_comparison_scales_atol_and_matches_nans(self):
+    """The default atol is rtol times the reference's largest magnitude:
+    an element that cancels to ~0 among large ones passes within it (found
+    by a breaker: atol was rtol alone). NaN equals NaN where the reference
+    has it too (found by a breaker: sqrt of negatives failed)."""
+    want = np.float32([1000.0, 0.0, np.nan])
+    cp._compare(np.float32([1000.0, 0.05, np.nan]), want, None, None, "r")
+    self.assertRaisesNaming(
+        AssertionError, ["r: largest error 0.2 (1 of 3 elements off; at "
+                         "index (1,) got 0.2, expected 0;", "atol=0.1)"],
+        cp._compare, np.float32([1000.0, 0.2, np.nan]), want, None, None, "r")
+    self.assertRaisesNaming(  # a NaN where the reference has a number
+        AssertionError, ["at index (1,) got nan, expected 0"], cp._compare,
+        np.float32([1000.0, np.nan, np.nan]), want, None, None, "r")
+    report = cp.check_partitioning(elementwise_op(jnp.sqrt), self.x,
+                                   meshes=_mesh1d())
+    self.assertTrue((self.x < 0).any())  # sqrt gives NaNs
+    self.assertEqual(report.checked, 2)
 
   def test_replicated_only_means_on_every_mesh(self):
     """w (4, 3): sharded on the (2, 4) mesh (rows over 'x' or 'y'), not on

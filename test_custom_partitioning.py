@@ -4676,6 +4676,66 @@ class DebugLogTest(CPTestCase):
     self.assertEqual(record.custom_partitioning["path"], "fun")
     self.assertEqual(record.custom_partitioning["mesh"], {})
 
+  def test_records_say_who_answered_what(self):
+    """partition (the author's) replicates x that arrives on 'x', so what
+    it was asked and what it answered differ; two equal ops, so XLA asks
+    the second from the cache. Found by breakers: every answer credited to
+    "the sharding rule", the cached record giving the question as its
+    answer or not saying "from the cache", the propagated sharding logged
+    as the user's, an unplaced operand logged as an HloSharding."""
+    def thrice(x):
+      return x * 3.0
+    op = custom_partitioning(thrice)
+    whole = lambda m: NamedSharding(m, P())  # noqa: E731
+    op.def_partition(lambda m, a, r: (m, thrice, whole(m), (whole(m),)),
+                     infer_sharding_from_operands=lambda m, a, r: whole(m),
+                     propagate_user_sharding=lambda m, u: whole(m),
+                     sharding_rule="i j -> i j")
+    m = self.mesh()
+    rows = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x, y = jax.device_put(xh, rows), jax.device_put(xh + 1, rows)
+    summed = _rule_only(lambda a, b: a + b, "i j, j -> i j")
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      out = jax.jit(lambda x, y: (op(x), op(y)), out_shardings=rows)(x, y)
+      # b is made inside the jit: XLA asks before placing it (GSPMD).
+      total = jax.jit(lambda x: summed(x * 2, jnp.arange(4.0)))(x)
+    np.testing.assert_allclose(out[0], xh * 3, rtol=1e-6)
+    np.testing.assert_allclose(out[1], (xh + 1) * 3, rtol=1e-6)
+    np.testing.assert_allclose(total, xh * 2 + np.arange(4.0), rtol=1e-6)
+    asked = "asked with operands [PartitionSpec('x', None)], results ["
+    replicated = ("operands [PartitionSpec(None, None)], results "
+                  "[PartitionSpec(None, None)]")
+    (first,) = self.records(cm, op="thrice", question="partition",
+                            cached=False)
+    (again,) = self.records(cm, op="thrice", question="partition",
+                            cached=True)
+    self.assertIn(asked, first.getMessage())
+    self.assertIn(f"; partition answered {replicated}", first.getMessage())
+    self.assertIn(asked, again.getMessage())
+    self.assertIn(f"; answered from the cache: {replicated}",
+                  again.getMessage())
+    self.assertEqual(cp._logged([], []), "operands [], results []")
+    if self.shardy:
+      return
+    infer = self.records(cm, op="thrice",
+                         question="infer_sharding_from_operands")[0]
+    self.assertIn("; infer_sharding_from_operands answered results "
+                  "[PartitionSpec(None, None)]", infer.getMessage())
+    propagate = [r.getMessage() for r in self.records(
+        cm, op="thrice", question="propagate_user_sharding")]
+    self.assertIn("asked with results [PartitionSpec('x', None)]; "
+                  "propagate_user_sharding answered results "
+                  "[PartitionSpec(None, None)]", "\n".join(propagate))
+    unplaced = [r.getMessage() for r in self.records(
+        cm, question="infer_sharding_from_operands") if "unplaced" in
+        r.getMessage()]
+    self.assertTrue(unplaced, cm.output)
+    self.assertIn("asked with operands [PartitionSpec('x', None), "
+                  "unplaced]; the sharding rule (no "
+                  "infer_sharding_from_operands) answered results "
+                  "[PartitionSpec('x', None)]", unplaced[0])
+
   def test_explicit_path_and_why_it_falls_back(self):
     if NO_EXPLICIT_PATH:
       self.skipTest(NO_EXPLICIT_PATH)

@@ -5676,6 +5676,27 @@ class DropInTest(CPTestCase):
     np.testing.assert_allclose(op(self.x, w), self.xh * w, rtol=1e-6)
     self.assertEqual(calls, [2])
 
+  def test_def_partition_again_reaches_eager_calls(self):
+    """An eager call after def_partition is called again asks the new
+    partition (found by a breaker: the eager cache kept the jitted call of
+    the first definition)."""
+    calls = []
+    body = lambda x: jnp.sin(x) * 2.0  # noqa: E731
+    op = custom_partitioning(body)
+
+    def define(tag):
+      def partition(mesh, arg_shapes, result_shape):
+        calls.append(tag)
+        s = arg_shapes[0].sharding
+        return mesh, body, s, (s,)
+      op.def_partition(partition, infer_sharding_from_operands=(
+          lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    define("first")
+    np.testing.assert_allclose(op(self.x), np.sin(self.xh) * 2, rtol=1e-5)
+    define("second")
+    np.testing.assert_allclose(op(self.x), np.sin(self.xh) * 2, rtol=1e-5)
+    self.assertEqual(calls, ["first", "second"])
+
   def test_unpassed_defaults_stay_python_values(self):
     op = custom_partitioning(jnp.fft.fft)
     seen = []
@@ -6330,13 +6351,22 @@ class ExplicitPathTest(CPTestCase):
     want = np.fft.fft(self.xh)
     x = self.x.astype(jnp.complex64)
     np.testing.assert_allclose(op(x), want, rtol=1e-4, atol=1e-4)
+    qh, kh = _data((64, 16)), _data((64, 16))[::-1] / 3
+    q, k = (jax.device_put(a, self.rows) for a in (qh, kh))
+    attend = _attention_op(infer=False, rule=None)
     self.ctx.__exit__(None, None, None)
     try:
       out = op(x)  # the operands' mesh is the op's
+      # jax cannot type attend's body: only the shard_map path, on the
+      # operands' mesh, runs it (found by a breaker: the eager call lost
+      # that mesh and fell back to the custom call, which refused it).
+      attended = attend(q, k)
     finally:
       self.ctx.__enter__()
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
     self.assertEqual(out.sharding, x.sharding)
+    np.testing.assert_allclose(attended, _attend(qh, kh), rtol=1e-5,
+                               atol=1e-6)
 
   def test_grad_jvp_vmap(self):
     body = lambda x: jnp.sin(x) * 2.0  # noqa: E731
@@ -6901,6 +6931,28 @@ class CheckPartitioningTest(CPTestCase):
          "on Mesh('x': 8) with operand shardings (PartitionSpec('x'), "
          "PartitionSpec()): gradient with respect to argument 1 differs"],
         cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh)
+
+  def test_grad_cotangents_of_complex_results_are_complex(self):
+    """A backward op whose lower_fn keeps only the real part of the
+    cotangent is wrong for every complex cotangent, and only for those:
+    the check's cotangents have imaginary parts (found by a breaker: real
+    ones passed this op)."""
+    w = np.complex64(0.5 + 2j)
+    scale = custom_partitioning(lambda z: z * w)
+    scale.def_partition(sharding_rule="b n -> b n")
+    scale_bwd = _same_sharding_op(lambda ct: ct * w, rule="b n -> b n",
+                                  lower_fn=lambda ct: jnp.real(ct) * w)
+
+    @jax.custom_vjp
+    def scaled(z):
+      return scale(z)
+    scaled.defvjp(lambda z: (scale(z), None),
+                  lambda _, ct: (scale_bwd(ct),))
+    cp.check_partitioning(scaled, self.z, meshes=_mesh1d())
+    self.assertRaisesNaming(
+        AssertionError, ["with operand shardings (PartitionSpec(),): "
+                         "gradient with respect to argument 0 differs"],
+        cp.check_partitioning, scaled, self.z, grad=True, meshes=_mesh1d())
 
   def test_compile_error_is_reraised_naming_the_combination(self):
     op = _same_sharding_op(jnp.sin)

@@ -314,6 +314,15 @@ class _CallbackError(Exception):
   """A user exception type that must reach the caller unchanged."""
 
 
+class _TwoArgError(Exception):
+  """A user exception whose constructor takes two arguments, so it cannot
+  be rebuilt from a message alone."""
+
+  def __init__(self, code, text):
+    super().__init__(f"{code}: {text}")
+    self.code = code
+
+
 def _raise(*args, **kwargs):
   """An author's callback that raises."""
   raise _CallbackError("raised by the author's callback")
@@ -850,6 +859,24 @@ class StaticArgsTest(CPTestCase):
                                rtol=1e-6)
     self.assertTrue(calls)
     self.assertEqual(set(calls), {("ab", 3.0), ("abc", 2.0)}, calls)
+
+  def test_an_int_static_argnums_eagerly(self):
+    """``static_argnums=0``, an int as upstream allows: an eager call
+    passes k to partition (found by a breaker: the eager fast path took
+    the int 0 for "no static argument"; the suite passed only tuples)."""
+    calls = []
+    op = custom_partitioning(lambda k, x: x * k, static_argnums=0)
+
+    def partition(k, mesh, arg_shapes, result_shape):
+      calls.append(k)
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * k, s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda k, m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    np.testing.assert_allclose(op(3.0, self.x), self.xh * 3, rtol=1e-6)
+    self.assertEqual(calls, [3.0])
 
   def test_unhashable_static_jit(self):
     op = custom_partitioning(lambda cfg, x: x * cfg["a"] + cfg["b"][0],
@@ -3557,6 +3584,32 @@ class SizeOneAxisTest(CPTestCase):
             jitted(xb), np.sin(np.stack([self.xh, -self.xh])) * 2, rtol=1e-5)
         self.assertIn("CustomSPMDPartitioning", jitted.lower(xb).as_text())
 
+  def test_explicit_path_bool_result_over_a_size_1_axis(self):
+    """A bool result varying over the size-1 axis (axis_index) is made
+    invariant as a number and comes back a bool (found by a breaker: a
+    psum of the bool made it int32)."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((8, 1), ("z", "y"), axis_types=(explicit,) * 2)
+
+    def positive(x):
+      return x > 0
+    op = custom_partitioning(positive)
+
+    def partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P("z", None))
+      return (mesh, lambda x: x + 0 * jax.lax.axis_index("y") > 0, rows,
+              (rows,))
+    op.def_partition(partition, sharding_rule="i j -> i j")
+    with jax.set_mesh(m):
+      x = jax.device_put(self.xh, NamedSharding(m, P("z", None)))
+      jitted = jax.jit(op)
+      out = jitted(x)
+      self.assertNotIn("CustomSPMDPartitioning", jitted.lower(x).as_text())
+    self.assertEqual(out.dtype, np.bool_)
+    np.testing.assert_array_equal(out, self.xh > 0)
+
   def test_explicit_path_psum_over_a_tuple_with_a_size_1_axis(self):
     """Found by a breaker: ``psum`` over ('z', 'y') of an operand typed
     P(('z', 'y')) or P('z', 'y') runs as under a plain shard_map (jax
@@ -4368,6 +4421,18 @@ class RuleOnlyTest(CPTestCase):
     v = jax.device_put(yh[0], NamedSharding(m, P("x")))
     np.testing.assert_allclose(jax.jit(outer)(u, v), np.outer(xh[0], yh[0]),
                                rtol=1e-6)
+    # Results that bring b on one of the two axes do not decide it: the
+    # operands conflict, so b stays replicated and each shard adds whole
+    # arrays (found by a breaker: the results decided, b on 'x').
+    seen = []
+
+    def add_seen(a, b):
+      seen.append(a.shape)
+      return a + b
+    f = jax.jit(_rule_only(add_seen, "b n, b n -> b n"),
+                out_shardings=NamedSharding(m, P("x")))
+    np.testing.assert_allclose(f(x, y), xh + yh, rtol=1e-6)
+    self.assertEqual(set(seen), {(8, 8)})
 
   def test_derived_shardings(self):
     """_rule_specs, the partition's shardings, on the cases it decides."""
@@ -4395,6 +4460,23 @@ class RuleOnlyTest(CPTestCase):
     # n is in result 0 but reduced for result 1 (found by a breaker).
     self.assertEqual(specs("b n -> b n, b", [s, s, (8,)], [("x", "y")]),
                      ([("x", None)], [("x", None), ("x",)]))
+    # The operands' axes win over those the results bring (found by a
+    # breaker: the results' overrode them).
+    self.assertEqual(specs("i j -> i j", [s, s], [("x", None)], [("y", None)]),
+                     ([("x", None)], [("x", None)]))
+    self.assertEqual(specs("i j -> i j", [s, s], [(None, "x")], [("y", "x")]),
+                     ([("y", "x")], [("y", "x")]))  # the results fill i in
+    # Operands that conflict leave i replicated, whatever the results bring
+    # (found by a breaker: the results decided).
+    self.assertEqual(specs("i j, i j -> i j", [s] * 3,
+                           [("x", None), ("y", None)], [("x", None)]),
+                     ([(None, None)] * 2, [(None, None)]))
+    # A result with no factor (a scalar) is reduced over every factor.
+    self.assertEqual(specs("i j -> ", [s, ()], [("x", "y")], [()]),
+                     ([(None, None)], [()]))
+    # A factor in results only is replicated, whatever the results bring.
+    self.assertEqual(specs("i -> i j", [(8,), s], [(None,)], [("y", "x")]),
+                     ([("y",)], [("y", None)]))
 
   def test_a_rule_of_the_wrong_arity_names_the_op(self):
     """Found by a breaker: under GSPMD the rule's error reached the user
@@ -4416,6 +4498,60 @@ class RuleOnlyTest(CPTestCase):
       doubled, top = run(x)
       np.testing.assert_allclose(doubled, xh * 2, rtol=1e-6)
       np.testing.assert_allclose(top, xh.max(-1), rtol=1e-6)
+
+  def test_the_operands_axes_win_over_the_results(self):
+    """x arrives on 'x', ``out_shardings`` asks for 'y': the rule keeps
+    'x' for the operand and the result (slicing needs no communication;
+    the result is resharded after the op). Found by a breaker: the
+    results' 'y' overrode the operand's 'x'."""
+    seen = []
+
+    def doubled(x):
+      seen.append(x.shape)
+      return x * 2.0
+    m = self.mesh((2, 4), ("x", "y"))
+    xh = _data((8, 8))
+    x = jax.device_put(xh, NamedSharding(m, P("x")))
+    out = jax.jit(_rule_only(doubled, "i j -> i j"),
+                  out_shardings=NamedSharding(m, P("y")))(x)
+    np.testing.assert_allclose(out, xh * 2, rtol=1e-6)
+    self.assertEqual(_spec(out.sharding, 2), ("y", None))
+    # Each shard ran fun on rows split over 'x' (8 / 2), none over 'y'.
+    self.assertIn((4, 8), seen)
+    self.assertNotIn((2, 8), seen)
+
+  def test_a_scalar_result_reduces_every_factor(self):
+    """``jnp.sum`` with ``"i j -> "``: the result has no factor, so it is
+    reduced over i and j and x arrives whole on each shard (found by a
+    breaker: i stayed on 'x', and each shard's partial sum was returned as
+    the replicated total; check_vma=False let it through)."""
+    seen = []
+
+    def total(x):
+      seen.append(x.shape)
+      return jnp.sum(x)
+    xh = _data((16, 8))
+    x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+    for check_vma in (True, False):
+      with self.subTest(check_vma=check_vma):
+        op = _rule_only(total, "i j -> ", check_vma=check_vma)
+        np.testing.assert_allclose(jax.jit(op)(x), xh.sum(), rtol=1e-5)
+    self.assertEqual(set(seen), {(16, 8)})
+
+  def test_a_factor_in_results_only_is_replicated(self):
+    """``"i -> i j"``, a broadcast: j is in the result only, so each shard
+    builds it whole, though the result asks for j over 'x' (found by a
+    breaker: j kept the result's 'x', and the shard's whole j did not fit
+    it)."""
+    def spread(v):
+      return jnp.broadcast_to(v[:, None], (8, 16)) * 1.0
+    m = self.mesh()
+    vh = _data((8,))
+    out = jax.jit(_rule_only(spread, "i -> i j"),
+                  out_shardings=NamedSharding(m, P(None, "x")))(
+                      jax.device_put(vh, NamedSharding(m, P())))
+    np.testing.assert_allclose(out, np.broadcast_to(vh[:, None], (8, 16)))
+    self.assertEqual(_spec(out.sharding, 2), (None, "x"))
 
   def test_static_args_defaults_and_callable_rule(self):
     def scaled(k, x, offset=1.0, scale=1.0):
@@ -4808,6 +4944,7 @@ class DebugLogTest(CPTestCase):
     self.assertEqual(len(records), 2, cm.output)
     self.assertEqual([r.custom_partitioning["cached"] for r in records],
                      [False, True])
+    self.assertEqual(records[0].custom_partitioning["mesh"], {"x": 8})
     text = records[0].getMessage()
     for fragment in ("twice", "{'x': 8}", "PartitionSpec('x', None)",
                      "Shardy" if self.shardy else "GSPMD",
@@ -4821,6 +4958,67 @@ class DebugLogTest(CPTestCase):
       jax.jit(op)(_data((4, 4)))
     (record,) = self.records(cm, op="twice")
     self.assertEqual(record.custom_partitioning["path"], "fun")
+    self.assertEqual(record.custom_partitioning["mesh"], {})
+
+  def test_records_say_who_answered_what(self):
+    """partition (the author's) replicates x that arrives on 'x', so what
+    it was asked and what it answered differ; two equal ops, so XLA asks
+    the second from the cache. Found by breakers: every answer credited to
+    "the sharding rule", the cached record giving the question as its
+    answer or not saying "from the cache", the propagated sharding logged
+    as the user's, an unplaced operand logged as an HloSharding."""
+    def thrice(x):
+      return x * 3.0
+    op = custom_partitioning(thrice)
+    whole = lambda m: NamedSharding(m, P())  # noqa: E731
+    op.def_partition(lambda m, a, r: (m, thrice, whole(m), (whole(m),)),
+                     infer_sharding_from_operands=lambda m, a, r: whole(m),
+                     propagate_user_sharding=lambda m, u: whole(m),
+                     sharding_rule="i j -> i j")
+    m = self.mesh()
+    rows = NamedSharding(m, P("x"))
+    xh = _data((16, 4))
+    x, y = jax.device_put(xh, rows), jax.device_put(xh + 1, rows)
+    summed = _rule_only(lambda a, b: a + b, "i j, j -> i j")
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      out = jax.jit(lambda x, y: (op(x), op(y)), out_shardings=rows)(x, y)
+      # b is made inside the jit: XLA asks before placing it (GSPMD).
+      total = jax.jit(lambda x: summed(x * 2, jnp.arange(4.0)))(x)
+    np.testing.assert_allclose(out[0], xh * 3, rtol=1e-6)
+    np.testing.assert_allclose(out[1], (xh + 1) * 3, rtol=1e-6)
+    np.testing.assert_allclose(total, xh * 2 + np.arange(4.0), rtol=1e-6)
+    asked = "asked with operands [PartitionSpec('x', None)], results ["
+    replicated = ("operands [PartitionSpec(None, None)], results "
+                  "[PartitionSpec(None, None)]")
+    (first,) = self.records(cm, op="thrice", question="partition",
+                            cached=False)
+    (again,) = self.records(cm, op="thrice", question="partition",
+                            cached=True)
+    self.assertIn(asked, first.getMessage())
+    self.assertIn(f"; partition answered {replicated}", first.getMessage())
+    self.assertIn(asked, again.getMessage())
+    self.assertIn(f"; answered from the cache: {replicated}",
+                  again.getMessage())
+    self.assertEqual(cp._logged([], []), "operands [], results []")
+    if self.shardy:
+      return
+    infer = self.records(cm, op="thrice",
+                         question="infer_sharding_from_operands")[0]
+    self.assertIn("; infer_sharding_from_operands answered results "
+                  "[PartitionSpec(None, None)]", infer.getMessage())
+    propagate = [r.getMessage() for r in self.records(
+        cm, op="thrice", question="propagate_user_sharding")]
+    self.assertIn("asked with results [PartitionSpec('x', None)]; "
+                  "propagate_user_sharding answered results "
+                  "[PartitionSpec(None, None)]", "\n".join(propagate))
+    unplaced = [r.getMessage() for r in self.records(
+        cm, question="infer_sharding_from_operands") if "unplaced" in
+        r.getMessage()]
+    self.assertTrue(unplaced, cm.output)
+    self.assertIn("asked with operands [PartitionSpec('x', None), "
+                  "unplaced]; the sharding rule (no "
+                  "infer_sharding_from_operands) answered results "
+                  "[PartitionSpec('x', None)]", unplaced[0])
 
   def test_explicit_path_and_why_it_falls_back(self):
     if NO_EXPLICIT_PATH:
@@ -5742,6 +5940,47 @@ class DropInTest(CPTestCase):
     np.testing.assert_allclose(out, self.xh * 2, rtol=1e-6)
     self.assertEqual(calls, [2])
 
+  def test_eager_call_finds_a_sharded_operand_before_host_data(self):
+    """``op(x_sharded, w_numpy)``: the leaves of every operand are looked
+    at, not only those of the first that is not a jax array (found by a
+    breaker: fun ran, partition was never asked)."""
+    calls = []
+    body = lambda x, w: x * w
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      calls.append(len(arg_shapes))
+      s = NamedSharding(mesh, P("x", None))
+      return mesh, body, s, (s, NamedSharding(mesh, P()))
+
+    op.def_partition(partition, infer_sharding_from_operands=(
+        lambda m, a, r: NamedSharding(m, P("x", None))),
+        sharding_rule="i j, j -> i j")
+    w = _data((8,)) + 2.0
+    np.testing.assert_allclose(op(self.x, w), self.xh * w, rtol=1e-6)
+    self.assertEqual(calls, [2])
+
+  def test_def_partition_again_reaches_eager_calls(self):
+    """An eager call after def_partition is called again asks the new
+    partition (found by a breaker: the eager cache kept the jitted call of
+    the first definition)."""
+    calls = []
+    body = lambda x: jnp.sin(x) * 2.0  # noqa: E731
+    op = custom_partitioning(body)
+
+    def define(tag):
+      def partition(mesh, arg_shapes, result_shape):
+        calls.append(tag)
+        s = arg_shapes[0].sharding
+        return mesh, body, s, (s,)
+      op.def_partition(partition, infer_sharding_from_operands=(
+          lambda m, a, r: a[0].sharding), sharding_rule="i j -> i j")
+    define("first")
+    np.testing.assert_allclose(op(self.x), np.sin(self.xh) * 2, rtol=1e-5)
+    define("second")
+    np.testing.assert_allclose(op(self.x), np.sin(self.xh) * 2, rtol=1e-5)
+    self.assertEqual(calls, ["first", "second"])
+
   def test_unpassed_defaults_stay_python_values(self):
     op = custom_partitioning(jnp.fft.fft)
     seen = []
@@ -6396,13 +6635,22 @@ class ExplicitPathTest(CPTestCase):
     want = np.fft.fft(self.xh)
     x = self.x.astype(jnp.complex64)
     np.testing.assert_allclose(op(x), want, rtol=1e-4, atol=1e-4)
+    qh, kh = _data((64, 16)), _data((64, 16))[::-1] / 3
+    q, k = (jax.device_put(a, self.rows) for a in (qh, kh))
+    attend = _attention_op(infer=False, rule=None)
     self.ctx.__exit__(None, None, None)
     try:
       out = op(x)  # the operands' mesh is the op's
+      # jax cannot type attend's body: only the shard_map path, on the
+      # operands' mesh, runs it (found by a breaker: the eager call lost
+      # that mesh and fell back to the custom call, which refused it).
+      attended = attend(q, k)
     finally:
       self.ctx.__enter__()
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
     self.assertEqual(out.sharding, x.sharding)
+    np.testing.assert_allclose(attended, _attend(qh, kh), rtol=1e-5,
+                               atol=1e-6)
 
   def test_grad_jvp_vmap(self):
     body = lambda x: jnp.sin(x) * 2.0  # noqa: E731
@@ -6650,20 +6898,35 @@ class ExplicitPathTest(CPTestCase):
     self.assertPlainJax(f, self.x, gathers=True)
 
   def test_shard_maps_own_check_names_the_op(self):
-    """A loop hides the missing psum from the module's check; shard_map's
-    check_vma catches it, and the error names the op."""
-    def named_op(x):
+    """A primitive the module's check does not follow (custom_linear_solve:
+    several subprograms) hides the missing psum from it; shard_map's
+    check_vma catches it, and the error names the op. (A while loop no
+    longer hides it: the module follows loop carries.) Found by a breaker
+    too: a psum over every varying axis the result spec does not name
+    (meant for the size-1 ones) made this sum silently right and hid the
+    bug."""
+    def column_sums(x):
       return jnp.sum(x, 0)
-    op = custom_partitioning(named_op)
+
+    def lower_fn(x):
+      return jax.lax.custom_linear_solve(lambda v: v, jnp.sum(x, 0),
+                                         lambda matvec, b: b)
+    op = custom_partitioning(column_sums)
     op.def_partition(
-        lambda m, a, r: (m, lambda x: jax.lax.fori_loop(
-            0, 2, lambda i, v: v, jnp.sum(x, 0)), NamedSharding(m, P()),
-            (NamedSharding(m, P("x", None)),)),
+        lambda m, a, r: (m, lower_fn, NamedSharding(m, P()),
+                         (NamedSharding(m, P("x", None)),)),
         sharding_rule="i j -> j")
     with self.assertRaises(ValueError) as cm:
       jax.jit(op)(self.x)
-    self.assertIn("named_op", str(cm.exception))
-    self.assertIn("shard_map", str(cm.exception))
+    text = str(cm.exception)
+    # The module's wrapper of shard_map's errors, with jax's own words (the
+    # op's qualified name holds this test's, hence "shard_map", so that
+    # alone proves nothing); the module's check says "lower_fn of
+    # ...column_sums returns result 0 as replicated ...".
+    self.assertIn(".column_sums, run as jax.shard_map of its lower_fn under "
+                  "Explicit mesh axes: ", text)
+    self.assertIn("out_specs", text)
+    self.assertNotIn("returns result 0 as replicated", text)
 
   def test_an_unmarked_varying_carry_runs_as_the_custom_call_would(self):
     """Found by a breaker: a loop whose carry becomes varying passes the
@@ -6692,21 +6955,45 @@ class ExplicitPathTest(CPTestCase):
         np.testing.assert_allclose(g, 2 * self.xh, rtol=1e-5)
 
   def test_shard_maps_refusal_advises_what_fits(self):
-    """A result whose replication neither check can follow (a loop) keeps
-    shard_map's refusal; the advice names def_partition's check_vma and
-    the collectives, not loop carries or jax.shard_map's own argument."""
-    op = custom_partitioning(lambda x: jnp.sum(x, 0))
-    op.def_partition(
-        lambda m, a, r: (m, lambda x: jax.lax.while_loop(
-            lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 1.0),
-            (0, jnp.sum(x, 0)))[1], NamedSharding(m, P()),
-            (NamedSharding(m, P("x", None)),)),
-        sharding_rule="i j -> j", check_vma=True)
-    e = self.assertRaisesNaming(
-        ValueError, ["run as jax.shard_map", "out_specs", "jax.lax.psum",
-                     "check_vma=False to def_partition"], jax.jit(op), self.x)
-    self.assertNotIn("pvary", str(e))
-    self.assertNotIn("carr", str(e))
+    """Where the module's check cannot prove a result (custom_linear_solve
+    is not followed), shard_map's refusal stands, with advice that fits
+    it: for a result it cannot prove replicated, the collectives and
+    def_partition's check_vma (not loop carries, not jax.shard_map's own
+    argument); for an unmarked loop carry, the cast the running jax has."""
+    def solve(v):
+      return jax.lax.custom_linear_solve(lambda u: u, v, lambda mv, b: b)
+
+    def ring(x):  # unmarked carry that the ppermute makes varying
+      perm = [(i, (i + 1) % 8) for i in range(8)]
+      return jax.lax.fori_loop(0, 8, lambda i, c: (
+          c[0] + c[1], jax.lax.ppermute(c[1], "x", perm)),
+          (jnp.zeros(x.shape, x.dtype), x))[0]
+    cases = {
+        "replicated": (lambda x: solve(jnp.sum(x, 0)), ValueError,
+                       ["out_specs", "jax.lax.psum",
+                        "check_vma=False to def_partition"], ["carr"]),
+        "carry": (lambda x: (ring(x), solve(jax.lax.psum(jnp.sum(x, 0),
+                                                         "x"))),
+                  TypeError, ["carr", cp._VARYING_CAST,
+                              "check_vma=False to def_partition"], []),
+    }
+    for label, (lower_fn, error, words, absent) in cases.items():
+      with self.subTest(label):
+        results = (NamedSharding(self.m, P()) if label == "replicated" else
+                   (self.rows, NamedSharding(self.m, P())))
+        op = custom_partitioning(
+            (lambda x: jnp.sum(x, 0)) if label == "replicated" else
+            (lambda x: (x * 8, jnp.sum(x, 0))))
+        op.def_partition(
+            lambda m, a, r, f=lower_fn, res=results: (m, f, res,
+                                                      (self.rows,)),
+            sharding_rule="i j -> j" if label == "replicated" else
+            "i j -> i j, j")
+        e = self.assertRaisesNaming(
+            error, ["run as jax.shard_map", *words], jax.jit(op), self.x)
+        for word in absent + ["pvary" if hasattr(jax.lax, "pcast") else
+                              "pcast"]:
+          self.assertNotIn(word, str(e))
 
   def test_untypable_body_off_the_explicit_path_names_the_op(self):
     """On a mixed mesh the op keeps the custom call, which needs jax's
@@ -6972,6 +7259,26 @@ def _scale_trusting_the_cotangent():
   return scaled
 
 
+def _row_sum_psumming_columns():
+  """``z.sum(1)``, partitioned as its operand arrives: each shard sums its
+  columns, then a psum over the columns' axis adds the partial sums (right,
+  but rounded otherwise than one device's sum)."""
+  op = custom_partitioning(_row_sum)
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows, cols = _spec(arg_shapes[0].sharding, 2)
+
+    def lower_fn(z):
+      return jax.lax.psum(z.sum(1), cols) if cols else z.sum(1)
+    return (mesh, lower_fn, NamedSharding(mesh, P(rows)),
+            (NamedSharding(mesh, P(rows, cols)),))
+
+  op.def_partition(partition, sharding_rule="i j -> i",
+                   infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+                       m, P(_rows_axis(a[0]))))
+  return op
+
+
 class CheckPartitioningTest(CPTestCase):
   """check_partitioning: passes right ops, names what a wrong one got
   wrong. Most tests use the 1-D mesh only: each placement is a compile."""
@@ -7070,6 +7377,28 @@ class CheckPartitioningTest(CPTestCase):
         cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh,
         max_combinations=2)
 
+  def test_grad_cotangents_of_complex_results_are_complex(self):
+    """A backward op whose lower_fn keeps only the real part of the
+    cotangent is wrong for every complex cotangent, and only for those:
+    the check's cotangents have imaginary parts (found by a breaker: real
+    ones passed this op)."""
+    w = np.complex64(0.5 + 2j)
+    scale = custom_partitioning(lambda z: z * w)
+    scale.def_partition(sharding_rule="b n -> b n")
+    scale_bwd = _same_sharding_op(lambda ct: ct * w, rule="b n -> b n",
+                                  lower_fn=lambda ct: jnp.real(ct) * w)
+
+    @jax.custom_vjp
+    def scaled(z):
+      return scale(z)
+    scaled.defvjp(lambda z: (scale(z), None),
+                  lambda _, ct: (scale_bwd(ct),))
+    cp.check_partitioning(scaled, self.z, meshes=_mesh1d())
+    self.assertRaisesNaming(
+        AssertionError, ["with operand shardings (PartitionSpec(),): "
+                         "gradient with respect to argument 0 differs"],
+        cp.check_partitioning, scaled, self.z, grad=True, meshes=_mesh1d())
+
   def test_compile_error_is_reraised_naming_the_combination(self):
     op = _same_sharding_op(jnp.sin)
     partition = op.partition
@@ -7096,6 +7425,21 @@ class CheckPartitioningTest(CPTestCase):
         cp.check_partitioning, _linear(psum=False), self.x, self.w,
         grad=True, meshes=_mesh1d(), max_combinations=2)
     self.assertIsInstance(error.__cause__, ValueError)
+    # A type that takes no message alone is re-raised itself, the
+    # combination in a note (found by a breaker: the TypeError of rebuilding
+    # it replaced the author's exception).
+    def partition_raising_two_args(mesh, arg_shapes, result_shape):
+      raise _TwoArgError(7, "refused by the author's callback")
+    op.def_partition(partition_raising_two_args,
+                     infer_sharding_from_operands=op.infer_sharding_from_operands,
+                     sharding_rule=op.sharding_rule)
+    with self.assertRaises(_TwoArgError) as cm:
+      cp.check_partitioning(op, self.x, meshes=_mesh1d())
+    self.assertEqual(cm.exception.code, 7)
+    if sys.version_info >= (3, 11):  # BaseException.add_note
+      self.assertIn("check_partitioning(", cm.exception.__notes__[-1])
+      self.assertIn("on Mesh('x': 8) with operand shardings "
+                    "(PartitionSpec(),)", cm.exception.__notes__[-1])
 
   def test_an_argument_no_axis_divides_is_checked_replicated(self):
     op = elementwise_op(rule="i -> i")
@@ -7129,6 +7473,70 @@ class CheckPartitioningTest(CPTestCase):
          "1['b']: PartitionSpec(None, 'x')}: result [1] differs"],
         cp.check_partitioning, lambda a, tree: (op(a), bad_fft(tree["b"])),
         a, {"b": self.z}, meshes=_mesh1d())
+
+  def test_comparison_scales_atol_and_matches_nans(self):
+    """The default atol is rtol times the reference's largest magnitude:
+    an element that cancels to ~0 among large ones passes within it (found
+    by a breaker: atol was rtol alone). NaN equals NaN where the reference
+    has it too (found by a breaker: sqrt of negatives failed)."""
+    want = np.float32([1000.0, 0.0, np.nan])
+    cp._compare(np.float32([1000.0, 0.05, np.nan]), want, None, None, "r")
+    self.assertRaisesNaming(
+        AssertionError, ["r: largest error 0.2 (1 of 3 elements off; at "
+                         "index (1,) got 0.2, expected 0;", "atol=0.1)"],
+        cp._compare, np.float32([1000.0, 0.2, np.nan]), want, None, None, "r")
+    self.assertRaisesNaming(  # a NaN where the reference has a number
+        AssertionError, ["at index (1,) got nan, expected 0"], cp._compare,
+        np.float32([1000.0, np.nan, np.nan]), want, None, None, "r")
+    report = cp.check_partitioning(elementwise_op(jnp.sqrt), self.x,
+                                   meshes=_mesh1d())
+    self.assertTrue((self.x < 0).any())  # sqrt gives NaNs
+    self.assertEqual(report.checked, 2)
+
+  def test_replicated_only_means_on_every_mesh(self):
+    """w (4, 3): sharded on the (2, 4) mesh (rows over 'x' or 'y'), not on
+    the 1-D mesh of 8. Found by a breaker: the last mesh alone decided, and
+    w was reported "checked replicated only"."""
+    op = elementwise_op()
+    report = cp.check_partitioning(
+        op, self.w, meshes=[self.mesh((2, 4), ("x", "y")), _mesh1d()])
+    self.assertEqual(report.replicated_only, ())
+    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (1, 1)])
+    self.assertNotIn("No mesh axis divides", str(report))
+
+  def test_size_1_axes_are_not_swept(self):
+    """On a (8, 1) mesh, sharding over 'y' is replicated: x (8, 4) is
+    checked P() and P('x') only (found by a breaker: P('y') and
+    P(None, 'y') were compiled too)."""
+    m = self.mesh((8, 1), ("x", "y"))
+    self.assertEqual(cp._shardings_of((8, 4), m), [(), ("x",)])
+    report = cp.check_partitioning(elementwise_op(), self.x, meshes=m)
+    self.assertEqual((report.checked, report.meshes),
+                     (2, (("Mesh('x': 8, 'y': 1)", 2, 2),)))
+
+  def test_default_tolerances_by_dtype(self):
+    """A complex dtype is as precise as its real part (found by a breaker:
+    complex64 got float64's 1e-9)."""
+    for dtype, tol in ((np.float16, 5e-3), (np.float32, 1e-4),
+                       (np.float64, 1e-9), (np.complex64, 1e-4),
+                       (np.complex128, 1e-9), (np.int32, 0.0),
+                       (np.int8, 0.0), (np.bool_, 0.0)):
+      with self.subTest(dtype=dtype):
+        self.assertEqual(cp._default_tolerance(dtype), tol)
+
+  def test_complex64_rounding_passes_the_default_tolerance(self):
+    """A right complex64 row sum whose shards add partial sums (psum)
+    rounds otherwise than one device: within complex64's default
+    tolerance, and not equal (else the check could not fail)."""
+    op = _row_sum_psumming_columns()
+    z = (_data((8, 64)) + 1j * _data((8, 64))[::-1]).astype(np.complex64)
+    report = cp.check_partitioning(op, z)
+    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (5, 5)])
+    cols = NamedSharding(_mesh1d(), P(None, "x"))
+    got = np.asarray(jax.jit(op)(jax.device_put(z, cols)))
+    want = np.asarray(jax.jit(op)(jax.device_put(z, jax.devices()[0])))
+    self.assertFalse(np.array_equal(got, want))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
 
   def test_bound_and_order_are_deterministic(self):
     a, b, c = ([(), ("x",), (None, "x")], [(), ("y",)],

@@ -20,10 +20,11 @@ imported, so jax's own implementation and any number of copies coexist.
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 to 0.11.x (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2,
-0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
-partitioner; 0.11 needs Python 3.12). Every ``jax._src`` import sits
-below, every version difference in appendix F.
+jax/jaxlib 0.4.35 to 0.11.x. CI (``.ci/run``) tests every change on
+0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2, 0.8.3, 0.9.2 and 0.10.2 on Python 3.11,
+and on 0.10.2 and 0.11.0 on Python 3.12 (0.11 needs it), each with the
+Shardy and the GSPMD partitioner. Every ``jax._src`` import sits below,
+every version difference in appendix F.
 
 Reading order
 -------------

@@ -57,9 +57,10 @@ jax option and no environment variable.
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 through 0.11.0 (tested on 0.4.35, 0.4.38, 0.5.3, 0.6.2,
-0.7.2, 0.8.3, 0.9.2, 0.10.2 and 0.11.0, each with the Shardy and the GSPMD
-partitioner; 0.11 needs Python 3.12). Older releases raise ``ImportError``;
+jax/jaxlib 0.4.35 through 0.11.0. CI (``.ci/run``) tests every change on
+0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2, 0.8.3, 0.9.2 and 0.10.2 on Python 3.11,
+and on 0.10.2 and 0.11.0 on Python 3.12 (0.11 needs it), each with the
+Shardy and the GSPMD partitioner. Older releases raise ``ImportError``;
 newer ones are not refused, but untested. Every ``jax._src`` import sits
 below, every version difference in appendix F.
 

@@ -7497,28 +7497,30 @@ class CheckPartitioningTest(CPTestCase):
     report = cp.check_partitioning(elementwise_op(jnp.sqrt), self.x,
                                    meshes=_mesh1d())
     self.assertTrue((self.x < 0).any())  # sqrt gives NaNs
-    self.assertEqual(report.checked, 2)
+    self.assertEqual(report.checked, 3)  # P(), P('x'), padded columns
 
   def test_replicated_only_means_on_every_mesh(self):
-    """w (4, 3): sharded on the (2, 4) mesh (rows over 'x' or 'y'), not on
-    the 1-D mesh of 8. Found by a breaker: the last mesh alone decided, and
-    w was reported "checked replicated only"."""
+    """w (4, 3): sharded on the (2, 4) mesh (rows over 'x' or 'y', columns
+    padded), not on a mesh of one device. Found by a breaker: the last mesh
+    alone decided, and w was reported "checked replicated only"."""
     op = elementwise_op()
+    one = Mesh(np.array(jax.devices()[:1]), ("x",))
     report = cp.check_partitioning(
-        op, self.w, meshes=[self.mesh((2, 4), ("x", "y")), _mesh1d()])
+        op, self.w, meshes=[self.mesh((2, 4), ("x", "y")), one])
     self.assertEqual(report.replicated_only, ())
-    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (1, 1)])
+    self.assertEqual([m[1:] for m in report.meshes], [(5, 5), (1, 1)])
     self.assertNotIn("No mesh axis divides", str(report))
 
   def test_size_1_axes_are_not_swept(self):
     """On a (8, 1) mesh, sharding over 'y' is replicated: x (8, 4) is
-    checked P() and P('x') only (found by a breaker: P('y') and
-    P(None, 'y') were compiled too)."""
+    checked P(), P('x') and padded P(None, 'x') only (found by a
+    breaker: P('y') and P(None, 'y') were compiled too)."""
     m = self.mesh((8, 1), ("x", "y"))
-    self.assertEqual(cp._shardings_of((8, 4), m), [(), ("x",)])
+    self.assertEqual(cp._shardings_of((8, 4), m),
+                     [(), ("x",), (None, "x")])  # the last one padded
     report = cp.check_partitioning(elementwise_op(), self.x, meshes=m)
     self.assertEqual((report.checked, report.meshes),
-                     (2, (("Mesh('x': 8, 'y': 1)", 2, 2),)))
+                     (3, (("Mesh('x': 8, 'y': 1)", 3, 3),)))
 
   def test_default_tolerances_by_dtype(self):
     """A complex dtype is as precise as its real part (found by a breaker:
@@ -7537,7 +7539,7 @@ class CheckPartitioningTest(CPTestCase):
     op = _row_sum_psumming_columns()
     z = (_data((8, 64)) + 1j * _data((8, 64))[::-1]).astype(np.complex64)
     report = cp.check_partitioning(op, z)
-    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (5, 5)])
+    self.assertEqual([m[1:] for m in report.meshes], [(3, 3), (11, 11)])
     cols = NamedSharding(_mesh1d(), P(None, "x"))
     got = np.asarray(jax.jit(op)(jax.device_put(z, cols)))
     want = np.asarray(jax.jit(op)(jax.device_put(z, jax.devices()[0])))

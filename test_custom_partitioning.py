@@ -7134,24 +7134,20 @@ def _linear(psum=True, check_vma=True):
   return linear
 
 
-def _scale_keying_on_the_cotangent():
-  """``x * w`` (x (b, n), w (n,)) as a custom_vjp whose backward op's
-  partition keys on the cotangent's sharding, not x's, and forgets the psum
-  of dw over the batch axis: wrong only when the cotangent arrives sharded,
-  as it does in a real loss."""
+def _scaled(backward_partition):
+  """``x * w`` (x (b, n), w (n,)) as a custom_vjp whose backward op
+  (``ct * w``, ``sum(ct * x, 0)``) is partitioned by
+  ``backward_partition(mesh, arg_shapes, bwd_body)``."""
   scale = custom_partitioning(lambda x, w: x * w)
   scale.def_partition(sharding_rule="b n, n -> b n")
 
   def bwd_body(x, w, ct):
     return ct * w, jnp.sum(ct * x, 0)
   scale_bwd = custom_partitioning(bwd_body)
-
-  def partition(mesh, arg_shapes, result_shape):
-    axis = _rows_axis(arg_shapes[2])  # the cotangent's
-    rows, whole = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P())
-    return mesh, bwd_body, (rows, whole), (rows, whole, rows)  # no psum
-  scale_bwd.def_partition(partition, sharding_rule="b n, n, b n -> b n, n",
-                          check_vma=False)
+  scale_bwd.def_partition(
+      lambda mesh, arg_shapes, _: backward_partition(mesh, arg_shapes,
+                                                     bwd_body),
+      sharding_rule="b n, n, b n -> b n, n", check_vma=False)
 
   @jax.custom_vjp
   def scaled(x, w):
@@ -7159,6 +7155,17 @@ def _scale_keying_on_the_cotangent():
   scaled.defvjp(lambda x, w: (scale(x, w), (x, w)),
                 lambda res, ct: scale_bwd(*res, ct))
   return scaled
+
+
+def _scale_keying_on_the_cotangent():
+  """``_scaled`` whose backward op's partition keys on the cotangent's
+  sharding, not x's, and forgets the psum of dw over the batch axis: wrong
+  only when the cotangent arrives sharded, as it does in a real loss."""
+  def partition(mesh, arg_shapes, bwd_body):
+    axis = _rows_axis(arg_shapes[2])  # the cotangent's
+    rows, whole = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P())
+    return mesh, bwd_body, (rows, whole), (rows, whole, rows)  # no psum
+  return _scaled(partition)
 
 
 def _sharded_axes(entries):
@@ -7234,18 +7241,11 @@ def _roll_up(keep_padded=True):
 
 
 def _scale_trusting_the_cotangent():
-  """``x * w`` (x (b, n), w (n,)) as a custom_vjp whose backward op shards
-  x and the cotangent by the cotangent's rows but decides the psum of dw by
-  x's: right while the cotangent arrives sharded as its result (x's rows),
-  wrong when x is replicated and the cotangent sharded."""
-  scale = custom_partitioning(lambda x, w: x * w)
-  scale.def_partition(sharding_rule="b n, n -> b n")
-
-  def bwd_body(x, w, ct):
-    return ct * w, jnp.sum(ct * x, 0)
-  scale_bwd = custom_partitioning(bwd_body)
-
-  def partition(mesh, arg_shapes, result_shape):
+  """``_scaled`` whose backward op shards x and the cotangent by the
+  cotangent's rows but decides the psum of dw by x's: right while the
+  cotangent arrives sharded as its result (x's rows), wrong when x is
+  replicated and the cotangent sharded."""
+  def partition(mesh, arg_shapes, bwd_body):
     summed = _rows_axis(arg_shapes[0])  # x's
     rows = NamedSharding(mesh, P(_rows_axis(arg_shapes[2])))  # ct's
     whole = NamedSharding(mesh, P())
@@ -7254,15 +7254,7 @@ def _scale_trusting_the_cotangent():
       dx, dw = bwd_body(x, w, ct)
       return dx, jax.lax.psum(dw, summed) if summed else dw
     return mesh, lower_fn, (rows, whole), (rows, whole, rows)
-  scale_bwd.def_partition(partition, sharding_rule="b n, n, b n -> b n, n",
-                          check_vma=False)
-
-  @jax.custom_vjp
-  def scaled(x, w):
-    return scale(x, w)
-  scaled.defvjp(lambda x, w: (scale(x, w), (x, w)),
-                lambda res, ct: scale_bwd(*res, ct))
-  return scaled
+  return _scaled(partition)
 
 
 def _row_sum_psumming_columns():
@@ -7377,7 +7369,7 @@ class CheckPartitioningTest(CPTestCase):
                        1e-3)  # the bug is real
     self.assertRaisesNaming(
         AssertionError,
-        ["check_partitioning(_scale_keying_on_the_cotangent.<locals>.scaled) "
+        ["check_partitioning(_scaled.<locals>.scaled) "
          "on Mesh('x': 8) with operand shardings (PartitionSpec('x'), "
          "PartitionSpec()): gradient with respect to argument 1 differs"],
         cp.check_partitioning, scaled, x, w, grad=True, meshes=mesh,

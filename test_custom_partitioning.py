@@ -7440,6 +7440,8 @@ class CheckPartitioningTest(CPTestCase):
                     "(PartitionSpec(),)", cm.exception.__notes__[-1])
 
   def test_an_argument_no_axis_divides_is_checked_replicated(self):
+    if not cp._returns_padded():  # the expected report has padded ones
+      self.skipTest(f"{JAX} under Shardy: no padded placement")
     op = elementwise_op(rule="i -> i")
 
     def both(a, tree):
@@ -7489,12 +7491,15 @@ class CheckPartitioningTest(CPTestCase):
     report = cp.check_partitioning(elementwise_op(jnp.sqrt), self.x,
                                    meshes=_mesh1d())
     self.assertTrue((self.x < 0).any())  # sqrt gives NaNs
-    self.assertEqual(report.checked, 3)  # P(), P('x'), padded columns
+    # P(), P('x'), padded columns (none on jax 0.9 under Shardy)
+    self.assertEqual(report.checked, 3 if cp._returns_padded() else 2)
 
   def test_replicated_only_means_on_every_mesh(self):
     """w (4, 3): sharded on the (2, 4) mesh (rows over 'x' or 'y', columns
     padded), not on a mesh of one device. Found by a breaker: the last mesh
     alone decided, and w was reported "checked replicated only"."""
+    if not cp._returns_padded():  # the expected report has padded ones
+      self.skipTest(f"{JAX} under Shardy: no padded placement")
     op = elementwise_op()
     one = Mesh(np.array(jax.devices()[:1]), ("x",))
     report = cp.check_partitioning(
@@ -7508,11 +7513,12 @@ class CheckPartitioningTest(CPTestCase):
     checked P(), P('x') and padded P(None, 'x') only (found by a
     breaker: P('y') and P(None, 'y') were compiled too)."""
     m = self.mesh((8, 1), ("x", "y"))
-    self.assertEqual(cp._shardings_of((8, 4), m),
-                     [(), ("x",), (None, "x")])  # the last one padded
+    padded = [(None, "x")] if cp._returns_padded() else []
+    self.assertEqual(cp._shardings_of((8, 4), m), [(), ("x",)] + padded)
+    n = 2 + len(padded)
     report = cp.check_partitioning(elementwise_op(), self.x, meshes=m)
     self.assertEqual((report.checked, report.meshes),
-                     (3, (("Mesh('x': 8, 'y': 1)", 3, 3),)))
+                     (n, (("Mesh('x': 8, 'y': 1)", n, n),)))
 
   def test_default_tolerances_by_dtype(self):
     """A complex dtype is as precise as its real part (found by a breaker:
@@ -7634,6 +7640,8 @@ class CheckPartitioningTest(CPTestCase):
   def test_two_axes_and_tuples_of_axes(self):
     """One operand on both axes of the 2-D mesh, and one dimension over
     both: a mean that divides by one axis's size is caught there."""
+    if not cp._returns_padded():  # the expected report has padded ones
+      self.skipTest(f"{JAX} under Shardy: no padded placement")
     mesh = CPTestCase.mesh((2, 4), ("x", "y"))
     x = _data((10, 8))
     # 10 rows: 'x' divides them, 'y' pads them; 8 columns: both divide.
@@ -7669,6 +7677,8 @@ class CheckPartitioningTest(CPTestCase):
     that sends padding into the last real row is caught; right ops pass,
     and padding never reaches the compared results."""
     x = _data((10, 4))
+    if not cp._returns_padded():
+      self.skipTest(f"{JAX} under Shardy: no padded placement")
     self.assertRaisesNaming(
         AssertionError,
         ["check_partitioning(_roll_up.<locals>.roll) on Mesh('x': 8) with "

@@ -2453,7 +2453,7 @@ def _loop_varying(eqn, ins: list) -> list:
     return None if None in sets else frozenset().union(*sets)
   p = eqn.params
   if eqn.primitive.name == "scan":
-    n, k = p["num_consts"], p["num_carry"]
+    n, k = _scan_counts(p)
     body, consts, carry, xs = p["jaxpr"].jaxpr, ins[:n], ins[n:n + k], ins[
         n + k:]
     cond, cond_consts = None, []
@@ -4598,6 +4598,16 @@ def _any_explicit(mesh) -> bool:
   # Before jax 0.5.3 (see _axis_types) no axis is Explicit.
   types_ = _axis_types(mesh)
   return types_ is not None and jax.sharding.AxisType.Explicit in types_
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+  """A scan equation's numbers of constants and carries."""
+  # jax 0.11.0 replaced num_consts/num_carry with ft_in, a flat tree of
+  # (consts, carry, xs).
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts)), len(list(carry))
 
 
 def _returns_padded() -> bool:

@@ -73,8 +73,9 @@ pipeline, which asks the author's callbacks; 6. derived ops (vmap, jvp,
 transposition); 7. checks of the per-shard program; 8.
 ``check_partitioning``, for an op author's tests. Appendices: A. shardings;
 B. the Shardy rule parser; C. the DEBUG log; D. keys; E. the module's
-state; F. compatibility. Then a self-demo and the wiring block, which
-registers everything this module hooks into jax and XLA.
+state; F. compatibility; G. what each refusal says. Then a self-demo and
+the wiring block, which registers everything this module hooks into jax
+and XLA.
 """
 
 from __future__ import annotations
@@ -377,12 +378,15 @@ class custom_partitioning:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    eager = _at_top_level() and not _jit_disabled()
-    if (eager and not kwargs and len(args) == self._signature.plain and
+    # Outside any transformation (and jit not disabled): an eager call.
+    eager = core.trace_state_clean() and not _config.disable_jit.value
+    if (not kwargs and len(args) == self._signature.plain and
         not (self.static_argnums or self.static_argnums == 0)):
       # The common case, kept fast: every argument is an operand (what
-      # _split would answer, without building its _CallArgs).
-      return self._eager_call(args)
+      # _split would answer).
+      if eager:
+        return self._eager_call(args)
+      return self._bind(_CallArgs((), (), (), args))
     args = self._split(args, kwargs)
     if eager and _is_hashable(args.static_args):
       return self._eager_call(args.dyn_args, args)
@@ -445,15 +449,17 @@ class custom_partitioning:
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
     trace cache where it can be (``key`` is None where not)."""
-    if not _is_hashable(args.static_args):
+    if args.static_args and not _is_hashable(args.static_args):
       return (*self._trace_fun(args, flat.in_tree, flat.in_avals), None)
     # jax.jit's trace key (its trace context holds the config states), plus
     # the positions of unpassed defaults. Like jax.jit, it does not see the
     # globals and closures ``fun`` reads.
-    key = (args.static_args, _positions(args.defaults), flat.in_tree,
-           flat.in_avals, _use_shardy(), _config.trace_context())
-    traced = self._traces.cached(key, lambda: self._trace_fun(
-        args, flat.in_tree, flat.in_avals))
+    key = (args.static_args, tuple(i for i, _ in args.defaults),
+           flat.in_tree, flat.in_avals, _use_shardy(), _config.trace_context())
+    traced = self._traces.get(key)
+    if traced is None:
+      traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
+      self._traces.put(key, traced)
     return (*traced, key)
 
   def _run_body(self, args: _CallArgs):
@@ -466,16 +472,13 @@ class custom_partitioning:
     if (_use_shardy() and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
-      raise NotImplementedError(
-          f"custom_partitioning function {self._name} is used with the "
-          "Shardy partitioner, but only GSPMD callbacks "
-          "(infer_sharding_from_operands / propagate_user_sharding) are "
-          "defined. Add a sharding_rule to def_partition, e.g. "
-          "sharding_rule='i j -> i j'.")
-    flat = _flatten(args)
-    explicit = _explicit_call(self, args, flat, eager_mesh)
-    if explicit is not None:
-      return explicit
+      raise NotImplementedError(_REFUSALS["gspmd_only"].format(
+          name=self._name))
+    flat = _flatten(args)  # once, for every step below
+    if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (2)
+      explicit = _explicit_call(self, args, flat, eager_mesh)
+      if explicit is not None:
+        return explicit
     call, out_tree, key = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
         *flat.leaves, **self._params(args, flat, call, out_tree,
@@ -490,7 +493,11 @@ class custom_partitioning:
     shard_map path builds its op from the same (``_op_of``)."""
     return dict(
         call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=self._partition_of(args),
+        # An op defined by its rule alone: the partition derived from it.
+        partition=(self.partition
+                   if self.partition is not None or self.sharding_rule is None
+                   else _FromRule(self.fun, args.static_argnums,
+                                  args.defaults)),
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
@@ -499,20 +506,14 @@ class custom_partitioning:
                      else _Unhashable(args.static_args)),
         check_vma=self.check_vma, transform=())
 
-  def _partition_of(self, args: _CallArgs):
-    """The ``partition`` a call binds: the author's, or for an op defined
-    by its rule alone a ``_FromRule`` (None where neither is given)."""
-    if self.partition is not None or self.sharding_rule is None:
-      return self.partition
-    return _FromRule(self.fun, args.static_argnums, args.defaults)
-
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
     """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
     over stay constants of ``call`` (``lower_fn`` captures its own); a
     closed-over tracer cannot reach XLA's callbacks and is rejected."""
     fixed = dict(zip(args.static_argnums, args.static_args))
     fixed.update(args.defaults)
-    all_args = _in_call_order(fixed, args.dyn_args)
+    all_args = (_in_call_order(fixed, args.dyn_args) if fixed
+                else args.dyn_args)
     wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
     if fixed:
       wrapped, _ = api_util.argnums_partial(
@@ -520,20 +521,13 @@ class custom_partitioning:
           all_args, require_static_args_hashable=False)
     flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
     try:
-      jaxpr, consts = _trace_to_jaxpr(flat_fun, in_avals)
+      call = _trace_to_jaxpr(flat_fun, in_avals, self._name)
     except _ShardingTypeError as e:
-      raise type(e)(
-          f"custom_partitioning function {self._name}: jax cannot type its "
-          f"body with these operand shardings ({e}). With every mesh axis "
-          "Explicit and the mesh set by jax.set_mesh(mesh), the op runs as "
-          "jax.shard_map of its lower_fn, which needs no such typing.") from e
-    if any(isinstance(c, core.Tracer) for c in consts):
+      raise type(e)(_REFUSALS["untypable_body"].format(
+          name=self._name, e=e)) from e
+    if any(isinstance(c, core.Tracer) for c in call.consts):
       raise _errors.UnexpectedTracerError(
-          f"custom_partitioning function {self._name} closes over a traced "
-          "value (e.g. a variable of an enclosing jax.jit or jax.grad). "
-          "Pass it to the function as an argument instead.")
-    call = core.ClosedJaxpr(jaxpr, consts)
-    _name_call(call, self._name)
+          _REFUSALS["closes_over_tracer"].format(name=self._name))
     return call, out_tree()
 
 
@@ -839,7 +833,7 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   if ambient is not None and not ambient.empty and ambient != am:
     return None, ("another mesh is ambient (inside a shard_map or "
                   "auto_axes)")
-  mesh = _caller_mesh(lambda m: _abstract_of(m) == am, eager_mesh,
+  mesh = _caller_mesh(lambda m: m.abstract_mesh == am, eager_mesh,
                       with_block=False)
   if mesh is None:
     return None, ("no concrete mesh for the operands' mesh is known (set "
@@ -857,7 +851,8 @@ def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
   (unless ``with_block`` is False: the shard_map path takes only the
   others), ``jax.set_mesh``, an eager call's operands' mesh. None if none
   does. The one order of precedence for every path."""
-  sources = ((_with_block_mesh(),) if with_block else ()) + (
+  with_mesh = mesh_lib.thread_resources.env.physical_mesh  # `with mesh:`
+  sources = ((with_mesh,) if with_block else ()) + (
       _ambient_mesh("get_concrete_mesh"), eager_mesh)
   return next((m for m in sources
                if m is not None and not m.empty and fits(m)), None)
@@ -1028,7 +1023,7 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
                for t, v in zip(map(_spec_of, in_avals), answer.args)]
   # The program names no devices: jax.jit reuses its traces for every
   # concrete mesh of one abstract mesh, and gives the devices when lowering.
-  am = _abstract_of(mesh)
+  am = mesh.abstract_mesh
   mapped = jax.shard_map(
       per_shard, mesh=am, check_vma=check_vma,
       in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
@@ -1103,7 +1098,7 @@ def _impl(*args, **params):
 
 
 def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
-  call, steps = params["call"], _steps(params)
+  call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps)
   if place is None:
     if _log.isEnabledFor(logging.DEBUG):
@@ -1113,17 +1108,25 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
     return mlir.lower_fun(core.jaxpr_as_fun(call),
                           multiple_results=True)(ctx, *values)
   name = _fun_name(call)
-  _check_lowerable(ctx, name, place, params)
-  _ensure_lapack(ctx.module_context.platforms, call.jaxpr)
-  levels = _levels(steps, [_Value(a.shape, a.dtype) for a in call.in_avals],
-                   [_Value(a.shape, a.dtype) for a in call.out_avals])
-  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-    rule, rule_attr = _ask_rule(ctx, params, place.mesh, levels)
-  op = _op_of(params, place, rule,
-              varying=tuple(tuple(_varying_axes(a) for a in avals)
-                            for avals in (ctx.avals_in, ctx.avals_out)),
+  if ctx.module_context.lowering_parameters.for_export:
+    raise NotImplementedError(_REFUSALS["export"].format(name=name))
+  if place.devices is None:
+    raise ValueError(_REFUSALS["no_devices"].format(name=name))
+  if params["partition"] is None:
+    raise ValueError(_REFUSALS["no_partition"].format(
+        name=name, n=len(place.devices)))
+  rule, rule_attr = params["sharding_rule"], None
+  if callable(rule) or (_use_shardy() and rule is not None):
+    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
+      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+  # Inside a partly manual shard_map (section 6 reads it): the manual axes
+  # each operand and result varies over.
+  varying = ((), ()) if place.auto is None else tuple(
+      tuple(_varying_axes(a) for a in avals)
+      for avals in (ctx.avals_in, ctx.avals_out))
+  op = _op_of(params, place, rule, varying=varying,
               platforms=ctx.module_context.platforms,
-              backend=_module_backend(ctx), config=_Configuration.here())
+              backend=_module_backend(ctx), config=_config_values())
   key = _register(ctx, op, params)
   custom_call = hlo.CustomCallOp(
       _ir_types(ctx, call.out_avals), list(values),
@@ -1145,25 +1148,9 @@ def _partitioned_placement(ctx, steps):
   """``(placement, why)``: where the op XLA partitions runs, or None and
   why its body is inlined instead (the code of one shard, one device, or
   shardings that need the manual subgroup only typed meshes express, else
-  XLA aborts)."""
-  axis_context = ctx.module_context.axis_context
-  if (isinstance(axis_context, sharding_impls.SPMDAxisContext) and
-      set(axis_context.manual_axes) == set(axis_context.mesh.axis_names)):
-    return None, ("inside a shard_map manual over every mesh axis (one "
-                  "shard's code)")
-  place = _placement(axis_context, ctx.avals_in)
-  if (place.devices is not None and len(place.devices) == 1) or getattr(
-      axis_context, "num_devices", None) == 1:
-    return None, "the program runs on one device"
-  if steps and _inexpressible(place):
-    return None, ("a derived op inside a partly manual shard_map before jax "
-                  "0.5.3, whose shardings cannot be expressed")
-  return place, None
+  XLA aborts).
 
-
-def _placement(axis_context, avals) -> _Placement:
-  """Where a lowering runs: the mesh of the first of these that is known.
-
+  The placement's mesh is the first of these that is known:
   1. The enclosing shard_map's (its manual axes typed Manual).
   2. One the caller gave (``_caller_mesh``) on the program's devices; where
      jax does not say them (inside another primitive's lowering, through
@@ -1172,56 +1159,42 @@ def _placement(axis_context, avals) -> _Placement:
   4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
      source).
   """
+  axis_context = ctx.module_context.axis_context
+  devices = getattr(axis_context, "device_assignment", None)
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     whole, manual = axis_context.mesh, axis_context.manual_axes
-    if not manual:
-      return _Placement(whole, _mesh_devices(whole))
-    return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
-                      _auto_submesh(whole, manual), whole)
-  devices = getattr(axis_context, "device_assignment", None)
-  if devices is None:
+    if set(manual) == set(whole.axis_names):
+      return None, ("inside a shard_map manual over every mesh axis (one "
+                    "shard's code)")
+    place = _Placement(whole, _mesh_devices(whole))
+    if manual:
+      place = _Placement(_with_manual_axes(whole, manual),
+                         _mesh_devices(whole), _auto_submesh(whole, manual),
+                         whole)
+  elif devices is None:
     num_devices = getattr(axis_context, "num_devices", None)
     abstract = [am for am in [_context_abstract_mesh(axis_context)] +
-                [_aval_mesh(a) for a in avals] if am is not None]
+                [_aval_mesh(a) for a in ctx.avals_in] if am is not None]
     mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
         dict(am.shape) == dict(m.shape) for am in abstract))
-    return _Placement(_with_block_mesh() if mesh is None else mesh,
-                      None if mesh is None else _mesh_devices(mesh))
-  devices = tuple(devices)
-  mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
-  if mesh is not None:
-    return _Placement(mesh, devices)
-  am = _context_abstract_mesh(axis_context)
-  if am is not None and am.size == len(devices):
-    return _Placement(_mesh_from_abstract(devices, am), devices)
-  return _Placement(_with_block_mesh(), devices)
-
-
-def _check_lowerable(ctx, name: str, place: _Placement, params) -> None:
-  if _is_exporting(ctx):
-    raise NotImplementedError(
-        f"jax.export cannot serialize the custom_partitioning op {name}: its "
-        "partitioning callbacks are Python functions that XLA calls while "
-        "compiling, and they cannot be stored in a serialized artifact. "
-        "Export on a single device, or export the per-shard code (e.g. "
-        "with jax.shard_map) instead.")
-  if place.devices is None:
-    raise ValueError(
-        f"custom_partitioning op {name} is lowered for several devices, but "
-        "jax did not say which: this happens when the op is lowered inside "
-        "another primitive's lowering rule (e.g. through mlir.lower_fun), "
-        "where jax cannot see it. Set the mesh around the call, with "
-        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its "
-        "devices, or call the op outside that primitive.")
-  _check_has_partition(name, params["partition"], len(place.devices))
-
-
-def _check_has_partition(name: str, partition, num_devices: int) -> None:
-  if partition is None:
-    raise ValueError(
-        f"custom_partitioning op {name} runs on {num_devices} devices, but "
-        "its def_partition was given partition=None and no sharding_rule to "
-        "derive a partition from: give either.")
+    place = (_Placement(mesh, _mesh_devices(mesh)) if mesh is not None else
+             _Placement(mesh_lib.thread_resources.env.physical_mesh, None))
+  else:
+    devices = tuple(devices)
+    mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
+    if mesh is None:
+      am = _context_abstract_mesh(axis_context)
+      if am is not None and am.size == len(devices):
+        mesh = _mesh_from_abstract(devices, am)
+    place = _Placement(mesh if mesh is not None else
+                       mesh_lib.thread_resources.env.physical_mesh, devices)
+  if (place.devices is not None and len(place.devices) == 1) or getattr(
+      axis_context, "num_devices", None) == 1:
+    return None, "the program runs on one device"
+  if steps and _inexpressible(place):
+    return None, ("a derived op inside a partly manual shard_map before jax "
+                  "0.5.3, whose shardings cannot be expressed")
+  return place, None
 
 
 @contextlib.contextmanager
@@ -1238,30 +1211,41 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
     raise type(e)(f"{prefix}{e}{after}") from e
 
 
-def _ask_rule(ctx, params, mesh, levels):
+def _ask_rule(ctx, params, mesh, steps):
   """The op's rule (a callable ``sharding_rule`` asked here, about the
   author's op) and, under Shardy, its attribute for the custom call."""
-  rule = params["sharding_rule"]
-  if callable(rule):
-    operand_types, result_types = (
-        _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
-        for side in (levels[0].operands, levels[0].results))
-    produced = rule(*_static_values(params["static_args"]), mesh,
-                    operand_types, result_types)
-    kwargs: dict = {}
-    if isinstance(produced, (tuple, list)) and len(produced) == 2:
-      produced, kwargs = produced
-    if isinstance(produced, str):
-      produced = str_to_sdy_sharding_rule(produced, **kwargs)
-    elif not isinstance(produced, SdyShardingRule):
-      raise ValueError(
-          "A callable sharding_rule must return an SdyShardingRule, an "
-          f"einsum-like string, or (string, kwargs); got {produced!r}.")
-    rule = produced
+  call, rule = params["call"], params["sharding_rule"]
+  values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
+            [_Value(a.shape, a.dtype) for a in call.out_avals])
+  levels = (_levels(steps, *values) if steps  # section 6
+            else [_Level(None, *values)])
+  if callable(rule):  # seam: a rule asked per call
+    rule = _asked_rule(ctx, params, mesh, levels[0])
   attr = None
   if _use_shardy() and rule is not None:
     attr = _rule_attr(rule, levels)
   return rule, attr
+
+
+def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
+  """What a callable ``sharding_rule`` answers about the author's op."""
+  operand_types, result_types = (
+      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+      for side in (author.operands, author.results))
+  static = params["static_args"]
+  produced = params["sharding_rule"](
+      *(static.value if isinstance(static, _Unhashable) else static), mesh,
+      operand_types, result_types)
+  kwargs: dict = {}
+  if isinstance(produced, (tuple, list)) and len(produced) == 2:
+    produced, kwargs = produced
+  if isinstance(produced, str):
+    return str_to_sdy_sharding_rule(produced, **kwargs)
+  if not isinstance(produced, SdyShardingRule):
+    raise ValueError(
+        "A callable sharding_rule must return an SdyShardingRule, an "
+        f"einsum-like string, or (string, kwargs); got {produced!r}.")
+  return produced
 
 
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
@@ -1269,27 +1253,18 @@ def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
   (``custom_partitioning._params``), where it runs, its rule (a callable
   ``sharding_rule`` asked by now) and, for a custom call, what its
   lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
+  static = params["static_args"]
   return _Op(name=_fun_name(params["call"]), partition=params["partition"],
              infer_sharding_from_operands=params[
                  "infer_sharding_from_operands"],
              propagate_user_sharding=params["propagate_user_sharding"],
              sharding_rule=rule, decode_shardings=params["decode_shardings"],
              check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=_static_values(params["static_args"]),
+             static_args=(static.value if isinstance(static, _Unhashable)
+                          else static),
              in_tree=params["in_tree"], out_tree=params["out_tree"],
-             steps=_steps(params), place=place, **lowered)
-
-
-def _steps(params) -> tuple:
-  """The ``transform`` of an equation; () (the author's op) if it has none,
-  as when ``custom_partitioning_p`` is bound with upstream's parameters."""
-  return params.get("transform", ())
-
-
-def _static_values(static_args):
-  if isinstance(static_args, _Unhashable):
-    return static_args.value
-  return static_args
+             steps=params.get("transform", ()), place=place, mesh=place.mesh,
+             lowered=_LRU(256), **lowered)
 
 
 class _Placement(NamedTuple):
@@ -1335,51 +1310,40 @@ class _Op:
   varying: tuple = ((), ())
   platforms: Any = None
   backend: Any = None
-  # jax's configuration where the op was lowered, which ``partition`` and
-  # ``lower_fn`` run under on XLA's thread; None: the caller's own
-  # (the shard_map path).
-  config: _Configuration | None = None
+  # jax's configuration where the op was lowered (``_config_values``),
+  # which ``partition`` and ``lower_fn`` run under on XLA's thread; None:
+  # the caller's own (the shard_map path). The key holds what jax keys its
+  # traces on (``_content_key``); in one lowering it is one.
+  config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
   # Partition request -> XLA's answer. The request holds every input of the
   # answer that is not in the op's key (shapes, dtypes, shardings); the key
   # holds the rest.
-  lowered: _LRU = dataclasses.field(default_factory=lambda: _LRU(256),
-                                    metadata=_STATE)
-
-  @property
-  def mesh(self):
-    return self.place.mesh
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Configuration:
-  """jax's configuration on the thread that lowers an op: every option's
-  value (``_config_values``), to run its callbacks under, and the trace
-  context by value (``_trace_context_by_value``), its part of the key."""
-  values: tuple
-  trace_context: tuple
-
-  @classmethod
-  def here(cls) -> _Configuration:
-    return cls(_config_values(), _trace_context_by_value())
+  lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
+  mesh: Any = None  # place.mesh, what the callbacks see
 
 
 def _register(ctx, op: _Op, params) -> str:
-  """Registers ``op`` under its key (appendix D); returns the key."""
-  # One scope per lowering: the keep-alive list lives exactly as long as the
-  # lowering and its executables, so its id is unique while they live.
-  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
-  call = params["call"]
-  # The key holds the body and every field of the op (the callbacks, static
-  # arguments, pytrees, steps, placement, platforms, backend, and jax's
-  # configuration where it is lowered, which partition and lower_fn run
-  # under), plus the partitioner. XLA's questions are answered from these
-  # and from what XLA asks with (shapes and shardings): so a live op found
-  # under an equal key answers as this one would, whichever was first.
-  key = f"{_TARGET}:" + _digest(scope, str(call.jaxpr), call.consts, op,
-                                _use_shardy())
+  """Registers ``op`` under its key; returns the key. XLA's questions are
+  answered from the op and from what XLA asks with (shapes, shardings), so
+  ops found under one key must answer alike."""
+  if _persistent_cache_used():  # seam: keys that hit across processes (D)
+    key = _content_key(ctx, op, params["call"])
+  else:
+    # In one lowering jax's configuration is one: equal parameters in one
+    # placement are one op. A new lowering asks anew (and sees changes to
+    # what the callbacks read).
+    ident = (tuple(sorted(params.items())), op.place, op.varying,
+             op.platforms, op.backend, _use_shardy())
+    keepalives = ctx.module_context.keepalives
+    with _weak_lock:
+      table = _lowering_ops.get(id(keepalives))
+      if table is None:  # lives as long as the lowering
+        table = _lowering_ops[id(keepalives)] = _OpTable()
+        keepalives.append(table)
+      op = table.setdefault(ident, op)
+    key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
   with _weak_lock:
-    # Keep the first live entry: equal keys answer alike, and lowerings that
-    # already hold it must keep finding it.
+    # Keep the first live entry: lowerings that hold it must keep finding it.
     op = _registry.setdefault(key, op)
   ctx.module_context.add_keepalive(op)
   return key
@@ -1424,9 +1388,7 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
       return leave_to_xla(op, *xla_args)
     if leave_to_xla is None:
       if op is None:
-        raise RuntimeError(
-            f"{_TARGET}: no custom_partitioning op is registered under key "
-            f"{key!r}; was its lowering dropped?")
+        raise RuntimeError(_REFUSALS["unknown_key"].format(key=key))
       with _weak_lock:
         pending = _pending.pop(threading.get_ident(), None)
       if pending is not None:
@@ -1452,7 +1414,7 @@ def _park(error: BaseException, where: str) -> str:
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
 
 
-def _drop_pending() -> None:
+def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
   """Ends every kept infer/propagate error: called when a compile ends,
   failed (XLA failed before the partition callback came) or not (XLA
   dropped the op before partitioning it), so none reaches a later compile.
@@ -1460,6 +1422,8 @@ def _drop_pending() -> None:
   which thread compiled, so every kept error goes: a compile running
   meanwhile on another thread then loses one it kept, goes on as if the
   callback had returned None, and partition still decides the program."""
+  if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
+    return
   with _weak_lock:
     _pending.clear()
 
@@ -1479,11 +1443,13 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   """The result sharding XLA gets from the operands', or None."""
   result_shapes, _ = _hlo_parts(result_shape, None)
   results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
-  levels = _levels(op.steps, _from_xla(arg_shapes, arg_shardings, op.mesh),
-                   results)
-  inferred = _infer(op, levels)
+  operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
+  if op.steps:  # seam: a derived op (section 6)
+    inferred = _infer(op, _levels(op.steps, operands, results))
+  else:
+    inferred = _ask_infer(op, operands, results)
   if _log.isEnabledFor(logging.DEBUG):
-    _debug_infer(op, levels[-1].operands, inferred)
+    _debug_infer(op, operands, inferred)
   if inferred is None:
     return None
   return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
@@ -1524,17 +1490,14 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
                               result_sharding, hit)
     return hit
   if op.steps and op.mesh.empty:
-    raise NotImplementedError(
-        f"{op.name} is lowered for several devices without a mesh; "
-        "jax.vmap, jax.jvp and jax.grad of a custom_partitioning op need "
-        "one (jit with NamedSharding arguments, jax.set_mesh or `with "
-        "mesh:`).")
+    raise NotImplementedError(_REFUSALS["derived_without_mesh"].format(
+        name=op.name))
   on = op.mesh if op.place.auto is None else op.place.auto
   result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
   # XLA calls on a thread of its own, which has none of the lowering
   # thread's context managers: partition and lower_fn run under the
   # configuration the op was lowered (and keyed) with.
-  with _config_entered(op.config.values):
+  with _config_entered(op.config):
     shard = _partition(
         op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
         _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
@@ -1561,7 +1524,8 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
 def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
   """Partitions the op: the author's answer and ``lower_fn``, walked up
   the steps."""
-  levels = _levels(op.steps, operands, results)
+  levels = (_levels(op.steps, operands, results) if op.steps  # section 6
+            else [_Level(None, operands, results)])
   values = levels[0].operands, levels[0].results
   answer = _ask_partition(op, *values, on)
   if _log.isEnabledFor(logging.DEBUG):
@@ -1582,27 +1546,51 @@ def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   """``partition`` asked about values whose shardings are on ``on`` (for
-  an op defined by its rule alone, ``_partition_from_rule``)."""
-  _check_has_partition(op.name, op.partition, len(op.place.devices))
+  an op defined by its rule alone, ``_partition_from_rule``), its answer
+  checked."""
+  if op.partition is None:
+    raise ValueError(_REFUSALS["no_partition"].format(
+        name=op.name, n=len(op.place.devices)))
   if isinstance(op.partition, _FromRule):
     answer = _partition_from_rule(op, operands, results)
   else:
     answer = op.partition(*op.static_args, op.mesh,
                           _structs(op, op.in_tree, operands, on),
                           _structs(op, op.out_tree, results, on))
-  mesh, lower_fn, out_shardings, in_shardings = _check_answer(op, answer)
-  mesh = _concrete(op, mesh)
+  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+    got = (f"a sequence of length {len(answer)}"
+           if isinstance(answer, (tuple, list)) else type(answer).__name__)
+    raise TypeError(_REFUSALS["answer"].format(name=op.name, got=got))
+  mesh, lower_fn, out_shardings, in_shardings = answer
+  if not callable(lower_fn):
+    raise TypeError(_REFUSALS["lower_fn"].format(
+        name=op.name, got=type(lower_fn).__name__))
+  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
+    raise TypeError(_REFUSALS["mesh"].format(name=op.name,
+                                             got=type(mesh).__name__))
+  devices = op.place.devices
+  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
+  # op got if no mesh could be recovered (as upstream, lower_fn then runs
+  # without mesh axes).
+  if op.place.auto is None and not mesh.empty:
+    if isinstance(mesh, mesh_lib.Mesh):
+      if set(_mesh_devices(mesh)) != set(devices):
+        raise ValueError(_REFUSALS["mesh_devices"].format(
+            name=op.name, got=sorted(d.id for d in _mesh_devices(mesh)),
+            want=sorted(d.id for d in devices)))
+    elif mesh.size != len(devices):
+      raise ValueError(_REFUSALS["mesh_size"].format(
+          name=op.name, got=mesh.size, want=len(devices)))
+  if isinstance(mesh, mesh_lib.AbstractMesh):
+    mesh = _concrete(op, mesh)
   if op.place.auto is not None:
     # Collectives must name devices of the whole program: lower on the
     # whole mesh (the returned one may be the mesh with manual types).
     mesh = op.place.whole
   else:
     if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
-      raise NotImplementedError(
-          f"partition of {op.name} returned a mesh with axes "
-          f"{dict(mesh.shape)}, but the op's mesh has "
-          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad "
-          "they must be the same.")
+      raise NotImplementedError(_REFUSALS["derived_mesh"].format(
+          name=op.name, got=dict(mesh.shape), want=dict(op.mesh.shape)))
     on = mesh  # lower_fn runs on it: its axis names may differ from the op's
   return _Answer(mesh, on, lower_fn,
                  _encode(op, op.in_tree, in_shardings, operands, "partition",
@@ -1634,39 +1622,6 @@ def _partition_from_rule(op: _Op, operands: list, results: list):
           op.in_tree.unflatten(in_shardings))
 
 
-def _check_answer(op: _Op, answer):
-  """Validates what ``partition`` returned; returns its four parts."""
-  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
-    got = (f"a sequence of length {len(answer)}"
-           if isinstance(answer, (tuple, list)) else type(answer).__name__)
-    raise TypeError(
-        f"partition of {op.name} must return (mesh, lower_fn, "
-        f"result_shardings, arg_shardings); got {got}.")
-  mesh, lower_fn, _, _ = answer
-  if not callable(lower_fn):
-    raise TypeError(f"partition of {op.name} returned a lower_fn of type "
-                    f"{type(lower_fn).__name__}, which is not callable.")
-  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
-    raise TypeError(f"partition of {op.name} returned a mesh of type "
-                    f"{type(mesh).__name__}; expected a jax.sharding.Mesh.")
-  devices = op.place.devices
-  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
-  # op got if no mesh could be recovered (as upstream, lower_fn then runs
-  # without mesh axes).
-  if op.place.auto is None and not mesh.empty:
-    if isinstance(mesh, mesh_lib.Mesh):
-      if set(_mesh_devices(mesh)) != set(devices):
-        raise ValueError(
-            f"partition of {op.name} returned a mesh on devices "
-            f"{sorted(d.id for d in _mesh_devices(mesh))}, but the op runs "
-            f"on {sorted(d.id for d in devices)}.")
-    elif mesh.size != len(devices):
-      raise ValueError(
-          f"partition of {op.name} returned a mesh of {mesh.size} "
-          f"devices, but the op runs on {len(devices)}.")
-  return answer
-
-
 class _Answer(NamedTuple):
   """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
   (its collectives name that mesh's axes), the mesh the specs of ``args``
@@ -1678,12 +1633,10 @@ class _Answer(NamedTuple):
   results: list
 
 
-def _concrete(op: _Op, mesh):
-  """A mesh from the author; an AbstractMesh made concrete on the op's
-  devices (as upstream does)."""
-  if not isinstance(mesh, mesh_lib.AbstractMesh):
-    return mesh
-  if not op.mesh.empty and _abstract_of(op.mesh) == mesh:
+def _concrete(op: _Op, mesh: mesh_lib.AbstractMesh):
+  """An AbstractMesh from the author made concrete on the op's devices (as
+  upstream does)."""
+  if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
     return op.mesh
   return _mesh_from_abstract(op.place.devices, mesh)
 
@@ -1700,29 +1653,27 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
     where = f"{callback} of {op.name} returned {what} {i}"
     ndim = len(v.shape)
     if not isinstance(sharding, jax.sharding.Sharding):
-      raise TypeError(f"{where} as a {type(sharding).__name__}; expected "
-                      "a jax.sharding.Sharding.")
-    if isinstance(sharding, jax.sharding.NamedSharding):
+      raise TypeError(_REFUSALS["sharding"].format(
+          where=where, got=type(sharding).__name__))
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, mesh_lib.AbstractMesh):
       sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
                                             sharding.spec)
-    if set(_sharding_devices(sharding)) != set(op.place.devices):
-      raise ValueError(
-          f"{where} on devices "
-          f"{sorted(d.id for d in _sharding_devices(sharding))}, but the "
-          f"op runs on {sorted(d.id for d in op.place.devices)}.")
+    if sharding.device_set != set(op.place.devices):
+      raise ValueError(_REFUSALS["sharding_devices"].format(
+          where=where, got=sorted(d.id for d in sharding.device_set),
+          want=sorted(d.id for d in op.place.devices)))
     if isinstance(sharding, jax.sharding.NamedSharding) and (
         len(sharding.spec) > ndim):
-      raise ValueError(f"{where} with spec {sharding.spec} for a value "
-                       f"of rank {ndim}.")
+      raise ValueError(_REFUSALS["spec_rank"].format(
+          where=where, spec=sharding.spec, ndim=ndim))
     if on is op.place.auto:
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = _to_hlo_sharding(sharding, ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
     if spec is None and op.steps:
-      raise NotImplementedError(
-          f"{where}, which has no PartitionSpec on the mesh "
-          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
-          "shardings must have one.")
+      raise NotImplementedError(_REFUSALS["derived_spec"].format(
+          where=where, mesh=dict(op.mesh.shape)))
     out.append(v._replace(spec=spec, hlo=hlo))
   return out
 
@@ -1742,24 +1693,24 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
 
 
 def _structs(op: _Op, tree, values, on=None):
-  """The callbacks' view of ``values``: a pytree of ShapeDtypeStructs."""
+  """The callbacks' view of ``values`` (shardings on mesh ``on``): a pytree
+  of ShapeDtypeStructs, each sharded by a NamedSharding on the op's mesh
+  where it has a PartitionSpec and ``decode_shardings`` is on, else by a
+  GSPMDSharding; unsharded where its sharding is not known."""
   on = op.mesh if on is None else on
-  return tree.unflatten([jax.ShapeDtypeStruct(
-      v.shape, v.dtype, sharding=_author_sharding(op, v, on))
-      for v in values])
-
-
-def _author_sharding(op: _Op, v: _Value, on):
-  """How the callbacks see ``v`` (a sharding on mesh ``on``): a
-  NamedSharding on the op's mesh where it has a PartitionSpec and
-  ``decode_shardings`` is on, else a GSPMDSharding; None if not known."""
-  if not v.known():
-    return None
-  if op.decode_shardings and v.spec is not None and not op.mesh.empty:
-    return jax.sharding.NamedSharding(op.mesh,
-                                      jax.sharding.PartitionSpec(*v.spec))
-  devices = op.place.devices if on is op.mesh else _mesh_devices(on)
-  return sharding_impls.GSPMDSharding(devices, _hlo_of(v, on))
+  structs = []
+  for v in values:
+    if v.spec is None and v.hlo is None:
+      sharding = None
+    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
+      sharding = jax.sharding.NamedSharding(
+          op.mesh, jax.sharding.PartitionSpec(*v.spec))
+    else:
+      sharding = sharding_impls.GSPMDSharding(
+          op.place.devices if on is op.mesh else _mesh_devices(on),
+          _hlo_of(v, on))
+    structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
+  return tree.unflatten(structs)
 
 
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
@@ -1768,15 +1719,9 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   7; returns its jaxpr (of flat local arrays) and whether the check proved
   every replicated result equal along its axes (False where unchecked)."""
   lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None:
-    shapes = [v.shape for v in operands + results]
-    try:  # a rule that does not fit the op fails elsewhere, with its cause
-      _, dims = _resolve_rule(op.sharding_rule, shapes, len(operands))
-    except ValueError:
-      dims = None
-    if dims is not None:
-      _check_even_reductions(op.name, op.sharding_rule, dims, shapes,
-                             len(operands), [v.spec for v in answer.args], on)
+  if op.check_vma and op.sharding_rule is not None and _padded(answer.args,
+                                                               on):
+    _check_even_reductions(op, operands + results, answer.args, on)
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
   try:
@@ -1787,23 +1732,18 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   except NameError as e:  # an unbound axis name
     if not answer.mesh.empty:
       raise
-    raise ValueError(
-        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
-        "returned the empty mesh: the op's mesh could not be recovered (the "
-        "program's shardings are not NamedShardings and no mesh is set). "
-        "Return a mesh over the op's devices, or use NamedSharding inputs, "
-        "jax.set_mesh or `with mesh:`.") from e
+    raise ValueError(_REFUSALS["unbound_axis"].format(name=op.name,
+                                                      e=e)) from e
   got = jax.tree_util.tree_leaves(out_shape)
   if len(got) != len(local_results):
-    raise ValueError(
-        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
-        f"{len(local_results)} ({op.out_tree}).")
+    raise ValueError(_REFUSALS["result_count"].format(
+        name=op.name, got=len(got), want=len(local_results),
+        tree=op.out_tree))
   for i, (g, want) in enumerate(zip(got, local_results)):
     if g.shape != want.shape or g.dtype != want.dtype:
-      raise ValueError(
-          f"lower_fn of {op.name} returned result {i} with local shape "
-          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
-          f"{want.dtype}{list(want.shape)}.")
+      raise ValueError(_REFUSALS["result_shape"].format(
+          name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
+          want=f"{want.dtype}{list(want.shape)}"))
   proven = op.check_vma and _check_replicated_results(
       op.name, closed.jaxpr, [v.spec for v in answer.args],
       [v.spec for v in answer.results], _real_axes(on))
@@ -1855,15 +1795,20 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
 def _ask_infer(op: _Op, operands: list, results: list):
   """The result shardings ``infer_sharding_from_operands`` gives or, without
   it, the op's rule implies; None where neither can tell."""
-  if op.infer_sharding_from_operands is not None:
-    answer = op.infer_sharding_from_operands(
-        *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
-        op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
-                               for v in results]))
-    if answer is None:
-      return None
-    return _encode(op, op.out_tree, answer, results,
-                   "infer_sharding_from_operands", "result sharding")
+  if op.infer_sharding_from_operands is None:  # seam: inferred from the rule
+    return _infer_by_rule(op, operands, results)
+  answer = op.infer_sharding_from_operands(
+      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
+      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
+                             for v in results]))
+  if answer is None:
+    return None
+  return _encode(op, op.out_tree, answer, results,
+                 "infer_sharding_from_operands", "result sharding")
+
+
+def _infer_by_rule(op: _Op, operands: list, results: list):
+  """The result shardings the op's rule implies, or None (GSPMD)."""
   # The rule needs every placed operand's PartitionSpec.
   if op.sharding_rule is None or not any(v.known() for v in operands) or any(
       v.spec is None and v.hlo is not None for v in operands):
@@ -1914,21 +1859,19 @@ def _jvp(primals, tangents, **params):
   """
   call = params["call"]
   out = custom_partitioning_p.bind(*primals, **params)
-  mask = tuple(type(t) is not ad.Zero and _differentiable(_typeof(p))
+  mask = tuple(type(t) is not ad.Zero and
+               jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
                for p, t in zip(primals, tangents))
   if not any(mask):
     return out, [ad.Zero(a.to_tangent_aval()) for a in call.out_avals]
-  if not all(_differentiable(a) for a in call.out_avals):
+  if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+             for a in call.out_avals):
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
   operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
   derived = _derived_call(call, ("jvp", mask), "jvp",
                           _Jvp(mask).lower(core.jaxpr_as_fun(call)), operands)
   return out, _bind_derived(operands, params, _Jvp(mask), derived)
-
-
-def _differentiable(aval) -> bool:
-  return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
 def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
@@ -1942,33 +1885,27 @@ def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, tag, in_avals, _config.trace_context())
 
-  def build():
-    derived = core.ClosedJaxpr(*_trace_to_jaxpr(_wrap(fun, in_avals, ()),
-                                                 in_avals))
-    _name_call(derived, f"{label} of {_fun_name(call)}")
-    return derived
-  return _derived.cached(key, build)
+  return _derived.cached(key, lambda: _trace_to_jaxpr(
+      _wrap(fun, in_avals, ()), in_avals, f"{label} of {_fun_name(call)}"))
 
 
 def _bind_derived(args, params, step: _Step, call) -> list:
-  return custom_partitioning_p.bind(
-      *args, **dict(params, call=call, transform=_steps(params) + (step,)))
+  return custom_partitioning_p.bind(*args, **dict(
+      params, call=call, transform=params.get("transform", ()) + (step,)))
 
 
 def _transpose(cts, *args, **params):
   """Transposes a jvp op (linear in its tangents) into a vjp op."""
-  steps = _steps(params)
+  steps = params.get("transform", ())
   k = max((i for i, s in enumerate(steps) if not isinstance(s, _Batch)),
           default=None)
   call = params["call"]
   if k is None or not isinstance(steps[k], _Jvp) or any(
       ad.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
-    raise NotImplementedError(
-        f"{_fun_name(call)}: a custom_partitioning op can be transposed "
-        "only in its tangents, as jax.grad does.")
+    raise NotImplementedError(_REFUSALS["transpose"].format(
+        name=_fun_name(call)))
   mask = steps[k].mask
   n = len(mask)
-  cts = [ad.instantiate_zeros(ct) for ct in cts]
 
   def body(*xs):
     primals, out_cts = xs[:n], xs[n:]
@@ -1980,7 +1917,7 @@ def _transpose(cts, *args, **params):
     # varying manual axes, which jax.linear_transpose would drop).
     _, pullback = jax.vjp(linear, *(p for p, m in zip(primals, mask) if m))
     return list(pullback(list(out_cts)))
-  operands = [*args[:n], *cts]
+  operands = [*args[:n], *map(ad.instantiate_zeros, cts)]
   derived = _derived_call(call, ("transpose",), "transpose", body, operands)
   outs = custom_partitioning_p.bind(*operands, **dict(
       params, call=derived,
@@ -2167,19 +2104,20 @@ class _Vjp(_Step):
     (``scales``). An operand replicated over some mesh axes feeds every copy,
     so its cotangent sums over them (``psum_axes``).
     """
-    def copies(v):  # the mesh axes along which devices hold copies of v
-      return _copies_over(op, answer.on, v.spec, v, batched)
-    scales = [math.prod(answer.mesh.shape[a] for a in copies(v))
+    scales = [math.prod(answer.mesh.shape[a]
+                        for a in _copies_over(op, answer.on, v, batched))
               for v in below.results]
-    psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
+    psum_axes = [_copies_over(op, answer.on, v, batched)
+                 for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
+    # The transposition reduces where the forward broadcast (a primal
+    # without a dimension of the result): padding must add nothing.
+    padded = _padded(below.results, answer.on)
 
     def vjp_fn(*xs):
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      # The transposition reduces where the forward broadcast (a primal
-      # without a dimension of the result): padding must add nothing.
-      cts = [_without_padding(ct, v, answer.on) for ct, v in zip(
-          xs[n:], below.results)]
+      cts = [_without_padding(ct, v, answer.on) if padded else ct  # seam
+             for ct, v in zip(xs[n:], below.results)]
       cts = [ct if r == 1 else ct / r for ct, r in zip(cts, scales)]
       _, pullback = jax.vjp(partial_fn, *chosen)
       return [jax.lax.psum(g, axes) if axes else g
@@ -2255,14 +2193,14 @@ def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
   return top.step.lower(fn, op, answer, below[-1], batched)
 
 
-def _copies_over(op: _Op, on, spec, value: _Value, batched: set) -> tuple:
+def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
   """The mesh axes along which devices hold equal copies of ``value`` (a
   size-1 axis holds one copy, and needs no correction):
   those of ``on`` that neither its spec nor a batch dimension above shard
   it over and, inside a partly manual shard_map, the manual axes it does
   not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
   leave every value untyped, and then no manual axis counts)."""
-  used = _axes_in([spec]) | batched
+  used = _axes_in([value.spec]) | batched
   axes = tuple(a for a in _real_axes(on) if a not in used)
   if op.place.auto is None or value.varying is None or not any(
       op.varying[0] + op.varying[1]):
@@ -2334,12 +2272,23 @@ def _rule_attr(rule, levels: list):
 #    along them there is one device, so nothing can differ.
 # --------------------------------------------------------------------------
 
-def _check_even_reductions(name: str, rule, dims: list, shapes: list,
-                           num_operands: int, in_specs: list, mesh) -> None:
-  """Raises if an operand dimension that the rule reduces over is padded:
-  sharded over mesh axes that do not divide its size. ``dims``: the
-  resolved rule (see ``_resolve_rule``)."""
-  reduced = _reduced_factors(rule, dims, num_operands)
+def _padded(values: list, mesh) -> bool:
+  """Whether a value is sharded over mesh axes that do not divide its
+  dimension (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
+
+
+def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
+  """Raises if an operand dimension that the op's rule reduces over is
+  padded (sharded as in ``args``, over mesh axes that do not divide it)."""
+  shapes = [v.shape for v in values]
+  try:  # a rule that does not fit the op fails elsewhere, with its cause
+    _, dims = _resolve_rule(op.sharding_rule, shapes, len(args))
+  except ValueError:
+    return
+  name, in_specs = op.name, [v.spec for v in args]
+  reduced = _reduced_factors(op.sharding_rule, dims, len(args))
   for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
     for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
       axes = sorted(_axes_in([[entry]]))
@@ -2370,6 +2319,10 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
   the mesh's size-1 axes (``_real_axes``): a collective over one, or
   ``axis_index`` of one, makes nothing differ.
   """
+  if all(spec is not None and
+         set(axes) <= {a for entry in spec for a in _entry_axes(entry)}
+         for spec in out_specs):
+    return True  # every result is sharded over every axis: none to prove
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -2380,16 +2333,8 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
       continue
     for axis in axes:
       if axis in varying and axis not in _axes_in([spec]):
-        raise ValueError(
-            f"lower_fn of {name} returns result {i} as replicated over mesh "
-            f"axis {axis!r} (its result sharding has spec {spec}), but its "
-            f"value differs between the devices along {axis!r}: it is "
-            f"computed from an operand sharded over {axis!r} (or from "
-            "axis_index) and no collective over that axis makes it equal. "
-            f"Likely fix: a missing jax.lax.psum/pmax/all_gather over "
-            f"{axis!r} in lower_fn, or a result sharding over {axis!r}. If "
-            "the value is equal by construction, pass check_vma=False to "
-            "def_partition.")
+        raise ValueError(_REFUSALS["varies"].format(name=name, i=i,
+                                                    axis=axis, spec=spec))
   return proven
 
 
@@ -3165,21 +3110,6 @@ def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
   return out
 
 
-def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
-  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
-  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
-    # Also covers "replicated within a manual subgroup", which jax's parser
-    # does not handle.
-    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
-      return (None,) * ndim
-  try:
-    spec = _pspec_from_hlo(hlo_sharding, mesh)
-  except Exception:  # noqa: BLE001 - not expressible on this mesh
-    return None
-  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
-  return tuple(spec[:ndim]) + (None,) * (ndim - len(spec))
-
-
 def _hlo_of(v: _Value, on) -> xc.HloSharding:
   if v.hlo is not None:
     return v.hlo
@@ -3198,7 +3128,7 @@ def _axes_in(specs) -> set:
 
 def _shard_count(entry, mesh) -> int:
   """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _axes_in([[entry]]))
+  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
 
 
 def _real_axes(mesh) -> tuple:
@@ -3623,7 +3553,7 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
   parts: dict[str, list[str]] = {}
   part_sizes: dict[str, int] = {}
   for factor, size in sizes.items():
-    split = _split_size(size)
+    split = [size] if size <= _MAX_FACTOR_SIZE else _split_size(size)
     if split is None:
       where = next(f"{_value_name(i, num_operands)} dimension {d}"
                    for i, value_dims in enumerate(dims)
@@ -3908,24 +3838,36 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 
 
 # --------------------------------------------------------------------------
-# Appendix D. Keys
+# Appendix D. Keys that hit across processes
 #
-# The key names an op to XLA's callbacks and, inside the compiled program,
-# is part of the persistent compilation cache's key. It digests a description
-# of all that decides the op's partitioning: the body's jaxpr and constants,
-# each callback's code and the values it reads (closures, globals, attributes
-# of user modules, defaults), static arguments, pytrees, mesh, devices,
-# partitioner and jax's configuration (every field of the ``_Op``). Plain
-# data (including arrays up to _MAX_HASHED_BYTES and user objects, by their
+# Where jax's persistent compilation cache is on, a custom call's key is part
+# of the cache's key, so it must name the op by content, the same in every
+# process (``_register``'s seam; without the cache, a key names the op within
+# one lowering). It digests a description of all that decides the op's
+# partitioning: the body's jaxpr and constants, each callback's code and the
+# values it reads (closures, globals, attributes of user modules, defaults),
+# static arguments, pytrees, mesh, devices, partitioner and jax's trace
+# context (every field of the ``_Op`` not marked state). Plain data
+# (including arrays up to _MAX_HASHED_BYTES and user objects, by their
 # fields), code, meshes, devices and shardings are described faithfully;
 # anything else, and bigger arrays (hashing costs time linear in their size,
-# in every lowering), is *opaque*: described by its identity
-# within one lowering in one process. So a program keeps its key across
-# processes unless it reads opaque values, and a changed program (even in
-# place: each lowering is described anew) never gets an old key. No
-# description sees state that callbacks read through libraries (environment,
-# files, random numbers); like functions jax.jit traces, they must not.
+# in every lowering), is *opaque*: described by its identity within one
+# lowering in one process. So a program keeps its key across processes
+# unless it reads opaque values, and a changed program (even in place: each
+# lowering is described anew) never gets an old key. No description sees
+# state that callbacks read through libraries (environment, files, random
+# numbers); like functions jax.jit traces, they must not.
 # --------------------------------------------------------------------------
+
+def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
+  # What the cache loads runs per-shard code no one lowered in this process.
+  _ensure_lapack(op.platforms, call.jaxpr)
+  # One scope per lowering: the keep-alive list lives exactly as long as the
+  # lowering and its executables, so its id is unique while they live.
+  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
+  return f"{_TARGET}:" + _digest(scope, str(call.jaxpr), call.consts, op,
+                                 _trace_context_by_value(), _use_shardy())
+
 
 # Code of these packages is identified by name and version, not by content.
 _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
@@ -4162,6 +4104,7 @@ def _code_names(code: types.CodeType) -> list[str]:
 #   _pending        XLA's thread -> (op name, callback      threads P, F
 #                   error) of the compile on it
 #   _registry       custom call key -> _Op (_register, 3)   weak    -
+#   _lowering_ops   lowering -> its ops by parameters (3)   weak    -
 #   _parked_errors  tag -> a callback's exception           64      C, R
 #   _parked_counter the next tag (section 4)                -       -
 #   _call_names     body -> name of its function            weak    -
@@ -4169,8 +4112,9 @@ def _code_names(code: types.CodeType) -> list[str]:
 #
 # What each key holds of jax's configuration (its trace context, which
 # jax's own tracing caches key on): op._traces, op._programs and _derived
-# hold the context itself; _registry's key holds it by value (appendix D),
-# as part of the _Op, so _Op.lowered's answers hold for it too. _eager's
+# hold the context itself; _registry's key holds it by value where it is a
+# content key (appendix D), else names an op of one lowering, which has one
+# configuration; so _Op.lowered's answers hold for it too. _eager's
 # values are jax.jit functions, which key on the configuration themselves,
 # and build nothing that depends on it. _pending is no cache.
 #
@@ -4249,6 +4193,12 @@ class _LRU:
 _eager = _LRU()
 _derived = _LRU()
 _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Kept alive by the lowering's keep-alive list, whose id is the key.
+_lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class _OpTable(dict):
+  """One lowering's ops by parameters (weakly referable, unlike a dict)."""
 _parked_errors = _LRU()
 _parked_counter = itertools.count()
 _pending: dict[int, tuple[str, BaseException]] = {}
@@ -4300,25 +4250,23 @@ def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
   return lu.wrap_init(fun, debug_info=info)
 
 
-def _name_call(call, name: str) -> None:
-  """Names the function a traced body came from (``_fun_name``)."""
-  # jax 0.5.1 added DebugInfo.func_name; before it (see ``_wrap``), the
-  # names are kept in the weak table ``_call_names``.
-  with _weak_lock:
-    _call_names[call] = name
-
-
 def _fun_name(call) -> str:
   with _weak_lock:
     name = _call_names.get(call)
   return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
 
 
-def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals):
-  """Traces ``flat_fun`` to a jaxpr; returns ``(jaxpr, consts)``."""
+def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals,
+                    name: str) -> core.ClosedJaxpr:
+  """Traces ``flat_fun``; the body of function ``name`` (``_fun_name``)."""
   # jax 0.7.0 dropped the fourth result (attrs).
   jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
-  return jaxpr, consts
+  call = core.ClosedJaxpr(jaxpr, consts)
+  # jax 0.5.1 added DebugInfo.func_name; before it (see ``_wrap``), and for
+  # derived bodies, names are kept in the weak table ``_call_names``.
+  with _weak_lock:
+    _call_names[call] = name
+  return call
 
 
 def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
@@ -4365,8 +4313,9 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
 # jax 0.4.35 to 0.11; a few tenths of a second, once). A program that the
 # persistent cache loads runs per-shard code nobody lowered in this process,
 # and XLA segfaults calling an unregistered kernel (jax.export initializes
-# them for a deserialized module alike). So an op whose body uses one
-# initializes them when it is lowered for CPU.
+# them for a deserialized module alike). So, where the persistent cache is
+# used, an op whose body uses one initializes them when it is lowered for
+# CPU.
 _lapack_ready = False
 
 
@@ -4386,10 +4335,6 @@ def _uses_any(jaxpr: core.Jaxpr, primitives: set) -> bool:
       _uses_any(sub, primitives) for sub in core.subjaxprs(jaxpr))
 
 
-def _is_exporting(ctx: mlir.LoweringRuleContext) -> bool:
-  return bool(ctx.module_context.lowering_parameters.for_export)
-
-
 def _ambient_mesh(getter: str):
   """``mesh_lib.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
   # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh; until 0.5.1
@@ -4398,11 +4343,6 @@ def _ambient_mesh(getter: str):
     return None
   mesh = getattr(mesh_lib, getter)()
   return None if isinstance(mesh, tuple) else mesh
-
-
-def _with_block_mesh():
-  """The mesh of the enclosing ``with mesh:`` (the empty mesh if none)."""
-  return mesh_lib.thread_resources.env.physical_mesh
 
 
 def _context_abstract_mesh(axis_context):
@@ -4428,13 +4368,23 @@ def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
                        am.axis_names, **kwargs)
 
 
-def _pspec_from_hlo(hlo_sharding: xc.HloSharding, mesh) -> tuple:
-  """The PartitionSpec entries of ``hlo_sharding`` on ``mesh``."""
-  parsed = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
-  # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
-  if _JAX_VERSION < (0, 5, 3):
-    parsed = parsed.get_partition_spec()
-  return tuple(parsed)
+def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
+  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
+  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
+    # Also covers "replicated within a manual subgroup", which jax's parser
+    # does not handle.
+    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
+      return (None,) * ndim
+  try:
+    spec = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
+    # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
+    if _JAX_VERSION < (0, 5, 3):
+      spec = spec.get_partition_spec()
+    spec = tuple(spec)
+  except Exception:  # noqa: BLE001 - not expressible on this mesh
+    return None
+  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
+  return spec[:ndim] + (None,) * (ndim - len(spec))
 
 
 def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
@@ -4517,7 +4467,7 @@ def _manual_scope(mesh):
   # the ambient mesh (_VARYING_TYPES).
   if not _VARYING_TYPES or mesh.empty:
     return _no_ambient_mesh()
-  am = _abstract_of(mesh)
+  am = mesh.abstract_mesh
   return mesh_lib.use_abstract_mesh(am.update_axis_types(
       {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
 
@@ -4586,6 +4536,17 @@ def _axis_types(mesh) -> tuple | None:
   return types_ if isinstance(types_, tuple) else None
 
 
+def _explicitly_typed(avals) -> bool:
+  """Whether the shard_map path may apply: some abstract value is sharded
+  on a mesh with an axis typed Explicit (see ``_EXPLICIT_PATH``)."""
+  # jax 0.5.0 gave ShapedArray a sharding; jax 0.5.3 made axis types a
+  # tuple (_axis_types).
+  return _EXPLICIT_PATH and any(
+      jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
+          a, "sharding", None), "mesh", None), "axis_types", ())
+      for a in avals)
+
+
 def _all_explicit(am) -> bool:
   """Whether every axis of the abstract mesh ``am`` is typed Explicit."""
   types_ = _axis_types(am)
@@ -4617,10 +4578,6 @@ def _returns_padded() -> bool:
   recovering that result's sharding (seen on 0.9.2; 0.8.3 and 0.10.2 give
   the result another sharding)."""
   return _JAX_VERSION[:2] != (0, 9) or not _use_shardy()
-
-
-def _abstract_of(mesh):
-  return mesh.abstract_mesh
 
 
 def _set_mesh_scope(mesh):
@@ -4694,10 +4651,6 @@ def _use_shardy() -> bool:
   return bool(_config.use_shardy_partitioner.value)
 
 
-def _at_top_level() -> bool:
-  return core.trace_state_clean()  # no jax transformation is tracing
-
-
 def _jit_disabled() -> bool:
   return bool(_config.disable_jit.value)
 
@@ -4713,6 +4666,13 @@ def _add_note(error: BaseException, note: str) -> None:
 # jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
 # on plain local types.
 _TRACING_OPTIONS = frozenset({"check_vma"})
+
+
+def _persistent_cache_used() -> bool:
+  # jax_compilation_cache_dir and jax_enable_compilation_cache: unchanged
+  # from jax 0.4.35 to 0.11.
+  return bool(_config.compilation_cache_dir.value and
+              _config.enable_compilation_cache.value)
 
 
 def _config_values() -> tuple:
@@ -4778,13 +4738,102 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
                         **kwargs))
 
 
-def _register_compile_end_listener(callback) -> None:
-  """Calls ``callback()`` after each backend compile that succeeds (jax
-  records ``dispatch.BACKEND_COMPILE_EVENT`` then, 0.4.35 to 0.11)."""
-  def listener(event, duration, **_):
-    if event == dispatch.BACKEND_COMPILE_EVENT:
-      callback()
-  _monitoring.register_event_duration_secs_listener(listener)
+# --------------------------------------------------------------------------
+# Appendix G. What a refusal says
+#
+# The messages of the errors the core (sections 1 to 5 and 7) raises, by
+# name, each filled in with ``str.format`` where it is raised. Every one
+# names the op and the culprit, and says what to do instead.
+# --------------------------------------------------------------------------
+
+_REFUSALS = {
+    "transpose": ("{name}: a custom_partitioning op can be transposed only "
+                  "in its tangents, as jax.grad does."),
+    "gspmd_only": (
+      "custom_partitioning function {name} is used with the Shardy "
+      "partitioner, but only GSPMD callbacks (infer_sharding_from_operands "
+      "/ propagate_user_sharding) are defined. Add a sharding_rule to "
+      "def_partition, e.g. sharding_rule='i j -> i j'."),
+    "untypable_body": (
+      "custom_partitioning function {name}: jax cannot type its body with "
+      "these operand shardings ({e}). With every mesh axis Explicit and the "
+      "mesh set by jax.set_mesh(mesh), the op runs as jax.shard_map of its "
+      "lower_fn, which needs no such typing."),
+    "closes_over_tracer": (
+      "custom_partitioning function {name} closes over a traced value (e.g. "
+      "a variable of an enclosing jax.jit or jax.grad). Pass it to the "
+      "function as an argument instead."),
+    "export": (
+      "jax.export cannot serialize the custom_partitioning op {name}: its "
+      "partitioning callbacks are Python functions that XLA calls while "
+      "compiling, and they cannot be stored in a serialized artifact. Export "
+      "on a single device, or export the per-shard code (e.g. with "
+      "jax.shard_map) instead."),
+    "no_devices": (
+      "custom_partitioning op {name} is lowered for several devices, but jax "
+      "did not say which: this happens when the op is lowered inside another "
+      "primitive's lowering rule (e.g. through mlir.lower_fun), where jax "
+      "cannot see it. Set the mesh around the call, with jax.set_mesh(mesh) "
+      "or `with mesh:`, so the op can find its devices, or call the op "
+      "outside that primitive."),
+    "no_partition": (
+      "custom_partitioning op {name} runs on {n} devices, but its "
+      "def_partition was given partition=None and no sharding_rule to derive "
+      "a partition from: give either."),
+    "unknown_key": (
+      _TARGET + ": no custom_partitioning op is registered under key {key!r}; "
+      "was its lowering dropped?"),
+    "derived_without_mesh": (
+      "{name} is lowered for several devices without a mesh; jax.vmap, "
+      "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
+      "NamedSharding arguments, jax.set_mesh or `with mesh:`)."),
+    "derived_mesh": (
+      "partition of {name} returned a mesh with axes {got}, but the op's "
+      "mesh has {want}; under jax.vmap, jax.jvp and jax.grad they must be the "
+      "same."),
+    "answer": (
+      "partition of {name} must return (mesh, lower_fn, result_shardings, "
+      "arg_shardings); got {got}."),
+    "lower_fn": (
+      "partition of {name} returned a lower_fn of type {got}, which is not "
+      "callable."),
+    "mesh": (
+      "partition of {name} returned a mesh of type {got}; expected a "
+      "jax.sharding.Mesh."),
+    "mesh_devices": (
+      "partition of {name} returned a mesh on devices {got}, but the op runs "
+      "on {want}."),
+    "mesh_size": (
+      "partition of {name} returned a mesh of {got} devices, but the op runs "
+      "on {want}."),
+    "sharding": "{where} as a {got}; expected a jax.sharding.Sharding.",
+    "sharding_devices": "{where} on devices {got}, but the op runs on {want}.",
+    "spec_rank": "{where} with spec {spec} for a value of rank {ndim}.",
+    "derived_spec": (
+      "{where}, which has no PartitionSpec on the mesh {mesh}; under "
+      "jax.vmap, jax.jvp and jax.grad, shardings must have one."),
+    "unbound_axis": (
+      "lower_fn of {name} names a mesh axis ({e}), but partition returned "
+      "the empty mesh: the op's mesh could not be recovered (the program's "
+      "shardings are not NamedShardings and no mesh is set). Return a mesh "
+      "over the op's devices, or use NamedSharding inputs, jax.set_mesh or "
+      "`with mesh:`."),
+    "result_count": (
+      "lower_fn of {name} returned {got} outputs; the op has {want} "
+      "({tree})."),
+    "result_shape": (
+      "lower_fn of {name} returned result {i} with local shape {got}, but its "
+      "result sharding needs {want}."),
+    "varies": (
+      "lower_fn of {name} returns result {i} as replicated over mesh axis "
+      "{axis!r} (its result sharding has spec {spec}), but its value differs "
+      "between the devices along {axis!r}: it is computed from an operand "
+      "sharded over {axis!r} (or from axis_index) and no collective over that "
+      "axis makes it equal. Likely fix: a missing jax.lax.psum/pmax/"
+      "all_gather over {axis!r} in lower_fn, or a result sharding over "
+      "{axis!r}. If the value is equal by construction, pass check_vma=False "
+      "to def_partition."),
+}
 
 
 # --------------------------------------------------------------------------
@@ -4898,16 +4947,16 @@ _register_partitioner(
     _xla_callback(_answer_partition),
     _xla_callback(_answer_infer, lambda op, *_: None))
 _compiler.register_xla_runtime_error_handler(_reraise_callback_error)
-_register_compile_end_listener(_drop_pending)
-# How the key describes this module's objects (appendix D): an op by every
-# field that is not state (a field added to _Op is in the key unless it is
-# marked as state); the configuration by its trace context, what jax keys
-# its own traces on (jax.jit reuses a trace whatever the other options say).
+# jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
+# backend compile that succeeds, 0.4.35 to 0.11.
+_monitoring.register_event_duration_secs_listener(_drop_pending)
+# How the content key describes this module's objects (appendix D): an op
+# by every field that is not state (a field added to _Op is in the key
+# unless it is marked as state).
 _DESCRIBED_BY.update({
     _Op: lambda op: tuple((f.name, getattr(op, f.name))
                           for f in dataclasses.fields(op)
                           if not f.metadata.get("state")),
-    _Configuration: lambda config: config.trace_context,
     _Step: dataclasses.astuple,  # by class and fields: jvp and vjp differ
     _Unhashable: lambda obj: obj.value,
     _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),

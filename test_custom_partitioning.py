@@ -363,6 +363,23 @@ def _custom_call_keys(lowered_text):
   return re.findall(r'backend_config = "([^"]+)"', lowered_text)
 
 
+@contextlib.contextmanager
+def _content_keys():
+  """Lowers with jax's persistent compilation cache configured, where a
+  custom call's key names its op by content (without it, by lowering).
+  Nothing may be compiled inside: jax would go on using that cache."""
+  old = (jax.config.jax_compilation_cache_dir,
+         jax.config.jax_enable_compilation_cache)
+  with tempfile.TemporaryDirectory(prefix="cp_keys") as cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_enable_compilation_cache", True)
+    try:
+      yield
+    finally:
+      jax.config.update("jax_compilation_cache_dir", old[0])
+      jax.config.update("jax_enable_compilation_cache", old[1])
+
+
 def _settled_registry():
   """How many custom calls the module's registry knows once jax's caches are
   cleared and garbage is collected: what earlier tests left in jax's caches
@@ -5279,10 +5296,36 @@ class ReuseTest(CPTestCase):
     lowered = []
     for scale in (2.0, 2.0, 5.0):
       op = self.counting_op([], static_argnums=(0,))
-      lowered.append(jax.jit(lambda x, op=op, scale=scale: op(scale, x),
-                             in_shardings=s).lower(x))
+      with _content_keys():
+        lowered.append(jax.jit(lambda x, op=op, scale=scale: op(scale, x),
+                               in_shardings=s).lower(x))
       keys.update(_custom_call_keys(lowered[-1].as_text()))
     self.assertEqual(len(keys), 2, keys)
+
+  def test_without_the_persistent_cache_keys_name_one_lowerings_ops(self):
+    """Equal ops in one lowering share one key; another lowering of the
+    same program asks anew, under keys of its own."""
+    calls = []
+    op = self.counting_op(calls, static_argnums=(0,))
+    s = NamedSharding(self.mesh(), P("x"))
+    x = jax.device_put(_data((16, 4)), s)
+
+    def chain(x):
+      for _ in range(4):
+        x = op(1.5, x)
+      return op(2.0, x)
+
+    lowered = []
+    for _ in range(2):
+      jax.clear_caches()  # else jax reuses its lowering of the program
+      lowered.append(jax.jit(chain, in_shardings=s).lower(x))
+    keys = [_custom_call_keys(lo.as_text()) for lo in lowered]
+    self.assertEqual([len(set(k)) for k in keys], [2, 2], keys)
+    self.assertFalse(set(keys[0]) & set(keys[1]), keys)
+    for lo in lowered:
+      np.testing.assert_allclose(lo.compile()(x), np.asarray(x) * 1.5 ** 4 * 2,
+                                 rtol=1e-5)
+    self.assertEqual(len(calls), 4, "two ops per lowering, each asked once")
 
   def test_trace_is_reused(self):
     traced = []
@@ -5425,8 +5468,9 @@ class BigArrayKeyTest(CPTestCase):
       with self.subTest(nbytes=nbytes):
         table = np.ones(nbytes // 4, np.float32)
         op = self.table_op(table, [])
-        keys = [_custom_call_keys(self.chain(op).lower(self.x).as_text())
-                for _ in range(2)]
+        with _content_keys():
+          keys = [_custom_call_keys(self.chain(op).lower(self.x).as_text())
+                  for _ in range(2)]
         self.assertEqual(len(set(keys[0])), 1, "one key per lowering")
         self.assertEqual(keys[0] == keys[1], same,
                          "same program, two lowerings: "
@@ -5539,8 +5583,9 @@ class KeySafetyTest(CPTestCase):
     np.testing.assert_allclose(first, self.xh, rtol=1e-6)
     np.testing.assert_allclose(second, self.xh + 100.0, rtol=1e-6)
     # Two distinct programs (jax would reuse one lowering for one program).
-    lowered = [jax.jit(lambda x, k=k: op(x) * k, in_shardings=self.s)
-               .lower(self.x) for k in (1.0, 2.0)]
+    with _content_keys():
+      lowered = [jax.jit(lambda x, k=k: op(x) * k, in_shardings=self.s)
+                 .lower(self.x) for k in (1.0, 2.0)]
     keys = [_custom_call_keys(lo.as_text()) for lo in lowered]
     self.assertNotEqual(keys[0], keys[1], "opaque: one key per lowering")
 
@@ -5834,7 +5879,8 @@ class DropInTest(CPTestCase):
     for transpose in (True, False, True):
       _Switch.transpose = transpose
       jax.clear_caches()  # else jax's own lowering cache answers
-      text = jax.jit(op, in_shardings=self.s).lower(self.x).as_text()
+      with _content_keys():
+        text = jax.jit(op, in_shardings=self.s).lower(self.x).as_text()
       keys.append(_custom_call_keys(text))
     self.assertEqual(len(keys[0]), 1, keys)
     self.assertNotEqual(keys[0], keys[1])

@@ -2491,24 +2491,10 @@ def _only_subjaxpr(eqn):
 #
 # A wrong ``partition`` (a transformed axis kept sharded, a backward op that
 # forgets a psum) gives plausible numbers, and small tests on one device
-# never run it. The sweep, on each mesh and over its axes of more than one
-# device (``_shardings_of``): every operand replicated or in one of four
-# classes of placements. One dimension over one axis that divides it;
-# several dimensions, every axis on a dimension of its own that it divides;
-# one dimension over all the axes as a tuple (in mesh order, then
-# reversed), where their product divides it; padded, one dimension over an
-# axis that does not divide it. jax cannot put an array in a padded
-# sharding (``device_put`` refuses): it is placed replicated, then
-# constrained inside ``jit``, as a user's program reaches it, and XLA pads
-# the last shards. Across operands, all combinations if there are at most
-# ``max_combinations``; else, in this order until the bound: all
-# replicated, each operand's shardings with the others replicated (taken
-# round-robin over the operands), "diagonals" (operand i takes its k-th
-# sharding, for every k), then the remaining product in itertools order.
-# With ``grad``, each cotangent is placed as its result comes out of the
-# jitted forward; then, the operands replicated, the cotangents take their
-# one-axis shardings, diagonally (``_cotangent_specs``). Deterministic: no
-# randomness but the cotangents' fixed seed.
+# never run it. Each operand's placements: ``_shardings_of`` (the classes
+# are check_partitioning's); across operands: ``_sharding_combinations``;
+# the cotangents': ``_cotangent_specs``. Deterministic: no randomness but
+# the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
 _DEFAULT_MAX_COMBINATIONS = 32  # per mesh
@@ -2532,17 +2518,16 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   one dimension over one axis that divides it; several dimensions, every
   axis on a dimension of its own; one dimension over all the axes as a
   tuple (mesh order and reversed); padded, one dimension over an axis that
-  does not divide it (XLA pads the last shards; not on Explicit axes, where
-  jax types no uneven sharding, nor on jax 0.9 under Shardy, which cannot
-  compile a program whose result is padded). Combinations across
-  arguments: all of them, or at most ``max_combinations`` per mesh, chosen
-  deterministically (all replicated, each argument sharded alone, all
-  sharded at once, then the rest). Each placement is compiled and run
-  (with ``grad``, its VJP too); its results (and, with ``grad``, its
-  gradients) are compared with ``jax.jit(fn)`` on the arguments on
-  ``jax.devices()[0]``, where every custom-partitioned op runs its own
-  ``fun`` and no callback is asked.
-  Padding never reaches a global result, so none is compared.
+  does not divide it (XLA pads the last shards; none on Explicit axes,
+  where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
+  cannot compile a padded result). Combinations across arguments: all, or
+  at most ``max_combinations`` per mesh, chosen deterministically (all
+  replicated, each argument sharded alone, all sharded at once, then the
+  rest). Each placement is compiled and run; its results (with ``grad``,
+  and its VJP's gradients) are compared with ``jax.jit(fn)`` on the
+  arguments on ``jax.devices()[0]``, where every custom-partitioned op runs
+  its own ``fun`` and no callback is asked. Padding never reaches a global
+  result, so none is compared.
 
   Args:
     fn: a ``custom_partitioning`` op, or any function of arrays built from
@@ -2557,22 +2542,20 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     grad: also compare the vector-Jacobian product of ``fn`` for fixed
       random cotangents (seed 0; zero for non-float results; gradients
       with respect to integer arguments are not compared). Each cotangent
-      is placed with the sharding its result has in that combination (as
-      the jitted forward returns it: never padded), so backward ops see
-      cotangents sharded as in a real loss. Two compiles per combination
-      (the forward, then the VJP with the placed cotangents as arguments);
-      one without ``grad``. Then, on each mesh without Explicit axes, the
-      operands replicated, the cotangents take their results' shardings of
-      one dimension over one axis (the k-th of each, for every k): one VJP
-      compile each, for backward ops that go wrong only on cotangents
-      sharded otherwise than their results.
+      is placed as its result comes out of the jitted forward in that
+      combination (never padded), so backward ops see cotangents sharded as
+      in a real loss: two compiles per combination instead of one. Then, on
+      each mesh without Explicit axes, the operands replicated, the
+      cotangents take their results' shardings of one dimension over one
+      axis (the k-th of each, for every k): one VJP compile each, for
+      backward ops that go wrong only on cotangents sharded otherwise.
     meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
       mesh ``('x',)`` over all devices and, where the device count has a
       factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
       ``(p, count // p)``, with Auto axes (``jax.sharding.Mesh``; note
       ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
-      Explicit axis is checked with it set by ``jax.set_mesh``, so that
-      ops take their Explicit-axes path.
+      Explicit axis is checked under ``jax.set_mesh``, so that ops take
+      their Explicit-axes path.
     rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype (as
       jax types it: bfloat16 and the float8 types are floats): ``rtol``
       1e-9 for 64-bit floats (complex128's parts too), 1e-4 for 32-bit,
@@ -2581,12 +2564,11 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       same times the reference's largest magnitude (at least 1); integers
       and booleans exact.
     max_combinations: keyword; the bound per mesh (default 32). Raise it,
-      or pass ``meshes=``, to check more; the report says how many the
-      bound left out.
+      or pass ``meshes=``, to check more.
 
   Returns:
     A ``PartitioningReport``; its ``str`` says how many combinations were
-    checked on which meshes, which classes of placements, and for each
+    checked on which meshes, in which classes of placements, and per
     argument which classes were not tried and why (no axis divides it, or
     the bound left them out).
 
@@ -2682,9 +2664,7 @@ def _checked_meshes(name: str, meshes) -> list:
 def _checker(run: Callable, want: list, name: str, arg_names: list,
              flat: bool, hosts: list, tolerances: tuple) -> Callable:
   """``check(mesh, specs, ct_specs=None)``: runs ``hosts`` placed in
-  ``specs`` on ``mesh`` (and the cotangents in ``ct_specs``, if given) and
-  compares every result with ``want``, raising as ``check_partitioning``
-  says."""
+  ``specs`` (cotangents in ``ct_specs``) and compares with ``want``."""
   def check(mesh, specs, ct_specs=None):
     where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
              f"operand shardings {_specs_text(specs, arg_names, flat)}")
@@ -2705,16 +2685,13 @@ def _checker(run: Callable, want: list, name: str, arg_names: list,
 
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
             grad: bool) -> tuple[Callable, list]:
-  """``(run, cotangent shapes)``.
+  """``(run, cotangent shapes)``, a shape None for a non-float result.
 
   ``run(leaves, constraints=None, ct_specs=None, mesh=None)`` returns
-  ``[(what, array)]``: every result of the jitted forward on the operands
-  ``leaves`` (each constrained inside ``jit`` to its sharding in
-  ``constraints``, where one is given) and, with ``grad``, every gradient
-  of the jitted VJP for fixed cotangents, placed as the forward's results
-  are (so backward ops see them sharded as in a real program's loss) or,
-  given ``ct_specs``, in those on ``mesh``. The shapes: each result's, or
-  None for a result without cotangent (not a float)."""
+  ``[(what, array)]``: the jitted forward's results on ``leaves`` (each
+  constrained inside ``jit`` to its entry of ``constraints``, if any) and,
+  with ``grad``, the jitted VJP's gradients for fixed cotangents placed as
+  the forward's results are or, given ``ct_specs``, in those on ``mesh``."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
 
@@ -2741,15 +2718,11 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
     found = [(_path_text(path, "result"), leaf) for path, leaf in
              jax.tree_util.tree_flatten_with_path(out)[0]]
     if grad:
-      placed = []
-      for c, o, spec in zip(cts, jax.tree_util.tree_leaves(out),
-                            ct_specs or [None] * len(cts)):
-        if c is None:
-          placed.append((None, None))
-        elif spec is None:  # as its result comes out of the forward
-          placed.append((jax.device_put(c, _arguable(o, mesh)), None))
-        else:
-          placed.append(_placed(c, mesh, spec))
+      placed = [(None, None) if c is None else
+                (jax.device_put(c, _arguable(o, mesh)), None) if spec is None
+                else _placed(c, mesh, spec) for c, o, spec in zip(
+                    cts, jax.tree_util.tree_leaves(out),
+                    ct_specs or [None] * len(cts))]
       grads = jitted_pullback(leaves, [c for c, _ in placed], constraints,
                               tuple(k for _, k in placed))
       found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
@@ -2761,9 +2734,8 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
 
 def _cotangents(fn: Callable, args: tuple) -> list:
   """Fixed random cotangents (seed 0) of ``fn``'s results, flat; None for
-  a result that is not a float (its zero cotangent, float0, is built while
-  tracing). Float as jax types it: bfloat16 and float8 are not
-  ``numpy.inexact``."""
+  a non-float result (float0, built while tracing). Floats as jax types
+  them: bfloat16 and float8 are not ``numpy.inexact``."""
   rng = np.random.default_rng(0)
 
   def cotangent(s):
@@ -2778,17 +2750,15 @@ def _cotangents(fn: Callable, args: tuple) -> list:
 
 
 def _constrained(xs: list, shardings) -> list:
-  """``xs`` inside ``jit``, each constrained to its sharding (if not
-  None)."""
+  """``xs`` inside ``jit``, each constrained to its sharding (if any)."""
   return [x if s is None else jax.lax.with_sharding_constraint(x, s)
           for x, s in zip(xs, shardings)]
 
 
 def _placed(host, mesh, spec: tuple) -> tuple:
-  """``(array, constraint)``: ``host`` put on ``mesh`` in ``spec``, and
-  None; for a padded ``spec``, which ``jax.device_put`` refuses, ``host``
-  put replicated and ``spec``'s sharding, to constrain it to inside
-  ``jit``."""
+  """``(host put on mesh in spec, None)``; for a padded ``spec``, which
+  ``jax.device_put`` refuses, ``host`` put replicated and ``spec``'s
+  sharding, to constrain it to inside ``jit`` as a user's program would."""
   sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(*spec))
   if _placement_class(spec, host.shape, mesh) != _PADDED:
@@ -2798,9 +2768,7 @@ def _placed(host, mesh, spec: tuple) -> tuple:
 
 
 def _default_meshes() -> list:
-  """A 1-D mesh ``('x',)`` over all devices and, if the device count has a
-  factor p with 1 < p < count, a 2-D ``('x', 'y')`` mesh of shape
-  ``(p, count // p)`` (p the smallest), both with Auto axes."""
+  """check_partitioning's default meshes, p the smallest factor."""
   devices = np.array(jax.devices())
   meshes = [jax.sharding.Mesh(devices, ("x",))]
   n = devices.size
@@ -2811,7 +2779,7 @@ def _default_meshes() -> list:
 
 
 def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates, in section 8's order: replicated; one
+  """One operand's candidates, in this order: replicated; one
   dimension over one axis; several dimensions; a tuple of axes; padded
   (none on a mesh with an Explicit axis: jax types no uneven sharding;
   none where ``_returns_padded`` says jax cannot compile them).
@@ -2839,7 +2807,7 @@ def _shardings_of(shape: tuple, mesh) -> list[tuple]:
 
 
 def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
-  """The class of placements (section 8) ``spec`` is in; None: replicated."""
+  """``spec``'s class of placements (``_CLASSES``); None: replicated."""
   entries = [(n, e) for n, e in zip(shape, spec) if e is not None]
   if not entries:
     return None
@@ -2851,11 +2819,9 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
 
 
 def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
-  """The cotangents' placements besides their results' (with the operands
-  replicated): each takes the k-th of its shardings of one dimension over
-  one axis, for every k (``shapes``: None for a result without cotangent).
-  None on a mesh with an Explicit axis, where a cotangent must have its
-  result's type."""
+  """The cotangents' placements besides their results': each the k-th of
+  its one-axis shardings, for every k (a shape None: no cotangent). None on
+  an Explicit mesh, where a cotangent must have its result's type."""
   if _any_explicit(mesh):
     return []
   options = [[()] if shape is None else [
@@ -2867,9 +2833,10 @@ def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
 
 
 def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
-  """At most ``bound`` combinations (one entry per operand) of the
-  per-operand ``options`` (each starting with the replicated one), in the
-  order section 8 describes."""
+  """At most ``bound`` combinations of the per-operand ``options`` (each
+  replicated first): all if they fit; else all replicated, each operand
+  sharded alone (round-robin), "diagonals" (operand i takes its k-th
+  option, for every k), then the rest in ``itertools.product`` order."""
   total = math.prod(len(o) for o in options)
   if total <= bound:
     return list(itertools.product(*options))
@@ -2897,8 +2864,7 @@ def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
 def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
               tried: list) -> dict:
   """The report's ``replicated_only``, ``placements`` and ``untried``, from
-  the classes (``_placement_class``) each operand's sweep ``offered`` and
-  those it ``tried``, over all meshes."""
+  the classes each operand was ``offered`` and ``tried``, over all meshes."""
   untried = []
   for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
     missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
@@ -2914,9 +2880,7 @@ def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
 
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
-  """Why no placement of class ``cls`` was tried for an operand of
-  ``shape``: the bound, if some mesh ``offered`` one; else, why none
-  did."""
+  """Why no placement of class ``cls`` was tried for ``shape``."""
   if offered:
     return "left out by max_combinations"
   axes = [_real_axes(mesh) for mesh in meshes]
@@ -2957,8 +2921,7 @@ def _mesh_text(mesh) -> str:
 
 
 def _specs_text(specs, arg_names: list, flat: bool) -> str:
-  """``(PartitionSpec('x'), PartitionSpec())``, one per argument; for
-  pytree arguments, each leaf named."""
+  """``(PartitionSpec('x'), PartitionSpec())``; pytree leaves named."""
   if flat:
     return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
   return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
@@ -2972,8 +2935,7 @@ def _spec_text(spec: tuple) -> str:
 
 
 def _path_text(path, first: str) -> str:
-  """``argument 1['w']`` / ``result [0]``: a key path, its first key
-  spelled out as ``first`` plus its index."""
+  """A key path as ``argument 1['w']`` or ``result [0]``."""
   if first == "argument":
     return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
   return f"result {jax.tree_util.keystr(tuple(path))}" if path else "the result"
@@ -2983,11 +2945,10 @@ def _renamed(error: Exception, where: str) -> Exception:
   """``error``'s type with ``where`` before its message (else ``error``
   itself, with ``where`` as a note, for a type that takes no message)."""
   try:
-    new = type(error)(f"{where}: {type(error).__name__}: {error}")
+    return type(error)(f"{where}: {type(error).__name__}: {error}")
   except Exception:
     _add_note(error, where)
     return error
-  return new
 
 
 def _compare(got, want, rtol, atol, what: str) -> None:
@@ -3022,11 +2983,7 @@ def _compare(got, want, rtol, atol, what: str) -> None:
 
 def _default_tolerance(dtype) -> float:
   """rtol (and atol, relative to the reference's largest magnitude) by
-  dtype, as jax types it (bfloat16 and the float8 types are floats; to
-  numpy they are not ``inexact``): by the precision of the real part, 64
-  bits 1e-9, 32 bits 1e-4, float16 5e-3, bfloat16 3e-2, narrower floats
-  twice their epsilon (float8_e4m3fn 0.25); integers and booleans
-  exactly."""
+  dtype, as check_partitioning's ``rtol`` says."""
   if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
     return 0.0
   info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype

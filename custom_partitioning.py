@@ -3293,8 +3293,8 @@ class SdyShardingRule:
 
   Raises:
     ValueError: a size given for an unknown or whole-dimension factor, a
-      missing size, or a special factor that is unknown, repeated or listed in
-      two kinds.
+      missing size, a factor naming two dimensions of one array, or special
+      factors not in a tuple, unknown, repeated or listed in two kinds.
   """
 
   def __init__(self, operand_mappings: tuple[ArrayMapping, ...],
@@ -3303,15 +3303,13 @@ class SdyShardingRule:
                need_replication_factors: tuple[str, ...] = (),
                permutation_factors: tuple[str, ...] = (),
                **factor_sizes: int):
-    # factor -> True if some dimension is exactly this factor (so its size
-    # can be read off the operand), False if it only occurs in compounds.
+    # factor -> whether some dimension is exactly it (so its size can be
+    # read off the operand) rather than only part of compounds.
     whole_dim: dict[str, bool] = {}
     for dim in itertools.chain(*operand_mappings, *result_mappings):
-      if isinstance(dim, CompoundFactor):
-        for factor in dim:
-          whole_dim.setdefault(factor, False)
-      else:
-        whole_dim[dim] = True
+      compound = isinstance(dim, CompoundFactor)
+      for factor in dim if compound else (dim,):
+        whole_dim[factor] = whole_dim.get(factor, False) or not compound
     for factor in factor_sizes:
       if factor not in whole_dim:
         raise ValueError(f"Factor {factor} is not used in the rule, but a "
@@ -3370,11 +3368,8 @@ class SdyShardingRule:
 
 
 def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
-  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings.
-
-  Brackets and commas are tokens of their own and "…" starts one; the
-  mappings check the names.
-  """
+  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings,
+  which check the names."""
   side = " ".join(text.split())
   for char in "(),":
     text = text.replace(char, f" {char} ")
@@ -3473,14 +3468,11 @@ def _check_value_counts(rule: SdyShardingRule, num_operands: int,
 
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                   num_operands: int):
-  """Expands ``...`` against ``shapes`` (the first ``num_operands`` are the
-  operands', the rest the results') and sizes every factor.
-
-  Returns ``(sizes, dims)``: ``sizes`` maps each factor, in order of first
-  use, to its size; ``dims[v][d]`` is the tuple of factors of dimension ``d``
-  of value ``v``. Raises ValueError on a rank mismatch, an ellipsis standing
-  for different numbers of dimensions, or sizes that do not fit.
-  """
+  """Expands ``...`` against ``shapes`` (operands', then results') and
+  sizes every factor: ``(sizes, dims)``, ``sizes`` each factor's in order of
+  first use, ``dims[v][d]`` the factors of dimension ``d`` of value ``v``.
+  Raises ValueError on a rank mismatch, an ellipsis standing for different
+  numbers of dimensions, or sizes that do not fit."""
   _check_value_counts(rule, num_operands, len(shapes) - num_operands)
   sizes: dict[str, Any] = {}  # None while only compounds have shown it
 
@@ -3494,7 +3486,6 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                          f"{old} and {size}.")
       # Like jax: a factor seen with two sizes takes the smaller one.
       sizes[factor] = min(old, size)
-
   group_rank: dict[str, int] = {}
   dims: list[list[tuple[str, ...]]] = []
   mappings = (*rule.operand_mappings, *rule.result_mappings)
@@ -3520,7 +3511,6 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
         see(factor, size if len(factors) == 1
             else rule.factor_sizes.get(factor))
     dims.append(value_dims)
-
   for i, (value_dims, shape) in enumerate(zip(dims, shapes)):
     for d, (factors, size) in enumerate(zip(value_dims, shape)):
       product = math.prod(sizes[factor] for factor in factors)
@@ -3541,12 +3531,9 @@ _TRIAL_DIVISION_LIMIT = 2**21
 
 def _split_size(size: int) -> list[int] | None:
   """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
-  None if a prime factor is bigger.
-
-  The major part takes the small primes first: mesh axes (usually powers of
-  two) then still divide it, and Shardy shards the dimension through it
-  without splitting a mesh axis across the parts.
-  """
+  None if a prime factor is bigger. The major part takes the small primes
+  first: mesh axes (usually powers of two) then still divide it, so Shardy
+  shards the dimension through it without splitting a mesh axis."""
   if size <= _MAX_FACTOR_SIZE:
     return [size]
   primes, rest, p = [], size, 2
@@ -3572,11 +3559,8 @@ def _split_size(size: int) -> list[int] | None:
 
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
-  """The attribute of a resolved rule (see ``_resolve_rule``).
-
-  A factor too big for Shardy's parser becomes a compound of smaller ones
-  (see ``_split_size``), in every dimension and special-factor list.
-  """
+  """The attribute of a resolved rule; a factor too big for Shardy's parser
+  becomes a compound of smaller ones (``_split_size``) everywhere."""
   parts: dict[str, list[str]] = {}
   part_sizes: dict[str, int] = {}
   for factor, size in sizes.items():
@@ -3639,14 +3623,11 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
-  """GSPMD inference derived from a Shardy rule.
-
-  ``shapes`` are the operands', then the results'; ``in_specs`` holds the
-  PartitionSpec entries of each operand (None: not placed yet). Returns those
-  of each result: a result dimension takes the mesh axes of the first operand
-  dimension with the same single, passthrough factor, unless another
-  dimension of that result has them already.
-  """
+  """GSPMD inference from a Shardy rule: each result's PartitionSpec
+  entries from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
+  operands', then results'). A result dimension takes the mesh axes of the
+  first operand dimension with the same single, passthrough factor, unless
+  another dimension of that result has them already."""
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
@@ -3679,13 +3660,12 @@ def _entry_axes(entry) -> tuple:
 
 def _reduced_factors(rule: SdyShardingRule, dims: list,
                      num_operands: int) -> set:
-  """The factors of a resolved rule (``dims``, see ``_resolve_rule``) that no
-  shard can keep, the one definition every check and derivation uses: the
-  rule's reduction factors; factors of operands in no result (``j`` of
-  ``"i, j -> i"``, as ``x * sum(y)`` reads it); factors in results only; and
-  those a result is reduced over: factors of the operands it shares a factor
-  with (of every operand, for a result with no factor) that it lacks, as
-  ``n`` for the second result of ``"b n -> b n, b"``."""
+  """The factors of a resolved rule that no shard can keep, the one
+  definition every check and derivation uses: the reduction factors; those
+  of operands in no result (``j`` of ``"i, j -> i"``, as ``x * sum(y)``);
+  those in results only; and those a result is reduced over, the factors it
+  lacks of the operands it shares one with (of all, for a factorless
+  result), as ``n`` for the second result of ``"b n -> b n, b"``."""
   factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
   ins, outs = factors[:num_operands], factors[num_operands:]
   reduced = set(rule.reduction_factors) | (
@@ -3699,22 +3679,17 @@ def _reduced_factors(rule: SdyShardingRule, dims: list,
 
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
-  """The partition of an op given by its rule alone
-  (``_partition_from_rule``): ``(operand specs, result specs)``, as
-  PartitionSpec entries.
-
-  ``shapes`` are the operands', then the results'; ``in_specs`` and
-  ``out_specs`` the entries each arrives with (None: unknown). A factor
-  keeps the mesh axes the operands bring it on, else those the results
-  bring (slicing a replicated operand costs no communication); operands (or
-  results) that bring it on different axes leave it replicated. Replicated
-  too: the special factors, the reduced factors (``_reduced_factors``),
-  factors of compound dimensions or seen with two sizes, and a factor whose
-  axes an earlier factor (in order of first use) keeps.
-  """
+  """The partition of an op by its rule alone (``_partition_from_rule``):
+  ``(operand specs, result specs)`` as PartitionSpec entries, from those
+  ``in_specs`` and ``out_specs`` arrive with (None: unknown; ``shapes``:
+  operands', then results'). A factor keeps the mesh axes the operands bring
+  it on, else the results' (slicing a replicated operand costs no
+  communication); brought on different axes by one side, it is replicated.
+  Replicated too: the special and reduced factors, factors of compound
+  dimensions or seen with two sizes, and a factor whose axes an earlier one
+  (in order of first use) keeps."""
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands)
-
   blocked = (set(rule.need_replication_factors)
              | set(rule.permutation_factors) |
              _reduced_factors(rule, dims, num_operands))

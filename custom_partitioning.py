@@ -3727,24 +3727,19 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
 # --------------------------------------------------------------------------
 # Appendix C. The log of what each op was asked
 #
-# ``logging.getLogger(__name__)``: a vendored copy logs under its own import
-# path. Silent at the default level (WARNING). At DEBUG, one record per
-# question an op is asked (``infer_sharding_from_operands``,
-# ``propagate_user_sharding`` or ``partition``, by XLA or, under Explicit
-# axes, while tracing), and one where ``fun`` runs instead: the op, the
-# mesh, the shardings the op was asked with and the answer (for a derived
-# op, the author's callbacks' view), the path, why (where the module chose)
-# and whether a cache answered. A derived op is named as jax.vmap, jax.jvp
-# or jax.grad made it ("transpose of jvp of f"). The record's
-# ``custom_partitioning`` attribute holds the op, question, path, mesh,
-# cached and why as a dict.
-# Every call site checks ``_log.isEnabledFor(logging.DEBUG)`` first:
-# formatting costs, and tracing is a hot path.
+# ``logging.getLogger(__name__)`` (a vendored copy logs under its own
+# path), silent at the default WARNING. At DEBUG, one record per question an
+# op is asked (by XLA or, under Explicit axes, while tracing) and one where
+# ``fun`` runs instead: the op (a derived one named as jax made it,
+# "transpose of jvp of f"), the mesh, the shardings asked with and the
+# answer (for a derived op, the author's callbacks' view), the path, why
+# (where the module chose) and whether a cache answered; the record's
+# ``custom_partitioning`` attribute holds op, question, path, mesh, cached
+# and why as a dict. Call sites check ``_log.isEnabledFor(logging.DEBUG)``
+# first: formatting costs, and tracing is a hot path.
 # --------------------------------------------------------------------------
 
 _log = logging.getLogger(__name__)
-
-# The paths an op takes.
 _CUSTOM_CALL = "custom call"
 _SHARD_MAP = "shard_map under Explicit axes"
 _FUN = "fun"
@@ -3780,10 +3775,10 @@ def _logged_spec(v: _Value) -> str:
 
 
 def _logged(operands=None, results=None) -> str:
-  parts = [f"{what} [{', '.join(map(_logged_spec, values))}]"
-           for what, values in (("operands", operands), ("results", results))
-           if values is not None]
-  return ", ".join(parts)
+  return ", ".join(
+      f"{what} [{', '.join(map(_logged_spec, values))}]"
+      for what, values in (("operands", operands), ("results", results))
+      if values is not None)
 
 
 def _debug_partition(op: _Op, operands: list, results: list, answer,
@@ -3804,8 +3799,7 @@ def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
   on = op.mesh if op.place.auto is None else op.place.auto
   result_shapes, _ = _hlo_parts(result_shape, None)
   _, answered_args, answered_result = hit
-  _debug(op.name, "partition", path=_CUSTOM_CALL,
-         mesh=op.mesh, cached=True,
+  _debug(op.name, "partition", path=_CUSTOM_CALL, mesh=op.mesh, cached=True,
          asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
                        _from_xla(*_hlo_parts(result_shape, result_sharding),
                                  on)),
@@ -3816,14 +3810,13 @@ def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
 
 def _debug_infer(op: _Op, operands: list, inferred,
                  path: str = _CUSTOM_CALL) -> None:
-  if op.infer_sharding_from_operands is not None:
-    by = "infer_sharding_from_operands"
-  elif op.sharding_rule is not None:
-    by = "the sharding rule (no infer_sharding_from_operands)"
-  else:
-    by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
-  _debug(op.name, "infer_sharding_from_operands",
-         path=path, mesh=op.mesh, asked=_logged(operands), by=by,
+  by = ("infer_sharding_from_operands"
+        if op.infer_sharding_from_operands is not None else
+        "the sharding rule (no infer_sharding_from_operands)"
+        if op.sharding_rule is not None else
+        "nobody (no infer_sharding_from_operands, no sharding_rule)")
+  _debug(op.name, "infer_sharding_from_operands", path=path, mesh=op.mesh,
+         asked=_logged(operands), by=by,
          answered=(_logged(results=inferred) if inferred is not None else
                    "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
                    else "nothing"))
@@ -3833,10 +3826,9 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
   """``answer`` None: the user's sharding was kept without asking."""
   by = ("the module (no propagate_user_sharding: the user's sharding)"
         if answer is None else "propagate_user_sharding")
-  _debug(op.name, "propagate_user_sharding",
-         path=_CUSTOM_CALL, mesh=op.mesh, asked=_logged(results=users),
-         by=by, answered=_logged(results=users if answer is None
-                                 else answer))
+  _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
+         mesh=op.mesh, asked=_logged(results=users), by=by,
+         answered=_logged(results=users if answer is None else answer))
 
 
 # --------------------------------------------------------------------------

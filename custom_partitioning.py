@@ -4747,8 +4747,6 @@ def _demo() -> None:
   import time
 
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
   import jaxlib
 
   def collectives(jitted, x, kinds):
@@ -4757,7 +4755,7 @@ def _demo() -> None:
 
   fft = _batched_fft_op()
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-  rows = NamedSharding(mesh, P("x"))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   rng = np.random.default_rng(0)
   host = (rng.standard_normal((1024, 512)) +
           1j * rng.standard_normal((1024, 512))).astype(np.complex64)
@@ -4788,9 +4786,8 @@ def _demo() -> None:
 
   # Its gradient is partitioned by the same callbacks: still no collective.
   # Parseval: the gradient of sum |fft(x)|^2 is 2 * n * x.
-  def energy(x):
-    return jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2)
-  grad = jax.jit(jax.grad(energy))
+  grad = jax.jit(jax.grad(
+      lambda x: jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2)))
   real = jax.device_put(host.real.copy(), rows)
   error = float(np.max(np.abs(np.asarray(grad(real)) -
                               2 * 512 * host.real)))

@@ -2596,7 +2596,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     raise _renamed(e, f"check_partitioning({name}): on one device "
                       f"({device})") from e
   check = _checker(run, want, name, arg_names, flat, hosts, (rtol, atol))
-  per_mesh, checked, cotangents = [], 0, 0
+  per_mesh, cotangents = [], 0
   offered, tried = [set() for _ in hosts], [set() for _ in hosts]
   for mesh in meshes:
     options = [_shardings_of(h.shape, mesh) for h in hosts]
@@ -2613,9 +2613,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
                       for specs in combinations)
     per_mesh.append((_mesh_text(mesh), len(combinations),
                      math.prod(len(o) for o in options)))
-    checked += len(combinations)
   return PartitioningReport(
-      name, checked, tuple(per_mesh), grad=bool(grad),
+      name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
       max_combinations=max_combinations, cotangent_placements=cotangents,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
@@ -3010,8 +3009,7 @@ class PartitioningReport:
     checked: how many placements of the operands were compiled, run and
       compared, over all meshes.
     meshes: per mesh, ``(description, checked, total)``: combinations run
-      and combinations the sweep has (more than ``checked`` when the bound
-      cut it).
+      and those the sweep has (more when the bound cut it).
     replicated_only: the example arguments (described with their shapes)
       that no mesh could place but replicated: checked replicated only.
     grad: whether gradients were compared too.
@@ -3641,12 +3639,11 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
     spec = []
     for factors in value_dims:
       axes = axes_of.get(factors[0]) if len(factors) == 1 else None
-      names = set(axes if isinstance(axes, tuple) else (axes,))
-      if axes is None or names & used:
-        spec.append(None)
+      if axes is not None and used.isdisjoint(_entry_axes(axes)):
+        used.update(_entry_axes(axes))
       else:
-        used |= names
-        spec.append(axes)
+        axes = None
+      spec.append(axes)
     out.append(tuple(spec))
   return out
 

@@ -2436,24 +2436,10 @@ def _only_subjaxpr(eqn):
 #
 # A wrong ``partition`` (a transformed axis kept sharded, a backward op that
 # forgets a psum) gives plausible numbers, and small tests on one device
-# never run it. The sweep, on each mesh and over its axes of more than one
-# device (``_shardings_of``): every operand replicated or in one of four
-# classes of placements. One dimension over one axis that divides it;
-# several dimensions, every axis on a dimension of its own that it divides;
-# one dimension over all the axes as a tuple (in mesh order, then
-# reversed), where their product divides it; padded, one dimension over an
-# axis that does not divide it. jax cannot put an array in a padded
-# sharding (``device_put`` refuses): it is placed replicated, then
-# constrained inside ``jit``, as a user's program reaches it, and XLA pads
-# the last shards. Across operands, all combinations if there are at most
-# ``max_combinations``; else, in this order until the bound: all
-# replicated, each operand's shardings with the others replicated (taken
-# round-robin over the operands), "diagonals" (operand i takes its k-th
-# sharding, for every k), then the remaining product in itertools order.
-# With ``grad``, each cotangent is placed as its result comes out of the
-# jitted forward; then, the operands replicated, the cotangents take their
-# one-axis shardings, diagonally (``_cotangent_specs``). Deterministic: no
-# randomness but the cotangents' fixed seed.
+# never run it. Each operand's placements: ``_shardings_of`` (the classes
+# are check_partitioning's); across operands: ``_sharding_combinations``;
+# the cotangents': ``_cotangent_specs``. Deterministic: no randomness but
+# the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
 _DEFAULT_MAX_COMBINATIONS = 32  # per mesh
@@ -2477,17 +2463,16 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   one dimension over one axis that divides it; several dimensions, every
   axis on a dimension of its own; one dimension over all the axes as a
   tuple (mesh order and reversed); padded, one dimension over an axis that
-  does not divide it (XLA pads the last shards; not on Explicit axes, where
-  jax types no uneven sharding, nor on jax 0.9 under Shardy, which cannot
-  compile a program whose result is padded). Combinations across
-  arguments: all of them, or at most ``max_combinations`` per mesh, chosen
-  deterministically (all replicated, each argument sharded alone, all
-  sharded at once, then the rest). Each placement is compiled and run
-  (with ``grad``, its VJP too); its results (and, with ``grad``, its
-  gradients) are compared with ``jax.jit(fn)`` on the arguments on
-  ``jax.devices()[0]``, where every custom-partitioned op runs its own
-  ``fun`` and no callback is asked.
-  Padding never reaches a global result, so none is compared.
+  does not divide it (XLA pads the last shards; none on Explicit axes,
+  where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
+  cannot compile a padded result). Combinations across arguments: all, or
+  at most ``max_combinations`` per mesh, chosen deterministically (all
+  replicated, each argument sharded alone, all sharded at once, then the
+  rest). Each placement is compiled and run; its results (with ``grad``,
+  and its VJP's gradients) are compared with ``jax.jit(fn)`` on the
+  arguments on ``jax.devices()[0]``, where every custom-partitioned op runs
+  its own ``fun`` and no callback is asked. Padding never reaches a global
+  result, so none is compared.
 
   Args:
     fn: a ``custom_partitioning`` op, or any function of arrays built from
@@ -2502,22 +2487,20 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     grad: also compare the vector-Jacobian product of ``fn`` for fixed
       random cotangents (seed 0; zero for non-float results; gradients
       with respect to integer arguments are not compared). Each cotangent
-      is placed with the sharding its result has in that combination (as
-      the jitted forward returns it: never padded), so backward ops see
-      cotangents sharded as in a real loss. Two compiles per combination
-      (the forward, then the VJP with the placed cotangents as arguments);
-      one without ``grad``. Then, on each mesh without Explicit axes, the
-      operands replicated, the cotangents take their results' shardings of
-      one dimension over one axis (the k-th of each, for every k): one VJP
-      compile each, for backward ops that go wrong only on cotangents
-      sharded otherwise than their results.
+      is placed as its result comes out of the jitted forward in that
+      combination (never padded), so backward ops see cotangents sharded as
+      in a real loss: two compiles per combination instead of one. Then, on
+      each mesh without Explicit axes, the operands replicated, the
+      cotangents take their results' shardings of one dimension over one
+      axis (the k-th of each, for every k): one VJP compile each, for
+      backward ops that go wrong only on cotangents sharded otherwise.
     meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
       mesh ``('x',)`` over all devices and, where the device count has a
       factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
       ``(p, count // p)``, with Auto axes (``jax.sharding.Mesh``; note
       ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
-      Explicit axis is checked with it set by ``jax.set_mesh``, so that
-      ops take their Explicit-axes path.
+      Explicit axis is checked under ``jax.set_mesh``, so that ops take
+      their Explicit-axes path.
     rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype (as
       jax types it: bfloat16 and the float8 types are floats): ``rtol``
       1e-9 for 64-bit floats (complex128's parts too), 1e-4 for 32-bit,
@@ -2526,12 +2509,11 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       same times the reference's largest magnitude (at least 1); integers
       and booleans exact.
     max_combinations: keyword; the bound per mesh (default 32). Raise it,
-      or pass ``meshes=``, to check more; the report says how many the
-      bound left out.
+      or pass ``meshes=``, to check more.
 
   Returns:
     A ``PartitioningReport``; its ``str`` says how many combinations were
-    checked on which meshes, which classes of placements, and for each
+    checked on which meshes, in which classes of placements, and per
     argument which classes were not tried and why (no axis divides it, or
     the bound left them out).
 
@@ -2559,7 +2541,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     raise _renamed(e, f"check_partitioning({name}): on one device "
                       f"({device})") from e
   check = _checker(run, want, name, arg_names, flat, hosts, (rtol, atol))
-  per_mesh, checked, cotangents = [], 0, 0
+  per_mesh, cotangents = [], 0
   offered, tried = [set() for _ in hosts], [set() for _ in hosts]
   for mesh in meshes:
     options = [_shardings_of(h.shape, mesh) for h in hosts]
@@ -2576,9 +2558,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
                       for specs in combinations)
     per_mesh.append((_mesh_text(mesh), len(combinations),
                      math.prod(len(o) for o in options)))
-    checked += len(combinations)
   return PartitioningReport(
-      name, checked, tuple(per_mesh), grad=bool(grad),
+      name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
       max_combinations=max_combinations, cotangent_placements=cotangents,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
@@ -2627,9 +2608,7 @@ def _checked_meshes(name: str, meshes) -> list:
 def _checker(run: Callable, want: list, name: str, arg_names: list,
              flat: bool, hosts: list, tolerances: tuple) -> Callable:
   """``check(mesh, specs, ct_specs=None)``: runs ``hosts`` placed in
-  ``specs`` on ``mesh`` (and the cotangents in ``ct_specs``, if given) and
-  compares every result with ``want``, raising as ``check_partitioning``
-  says."""
+  ``specs`` (cotangents in ``ct_specs``) and compares with ``want``."""
   def check(mesh, specs, ct_specs=None):
     where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
              f"operand shardings {_specs_text(specs, arg_names, flat)}")
@@ -2650,16 +2629,13 @@ def _checker(run: Callable, want: list, name: str, arg_names: list,
 
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
             grad: bool) -> tuple[Callable, list]:
-  """``(run, cotangent shapes)``.
+  """``(run, cotangent shapes)``, a shape None for a non-float result.
 
   ``run(leaves, constraints=None, ct_specs=None, mesh=None)`` returns
-  ``[(what, array)]``: every result of the jitted forward on the operands
-  ``leaves`` (each constrained inside ``jit`` to its sharding in
-  ``constraints``, where one is given) and, with ``grad``, every gradient
-  of the jitted VJP for fixed cotangents, placed as the forward's results
-  are (so backward ops see them sharded as in a real program's loss) or,
-  given ``ct_specs``, in those on ``mesh``. The shapes: each result's, or
-  None for a result without cotangent (not a float)."""
+  ``[(what, array)]``: the jitted forward's results on ``leaves`` (each
+  constrained inside ``jit`` to its entry of ``constraints``, if any) and,
+  with ``grad``, the jitted VJP's gradients for fixed cotangents placed as
+  the forward's results are or, given ``ct_specs``, in those on ``mesh``."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
 
@@ -2686,15 +2662,11 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
     found = [(_path_text(path, "result"), leaf) for path, leaf in
              jax.tree_util.tree_flatten_with_path(out)[0]]
     if grad:
-      placed = []
-      for c, o, spec in zip(cts, jax.tree_util.tree_leaves(out),
-                            ct_specs or [None] * len(cts)):
-        if c is None:
-          placed.append((None, None))
-        elif spec is None:  # as its result comes out of the forward
-          placed.append((jax.device_put(c, _arguable(o, mesh)), None))
-        else:
-          placed.append(_placed(c, mesh, spec))
+      placed = [(None, None) if c is None else
+                (jax.device_put(c, _arguable(o, mesh)), None) if spec is None
+                else _placed(c, mesh, spec) for c, o, spec in zip(
+                    cts, jax.tree_util.tree_leaves(out),
+                    ct_specs or [None] * len(cts))]
       grads = jitted_pullback(leaves, [c for c, _ in placed], constraints,
                               tuple(k for _, k in placed))
       found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
@@ -2706,9 +2678,8 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
 
 def _cotangents(fn: Callable, args: tuple) -> list:
   """Fixed random cotangents (seed 0) of ``fn``'s results, flat; None for
-  a result that is not a float (its zero cotangent, float0, is built while
-  tracing). Float as jax types it: bfloat16 and float8 are not
-  ``numpy.inexact``."""
+  a non-float result (float0, built while tracing). Floats as jax types
+  them: bfloat16 and float8 are not ``numpy.inexact``."""
   rng = np.random.default_rng(0)
 
   def cotangent(s):
@@ -2723,17 +2694,15 @@ def _cotangents(fn: Callable, args: tuple) -> list:
 
 
 def _constrained(xs: list, shardings) -> list:
-  """``xs`` inside ``jit``, each constrained to its sharding (if not
-  None)."""
+  """``xs`` inside ``jit``, each constrained to its sharding (if any)."""
   return [x if s is None else jax.lax.with_sharding_constraint(x, s)
           for x, s in zip(xs, shardings)]
 
 
 def _placed(host, mesh, spec: tuple) -> tuple:
-  """``(array, constraint)``: ``host`` put on ``mesh`` in ``spec``, and
-  None; for a padded ``spec``, which ``jax.device_put`` refuses, ``host``
-  put replicated and ``spec``'s sharding, to constrain it to inside
-  ``jit``."""
+  """``(host put on mesh in spec, None)``; for a padded ``spec``, which
+  ``jax.device_put`` refuses, ``host`` put replicated and ``spec``'s
+  sharding, to constrain it to inside ``jit`` as a user's program would."""
   sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(*spec))
   if _placement_class(spec, host.shape, mesh) != _PADDED:
@@ -2743,9 +2712,7 @@ def _placed(host, mesh, spec: tuple) -> tuple:
 
 
 def _default_meshes() -> list:
-  """A 1-D mesh ``('x',)`` over all devices and, if the device count has a
-  factor p with 1 < p < count, a 2-D ``('x', 'y')`` mesh of shape
-  ``(p, count // p)`` (p the smallest), both with Auto axes."""
+  """check_partitioning's default meshes, p the smallest factor."""
   devices = np.array(jax.devices())
   meshes = [jax.sharding.Mesh(devices, ("x",))]
   n = devices.size
@@ -2756,7 +2723,7 @@ def _default_meshes() -> list:
 
 
 def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates, in section 8's order: replicated; one
+  """One operand's candidates, in this order: replicated; one
   dimension over one axis; several dimensions; a tuple of axes; padded
   (none on a mesh with an Explicit axis: jax types no uneven sharding;
   none where ``_returns_padded`` says jax cannot compile them).
@@ -2784,7 +2751,7 @@ def _shardings_of(shape: tuple, mesh) -> list[tuple]:
 
 
 def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
-  """The class of placements (section 8) ``spec`` is in; None: replicated."""
+  """``spec``'s class of placements (``_CLASSES``); None: replicated."""
   entries = [(n, e) for n, e in zip(shape, spec) if e is not None]
   if not entries:
     return None
@@ -2796,11 +2763,9 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
 
 
 def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
-  """The cotangents' placements besides their results' (with the operands
-  replicated): each takes the k-th of its shardings of one dimension over
-  one axis, for every k (``shapes``: None for a result without cotangent).
-  None on a mesh with an Explicit axis, where a cotangent must have its
-  result's type."""
+  """The cotangents' placements besides their results': each the k-th of
+  its one-axis shardings, for every k (a shape None: no cotangent). None on
+  an Explicit mesh, where a cotangent must have its result's type."""
   if _any_explicit(mesh):
     return []
   options = [[()] if shape is None else [
@@ -2812,9 +2777,10 @@ def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
 
 
 def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
-  """At most ``bound`` combinations (one entry per operand) of the
-  per-operand ``options`` (each starting with the replicated one), in the
-  order section 8 describes."""
+  """At most ``bound`` combinations of the per-operand ``options`` (each
+  replicated first): all if they fit; else all replicated, each operand
+  sharded alone (round-robin), "diagonals" (operand i takes its k-th
+  option, for every k), then the rest in ``itertools.product`` order."""
   total = math.prod(len(o) for o in options)
   if total <= bound:
     return list(itertools.product(*options))
@@ -2842,8 +2808,7 @@ def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
 def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
               tried: list) -> dict:
   """The report's ``replicated_only``, ``placements`` and ``untried``, from
-  the classes (``_placement_class``) each operand's sweep ``offered`` and
-  those it ``tried``, over all meshes."""
+  the classes each operand was ``offered`` and ``tried``, over all meshes."""
   untried = []
   for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
     missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
@@ -2859,9 +2824,7 @@ def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
 
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
-  """Why no placement of class ``cls`` was tried for an operand of
-  ``shape``: the bound, if some mesh ``offered`` one; else, why none
-  did."""
+  """Why no placement of class ``cls`` was tried for ``shape``."""
   if offered:
     return "left out by max_combinations"
   axes = [_real_axes(mesh) for mesh in meshes]
@@ -2902,8 +2865,7 @@ def _mesh_text(mesh) -> str:
 
 
 def _specs_text(specs, arg_names: list, flat: bool) -> str:
-  """``(PartitionSpec('x'), PartitionSpec())``, one per argument; for
-  pytree arguments, each leaf named."""
+  """``(PartitionSpec('x'), PartitionSpec())``; pytree leaves named."""
   if flat:
     return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
   return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
@@ -2917,8 +2879,7 @@ def _spec_text(spec: tuple) -> str:
 
 
 def _path_text(path, first: str) -> str:
-  """``argument 1['w']`` / ``result [0]``: a key path, its first key
-  spelled out as ``first`` plus its index."""
+  """A key path as ``argument 1['w']`` or ``result [0]``."""
   if first == "argument":
     return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
   return f"result {jax.tree_util.keystr(tuple(path))}" if path else "the result"
@@ -2928,11 +2889,10 @@ def _renamed(error: Exception, where: str) -> Exception:
   """``error``'s type with ``where`` before its message (else ``error``
   itself, with ``where`` as a note, for a type that takes no message)."""
   try:
-    new = type(error)(f"{where}: {type(error).__name__}: {error}")
+    return type(error)(f"{where}: {type(error).__name__}: {error}")
   except Exception:
     _add_note(error, where)
     return error
-  return new
 
 
 def _compare(got, want, rtol, atol, what: str) -> None:
@@ -2967,11 +2927,7 @@ def _compare(got, want, rtol, atol, what: str) -> None:
 
 def _default_tolerance(dtype) -> float:
   """rtol (and atol, relative to the reference's largest magnitude) by
-  dtype, as jax types it (bfloat16 and the float8 types are floats; to
-  numpy they are not ``inexact``): by the precision of the real part, 64
-  bits 1e-9, 32 bits 1e-4, float16 5e-3, bfloat16 3e-2, narrower floats
-  twice their epsilon (float8_e4m3fn 0.25); integers and booleans
-  exactly."""
+  dtype, as check_partitioning's ``rtol`` says."""
   if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
     return 0.0
   info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
@@ -2998,8 +2954,7 @@ class PartitioningReport:
     checked: how many placements of the operands were compiled, run and
       compared, over all meshes.
     meshes: per mesh, ``(description, checked, total)``: combinations run
-      and combinations the sweep has (more than ``checked`` when the bound
-      cut it).
+      and those the sweep has (more when the bound cut it).
     replicated_only: the example arguments (described with their shapes)
       that no mesh could place but replicated: checked replicated only.
     grad: whether gradients were compared too.
@@ -3266,8 +3221,8 @@ class SdyShardingRule:
 
   Raises:
     ValueError: a size given for an unknown or whole-dimension factor, a
-      missing size, or a special factor that is unknown, repeated or listed in
-      two kinds.
+      missing size, a factor naming two dimensions of one array, or special
+      factors not in a tuple, unknown, repeated or listed in two kinds.
   """
 
   def __init__(self, operand_mappings: tuple[ArrayMapping, ...],
@@ -3276,15 +3231,13 @@ class SdyShardingRule:
                need_replication_factors: tuple[str, ...] = (),
                permutation_factors: tuple[str, ...] = (),
                **factor_sizes: int):
-    # factor -> True if some dimension is exactly this factor (so its size
-    # can be read off the operand), False if it only occurs in compounds.
+    # factor -> whether some dimension is exactly it (so its size can be
+    # read off the operand) rather than only part of compounds.
     whole_dim: dict[str, bool] = {}
     for dim in itertools.chain(*operand_mappings, *result_mappings):
-      if isinstance(dim, CompoundFactor):
-        for factor in dim:
-          whole_dim.setdefault(factor, False)
-      else:
-        whole_dim[dim] = True
+      compound = isinstance(dim, CompoundFactor)
+      for factor in dim if compound else (dim,):
+        whole_dim[factor] = whole_dim.get(factor, False) or not compound
     for factor in factor_sizes:
       if factor not in whole_dim:
         raise ValueError(f"Factor {factor} is not used in the rule, but a "
@@ -3343,11 +3296,8 @@ class SdyShardingRule:
 
 
 def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
-  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings.
-
-  Brackets and commas are tokens of their own and "…" starts one; the
-  mappings check the names.
-  """
+  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings,
+  which check the names."""
   side = " ".join(text.split())
   for char in "(),":
     text = text.replace(char, f" {char} ")
@@ -3446,14 +3396,11 @@ def _check_value_counts(rule: SdyShardingRule, num_operands: int,
 
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                   num_operands: int):
-  """Expands ``...`` against ``shapes`` (the first ``num_operands`` are the
-  operands', the rest the results') and sizes every factor.
-
-  Returns ``(sizes, dims)``: ``sizes`` maps each factor, in order of first
-  use, to its size; ``dims[v][d]`` is the tuple of factors of dimension ``d``
-  of value ``v``. Raises ValueError on a rank mismatch, an ellipsis standing
-  for different numbers of dimensions, or sizes that do not fit.
-  """
+  """Expands ``...`` against ``shapes`` (operands', then results') and
+  sizes every factor: ``(sizes, dims)``, ``sizes`` each factor's in order of
+  first use, ``dims[v][d]`` the factors of dimension ``d`` of value ``v``.
+  Raises ValueError on a rank mismatch, an ellipsis standing for different
+  numbers of dimensions, or sizes that do not fit."""
   _check_value_counts(rule, num_operands, len(shapes) - num_operands)
   sizes: dict[str, Any] = {}  # None while only compounds have shown it
 
@@ -3467,7 +3414,6 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                          f"{old} and {size}.")
       # Like jax: a factor seen with two sizes takes the smaller one.
       sizes[factor] = min(old, size)
-
   group_rank: dict[str, int] = {}
   dims: list[list[tuple[str, ...]]] = []
   mappings = (*rule.operand_mappings, *rule.result_mappings)
@@ -3493,7 +3439,6 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
         see(factor, size if len(factors) == 1
             else rule.factor_sizes.get(factor))
     dims.append(value_dims)
-
   for i, (value_dims, shape) in enumerate(zip(dims, shapes)):
     for d, (factors, size) in enumerate(zip(value_dims, shape)):
       product = math.prod(sizes[factor] for factor in factors)
@@ -3514,12 +3459,9 @@ _TRIAL_DIVISION_LIMIT = 2**21
 
 def _split_size(size: int) -> list[int] | None:
   """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
-  None if a prime factor is bigger.
-
-  The major part takes the small primes first: mesh axes (usually powers of
-  two) then still divide it, and Shardy shards the dimension through it
-  without splitting a mesh axis across the parts.
-  """
+  None if a prime factor is bigger. The major part takes the small primes
+  first: mesh axes (usually powers of two) then still divide it, so Shardy
+  shards the dimension through it without splitting a mesh axis."""
   if size <= _MAX_FACTOR_SIZE:
     return [size]
   primes, rest, p = [], size, 2
@@ -3545,11 +3487,8 @@ def _split_size(size: int) -> list[int] | None:
 
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
-  """The attribute of a resolved rule (see ``_resolve_rule``).
-
-  A factor too big for Shardy's parser becomes a compound of smaller ones
-  (see ``_split_size``), in every dimension and special-factor list.
-  """
+  """The attribute of a resolved rule; a factor too big for Shardy's parser
+  becomes a compound of smaller ones (``_split_size``) everywhere."""
   parts: dict[str, list[str]] = {}
   part_sizes: dict[str, int] = {}
   for factor, size in sizes.items():
@@ -3612,14 +3551,11 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
-  """GSPMD inference derived from a Shardy rule.
-
-  ``shapes`` are the operands', then the results'; ``in_specs`` holds the
-  PartitionSpec entries of each operand (None: not placed yet). Returns those
-  of each result: a result dimension takes the mesh axes of the first operand
-  dimension with the same single, passthrough factor, unless another
-  dimension of that result has them already.
-  """
+  """GSPMD inference from a Shardy rule: each result's PartitionSpec
+  entries from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
+  operands', then results'). A result dimension takes the mesh axes of the
+  first operand dimension with the same single, passthrough factor, unless
+  another dimension of that result has them already."""
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
@@ -3633,12 +3569,11 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
     spec = []
     for factors in value_dims:
       axes = axes_of.get(factors[0]) if len(factors) == 1 else None
-      names = set(axes if isinstance(axes, tuple) else (axes,))
-      if axes is None or names & used:
-        spec.append(None)
+      if axes is not None and used.isdisjoint(_entry_axes(axes)):
+        used.update(_entry_axes(axes))
       else:
-        used |= names
-        spec.append(axes)
+        axes = None
+      spec.append(axes)
     out.append(tuple(spec))
   return out
 
@@ -3652,13 +3587,12 @@ def _entry_axes(entry) -> tuple:
 
 def _reduced_factors(rule: SdyShardingRule, dims: list,
                      num_operands: int) -> set:
-  """The factors of a resolved rule (``dims``, see ``_resolve_rule``) that no
-  shard can keep, the one definition every check and derivation uses: the
-  rule's reduction factors; factors of operands in no result (``j`` of
-  ``"i, j -> i"``, as ``x * sum(y)`` reads it); factors in results only; and
-  those a result is reduced over: factors of the operands it shares a factor
-  with (of every operand, for a result with no factor) that it lacks, as
-  ``n`` for the second result of ``"b n -> b n, b"``."""
+  """The factors of a resolved rule that no shard can keep, the one
+  definition every check and derivation uses: the reduction factors; those
+  of operands in no result (``j`` of ``"i, j -> i"``, as ``x * sum(y)``);
+  those in results only; and those a result is reduced over, the factors it
+  lacks of the operands it shares one with (of all, for a factorless
+  result), as ``n`` for the second result of ``"b n -> b n, b"``."""
   factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
   ins, outs = factors[:num_operands], factors[num_operands:]
   reduced = set(rule.reduction_factors) | (
@@ -3672,22 +3606,17 @@ def _reduced_factors(rule: SdyShardingRule, dims: list,
 
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
-  """The partition of an op given by its rule alone
-  (``_partition_from_rule``): ``(operand specs, result specs)``, as
-  PartitionSpec entries.
-
-  ``shapes`` are the operands', then the results'; ``in_specs`` and
-  ``out_specs`` the entries each arrives with (None: unknown). A factor
-  keeps the mesh axes the operands bring it on, else those the results
-  bring (slicing a replicated operand costs no communication); operands (or
-  results) that bring it on different axes leave it replicated. Replicated
-  too: the special factors, the reduced factors (``_reduced_factors``),
-  factors of compound dimensions or seen with two sizes, and a factor whose
-  axes an earlier factor (in order of first use) keeps.
-  """
+  """The partition of an op by its rule alone (``_partition_from_rule``):
+  ``(operand specs, result specs)`` as PartitionSpec entries, from those
+  ``in_specs`` and ``out_specs`` arrive with (None: unknown; ``shapes``:
+  operands', then results'). A factor keeps the mesh axes the operands bring
+  it on, else the results' (slicing a replicated operand costs no
+  communication); brought on different axes by one side, it is replicated.
+  Replicated too: the special and reduced factors, factors of compound
+  dimensions or seen with two sizes, and a factor whose axes an earlier one
+  (in order of first use) keeps."""
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands)
-
   blocked = (set(rule.need_replication_factors)
              | set(rule.permutation_factors) |
              _reduced_factors(rule, dims, num_operands))
@@ -3725,24 +3654,19 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
 # --------------------------------------------------------------------------
 # Appendix C. The log of what each op was asked
 #
-# ``logging.getLogger(__name__)``: a vendored copy logs under its own import
-# path. Silent at the default level (WARNING). At DEBUG, one record per
-# question an op is asked (``infer_sharding_from_operands``,
-# ``propagate_user_sharding`` or ``partition``, by XLA or, under Explicit
-# axes, while tracing), and one where ``fun`` runs instead: the op, the
-# mesh, the shardings the op was asked with and the answer (for a derived
-# op, the author's callbacks' view), the path, why (where the module chose)
-# and whether a cache answered. A derived op is named as jax.vmap, jax.jvp
-# or jax.grad made it ("transpose of jvp of f"). The record's
-# ``custom_partitioning`` attribute holds the op, question, path, mesh,
-# cached and why as a dict.
-# Every call site checks ``_log.isEnabledFor(logging.DEBUG)`` first:
-# formatting costs, and tracing is a hot path.
+# ``logging.getLogger(__name__)`` (a vendored copy logs under its own
+# path), silent at the default WARNING. At DEBUG, one record per question an
+# op is asked (by XLA or, under Explicit axes, while tracing) and one where
+# ``fun`` runs instead: the op (a derived one named as jax made it,
+# "transpose of jvp of f"), the mesh, the shardings asked with and the
+# answer (for a derived op, the author's callbacks' view), the path, why
+# (where the module chose) and whether a cache answered; the record's
+# ``custom_partitioning`` attribute holds op, question, path, mesh, cached
+# and why as a dict. Call sites check ``_log.isEnabledFor(logging.DEBUG)``
+# first: formatting costs, and tracing is a hot path.
 # --------------------------------------------------------------------------
 
 _log = logging.getLogger(__name__)
-
-# The paths an op takes.
 _CUSTOM_CALL = "custom call"
 _SHARD_MAP = "shard_map under Explicit axes"
 _FUN = "fun"
@@ -3778,10 +3702,10 @@ def _logged_spec(v: _Value) -> str:
 
 
 def _logged(operands=None, results=None) -> str:
-  parts = [f"{what} [{', '.join(map(_logged_spec, values))}]"
-           for what, values in (("operands", operands), ("results", results))
-           if values is not None]
-  return ", ".join(parts)
+  return ", ".join(
+      f"{what} [{', '.join(map(_logged_spec, values))}]"
+      for what, values in (("operands", operands), ("results", results))
+      if values is not None)
 
 
 def _debug_partition(op: _Op, operands: list, results: list, answer,
@@ -3802,8 +3726,7 @@ def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
   on = op.mesh if op.place.auto is None else op.place.auto
   result_shapes, _ = _hlo_parts(result_shape, None)
   _, answered_args, answered_result = hit
-  _debug(op.name, "partition", path=_CUSTOM_CALL,
-         mesh=op.mesh, cached=True,
+  _debug(op.name, "partition", path=_CUSTOM_CALL, mesh=op.mesh, cached=True,
          asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
                        _from_xla(*_hlo_parts(result_shape, result_sharding),
                                  on)),
@@ -3814,14 +3737,13 @@ def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
 
 def _debug_infer(op: _Op, operands: list, inferred,
                  path: str = _CUSTOM_CALL) -> None:
-  if op.infer_sharding_from_operands is not None:
-    by = "infer_sharding_from_operands"
-  elif op.sharding_rule is not None:
-    by = "the sharding rule (no infer_sharding_from_operands)"
-  else:
-    by = "nobody (no infer_sharding_from_operands, no sharding_rule)"
-  _debug(op.name, "infer_sharding_from_operands",
-         path=path, mesh=op.mesh, asked=_logged(operands), by=by,
+  by = ("infer_sharding_from_operands"
+        if op.infer_sharding_from_operands is not None else
+        "the sharding rule (no infer_sharding_from_operands)"
+        if op.sharding_rule is not None else
+        "nobody (no infer_sharding_from_operands, no sharding_rule)")
+  _debug(op.name, "infer_sharding_from_operands", path=path, mesh=op.mesh,
+         asked=_logged(operands), by=by,
          answered=(_logged(results=inferred) if inferred is not None else
                    "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
                    else "nothing"))
@@ -3831,10 +3753,9 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
   """``answer`` None: the user's sharding was kept without asking."""
   by = ("the module (no propagate_user_sharding: the user's sharding)"
         if answer is None else "propagate_user_sharding")
-  _debug(op.name, "propagate_user_sharding",
-         path=_CUSTOM_CALL, mesh=op.mesh, asked=_logged(results=users),
-         by=by, answered=_logged(results=users if answer is None
-                                 else answer))
+  _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
+         mesh=op.mesh, asked=_logged(results=users), by=by,
+         answered=_logged(results=users if answer is None else answer))
 
 
 # --------------------------------------------------------------------------
@@ -4872,8 +4793,6 @@ def _demo() -> None:
   import time
 
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
   import jaxlib
 
   def collectives(jitted, x, kinds):
@@ -4882,7 +4801,7 @@ def _demo() -> None:
 
   fft = _batched_fft_op()
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-  rows = NamedSharding(mesh, P("x"))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   rng = np.random.default_rng(0)
   host = (rng.standard_normal((1024, 512)) +
           1j * rng.standard_normal((1024, 512))).astype(np.complex64)
@@ -4913,9 +4832,8 @@ def _demo() -> None:
 
   # Its gradient is partitioned by the same callbacks: still no collective.
   # Parseval: the gradient of sum |fft(x)|^2 is 2 * n * x.
-  def energy(x):
-    return jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2)
-  grad = jax.jit(jax.grad(energy))
+  grad = jax.jit(jax.grad(
+      lambda x: jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2)))
   real = jax.device_put(host.real.copy(), rows)
   error = float(np.max(np.abs(np.asarray(grad(real)) -
                               2 * 512 * host.real)))

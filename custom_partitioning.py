@@ -149,7 +149,7 @@ from jax._src.lib import lapack
 from jax._src.lib import version as _jaxlib_version
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo, sdy
+from jax._src.lib.mlir.dialects import sdy
 import numpy as np
 
 _JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
@@ -1100,13 +1100,8 @@ def _impl(*args, **params):
 def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps)
-  if place is None:
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug(_fun_name(call), "path", path=_FUN, why=f"fun is compiled as "
-             f"it is: {why}", mesh=getattr(ctx.module_context.axis_context,
-                                           "mesh", None))
-    return mlir.lower_fun(core.jaxpr_as_fun(call),
-                          multiple_results=True)(ctx, *values)
+  if place is None:  # seam: nothing to partition
+    return _lowered_body(ctx, call, why, values)
   name = _fun_name(call)
   if ctx.module_context.lowering_parameters.for_export:
     raise NotImplementedError(_REFUSALS["export"].format(name=name))
@@ -1127,21 +1122,25 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   op = _op_of(params, place, rule, varying=varying,
               platforms=ctx.module_context.platforms,
               backend=_module_backend(ctx), config=_config_values())
-  key = _register(ctx, op, params)
-  custom_call = hlo.CustomCallOp(
-      _ir_types(ctx, call.out_avals), list(values),
-      call_target_name=ir.StringAttr.get(_TARGET),
-      has_side_effect=ir.BoolAttr.get(False),
-      api_version=mlir.i32_attr(2),
-      called_computations=ir.ArrayAttr.get([]),
-      backend_config=ir.StringAttr.get(key),
-      operand_layouts=None, result_layouts=None)
   # Shardy's verifier refuses a rule on an op without operands. There it
   # could only tie the results to each other; without it, XLA propagates
   # around the op and ``partition`` still decides every sharding.
-  if rule_attr is not None and values:
-    custom_call.attributes["sdy.sharding_rule"] = rule_attr
-  return custom_call.results
+  rule_attr = None if rule_attr is None or not values else {
+      "sdy.sharding_rule": rule_attr}
+  return mlir.custom_call(
+      _TARGET, result_types=_ir_types(ctx, call.out_avals),
+      operands=list(values), backend_config=_register(ctx, op, params),
+      extra_attributes=rule_attr).results
+
+
+def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
+  """The op's body, lowered in place of a custom call, for ``why``."""
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
+        ctx.module_context.axis_context, "mesh", None),
+           why=f"fun is compiled as it is: {why}")
+  return mlir.lower_fun(core.jaxpr_as_fun(call),
+                        multiple_results=True)(ctx, *values)
 
 
 def _partitioned_placement(ctx, steps):
@@ -1162,23 +1161,12 @@ def _partitioned_placement(ctx, steps):
   axis_context = ctx.module_context.axis_context
   devices = getattr(axis_context, "device_assignment", None)
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-    whole, manual = axis_context.mesh, axis_context.manual_axes
-    if set(manual) == set(whole.axis_names):
+    place = _shard_map_placement(axis_context)  # seam: inside a shard_map
+    if place is None:
       return None, ("inside a shard_map manual over every mesh axis (one "
                     "shard's code)")
-    place = _Placement(whole, _mesh_devices(whole))
-    if manual:
-      place = _Placement(_with_manual_axes(whole, manual),
-                         _mesh_devices(whole), _auto_submesh(whole, manual),
-                         whole)
-  elif devices is None:
-    num_devices = getattr(axis_context, "num_devices", None)
-    abstract = [am for am in [_context_abstract_mesh(axis_context)] +
-                [_aval_mesh(a) for a in ctx.avals_in] if am is not None]
-    mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
-        dict(am.shape) == dict(m.shape) for am in abstract))
-    place = (_Placement(mesh, _mesh_devices(mesh)) if mesh is not None else
-             _Placement(mesh_lib.thread_resources.env.physical_mesh, None))
+  elif devices is None:  # seam: jax did not say the devices
+    place = _placement_without_devices(axis_context, ctx.avals_in)
   else:
     devices = tuple(devices)
     mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
@@ -1195,6 +1183,32 @@ def _partitioned_placement(ctx, steps):
     return None, ("a derived op inside a partly manual shard_map before jax "
                   "0.5.3, whose shardings cannot be expressed")
   return place, None
+
+
+def _shard_map_placement(axis_context) -> _Placement | None:
+  """Inside a shard_map: its mesh, the manual axes typed Manual; None where
+  every axis is manual (the code of one shard)."""
+  whole, manual = axis_context.mesh, axis_context.manual_axes
+  if set(manual) == set(whole.axis_names):
+    return None
+  if not manual:
+    return _Placement(whole, _mesh_devices(whole))
+  return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
+                    _auto_submesh(whole, manual), whole)
+
+
+def _placement_without_devices(axis_context, avals) -> _Placement:
+  """Where jax does not say the devices (inside another primitive's
+  lowering): a mesh the caller gave of the program's shape, else that of
+  ``with mesh:``, without devices."""
+  num_devices = getattr(axis_context, "num_devices", None)
+  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
+              [_aval_mesh(a) for a in avals] if am is not None]
+  mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
+      dict(am.shape) == dict(m.shape) for am in abstract))
+  if mesh is None:
+    return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
+  return _Placement(mesh, _mesh_devices(mesh))
 
 
 @contextlib.contextmanager
@@ -1389,12 +1403,8 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
     if leave_to_xla is None:
       if op is None:
         raise RuntimeError(_REFUSALS["unknown_key"].format(key=key))
-      with _weak_lock:
-        pending = _pending.pop(threading.get_ident(), None)
-      if pending is not None:
-        name, error = pending
-        raise RuntimeError(_park(error, f"custom_partitioning op {name}")
-                           ) from error
+      if _pending:  # seam: an infer/propagate error kept (on some thread)
+        _raise_pending()
     try:
       return answer(op, *xla_args)
     except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
@@ -1405,6 +1415,17 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
         _pending.setdefault(threading.get_ident(), (op.name, e))
       return leave_to_xla(None, *xla_args)
   return callback
+
+
+def _raise_pending() -> None:
+  """Raises the error an infer or propagate callback kept on this thread,
+  if any (parked, so the failed compile re-raises the original)."""
+  with _weak_lock:
+    pending = _pending.pop(threading.get_ident(), None)
+  if pending is not None:
+    name, error = pending
+    raise RuntimeError(_park(error, f"custom_partitioning op {name}")
+                       ) from error
 
 
 def _park(error: BaseException, where: str) -> str:
@@ -1489,18 +1510,19 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
       _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
                               result_sharding, hit)
     return hit
-  if op.steps and op.mesh.empty:
-    raise NotImplementedError(_REFUSALS["derived_without_mesh"].format(
-        name=op.name))
   on = op.mesh if op.place.auto is None else op.place.auto
   result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
   # XLA calls on a thread of its own, which has none of the lowering
   # thread's context managers: partition and lower_fn run under the
   # configuration the op was lowered (and keyed) with.
+  operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
+  results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
   with _config_entered(op.config):
-    shard = _partition(
-        op, _from_xla(arg_shapes, arg_shardings, on, op.varying[0]),
-        _from_xla(result_shapes, result_shardings, on, op.varying[1]), on)
+    if op.steps:  # seam: a derived op (section 6)
+      shard = _partition_derived(op, operands, results, on)
+    else:
+      answer, closed = _partition(op, operands, results, on)
+      shard = _PerShard(answer.mesh, closed, answer.args, answer.results)
     module = _per_shard_module(op, shard)
   answer = (module, [_hlo_of(v, on) for v in shard.args],
             _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
@@ -1521,27 +1543,16 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
 # returned (``_Answer.on``).
 # --------------------------------------------------------------------------
 
-def _partition(op: _Op, operands: list, results: list, on) -> _PerShard:
-  """Partitions the op: the author's answer and ``lower_fn``, walked up
-  the steps."""
-  levels = (_levels(op.steps, operands, results) if op.steps  # section 6
-            else [_Level(None, operands, results)])
-  values = levels[0].operands, levels[0].results
-  answer = _ask_partition(op, *values, on)
+def _partition(op: _Op, operands: list, results: list, on):
+  """``(answer, jaxpr)``: the author's answer about ``operands`` and
+  ``results`` (shardings on ``on``), and its ``lower_fn`` traced."""
+  answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, *values, answer, _CUSTOM_CALL)
-  closed, _ = _trace_lower_fn(op, answer, *values)
+    _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
+  closed, _ = _trace_lower_fn(op, answer, operands, results)
   if _calls_host(closed.jaxpr):
     raise _host_callback_error(op)
-  if not op.steps:
-    return _PerShard(answer.mesh, closed, answer.args, answer.results)
-  levels = _specs_up(levels, answer, closed)
-  fn = _lower_fn_up(op, levels, answer, closed)
-  top = levels[-1]
-  with _no_ambient_mesh():
-    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
-        *[_local_struct(v, answer.on) for v in top.operands])
-  return _PerShard(answer.mesh, closed, top.operands, top.results)
+  return answer, closed
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
@@ -2123,6 +2134,23 @@ class _Vjp(_Step):
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(pullback(cts), psum_axes)]
     return vjp_fn
+
+
+def _partition_derived(op: _Op, operands: list, results: list,
+                       on) -> _PerShard:
+  """The author's answer about the op ``op.steps`` below, walked up."""
+  if op.mesh.empty:
+    raise NotImplementedError(_REFUSALS["derived_without_mesh"].format(
+        name=op.name))
+  levels = _levels(op.steps, operands, results)
+  answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
+  levels = _specs_up(levels, answer, closed)
+  fn = _lower_fn_up(op, levels, answer, closed)
+  top = levels[-1]
+  with _no_ambient_mesh():
+    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
+        *[_local_struct(v, answer.on) for v in top.operands])
+  return _PerShard(answer.mesh, closed, top.operands, top.results)
 
 
 def _infer(op: _Op, levels: list):
@@ -3419,15 +3447,8 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   mappings = (*rule.operand_mappings, *rule.result_mappings)
   for i, (mapping, shape) in enumerate(zip(mappings, shapes)):
     entries = list(mapping)
-    if entries and _is_batching(entries[0]):
-      group = entries.pop(0)[1:] or "0"
-      num_batch = max(len(shape) - len(entries), 0)
-      if group_rank.setdefault(group, num_batch) != num_batch:
-        raise ValueError(
-            "Ellipsis represents different numbers of leading dimensions: "
-            f"{group_rank[group]} and {num_batch}.")
-      entries[:0] = [f"{_BATCH_FACTOR_PREFIX}{group}_{d}"
-                     for d in range(num_batch)]
+    if entries and _is_batching(entries[0]):  # seam: an ellipsis
+      entries = _expand_ellipsis(entries, len(shape), group_rank)
     if len(entries) != len(shape):
       name = _value_name(i, num_operands)
       raise ValueError(f"Sharding rule {name} has rank {len(entries)}, but "
@@ -3439,6 +3460,26 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
         see(factor, size if len(factors) == 1
             else rule.factor_sizes.get(factor))
     dims.append(value_dims)
+  if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
+    _check_compounds(sizes, dims, shapes, num_operands)  # seam: compounds
+  return sizes, dims
+
+
+def _expand_ellipsis(entries: list, rank: int, group_rank: dict) -> list:
+  """``entries`` of a value whose first stands for leading dimensions:
+  those dimensions as batch factors of the ellipsis's group."""
+  group = entries[0][1:] or "0"
+  num_batch = max(rank - len(entries) + 1, 0)
+  if group_rank.setdefault(group, num_batch) != num_batch:
+    raise ValueError(
+        "Ellipsis represents different numbers of leading dimensions: "
+        f"{group_rank[group]} and {num_batch}.")
+  return [f"{_BATCH_FACTOR_PREFIX}{group}_{d}"
+          for d in range(num_batch)] + entries[1:]
+
+
+def _check_compounds(sizes: dict, dims: list, shapes, num_operands: int):
+  """Raises where a dimension's compound factors do not multiply to it."""
   for i, (value_dims, shape) in enumerate(zip(dims, shapes)):
     for d, (factors, size) in enumerate(zip(value_dims, shape)):
       product = math.prod(sizes[factor] for factor in factors)
@@ -3446,7 +3487,6 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
         raise ValueError(
             f"{_value_name(i, num_operands)} dimension {d} has size {size}, "
             f"but its compound factors {factors} multiply to {product}.")
-  return sizes, dims
 
 
 # XLA reads the rule back from its text form while compiling, and Shardy's
@@ -3485,6 +3525,20 @@ def _split_size(size: int) -> list[int] | None:
   return parts
 
 
+def _split_or_refuse(factor: str, size: int, dims: list,
+                     num_operands: int) -> list[int]:
+  """``_split_size(size)``, or ValueError naming the dimension of ``factor``
+  where no split fits."""
+  split = _split_size(size)
+  if split is None:
+    where = next(f"{_value_name(i, num_operands)} dimension {d}"
+                 for i, value_dims in enumerate(dims)
+                 for d, factors in enumerate(value_dims) if factor in factors)
+    raise ValueError(_REFUSALS["factor_too_big"].format(
+        where=where, size=size, limit=_MAX_FACTOR_SIZE))
+  return split
+
+
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
   """The attribute of a resolved rule; a factor too big for Shardy's parser
@@ -3492,16 +3546,8 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
   parts: dict[str, list[str]] = {}
   part_sizes: dict[str, int] = {}
   for factor, size in sizes.items():
-    split = [size] if size <= _MAX_FACTOR_SIZE else _split_size(size)
-    if split is None:
-      where = next(f"{_value_name(i, num_operands)} dimension {d}"
-                   for i, value_dims in enumerate(dims)
-                   for d, factors in enumerate(value_dims) if factor in factors)
-      raise ValueError(
-          f"{where} has size {size}, which is not a product of factors of "
-          f"at most {_MAX_FACTOR_SIZE} (2**31 - 1), the largest factor size "
-          "a Shardy sharding rule can hold. Use the GSPMD partitioner for "
-          "this op, or reshape the dimension.")
+    split = [size] if size <= _MAX_FACTOR_SIZE else (  # seam: too big
+        _split_or_refuse(factor, size, dims, num_operands))
     names = [factor] if len(split) == 1 else [
         f"{factor}#{k}" for k in range(len(split))]
     parts[factor] = names
@@ -4317,11 +4363,8 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
                   need_replication_factors=need_replication,
                   permutation_factors=permutation)
   elif reduction or need_replication or permutation:
-    raise NotImplementedError(
-        "Shardy sharding rules with reduction, need_replication or "
-        "permutation factors need jax/jaxlib 0.5.0 or newer; found jaxlib "
-        f"{'.'.join(map(str, _JAXLIB_VERSION))}. Upgrade, use GSPMD, or drop "
-        "the special factors from the rule.")
+    raise NotImplementedError(_REFUSALS["special_factors"].format(
+        jaxlib=".".join(map(str, _JAXLIB_VERSION))))
   # jaxlib 0.6.1: rules of custom calls are marked is_custom. Before it,
   # is_custom=True fails the compile ("Unable to convert StableHLO to MHLO"
   # on 0.4.x; "can only define custom sharding rules on stablehlo" on 0.5.x).
@@ -4668,6 +4711,16 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
 # --------------------------------------------------------------------------
 
 _REFUSALS = {
+    "special_factors": (
+        "Shardy sharding rules with reduction, need_replication or "
+        "permutation factors need jax/jaxlib 0.5.0 or newer; found jaxlib "
+        "{jaxlib}. Upgrade, use GSPMD, or drop the special factors from the "
+        "rule."),
+    "factor_too_big": (
+        "{where} has size {size}, which is not a product of factors of at "
+        "most {limit} (2**31 - 1), the largest factor size a Shardy sharding "
+        "rule can hold. Use the GSPMD partitioner for this op, or reshape the "
+        "dimension."),
     "transpose": ("{name}: a custom_partitioning op can be transposed only "
                   "in its tangents, as jax.grad does."),
     "gspmd_only": (

@@ -1755,10 +1755,14 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
       raise ValueError(_REFUSALS["result_shape"].format(
           name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
           want=f"{want.dtype}{list(want.shape)}"))
-  proven = op.check_vma and _check_replicated_results(
-      op.name, closed.jaxpr, [v.spec for v in answer.args],
-      [v.spec for v in answer.results], _real_axes(on))
-  return closed, proven
+  specs, axes = [v.spec for v in answer.results], _real_axes(on)
+  if op.check_vma and not all(  # seam: a result replicated over an axis
+      spec is not None and set(axes) <= {a for e in spec
+                                         for a in _entry_axes(e)}
+      for spec in specs):
+    return closed, _check_replicated_results(
+        op.name, closed.jaxpr, [v.spec for v in answer.args], specs, axes)
+  return closed, op.check_vma  # every result is sharded over every axis
 
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
@@ -1978,6 +1982,8 @@ class _Step:
     return (*self.up(ops, res), reduction)
 
   def entry(self, values, used, mesh):
+    """The spec entry a batch dimension gets; ``used()``: the mesh axes the
+    op below uses (computed only where a step asks)."""
     return None
 
 
@@ -2029,13 +2035,14 @@ class _Batch(_Step):
     inferred = inner()
     if inferred is None:
       return None
-    used = _axes_in(v.spec for v in inferred + below.operands)
-    entry = self.entry(level.operands, used, op.mesh)
+    entry = self.entry(level.operands, functools.partial(
+        _axes_in, [v.spec for v in inferred + below.operands]), op.mesh)
     return _with_specs(level.results, [(entry, *v.spec) for v in inferred])
 
   def propagate(self, op, results, inner):
     preferred = inner([_unbatched(v) for v in results])
-    entry = self.entry(results, _axes_in(v.spec for v in preferred), op.mesh)
+    entry = self.entry(results, functools.partial(
+        _axes_in, [v.spec for v in preferred]), op.mesh)
     return _with_specs(results, [(entry, *v.spec) for v in preferred])
 
   def rule_up(self, level, sizes, ops, res, reduction):
@@ -2046,8 +2053,10 @@ class _Batch(_Step):
   def entry(self, values, used, mesh):
     """The spec entry the batch dimension keeps: the mesh axes it arrives
     sharded over (first of ``values`` that has any) that the op below
-    leaves free (not in ``used``) and that divide the batch size, or None."""
+    leaves free (not in ``used()``) and that divide the batch size, or
+    None."""
     entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
+    used = used()
     axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
             if a is not None and a not in used]
     while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
@@ -2174,17 +2183,21 @@ def _specs_up(levels: list, answer: _Answer,
   """``levels`` as partitioned: the author's answer walked up the steps. A
   batch dimension keeps the mesh axes it arrives on unless the level below
   uses them (in its shardings or ``lower_fn``'s collectives)."""
-  used = _collective_axes(closed.jaxpr, set(answer.on.axis_names))
   out = [levels[0]._replace(operands=answer.args, results=answer.results)]
   for level in levels[1:]:
     args, outs = ([v.spec for v in side]
                   for side in (out[-1].operands, out[-1].results))
-    entry = level.step.entry(level.operands + level.results,
-                             used | _axes_in(args + outs), answer.on)
+    entry = level.step.entry(level.operands + level.results, functools.partial(
+        _used_axes, closed.jaxpr, answer.on, args + outs), answer.on)
     args, outs = level.step.up(args, outs, entry)
     out.append(_Level(level.step, _with_specs(level.operands, args),
                       _with_specs(level.results, outs), entry))
   return out
+
+
+def _used_axes(jaxpr: core.Jaxpr, mesh, specs: list) -> set:
+  """The axes of ``mesh`` that ``specs`` or ``jaxpr``'s collectives use."""
+  return _collective_axes(jaxpr, set(mesh.axis_names)) | _axes_in(specs)
 
 
 def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
@@ -2347,10 +2360,6 @@ def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
   the mesh's size-1 axes (``_real_axes``): a collective over one, or
   ``axis_index`` of one, makes nothing differ.
   """
-  if all(spec is not None and
-         set(axes) <= {a for entry in spec for a in _entry_axes(entry)}
-         for spec in out_specs):
-    return True  # every result is sharded over every axis: none to prove
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True

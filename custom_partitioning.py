@@ -1111,7 +1111,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
     raise ValueError(_REFUSALS["no_partition"].format(
         name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None
-  if callable(rule) or (_use_shardy() and rule is not None):
+  if callable(rule) or (_use_shardy() and rule is not None):  # seam: rules
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
   # Inside a partly manual shard_map (section 6 reads it): the manual axes
@@ -1305,8 +1305,8 @@ class _Op:
   """What XLA's callbacks need to know about one lowered custom call; built
   by ``_op_of`` alone, immutable but for its answer cache.
 
-  Every field but those marked ``_STATE`` is part of the op's key
-  (``_register``): ops with equal keys are one op to XLA's callbacks.
+  Every field but those marked ``_STATE`` decides the answers, and ops
+  registered under one key agree on all of them (``_register``).
   """
   name: str
   partition: Callable | None
@@ -1562,7 +1562,7 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   if op.partition is None:
     raise ValueError(_REFUSALS["no_partition"].format(
         name=op.name, n=len(op.place.devices)))
-  if isinstance(op.partition, _FromRule):
+  if isinstance(op.partition, _FromRule):  # seam: an op by its rule alone
     answer = _partition_from_rule(op, operands, results)
   else:
     answer = op.partition(*op.static_args, op.mesh,
@@ -1678,7 +1678,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
         len(sharding.spec) > ndim):
       raise ValueError(_REFUSALS["spec_rank"].format(
           where=where, spec=sharding.spec, ndim=ndim))
-    if on is op.place.auto:
+    if on is op.place.auto:  # seam: inside a partly manual shard_map
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = _to_hlo_sharding(sharding, ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
@@ -1732,7 +1732,7 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   lower_fn, on = answer.lower_fn, answer.on
   if op.check_vma and op.sharding_rule is not None and _padded(answer.args,
                                                                on):
-    _check_even_reductions(op, operands + results, answer.args, on)
+    _check_even_reductions(op, operands + results, answer.args, on)  # seam
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
   try:

@@ -223,9 +223,8 @@ class custom_partitioning:
 
   __getattr__: Any = custom_api_util.forward_attr
   # Until def_partition sets them:
-  partition = infer_sharding_from_operands = propagate_user_sharding = None
-  sharding_rule = None
-  decode_shardings = check_vma = True
+  partition = infer_sharding_from_operands = sharding_rule = None
+  propagate_user_sharding, decode_shardings, check_vma = None, True, True
 
   def def_partition(self, partition=None, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
@@ -299,23 +298,22 @@ class custom_partitioning:
         True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
         result that may vary along a mesh axis (a missing ``psum``) and for
         padding that would enter a reduction (of a dimension the rule
-        reduces, as for a derived partition). It follows through
-        ``lower_fn``'s jaxpr the axes each value may vary along, as
-        ``jax.shard_map``'s ``check_vma`` does (loop carries to a fixed
-        point); where it cannot (grouped collectives, unknown primitives
-        with subprograms) it never refuses, and a mesh axis of size 1 never
-        counts. ``lower_fn`` is traced as a ``jax.shard_map`` body is, so
-        ``jax.lax.pcast(x, axes, to="varying")`` (``pvary`` before jax
-        0.8.2) may mark a loop carry; an unmarked one works too, as
-        upstream. Under Explicit axes the op runs as ``jax.shard_map`` with
-        its own ``check_vma``; where that refuses what this check proved (an
-        unmarked varying carry, a result made equal by ``all_gather``), the
-        op runs with it off, as the custom call would; else its refusal
-        stands. A reduction made by a derived op's transposition (the
-        gradient of a broadcast) never sees XLA's padding: cotangents are
-        zeroed past the end. False turns the checks off (for code right by
-        a construction they cannot see, such as a ring all-reduce whose
-        result is declared replicated).
+        reduces, as for a derived partition). Like ``jax.shard_map``'s
+        ``check_vma``, it follows through ``lower_fn``'s jaxpr the axes each
+        value may vary along (loop carries to a fixed point); where it
+        cannot (grouped collectives, unknown primitives with subprograms) it
+        never refuses; mesh axes of size 1 never count. ``lower_fn`` is
+        traced as a ``jax.shard_map`` body is, so ``jax.lax.pcast(x, axes,
+        to="varying")`` (``pvary`` before jax 0.8.2) may mark a loop carry;
+        an unmarked one works too, as upstream. Under Explicit axes the op
+        runs as ``jax.shard_map`` with its own ``check_vma``, turned off
+        where it refuses what this check proved (an unmarked varying carry,
+        a result made equal by ``all_gather``), as the custom call would
+        run; else its refusal stands. Reductions a derived op's
+        transposition makes (the gradient of a broadcast) never see XLA's
+        padding: cotangents are zeroed past the end. False turns the checks
+        off (for code right by a construction they cannot see, such as a
+        ring all-reduce whose result is declared replicated).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -682,23 +680,22 @@ class _FromRule:
   """The ``partition`` of an op defined by its rule alone: answered from
   the rule (``_partition_from_rule``), each shard running ``fun`` with the
   call's static arguments and unpassed defaults at their positions."""
-  __slots__ = ("fun", "static_argnums", "defaults")
+  __slots__ = ("fun", "static_argnums", "defaults", "_parts")
 
   def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
     self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
                                                     defaults)
-
-  def _parts(self):
     # Defaults are fun's own default objects: compared by identity, as
     # they need not be hashable.
-    return (self.fun, self.static_argnums,
-            tuple((i, id(value)) for i, value in self.defaults))
+    self._parts = (fun, static_argnums, tuple((i, id(value))
+                                              for i, value in defaults))
 
   def __hash__(self):
-    return hash(self._parts())
+    return hash(self._parts)
 
   def __eq__(self, other):
-    return isinstance(other, _FromRule) and other._parts() == self._parts()
+    return isinstance(other, _FromRule) and other._parts == self._parts
+
 
   def lower_fn(self, static_args: tuple) -> Callable:
     """``fun`` as a function of the operands, ``static_args`` bound."""

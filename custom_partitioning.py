@@ -20,37 +20,34 @@
 
 """Custom SPMD partitioning for JAX, in one file you can vendor.
 
-What this is
-------------
 A drop-in replacement for ``jax.experimental.custom_partitioning``: the
-``custom_partitioning`` decorator lets the author of an op give it its own
-sharding rules and a per-shard implementation, so that XLA's SPMD partitioner
-runs the op on shards instead of gathering its operands first. The op is
-staged out as one XLA custom call; while compiling, XLA asks this module
-(through Python callbacks) which sharding the result should get and how to
-compute one shard: a program lowered from the author's ``lower_fn``. ``_demo``
-at the end is a complete example (``python custom_partitioning.py`` runs it).
-The API contract is in the docstrings of ``custom_partitioning``, its
-``def_partition`` and ``check_partitioning``.
+``custom_partitioning`` decorator gives an op its own sharding rules and a
+per-shard implementation, so XLA's SPMD partitioner runs it on shards instead
+of gathering its operands. The op is staged out as one XLA custom call; while
+compiling, XLA asks this module (through Python callbacks) for the result's
+sharding and a per-shard program lowered from the author's ``lower_fn``. The
+contract is in the docstrings of ``custom_partitioning``, ``def_partition``
+and ``check_partitioning``; ``_demo`` at the end is a complete example
+(``python custom_partitioning.py`` runs it).
 
 Version
 -------
-1.0.0 (``__version__``), numbered MAJOR.MINOR.PATCH: a change that can break
-code that ran (an API changed or removed, a jax release dropped) bumps MAJOR;
-one that only adds (a feature, a jax release supported) bumps MINOR; a fix
-bumps PATCH. A change to this file that a user can notice bumps it, in the
-same commit, here and in ``__version__``.
+1.0.0 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+break code that ran (an API changed or removed, a jax release dropped),
+MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
+Every change a user can notice bumps it, in the same commit, here and in
+``__version__``.
 
 How to vendor
 -------------
 Copy this file into your project and import it instead of
 ``jax.experimental.custom_partitioning``; it needs only ``jax`` and
-``jaxlib``. Keep this header: it is the license of your copy. Importing it
-registers, under names derived from the name it is imported as (so jax's own
+``jaxlib``. Keep this header: it is your copy's license. Importing it
+registers, under names derived from its module name (so jax's own
 implementation and any number of copies coexist): the primitive
 ``custom_partitioning_p`` with its rules, the XLA custom-call partitioner
 ``CustomSPMDPartitioning.<module name>`` (also with PJRT plugins), a handler
-that turns this module's tagged compile errors back into the author's
+turning this module's tagged compile errors back into the author's
 exception, a listener for jax's compile events, and the decorator type with
 jax's custom-decorator registry (the wiring block at the end). It changes no
 jax option and no environment variable.
@@ -66,16 +63,15 @@ below, every version difference in appendix F.
 
 Reading order
 -------------
-In the order a call goes: 1. the public decorator and how a call is bound;
-2. the shard_map path (Explicit mesh axes); 3. the primitive and its
-lowering to a custom call; 4. the callbacks XLA calls; 5. the partition
-pipeline, which asks the author's callbacks; 6. derived ops (vmap, jvp,
+The sections follow a call: 1. the decorator and how a call is bound; 2.
+the shard_map path (Explicit mesh axes); 3. the primitive and its lowering
+to a custom call; 4. the callbacks XLA calls; 5. the partition pipeline,
+which asks the author's callbacks; 6. derived ops (vmap, jvp,
 transposition); 7. checks of the per-shard program; 8.
 ``check_partitioning``, for an op author's tests. Appendices: A. shardings;
-B. the Shardy rule parser; C. the DEBUG log; D. keys; E. the module's
-state; F. compatibility; G. what each refusal says. Then a self-demo and
-the wiring block, which registers everything this module hooks into jax
-and XLA.
+B. the Shardy rule parser; C. the DEBUG log; D. keys; E. module state; F.
+compatibility; G. what each refusal says. Then a self-demo and the wiring
+block, which registers every hook into jax and XLA.
 """
 
 from __future__ import annotations
@@ -158,46 +154,43 @@ _JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
 # --------------------------------------------------------------------------
 # 1. The public API: custom_partitioning, and how a call is bound
 #
-# A call binds its arguments by ``fun``'s signature and sorts them by role
+# A call's arguments are bound by ``fun``'s signature and sorted by role
 # (``_split``). Outside any transformation it is compiled (``_eager_call``);
-# inside one it takes one of two paths (``_bind``): under Explicit mesh axes
-# the shard_map path (section 2), else the primitive (section 3), which
-# lowers to a custom call that XLA partitions through its callbacks
-# (section 4).
+# inside one, ``_bind`` takes the shard_map path (section 2) under Explicit
+# mesh axes, else binds the primitive (section 3).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
   """Gives a function its own SPMD partitioning rules.
 
-  ``custom_partitioning(fun, static_argnums=())`` wraps ``fun`` (arguments
-  and results are pytrees of arrays); a call binds ``custom_partitioning_p``
-  and returns ``fun``'s results. Under ``jax.jit`` on several devices the op
-  is one XLA custom call partitioned by the callbacks of ``def_partition``;
-  on one device, in a ``shard_map`` manual over every mesh axis and under
+  ``custom_partitioning(fun, static_argnums=())`` wraps ``fun`` (pytrees of
+  arrays in and out); a call binds ``custom_partitioning_p`` and returns
+  ``fun``'s results. Under ``jax.jit`` on several devices the op is one XLA
+  custom call partitioned by ``def_partition``'s callbacks; on one device,
+  in a ``shard_map`` manual over every mesh axis and under
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
   transformed on the same local shards (section 6; upstream supports none
-  of the three).
+  of the three). An eager call is compiled: partitioned if an operand is a
+  ``jax.Array`` sharded over several devices (not fully replicated), else
+  ``fun`` runs and no callback is asked (as upstream does for every eager
+  call).
 
-  An eager call is compiled: partitioned if an operand is a ``jax.Array``
-  sharded over several devices (not fully replicated), else ``fun`` runs
-  and no callback is asked (as upstream does for every eager call). Traces
-  of ``fun`` are cached per op on what ``jax.jit`` keys on (static
-  arguments, operand pytree and avals, jax's config);
-  ``jax.clear_caches()`` empties them and every cache of this module, so
-  ``fun`` is traced anew and sees new settings of switches it reads.
+  Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
+  arguments, operand pytree and avals, jax's config); ``jax.clear_caches()``
+  empties them and every cache of this module, so ``fun`` is retraced and
+  sees new settings of switches it reads. A custom call carries a key that
+  digests the op (its code, the values its callbacks read, static
+  arguments, mesh, jax's configuration), so jax's persistent compilation
+  cache hits across processes; as with ``jax.jit``, callbacks must not
+  depend on state no argument shows (environment variables, files).
 
-  Under Explicit mesh axes (jax 0.7 or newer, mesh set by ``jax.set_mesh``)
-  ``partition`` is asked while tracing, and the op becomes ``lower_fn``
-  under ``jax.shard_map`` between two reshards, with no custom call
-  (section 2). A custom call carries a key that digests the op (its code,
-  the values its callbacks read, static arguments, mesh, jax's
-  configuration), so jax's persistent compilation cache hits across
-  processes; as with ``jax.jit``, callbacks must not depend on state that
-  no argument shows (environment variables, files). Lowered inside another
-  primitive's lowering rule (``mlir.lower_fun(op)``), the op takes its
-  devices from the mesh set around the call (``jax.set_mesh`` or ``with
-  mesh:``).
+  Under Explicit mesh axes (jax 0.7+, mesh set by ``jax.set_mesh``)
+  ``partition`` is asked while tracing and the op becomes ``lower_fn`` under
+  ``jax.shard_map`` between two reshards, with no custom call (section 2).
+  Lowered inside another primitive's lowering rule (``mlir.lower_fun(op)``),
+  the op takes its devices from the mesh set around the call
+  (``jax.set_mesh`` or ``with mesh:``).
 
   Args:
     fun: the function. A call's keyword arguments are bound to positions by
@@ -221,20 +214,17 @@ class custom_partitioning:
 
   def __init__(self, fun: Callable, static_argnums: int | Sequence[int] = ()):
     functools.update_wrapper(self, fun)
-    self.fun = fun
-    self.static_argnums = static_argnums
+    self.fun, self.static_argnums = fun, static_argnums
     self._defined = False  # def_partition called
-    self._traces = _LRU()  # see _traced
-    self._programs = _LRU()  # see _explicit_call
+    self._traces, self._programs = _LRU(), _LRU()  # _traced, _explicit_call
     self._generation = 0  # counts def_partition calls (see _eager_call)
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
   __getattr__: Any = custom_api_util.forward_attr
   # Until def_partition sets them:
-  partition = infer_sharding_from_operands = propagate_user_sharding = None
-  sharding_rule = None
-  decode_shardings = check_vma = True
+  partition = infer_sharding_from_operands = sharding_rule = None
+  propagate_user_sharding, decode_shardings, check_vma = None, True, True
 
   def def_partition(self, partition=None, infer_sharding_from_operands=None,
                     propagate_user_sharding=None, decode_shardings=True,
@@ -244,9 +234,10 @@ class custom_partitioning:
     """Defines how the op is partitioned; returns ``partition``.
 
     Callbacks get the static arguments first. ``arg_shapes``,
-    ``result_shape`` and ``user_shape`` are pytrees shaped like the op's
-    arguments or results, of ``jax.ShapeDtypeStruct`` whose ``.sharding``
-    is XLA's choice (see ``decode_shardings``).
+    ``result_shape`` and ``user_shape`` are pytrees like the op's arguments
+    or results, of ``jax.ShapeDtypeStruct`` whose ``.sharding`` is XLA's
+    choice (see ``decode_shardings``); so are ``lower_fn``'s arguments and
+    results and the shardings ``partition`` returns.
 
     Order: a sharding rule (string or ``SdyShardingRule``, and the
     ``operand_types``/``result_types`` a callable rule gets) lists operands
@@ -255,45 +246,40 @@ class custom_partitioning:
     flattened as ``jax.tree_util.tree_leaves`` does (dict entries by sorted
     key). For ``fun(d)`` called as ``fun({"x": x, "w": w})`` with x (n, k)
     and w (n,), returning ``{"y": (n, k), "norm": (n,)}``, the rule is
-    ``"i, i j -> i, i j"``. Everything else (shapes, ``lower_fn``'s
-    arguments and results, the shardings ``partition`` returns) is a pytree
-    shaped like the arguments or results.
+    ``"i, i j -> i, i j"``.
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last ones padded with
-    unspecified values (zeros on CPU in practice); XLA drops the padding of
-    the results. Element-wise and row-wise code is right as it is. A
-    reduction over a padded dimension would mix the padding in, and is
-    refused (see ``check_vma``): shard a reduced dimension only over axes
-    that divide it, or mask the padding in ``lower_fn`` (from
-    ``jax.lax.axis_index`` and the global size) and pass
-    ``check_vma=False``.
+    unspecified values (zeros on CPU in practice); XLA drops the results'
+    padding. Element-wise and row-wise code is right as it is; a reduction
+    over a padded dimension would mix the padding in and is refused (see
+    ``check_vma``): shard a reduced dimension only over axes that divide
+    it, or mask the padding in ``lower_fn`` (from ``jax.lax.axis_index``
+    and the global size) and pass ``check_vma=False``.
 
     Args:
       partition: ``(*static, mesh, arg_shapes, result_shape) -> (mesh,
         lower_fn, result_shardings, arg_shardings)``. XLA reshards the
-        operands to ``arg_shardings`` (a pytree like the arguments);
-        ``lower_fn(*local_args)`` computes one shard (local arrays in the
-        arguments' pytree structure), may use collectives over the axes of
-        the mesh returned (``psum``, ``all_gather``, ``axis_index``, ...)
-        and returns results sharded as ``result_shardings``. That mesh is
-        ``mesh``, another mesh over the same devices (other axis names,
-        say) or an ``AbstractMesh`` (made concrete on the op's devices,
-        shardings on it too). Where no mesh could be recovered, ``mesh`` is
-        the empty mesh: returned, ``lower_fn`` runs with no mesh axes (one
-        that names an axis gets an error saying how to give the op a mesh).
-        None (the default) with a ``sharding_rule``:
-        derived from the rule, for both partitioners and Explicit axes.
-        Each factor keeps the mesh axes the operands arrive sharded on
-        (a factor they bring on different axes is replicated, and of two
-        factors on one axis the later one); replicated are the special
-        factors, the reduced ones (in no result, in results only, or
-        lacking from a result that shares another factor with the operand:
-        ``j`` of ``"i, j -> i"`` for ``x * sum(y)``), and factors of
-        compound dimensions. Each shard runs ``fun`` (with
-        the static arguments) on its local arrays, so the rule must hold
-        shard-wise. None without a rule: ``fun`` runs on one device, and on
-        several the call raises ``ValueError``.
+        operands to ``arg_shardings``; ``lower_fn(*local_args)`` computes
+        one shard, may use collectives over the returned mesh's axes
+        (``psum``, ``all_gather``, ``axis_index``, ...) and returns results
+        sharded as ``result_shardings``. That mesh is ``mesh``, another mesh
+        over the same devices (other axis names, say) or an
+        ``AbstractMesh`` (made concrete on the op's devices, shardings on
+        it too). Where no mesh could be recovered, ``mesh`` is the empty
+        mesh: returned, ``lower_fn`` runs with no mesh axes (one that names
+        an axis gets an error saying how to give the op a mesh).
+        None (the default) with a ``sharding_rule``: derived from the rule,
+        for both partitioners and Explicit axes. Each factor keeps the mesh
+        axes the operands arrive sharded on (a factor they bring on
+        different axes is replicated, and of two factors on one axis the
+        later one); replicated are the special factors, the reduced ones
+        (in no result, in results only, or lacking from a result that
+        shares another factor with the operand: ``j`` of ``"i, j -> i"``
+        for ``x * sum(y)``), and factors of compound dimensions. Each shard
+        runs ``fun`` (with the static arguments) on its local arrays, so
+        the rule must hold shard-wise. None without a rule: ``fun`` runs on
+        one device, and on several the call raises ``ValueError``.
       infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
         for a body jax cannot type): ``(*static, mesh, arg_shapes,
         result_shape) -> result sharding(s)``; ``result_shape`` has no
@@ -308,28 +294,26 @@ class custom_partitioning:
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
         ``-> (string, kwargs)``.
-      check_vma: keyword-only; this module's, upstream has no such checks.
+      check_vma: keyword-only, this module's (upstream has no such checks).
         True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
         result that may vary along a mesh axis (a missing ``psum``) and for
-        padding that would enter a reduction (a dimension the rule reduces:
-        a reduced factor, as for a derived partition). It follows through
-        ``lower_fn``'s jaxpr the axes along which each value may vary, as
-        ``jax.shard_map``'s ``check_vma`` does (loop carries to a fixed
-        point, as it types them); where it cannot follow a value (grouped
-        collectives, unknown primitives with subprograms) it never refuses,
-        and a mesh axis of size 1 never counts. ``lower_fn`` is traced as a
-        ``jax.shard_map`` body is, so ``jax.lax.pcast(x, axes,
+        padding that would enter a reduction (of a dimension the rule
+        reduces, as for a derived partition). Like ``jax.shard_map``'s
+        ``check_vma``, it follows through ``lower_fn``'s jaxpr the axes each
+        value may vary along (loop carries to a fixed point); where it
+        cannot (grouped collectives, unknown primitives with subprograms) it
+        never refuses; mesh axes of size 1 never count. ``lower_fn`` is
+        traced as a ``jax.shard_map`` body is, so ``jax.lax.pcast(x, axes,
         to="varying")`` (``pvary`` before jax 0.8.2) may mark a loop carry;
         an unmarked one works too, as upstream. Under Explicit axes the op
-        runs as ``jax.shard_map`` with its own ``check_vma``; where that
-        refuses what this check proved (an unmarked varying carry, a result
-        made equal by ``all_gather``), the op runs with it off, as the
-        custom call would; else its refusal stands. A reduction that a
-        derived op's transposition makes (the gradient of a broadcast)
-        never sees XLA's padding: cotangents are zeroed past the end.
-        False turns the checks off (for code right by a construction the
-        checks cannot see, such as a ring all-reduce whose result is
-        declared replicated).
+        runs as ``jax.shard_map`` with its own ``check_vma``, turned off
+        where it refuses what this check proved (an unmarked varying carry,
+        a result made equal by ``all_gather``), as the custom call would
+        run; else its refusal stands. Reductions a derived op's
+        transposition makes (the gradient of a broadcast) never see XLA's
+        padding: cotangents are zeroed past the end. False turns the checks
+        off (for code right by a construction they cannot see, such as a
+        ring all-reduce whose result is declared replicated).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -338,20 +322,19 @@ class custom_partitioning:
         ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
       When called on several devices: ``ValueError`` if neither
-      ``partition`` nor ``sharding_rule`` is given. While the op is
-      compiled (from ``jax.jit``, ``.compile()`` or an eager call): an
-      exception raised in a callback, with its own type (XLA's error as
-      its ``__cause__``); ``TypeError`` or ``ValueError`` naming the
-      callback and position for a malformed answer (not a 4-tuple, a
-      ``lower_fn`` that is not callable, a sharding that is not a
-      ``jax.sharding.Sharding``, a pytree unlike the operands or results,
-      other devices than the op's); ``ValueError`` naming the result for
-      ``lower_fn`` results of the wrong number, per-shard shape or dtype,
-      and for the ``check_vma`` checks; on the custom-call path,
-      ``NotImplementedError`` for host callbacks in ``lower_fn`` and for
-      ``jax.export``; under ``jax.vmap``/``jvp``/``grad``,
-      ``NotImplementedError`` for a returned mesh shaped unlike the op's or
-      a sharding without a ``PartitionSpec``.
+      ``partition`` nor ``sharding_rule`` is given. While the op is compiled
+      (by ``jax.jit``, ``.compile()`` or an eager call): a callback's
+      exception, with its own type (XLA's error as its ``__cause__``);
+      ``TypeError`` or ``ValueError`` naming the callback and position for
+      a malformed answer (not a 4-tuple, a ``lower_fn`` that is not
+      callable, a sharding that is not a ``jax.sharding.Sharding``, a pytree
+      unlike the operands or results, other devices than the op's);
+      ``ValueError`` naming the result for ``lower_fn`` results of the
+      wrong number, per-shard shape or dtype, and for the ``check_vma``
+      checks; on the custom-call path, ``NotImplementedError`` for host
+      callbacks in ``lower_fn`` and for ``jax.export``; under
+      ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a returned
+      mesh shaped unlike the op's or a sharding without a ``PartitionSpec``.
     """
     if partition is not None and not callable(partition):
       raise TypeError(
@@ -359,8 +342,7 @@ class custom_partitioning:
           f"{type(partition).__name__}.")
     sharding_rule = _checked_rule(self._name, sharding_rule, dict(
         factor_sizes, **{kind: factors for kind, factors in zip(
-            _SPECIAL_FACTOR_KINDS, (reduction_factors,
-                                    need_replication_factors,
+            _SPECIAL_FACTOR_KINDS, (reduction_factors, need_replication_factors,
                                     permutation_factors)) if factors}))
     self._defined = True
     (self.partition, self.infer_sharding_from_operands,
@@ -382,11 +364,9 @@ class custom_partitioning:
     eager = core.trace_state_clean() and not _config.disable_jit.value
     if (not kwargs and len(args) == self._signature.plain and
         not (self.static_argnums or self.static_argnums == 0)):
-      # The common case, kept fast: every argument is an operand (what
-      # _split would answer).
-      if eager:
-        return self._eager_call(args)
-      return self._bind(_CallArgs((), (), (), args))
+      # The common case, kept fast: every argument is an operand.
+      return (self._eager_call(args) if eager
+              else self._bind(_CallArgs((), (), (), args)))
     args = self._split(args, kwargs)
     if eager and _is_hashable(args.static_args):
       return self._eager_call(args.dyn_args, args)
@@ -408,10 +388,10 @@ class custom_partitioning:
 
   def _eager_call(self, dyn_args: tuple, args: _CallArgs | None = None):
     """A call outside any transformation, compiled (see the class
-    docstring); ``args`` None stands for ``_CallArgs((), (), (),
-    dyn_args)``. Cache: (op, its def_partition generation, static
-    arguments, positions of unpassed defaults, sharded?, mesh) -> jitted
-    function; jax.jit keys on the operands' types and shardings itself."""
+    docstring); ``args`` None: no static arguments or defaults. Cache: (op,
+    its def_partition generation, static arguments, positions of unpassed
+    defaults, sharded?, mesh) -> jitted function; jax.jit keys on the
+    operands' types and shardings itself."""
     leaves = dyn_args  # concrete arrays are their own leaves
     for x in dyn_args:  # (a loop: all() of a generator costs 5x as much)
       if type(x) is not _ArrayImpl:
@@ -420,11 +400,8 @@ class custom_partitioning:
     sharded = _any_sharded(leaves)
     # Under Explicit axes the operands' mesh is the op's.
     mesh = _operands_mesh(leaves) if sharded else None
-    if args is None:
-      key = (self, self._generation, (), (), sharded, mesh)
-    else:
-      key = (self, self._generation, args.static_args,
-             _positions(args.defaults), sharded, mesh)
+    key = (self, self._generation, () if args is None else args.static_args,
+           () if args is None else _positions(args.defaults), sharded, mesh)
     fn = _eager.get(key)
     if fn is None:  # only on a miss: no closure built per hit
       fn = self._eager_function(args, sharded, mesh)
@@ -448,19 +425,16 @@ class custom_partitioning:
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
-    trace cache where it can be (``key`` is None where not)."""
-    if args.static_args and not _is_hashable(args.static_args):
-      return (*self._trace_fun(args, flat.in_tree, flat.in_avals), None)
-    # jax.jit's trace key (its trace context holds the config states), plus
-    # the positions of unpassed defaults. Like jax.jit, it does not see the
-    # globals and closures ``fun`` reads.
-    key = (args.static_args, tuple(i for i, _ in args.defaults),
-           flat.in_tree, flat.in_avals, _use_shardy(), _config.trace_context())
-    traced = self._traces.get(key)
-    if traced is None:
-      traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
-      self._traces.put(key, traced)
-    return (*traced, key)
+    trace cache where the static arguments hash (else ``key`` is None)."""
+    key = None
+    if not args.static_args or _is_hashable(args.static_args):
+      # jax.jit's trace key (its trace context holds the config states),
+      # plus the positions of unpassed defaults. Like jax.jit, it does not
+      # see the globals and closures ``fun`` reads.
+      key = (args.static_args, _positions(args.defaults), flat.in_tree,
+             flat.in_avals, _use_shardy(), _config.trace_context())
+    return (*self._traces.cached(key, lambda: self._trace_fun(
+        args, flat.in_tree, flat.in_avals)), key)
 
   def _run_body(self, args: _CallArgs):
     flat = _flatten(args)
@@ -487,10 +461,9 @@ class custom_partitioning:
 
   def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree,
               hashable: bool) -> dict:
-    """The parameters of a call's equation: the traced body and the
-    callbacks under their API names, as upstream binds them, and this
-    module's ``check_vma`` and ``transform`` (a derived op's steps). The
-    shard_map path builds its op from the same (``_op_of``)."""
+    """A call's equation parameters: the traced body, the callbacks under
+    their API names (as upstream binds them), this module's ``check_vma``
+    and ``transform`` (a derived op's steps). The shard_map path's op too."""
     return dict(
         call=call, in_tree=flat.in_tree, out_tree=out_tree,
         # An op defined by its rule alone: the partition derived from it.
@@ -507,11 +480,11 @@ class custom_partitioning:
         check_vma=self.check_vma, transform=())
 
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
-    """Traces ``fun`` to ``(call, out_tree)``. Concrete arrays it closes
-    over stay constants of ``call`` (``lower_fn`` captures its own); a
+    """``fun`` traced to ``(call, out_tree)``. Closed-over concrete arrays
+    stay constants of ``call`` (``lower_fn`` captures its own); a
     closed-over tracer cannot reach XLA's callbacks and is rejected."""
-    fixed = dict(zip(args.static_argnums, args.static_args))
-    fixed.update(args.defaults)
+
+    fixed = dict([*zip(args.static_argnums, args.static_args), *args.defaults])
     all_args = (_in_call_order(fixed, args.dyn_args) if fixed
                 else args.dyn_args)
     wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
@@ -563,9 +536,8 @@ class _Signature:
       return
     params = self._sig.parameters.values()
     # Calls with exactly this many positional args need no binding.
-    self.plain = (len(params)
-                  if all(p.kind in self._POSITIONAL for p in params)
-                  else None)
+    self.plain = (len(params) if all(p.kind in self._POSITIONAL
+                                     for p in params) else None)
 
   def positional(self, args: tuple, kwargs: dict, name: str):
     """``(args, unpassed)``: every positional parameter's value in order,
@@ -649,14 +621,11 @@ def _any_sharded(xs) -> bool:
   for x in xs:
     if ((type(x) is _ArrayImpl or
          isinstance(x, jax.Array) and not isinstance(x, core.Tracer)) and
-        (not x.sharding.is_fully_replicated or _names_an_axis(x.sharding))):
+        (not x.sharding.is_fully_replicated or
+         isinstance(x.sharding, jax.sharding.NamedSharding) and
+         any(map(_entry_axes, x.sharding.spec)))):
       return True
   return False
-
-
-def _names_an_axis(sharding) -> bool:
-  return (isinstance(sharding, jax.sharding.NamedSharding) and
-          any(map(_entry_axes, sharding.spec)))
 
 
 def _operands_mesh(leaves):
@@ -708,34 +677,31 @@ class _Unhashable:
 
 
 class _FromRule:
-  """The ``partition`` parameter of an op defined by its sharding rule
-  alone: XLA's partition question is answered from the rule
-  (``_partition_from_rule``), and each shard runs ``fun`` itself. Holds
-  where a call's static arguments and unpassed defaults go among ``fun``'s
-  arguments (``lower_fn`` gets the operands alone)."""
-  __slots__ = ("fun", "static_argnums", "defaults")
+  """The ``partition`` of an op defined by its rule alone: answered from
+  the rule (``_partition_from_rule``), each shard running ``fun`` with the
+  call's static arguments and unpassed defaults at their positions."""
+  __slots__ = ("fun", "static_argnums", "defaults", "_parts")
 
   def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
     self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
                                                     defaults)
-
-  def _parts(self):
     # Defaults are fun's own default objects: compared by identity, as
     # they need not be hashable.
-    return (self.fun, self.static_argnums,
-            tuple((i, id(value)) for i, value in self.defaults))
+    self._parts = (fun, static_argnums, tuple((i, id(value))
+                                              for i, value in defaults))
 
   def __hash__(self):
-    return hash(self._parts())
+    return hash(self._parts)
 
   def __eq__(self, other):
-    return isinstance(other, _FromRule) and other._parts() == self._parts()
+    return isinstance(other, _FromRule) and other._parts == self._parts
+
 
   def lower_fn(self, static_args: tuple) -> Callable:
     """``fun`` as a function of the operands, ``static_args`` bound."""
-    fixed = dict(zip(self.static_argnums, static_args))
-    fixed.update(self.defaults)
+    fixed = dict([*zip(self.static_argnums, static_args), *self.defaults])
     fun = self.fun
+
 
     def lower_fn(*operands):
       return fun(*_in_call_order(fixed, operands))
@@ -748,12 +714,10 @@ class _FromRule:
 # 2. The shard_map path (Explicit mesh axes): partitioning while tracing
 #
 # Where every operand's sharding is in its type, ``partition`` is asked
-# while tracing (by the same functions XLA's callbacks use) and the op is
-# emitted as the program it describes: reshard -> ``jax.shard_map(lower_fn)``
-# -> reshard, with no custom call left (README: "Explicit mesh axes: two
-# paths"). ``_explicit_mesh`` is the gate, ``_explicit_program`` the plan
-# (or the reason to keep the custom call), ``_shard_map_program`` the
-# emission.
+# while tracing (by the functions XLA's callbacks use) and the op becomes
+# reshard -> ``jax.shard_map(lower_fn)`` -> reshard, with no custom call
+# (README: "Explicit mesh axes: two paths"). ``_explicit_mesh`` is the gate,
+# ``_explicit_program`` the plan, ``_shard_map_program`` the emission.
 # --------------------------------------------------------------------------
 
 def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
@@ -766,19 +730,17 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
       _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
              why=f"not run as shard_map under Explicit axes: {why_not}")
     return None
-  key = None
-  if _is_hashable(args.static_args):
-    # All that fun's trace and the callbacks are given (see _traced).
-    key = (args.static_args, _positions(args.defaults), flat.in_tree,
-           flat.in_avals, mesh, _config.trace_context())
-  if key is not None and _log.isEnabledFor(logging.DEBUG):
-    hit = user_op._programs.get(key)
-    if hit is not None:
-      _debug(user_op._name, "partition", mesh=mesh, cached=True,
-             path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
-             asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
-                            for a in flat.in_avals]))
-  program = user_op._programs.cached(key, lambda: _explicit_program(
+  # All that fun's trace and the callbacks are given (see _traced).
+  key = ((args.static_args, _positions(args.defaults), flat.in_tree,
+          flat.in_avals, mesh, _config.trace_context())
+         if _is_hashable(args.static_args) else None)
+  hit = None if key is None else user_op._programs.get(key)
+  if hit is not None and _log.isEnabledFor(logging.DEBUG):
+    _debug(user_op._name, "partition", mesh=mesh, cached=True,
+           path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
+           asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
+                          for a in flat.in_avals]))
+  program = hit or user_op._programs.cached(key, lambda: _explicit_program(
       user_op, args, flat, mesh))
   if program.run is None:
     return None
@@ -787,12 +749,11 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
 
 
 def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
-  """Runs (traces) the program, and where shard_map's types refuse what
-  the module's own check proved (every result replicated where its
-  sharding says), its untyped twin, as the custom call would run it: a
-  loop carry that a collective makes varying, left unmarked (TypeError),
-  or a result made equal by an all_gather (ValueError). Where the check
-  did not prove it, shard_map's refusal stands."""
+  """Runs (traces) the program. Where shard_map's types refuse what the
+  module's check proved (every result replicated as its sharding says): an
+  unmarked loop carry a collective makes varying (TypeError) or a result
+  made equal by all_gather (ValueError), runs its untyped twin instead, as
+  the custom call would; else shard_map's refusal stands."""
   prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
             "of its lower_fn under Explicit mesh axes: ")
   try:
@@ -817,9 +778,9 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 
 
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
-  """The gate of this section's path: ``(mesh, why_not)``, the concrete
-  mesh the op runs on as shard_map, or None and, where the operands' mesh
-  is all Explicit, why not (for the log). Reads no callback."""
+  """``(mesh, why_not)``: the concrete mesh the op runs on as shard_map, or
+  None and, where the operands' mesh is all Explicit, why not (for the
+  log). Reads no callback."""
   if not _EXPLICIT_PATH or _jit_disabled():
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
@@ -859,23 +820,19 @@ def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
 
 
 class _Program(NamedTuple):
-  """A call signature's plan under Explicit axes: ``run``, the jitted
-  reshard -> shard_map -> reshard program, or None and ``why`` the op keeps
-  the custom call; ``untyped``: the program with shard_map's check_vma off
-  (None where the op has it off already); ``proven``: whether the module's
-  check proved every replicated result equal along its axes."""
-  run: Callable | None
+  """A call signature's plan under Explicit axes; ``run`` None: the op
+  keeps the custom call, for the reason ``why``."""
+  run: Callable | None  # jitted reshard -> shard_map -> reshard
   out_tree: Any
   why: str = ""
-  untyped: Callable | None = None
-  proven: bool = False
+  untyped: Callable | None = None  # check_vma off (None: off already)
+  proven: bool = False  # the module's check proved replicated results equal
+
 
 
 def _shard_map_advice(error: Exception) -> str:
-  """The way out of an error of the shard_map program, where one fits (jax's
-  own advice names jax.shard_map's argument, not the op's): for its check
-  that results are replicated as their out specs say, and for its typing
-  of loop carries."""
+  """The way out of the shard_map program's check of replicated results
+  and typing of loop carries (jax's advice names shard_map's arguments)."""
   if type(error) is ValueError and "out_specs" in str(error):
     return (" (here: shard_map's check_vma cannot prove a result replicated "
             "over an axis its sharding leaves out; reduce it over that axis "
@@ -953,10 +910,9 @@ def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
 
 def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
   """``(operands, results, typed)``: the values the callbacks are asked
-  about, with specs as the custom call's would have them (no size-1 axes),
-  and the result types the program gives (None: ``partition``'s). The types
-  are jax's typing of ``fun`` or, for a body it cannot type, what the op's
-  inference says where it places every result."""
+  about, specs as the custom call's (no size-1 axes), and the program's
+  result types (None: ``partition``'s): jax's typing of ``fun`` or, for a
+  body it cannot type, the op's inference where it places every result."""
   operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
               for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
@@ -1042,11 +998,10 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
 
 
 def _invariant_over_size1(x, spec_axes: set, mesh):
-  """``x`` typed invariant over the size-1 mesh axes it varies over in
-  shard_map's types (say after ``all_to_all`` or ``axis_index`` over one)
-  and its out spec does not name: shard_map's check_vma would refuse it,
-  though along such an axis nothing can differ. A psum over them adds
-  nothing."""
+  """``x`` made invariant (by a psum, which adds nothing) over size-1 mesh
+  axes it varies over in shard_map's types (say after ``axis_index`` over
+  one) and its out spec omits: check_vma would refuse them, needlessly."""
+
   axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
                if mesh.shape[a] == 1 and a not in spec_axes)
   if not axes:

@@ -179,11 +179,14 @@ class custom_partitioning:
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
   arguments, operand pytree and avals, jax's config); ``jax.clear_caches()``
   empties them and every cache of this module, so ``fun`` is retraced and
-  sees new settings of switches it reads. A custom call carries a key that
-  digests the op (its code, the values its callbacks read, static
-  arguments, mesh, jax's configuration), so jax's persistent compilation
-  cache hits across processes; as with ``jax.jit``, callbacks must not
-  depend on state no argument shows (environment variables, files).
+  sees new settings of switches it reads. A lowering asks the callbacks
+  once per distinct question (upstream asks for every custom call), and a
+  new lowering asks anew; but where jax's persistent compilation cache is
+  on, a custom call carries a key that digests the op (its code, the
+  values its callbacks read, static arguments, mesh, jax's configuration),
+  so the cache hits across processes and ops equal by it share answers.
+  As with ``jax.jit``, callbacks must not depend on state no argument
+  shows (environment variables, files).
 
   Under Explicit mesh axes (jax 0.7+, mesh set by ``jax.set_mesh``)
   ``partition`` is asked while tracing and the op becomes ``lower_fn`` under
@@ -431,10 +434,15 @@ class custom_partitioning:
       # jax.jit's trace key (its trace context holds the config states),
       # plus the positions of unpassed defaults. Like jax.jit, it does not
       # see the globals and closures ``fun`` reads.
-      key = (args.static_args, _positions(args.defaults), flat.in_tree,
-             flat.in_avals, _use_shardy(), _config.trace_context())
-    return (*self._traces.cached(key, lambda: self._trace_fun(
-        args, flat.in_tree, flat.in_avals)), key)
+      key = (args.static_args, tuple(i for i, _ in args.defaults),
+             flat.in_tree, flat.in_avals, _use_shardy(),
+             _config.trace_context())
+    traced = None if key is None else self._traces.get(key)
+    if traced is None:  # (get and put: no closure built on the hot path)
+      traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
+      if key is not None:
+        self._traces.put(key, traced)
+    return (*traced, key)
 
   def _run_body(self, args: _CallArgs):
     flat = _flatten(args)

@@ -72,6 +72,11 @@ transposition); 7. checks of the per-shard program; 8.
 B. the Shardy rule parser; C. the DEBUG log; D. keys; E. module state; F.
 compatibility; G. what each refusal says. Then a self-demo and the wiring
 block, which registers every hook into jax and XLA.
+
+An ordinary op (Auto axes, no transformation) runs sections 1, 3, 4 and 5
+and the helpers they call. Every extra joins that path at one line marked
+``# seam:``, a test that it applies, and runs only then: grep for it to
+see what the core leaves out, or what a copy may delete.
 """
 
 from __future__ import annotations

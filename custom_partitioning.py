@@ -1838,25 +1838,20 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
 # --------------------------------------------------------------------------
 # 6. Derived ops: vmap, jvp and transposition
 #
-# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
-# the author's op into a *derived* op, whose ``transform`` lists the steps,
-# first to last, that lead from the author's op to it (the author's op has
-# none). XLA asks about the op at the top; the author's callbacks answer
-# about their own op. So each question is walked down the steps and the
-# answer back up, with shardings as PartitionSpec entries on the op's mesh;
-# walking up, ``lower_fn`` becomes ``vmap``/``jvp``/``vjp`` of itself, run
-# on the same local shards. The rules bind derived ops: the same
-# callbacks, a longer ``transform`` and, as ``call``, the body transformed
-# alike (the derived op's abstract values and single-device code).
+# ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
+# *derived* op: the same callbacks, ``transform`` listing the steps (first to
+# last) from the author's op (which has none), and as ``call`` the body
+# transformed alike. XLA asks about the derived op, the callbacks answer about
+# their own: each question walks down the steps and its answer back up (as
+# PartitionSpec entries on the op's mesh), ``lower_fn`` becoming
+# ``vmap``/``jvp``/``vjp`` of itself on the same local shards.
 # --------------------------------------------------------------------------
 
 def _jvp(primals, tangents, **params):
-  """The primal stays the op; the tangents come from a derived jvp op.
-
-  Per shard, the jvp op runs ``jax.jvp`` of ``lower_fn`` on the shardings
-  of the op's own partition. An op with a non-float result is
-  differentiated through its body instead (XLA partitions that copy).
-  """
+  """The primal stays the op; the tangents come from a derived jvp op (per
+  shard, ``jax.jvp`` of ``lower_fn`` on the op's own partition). An op with
+  a non-float result is differentiated through its body (XLA partitions
+  that copy)."""
   call = params["call"]
   out = custom_partitioning_p.bind(*primals, **params)
   mask = tuple(type(t) is not ad.Zero and
@@ -1876,15 +1871,13 @@ def _jvp(primals, tangents, **params):
 
 def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
-  """``fun`` (the body transformed as ``tag`` says) traced for
-  ``operands``; ``tag`` (not a ``_Step``) says which operands are batched
-  or differentiated."""
+  """``fun``, the body transformed as ``tag`` says (which operands are
+  batched or differentiated), traced for ``operands``."""
   # A pure function of the key: the body, the tag, the operands' avals
   # (under Explicit axes with shardings, which the results inherit) and
   # jax's trace context.
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, tag, in_avals, _config.trace_context())
-
   return _derived.cached(key, lambda: _trace_to_jaxpr(
       _wrap(fun, in_avals, ()), in_avals, f"{label} of {_fun_name(call)}"))
 
@@ -1908,15 +1901,12 @@ def _transpose(cts, *args, **params):
   n = len(mask)
 
   def body(*xs):
-    primals, out_cts = xs[:n], xs[n:]
-
-    def linear(*tangents):
-      return core.jaxpr_as_fun(call)(*primals, *tangents)
     # The vjp of a linear function is its transpose at any point; the
     # primals have the tangents' types (inside shard_map, also their
     # varying manual axes, which jax.linear_transpose would drop).
-    _, pullback = jax.vjp(linear, *(p for p, m in zip(primals, mask) if m))
-    return list(pullback(list(out_cts)))
+    linear = functools.partial(core.jaxpr_as_fun(call), *xs[:n])
+    _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
+    return list(pullback(list(xs[n:])))
   operands = [*args[:n], *map(ad.instantiate_zeros, cts)]
   derived = _derived_call(call, ("transpose",), "transpose", body, operands)
   outs = custom_partitioning_p.bind(*operands, **dict(
@@ -1950,12 +1940,11 @@ def _batch(args, dims, **params):
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-  """One step from an op to the op derived from it, a subclass for each
-  transformation: the values below it (``down``), per-value items above it
-  (``up``: PartitionSpec entries or a rule's dimensions) and its part of
-  each question, from the part below (``inner``, ``fn``); by default, that
-  of a step that keeps shardings. As equation parameters (``transform``),
-  steps compare and hash by class and fields, as keys describe them."""
+  """One step from an op to the op derived from it (a subclass per
+  transformation): the values below it (``down``), per-value items above it
+  (``up``: spec entries or a rule's dimensions) and its part of each
+  question given the part below (by default, a step's that keeps
+  shardings). Steps compare and hash by class and fields, as keys need."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -1971,9 +1960,9 @@ class _Step:
 
 
 class _Level(NamedTuple):
-  """An op on the way from the author's (``step`` None) up to the one XLA
-  asks about: its values as asked or, walked up by ``_specs_up``, as
-  partitioned; ``entry``: the spec entry its step gave a batch dimension."""
+  """An op from the author's (``step`` None) up to the one XLA asks about,
+  its values as asked or (``_specs_up``) as partitioned; ``entry``: the
+  spec entry its step gave a batch dimension."""
   step: _Step | None
   operands: list
   results: list
@@ -1993,9 +1982,7 @@ def _unbatched(v: _Value) -> _Value:
   """``v`` without its leading batch dimension. A sharding with no
   PartitionSpec (e.g. a reshape split a mesh axis) reads as replicated: XLA
   reshards the operand to whatever ``partition`` asks anyway."""
-  spec = v.spec
-  if spec is None and v.hlo is not None:
-    spec = (None,) * len(v.shape)
+  spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
   return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
                 v.varying)
 
@@ -2037,13 +2024,10 @@ class _Batch(_Step):
     sharded over (first of ``values`` that has any) that the op below
     leaves free (not in ``used``) and that divide the batch size, or None."""
     entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
-    axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
-            if a is not None and a not in used]
+    axes = [a for a in _entry_axes(entry) if a not in used]
     while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
       axes.pop()
-    if not axes:
-      return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
   def lower(self, fn, *_):
     return jax.vmap(fn)
@@ -2052,8 +2036,7 @@ class _Batch(_Step):
 @dataclasses.dataclass(frozen=True)
 class _Jvp(_Step):
   """``jax.jvp``: operands are the primals, then the tangents of those
-  marked in ``mask``; results are the tangents of the results, each
-  sharded like its primal."""
+  marked in ``mask``; results are tangents, each sharded like its primal."""
   mask: tuple
 
   def down(self, operands, results):
@@ -2072,10 +2055,10 @@ class _Jvp(_Step):
 
 @dataclasses.dataclass(frozen=True)
 class _Vjp(_Step):
-  """The transposition step of ``jax.grad``: operands are the primals,
-  then the cotangents of the results; results are the cotangents of the
-  primals marked in ``mask``, sharded like the primals (even along what
-  was a reduction factor) or, propagated, as the user has them."""
+  """``jax.grad``'s transposition: operands are the primals, then the
+  results' cotangents; results are the cotangents of the primals marked in
+  ``mask``, sharded like them (even along a reduction factor) or,
+  propagated, as the user has them."""
   mask: tuple
 
   def down(self, operands, results):  # cotangents stand for results
@@ -2095,15 +2078,12 @@ class _Vjp(_Step):
     return (*self.up(ops, res), [])
 
   def lower(self, fn, op, answer, below, batched):
-    """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
-
-    ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
-    of a value counts as a value of its own. The global cotangents follow
-    from two corrections. A result replicated over ``r`` devices is one value
-    with ``r`` copies, so each copy gets ``1/r`` of its cotangent
-    (``scales``). An operand replicated over some mesh axes feeds every copy,
-    so its cotangent sums over them (``psum_axes``).
-    """
+    """Per-shard ``(primals, cotangents) -> cotangents``: ``fn`` transposed
+    as jax transposes ``pmap`` code (each device's copy of a value is a value
+    of its own), then corrected: a result replicated over ``r`` devices is
+    one value with ``r`` copies, each getting ``1/r`` of its cotangent
+    (``scales``); an operand replicated over some mesh axes feeds every copy,
+    so its cotangent sums over them (``psum_axes``)."""
     scales = [math.prod(answer.mesh.shape[a]
                         for a in _copies_over(op, answer.on, v, batched))
               for v in below.results]
@@ -2161,23 +2141,16 @@ def _specs_up(levels: list, answer: _Answer,
 
 def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
   """The axes among ``names`` that ``jaxpr``'s collectives run over."""
-  found: set = set()
-  for eqn in jaxpr.eqns:
-    found |= _eqn_axes(eqn) & names
-  for sub in core.subjaxprs(jaxpr):
-    found |= _collective_axes(sub, names)
-  return found
+  return names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
+      _collective_axes(sub, names) for sub in core.subjaxprs(jaxpr)))
 
 
 def _eqn_axes(eqn) -> set:
   """The mesh axis names an equation's collective runs over."""
-  found: set = set()
-  for param in ("axes", "axis_name"):
-    value = eqn.params.get(param)
-    for axis in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(axis, str):
-        found.add(axis)
-  return found
+  values = [eqn.params.get(param) for param in ("axes", "axis_name")]
+  return {axis for v in values
+          for axis in (v if isinstance(v, (tuple, list)) else (v,))
+          if isinstance(axis, str)}
 
 
 def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
@@ -3021,13 +2994,11 @@ def _short_repr(value, limit: int = 60) -> str:
 # --------------------------------------------------------------------------
 
 class _Value(NamedTuple):
-  """An operand or result of an op.
-
-  ``spec``: its PartitionSpec entries (None: it has none, or its sharding is
-  not known); ``hlo``: the HloSharding it came as (None: it is known by
-  ``spec`` alone, or not at all); ``varying``: inside a shard_map, the
-  manual axes it varies over (None: not tracked).
-  """
+  """An operand or result of an op. ``spec``: its PartitionSpec entries
+  (None: it has none, or its sharding is not known); ``hlo``: the
+  HloSharding it came as (None: known by ``spec`` alone, or not at all);
+  ``varying``: inside a shard_map, the manual axes it varies over (None:
+  not tracked)."""
   shape: tuple
   dtype: Any
   spec: tuple | None = None
@@ -3040,29 +3011,25 @@ class _Value(NamedTuple):
 
 def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
   """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
-  if shape.is_tuple():
-    shapes = list(shape.tuple_shapes())
-    shardings = (list(sharding.tuple_elements()) if sharding is not None
-                 else [None] * len(shapes))
-    return shapes, shardings
-  return [shape], [sharding]
+  if not shape.is_tuple():
+    return [shape], [sharding]
+  shapes = list(shape.tuple_shapes())
+  return shapes, (list(sharding.tuple_elements()) if sharding is not None
+                  else [None] * len(shapes))
 
 
 def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
-  if shape.is_tuple():
-    return xc.HloSharding.tuple_sharding(shape, shardings)
-  return shardings[0]
+  return (xc.HloSharding.tuple_sharding(shape, shardings)
+          if shape.is_tuple() else shardings[0])
 
 
 def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
   """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
-  out = []
-  for s, h, v in zip(shapes, hlo_shardings, list(varying) or
-                     [None] * len(shapes)):
-    ndim = len(s.dimensions())
-    spec = None if h is None or on.empty else _decode_spec(h, on, ndim)
-    out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, h, v))
-  return out
+  return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
+                 None if h is None or on.empty
+                 else _decode_spec(h, on, len(s.dimensions())), h, v)
+          for s, h, v in zip(shapes, hlo_shardings,
+                             list(varying) or [None] * len(shapes))]
 
 
 def _hlo_of(v: _Value, on) -> xc.HloSharding:
@@ -3074,11 +3041,8 @@ def _hlo_of(v: _Value, on) -> xc.HloSharding:
 
 def _axes_in(specs) -> set:
   """The mesh axis names used by some PartitionSpec entries."""
-  names: set = set()
-  for spec in specs:
-    for entry in spec or ():
-      names.update(_entry_axes(entry))
-  return names
+  return {a for spec in specs for entry in spec or ()
+          for a in _entry_axes(entry)}
 
 
 def _shard_count(entry, mesh) -> int:
@@ -3087,9 +3051,8 @@ def _shard_count(entry, mesh) -> int:
 
 
 def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` with more than one device. Along a size-1 axis
-  there is one device, so nothing is sharded and nothing can differ; XLA's
-  HloShardings cannot even name such an axis."""
+  """The axes of ``mesh`` with more than one device (along a size-1 axis
+  nothing is sharded or can differ; HloShardings cannot name one)."""
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 

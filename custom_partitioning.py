@@ -3725,22 +3725,20 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 # Appendix D. Keys that hit across processes
 #
 # Where jax's persistent compilation cache is on, a custom call's key is part
-# of the cache's key, so it must name the op by content, the same in every
-# process (``_register``'s seam; without the cache, a key names the op within
-# one lowering). It digests a description of all that decides the op's
-# partitioning: the body's jaxpr and constants, each callback's code and the
-# values it reads (closures, globals, attributes of user modules, defaults),
-# static arguments, pytrees, mesh, devices, partitioner and jax's trace
-# context (every field of the ``_Op`` not marked state). Plain data
-# (including arrays up to _MAX_HASHED_BYTES and user objects, by their
-# fields), code, meshes, devices and shardings are described faithfully;
-# anything else, and bigger arrays (hashing costs time linear in their size,
-# in every lowering), is *opaque*: described by its identity within one
-# lowering in one process. So a program keeps its key across processes
-# unless it reads opaque values, and a changed program (even in place: each
-# lowering is described anew) never gets an old key. No description sees
-# state that callbacks read through libraries (environment, files, random
-# numbers); like functions jax.jit traces, they must not.
+# of its key, so it names the op by content, alike in every process
+# (``_register``'s seam; otherwise a key names the op within one lowering):
+# a digest of every ``_Op`` field not marked state (the body's jaxpr and
+# constants; each callback's code and the values it reads: closures,
+# globals, user modules' attributes, defaults; static arguments, pytrees,
+# mesh, devices, partitioner, jax's trace context). Plain data (arrays up to
+# _MAX_HASHED_BYTES; user objects by their fields), code, meshes, devices and
+# shardings are described faithfully; anything else, and bigger arrays
+# (hashing costs time linear in their size, in every lowering), is *opaque*:
+# named by its identity within one lowering in one process. So a program
+# keeps its key across processes unless it reads opaque values, and a changed
+# program (even in place: each lowering is described anew) never gets an old
+# key. State callbacks read through libraries (environment, files, random
+# numbers) is not seen; as in functions jax.jit traces, they must not.
 # --------------------------------------------------------------------------
 
 def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
@@ -3754,18 +3752,16 @@ def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
 
 
 # Code of these packages is identified by name and version, not by content.
-_LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
-                     "operator", "math", "typing", "collections", "abc",
-                     "ml_dtypes", "opt_einsum", "scipy", "os", "sys",
-                     "random", "time", "io", "pathlib")
+_LIBRARY_PREFIXES = (
+    "jax", "jaxlib", "numpy", "builtins", "functools", "operator", "math",
+    "typing", "collections", "abc", "ml_dtypes", "opt_einsum", "scipy", "os",
+    "sys", "random", "time", "io", "pathlib")
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # Classes of this module whose objects are described by what a function of
 # them returns; all are registered in the wiring block at the end.
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
-
-
 _SKIPPED_CLASS_ATTRS = frozenset({
     "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
     "__annotations__", "__dataclass_fields__", "__dataclass_params__",
@@ -3841,12 +3837,12 @@ class _Describer:
       out.append(f"builtin {obj.__module__}.{obj.__qualname__}")
       if not isinstance(obj.__self__, (types.ModuleType, type(None))):
         self.add(obj.__self__)
-    elif not self._jax_object(obj):
+    else:
       self._object(obj)
 
-  def _jax_object(self, obj) -> bool:
-    """Describes a mesh, device, sharding, pytree structure or rule, or an
-    object of this module; False for any other object."""
+  def _object(self, obj) -> None:
+    """Describes a mesh, device, sharding, pytree structure or rule, object
+    of this module, wrapper or user object; anything else as opaque."""
     out, kind = self.out, type(obj)
     if isinstance(obj, jax.sharding.Mesh) and obj.empty:
       out.append("empty mesh")
@@ -3872,17 +3868,12 @@ class _Describer:
       out.append(f"{kind.__qualname__}")
       self.add(next(_DESCRIBED_BY[t] for t in kind.__mro__
                     if t in _DESCRIBED_BY)(obj))
-    else:
-      return False
-    return True
-
-  def _object(self, obj) -> None:
-    if hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
-      self.out.append(f"wrapper {type(obj).__qualname__}")
+    elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
+      out.append(f"wrapper {kind.__qualname__}")
       self.add(obj.__wrapped__)
-    elif not _is_library(type(obj).__module__) and hasattr(obj, "__dict__"):
-      self.out.append("object")  # dataclasses, other user objects: by fields
-      self._class(type(obj))
+    elif not _is_library(kind.__module__) and hasattr(obj, "__dict__"):
+      out.append("object")  # dataclasses, other user objects: by fields
+      self._class(kind)
       self.add(vars(obj))
     else:
       self.opaque(obj)
@@ -3899,15 +3890,13 @@ class _Describer:
     return "\n".join(sub.out)
 
   def _array(self, obj) -> None:
+    value = None
     # Checked before np.asarray, which copies a jax.Array to the host.
-    if getattr(obj, "nbytes", 0) > _MAX_HASHED_BYTES:
-      self.opaque(obj)
-      return
-    try:
-      value = np.asarray(obj)
-    except Exception:  # noqa: BLE001 - e.g. not addressable from here
-      self.opaque(obj)
-      return
+    if getattr(obj, "nbytes", 0) <= _MAX_HASHED_BYTES:
+      with contextlib.suppress(Exception):  # e.g. not addressable from here
+        value = np.asarray(obj)
+    if value is None:
+      return self.opaque(obj)
     self.out.append(f"array {value.dtype} {value.shape} "
                     f"{hashlib.sha256(value.tobytes()).hexdigest()}")
 
@@ -3994,13 +3983,12 @@ def _code_names(code: types.CodeType) -> list[str]:
 #   _call_names     body -> name of its function            weak    -
 #   _lapack_ready   jaxlib's LAPACK kernels registered (F)  -       never
 #
-# What each key holds of jax's configuration (its trace context, which
-# jax's own tracing caches key on): op._traces, op._programs and _derived
-# hold the context itself; _registry's key holds it by value where it is a
-# content key (appendix D), else names an op of one lowering, which has one
-# configuration; so _Op.lowered's answers hold for it too. _eager's
-# values are jax.jit functions, which key on the configuration themselves,
-# and build nothing that depends on it. _pending is no cache.
+# Of jax's configuration (the trace context jax's own caches key on):
+# op._traces, op._programs and _derived key on the context itself;
+# _registry's content keys (appendix D) hold it by value, its other keys name
+# an op of one lowering, which has one configuration (so _Op.lowered's
+# answers hold for it too); _eager holds jax.jit functions, which key on it
+# themselves and build nothing that depends on it. _pending is no cache.
 #
 # C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
 # D: ``def_partition``; P: popped by the next partition callback on that
@@ -4045,8 +4033,7 @@ class _LRU:
       self._lock.release()
 
   def cached(self, key, build: Callable[[], Any]):
-    """The value under ``key``; if missing, ``build()``, kept (unless
-    ``key`` is None: then nothing is looked up or kept)."""
+    """The value under ``key``, else ``build()``, kept (key None: neither)."""
     value = None if key is None else self.get(key)
     if value is None:
       value = build()

@@ -2184,9 +2184,8 @@ def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
 
 
 def _without_padding(x, v: _Value, on):
-  """``x``, a shard of ``v``, zero past ``v``'s end along each dimension
-  the mesh does not divide (XLA pads the last shards with unspecified
-  values)."""
+  """``x``, a shard of ``v``, zeroed past ``v``'s end where the mesh does
+  not divide a dimension (XLA pads last shards with unspecified values)."""
   if v.spec is None or x.dtype == jax.dtypes.float0:
     return x
   for d, entry in enumerate(v.spec):
@@ -2207,8 +2206,7 @@ def _masked(fn: Callable, primals, mask):
 
 
 def _rule_attr(rule, levels: list):
-  """The Shardy rule of a derived op: the author's ``rule`` walked up the
-  steps (``rule_up``)."""
+  """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
   bottom = levels[0]
   n = len(bottom.operands)
   sizes, dims = _resolve_rule(
@@ -2986,19 +2984,17 @@ def _short_repr(value, limit: int = 60) -> str:
 # --------------------------------------------------------------------------
 # Appendix A. Shardings
 #
-# XLA talks in HloShardings on flat lists of shapes; the author's callbacks
-# talk in jax shardings on pytrees of ``jax.ShapeDtypeStruct``. In between,
-# each operand and result is a ``_Value``: its PartitionSpec entries where it
-# has them (what the checks and derived ops work with) and the HloSharding
-# XLA or the author gave, kept as given.
+# XLA talks in HloShardings on flat lists of shapes, the author's callbacks
+# in jax shardings on pytrees of ``jax.ShapeDtypeStruct``; in between, each
+# operand and result is a ``_Value``.
 # --------------------------------------------------------------------------
 
 class _Value(NamedTuple):
-  """An operand or result of an op. ``spec``: its PartitionSpec entries
-  (None: it has none, or its sharding is not known); ``hlo``: the
-  HloSharding it came as (None: known by ``spec`` alone, or not at all);
-  ``varying``: inside a shard_map, the manual axes it varies over (None:
-  not tracked)."""
+  """An operand or result of an op. ``spec``: its PartitionSpec entries,
+  what the checks and derived ops work with (None: it has none, or its
+  sharding is not known); ``hlo``: the HloSharding XLA or the author gave,
+  kept as given (None: known by ``spec`` alone, or not at all); ``varying``:
+  inside a shard_map, the manual axes it varies over (None: not tracked)."""
   shape: tuple
   dtype: Any
   spec: tuple | None = None
@@ -3033,10 +3029,9 @@ def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
 
 
 def _hlo_of(v: _Value, on) -> xc.HloSharding:
-  if v.hlo is not None:
-    return v.hlo
-  return _to_hlo_sharding(jax.sharding.NamedSharding(
-      on, jax.sharding.PartitionSpec(*v.spec)), len(v.shape))
+  return v.hlo if v.hlo is not None else _to_hlo_sharding(
+      jax.sharding.NamedSharding(on, jax.sharding.PartitionSpec(*v.spec)),
+      len(v.shape))
 
 
 def _axes_in(specs) -> set:
@@ -3812,9 +3807,8 @@ class _Describer:
         self.add(item)
     elif isinstance(obj, dict):
       out.append(f"dict[{len(obj)}]")
-      for k, v in obj.items():
-        self.add(k)
-        self.add(v)
+      for item in itertools.chain.from_iterable(obj.items()):
+        self.add(item)
     elif isinstance(obj, (np.ndarray, np.generic, jax.Array)):
       self._array(obj)
     elif isinstance(obj, (np.dtype, enum.Enum)):
@@ -3848,8 +3842,7 @@ class _Describer:
       out.append("empty mesh")
     elif isinstance(obj, jax.sharding.Mesh):
       out.append(f"mesh {obj.axis_names} {obj.devices.shape} "
-                 f"{[d.id for d in _mesh_devices(obj)]} "
-                 f"{_axis_types(obj)}")
+                 f"{[d.id for d in _mesh_devices(obj)]} {_axis_types(obj)}")
     elif isinstance(obj, mesh_lib.AbstractMesh):  # its repr is its value
       out.append(f"abstract mesh {obj!r}")
     elif isinstance(obj, jax.Device):

@@ -1821,25 +1821,20 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
 # --------------------------------------------------------------------------
 # 6. Derived ops: vmap, jvp and transposition
 #
-# ``jax.vmap``, ``jax.jvp`` and the transposition step of ``jax.grad`` turn
-# the author's op into a *derived* op, whose ``transform`` lists the steps,
-# first to last, that lead from the author's op to it (the author's op has
-# none). XLA asks about the op at the top; the author's callbacks answer
-# about their own op. So each question is walked down the steps and the
-# answer back up, with shardings as PartitionSpec entries on the op's mesh;
-# walking up, ``lower_fn`` becomes ``vmap``/``jvp``/``vjp`` of itself, run
-# on the same local shards. The rules bind derived ops: the same
-# callbacks, a longer ``transform`` and, as ``call``, the body transformed
-# alike (the derived op's abstract values and single-device code).
+# ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
+# *derived* op: the same callbacks, ``transform`` listing the steps (first to
+# last) from the author's op (which has none), and as ``call`` the body
+# transformed alike. XLA asks about the derived op, the callbacks answer about
+# their own: each question walks down the steps and its answer back up (as
+# PartitionSpec entries on the op's mesh), ``lower_fn`` becoming
+# ``vmap``/``jvp``/``vjp`` of itself on the same local shards.
 # --------------------------------------------------------------------------
 
 def _jvp(primals, tangents, **params):
-  """The primal stays the op; the tangents come from a derived jvp op.
-
-  Per shard, the jvp op runs ``jax.jvp`` of ``lower_fn`` on the shardings
-  of the op's own partition. An op with a non-float result is
-  differentiated through its body instead (XLA partitions that copy).
-  """
+  """The primal stays the op; the tangents come from a derived jvp op (per
+  shard, ``jax.jvp`` of ``lower_fn`` on the op's own partition). An op with
+  a non-float result is differentiated through its body (XLA partitions
+  that copy)."""
   call = params["call"]
   out = custom_partitioning_p.bind(*primals, **params)
   mask = tuple(type(t) is not ad.Zero and
@@ -1859,15 +1854,13 @@ def _jvp(primals, tangents, **params):
 
 def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
                   operands) -> core.ClosedJaxpr:
-  """``fun`` (the body transformed as ``tag`` says) traced for
-  ``operands``; ``tag`` (not a ``_Step``) says which operands are batched
-  or differentiated."""
+  """``fun``, the body transformed as ``tag`` says (which operands are
+  batched or differentiated), traced for ``operands``."""
   # A pure function of the key: the body, the tag, the operands' avals
   # (under Explicit axes with shardings, which the results inherit) and
   # jax's trace context.
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, tag, in_avals, _config.trace_context())
-
   return _derived.cached(key, lambda: _trace_to_jaxpr(
       _wrap(fun, in_avals, ()), in_avals, f"{label} of {_fun_name(call)}"))
 
@@ -1891,15 +1884,12 @@ def _transpose(cts, *args, **params):
   n = len(mask)
 
   def body(*xs):
-    primals, out_cts = xs[:n], xs[n:]
-
-    def linear(*tangents):
-      return core.jaxpr_as_fun(call)(*primals, *tangents)
     # The vjp of a linear function is its transpose at any point; the
     # primals have the tangents' types (inside shard_map, also their
     # varying manual axes, which jax.linear_transpose would drop).
-    _, pullback = jax.vjp(linear, *(p for p, m in zip(primals, mask) if m))
-    return list(pullback(list(out_cts)))
+    linear = functools.partial(core.jaxpr_as_fun(call), *xs[:n])
+    _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
+    return list(pullback(list(xs[n:])))
   operands = [*args[:n], *map(ad.instantiate_zeros, cts)]
   derived = _derived_call(call, ("transpose",), "transpose", body, operands)
   outs = custom_partitioning_p.bind(*operands, **dict(
@@ -1933,12 +1923,11 @@ def _batch(args, dims, **params):
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-  """One step from an op to the op derived from it, a subclass for each
-  transformation: the values below it (``down``), per-value items above it
-  (``up``: PartitionSpec entries or a rule's dimensions) and its part of
-  each question, from the part below (``inner``, ``fn``); by default, that
-  of a step that keeps shardings. As equation parameters (``transform``),
-  steps compare and hash by class and fields, as keys describe them."""
+  """One step from an op to the op derived from it (a subclass per
+  transformation): the values below it (``down``), per-value items above it
+  (``up``: spec entries or a rule's dimensions) and its part of each
+  question given the part below (by default, a step's that keeps
+  shardings). Steps compare and hash by class and fields, as keys need."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -1956,9 +1945,9 @@ class _Step:
 
 
 class _Level(NamedTuple):
-  """An op on the way from the author's (``step`` None) up to the one XLA
-  asks about: its values as asked or, walked up by ``_specs_up``, as
-  partitioned; ``entry``: the spec entry its step gave a batch dimension."""
+  """An op from the author's (``step`` None) up to the one XLA asks about,
+  its values as asked or (``_specs_up``) as partitioned; ``entry``: the
+  spec entry its step gave a batch dimension."""
   step: _Step | None
   operands: list
   results: list
@@ -1978,9 +1967,7 @@ def _unbatched(v: _Value) -> _Value:
   """``v`` without its leading batch dimension. A sharding with no
   PartitionSpec (e.g. a reshape split a mesh axis) reads as replicated: XLA
   reshards the operand to whatever ``partition`` asks anyway."""
-  spec = v.spec
-  if spec is None and v.hlo is not None:
-    spec = (None,) * len(v.shape)
+  spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
   return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
                 v.varying)
 
@@ -2025,13 +2012,10 @@ class _Batch(_Step):
     None."""
     entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
     used = used()
-    axes = [a for a in (entry if isinstance(entry, tuple) else (entry,))
-            if a is not None and a not in used]
+    axes = [a for a in _entry_axes(entry) if a not in used]
     while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
       axes.pop()
-    if not axes:
-      return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
   def lower(self, fn, *_):
     return jax.vmap(fn)
@@ -2040,8 +2024,7 @@ class _Batch(_Step):
 @dataclasses.dataclass(frozen=True)
 class _Jvp(_Step):
   """``jax.jvp``: operands are the primals, then the tangents of those
-  marked in ``mask``; results are the tangents of the results, each
-  sharded like its primal."""
+  marked in ``mask``; results are tangents, each sharded like its primal."""
   mask: tuple
 
   def down(self, operands, results):
@@ -2060,10 +2043,10 @@ class _Jvp(_Step):
 
 @dataclasses.dataclass(frozen=True)
 class _Vjp(_Step):
-  """The transposition step of ``jax.grad``: operands are the primals,
-  then the cotangents of the results; results are the cotangents of the
-  primals marked in ``mask``, sharded like the primals (even along what
-  was a reduction factor) or, propagated, as the user has them."""
+  """``jax.grad``'s transposition: operands are the primals, then the
+  results' cotangents; results are the cotangents of the primals marked in
+  ``mask``, sharded like them (even along a reduction factor) or,
+  propagated, as the user has them."""
   mask: tuple
 
   def down(self, operands, results):  # cotangents stand for results
@@ -2083,15 +2066,12 @@ class _Vjp(_Step):
     return (*self.up(ops, res), [])
 
   def lower(self, fn, op, answer, below, batched):
-    """Per-shard cotangent function: ``(primals, cotangents) -> cotangents``.
-
-    ``fn`` is transposed as jax transposes ``pmap`` code: every device's copy
-    of a value counts as a value of its own. The global cotangents follow
-    from two corrections. A result replicated over ``r`` devices is one value
-    with ``r`` copies, so each copy gets ``1/r`` of its cotangent
-    (``scales``). An operand replicated over some mesh axes feeds every copy,
-    so its cotangent sums over them (``psum_axes``).
-    """
+    """Per-shard ``(primals, cotangents) -> cotangents``: ``fn`` transposed
+    as jax transposes ``pmap`` code (each device's copy of a value is a value
+    of its own), then corrected: a result replicated over ``r`` devices is
+    one value with ``r`` copies, each getting ``1/r`` of its cotangent
+    (``scales``); an operand replicated over some mesh axes feeds every copy,
+    so its cotangent sums over them (``psum_axes``)."""
     scales = [math.prod(answer.mesh.shape[a]
                         for a in _copies_over(op, answer.on, v, batched))
               for v in below.results]
@@ -2170,23 +2150,16 @@ def _used_axes(jaxpr: core.Jaxpr, mesh, specs: list) -> set:
 
 def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
   """The axes among ``names`` that ``jaxpr``'s collectives run over."""
-  found: set = set()
-  for eqn in jaxpr.eqns:
-    found |= _eqn_axes(eqn) & names
-  for sub in core.subjaxprs(jaxpr):
-    found |= _collective_axes(sub, names)
-  return found
+  return names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
+      _collective_axes(sub, names) for sub in core.subjaxprs(jaxpr)))
 
 
 def _eqn_axes(eqn) -> set:
   """The mesh axis names an equation's collective runs over."""
-  found: set = set()
-  for param in ("axes", "axis_name"):
-    value = eqn.params.get(param)
-    for axis in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(axis, str):
-        found.add(axis)
-  return found
+  values = [eqn.params.get(param) for param in ("axes", "axis_name")]
+  return {axis for v in values
+          for axis in (v if isinstance(v, (tuple, list)) else (v,))
+          if isinstance(axis, str)}
 
 
 def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
@@ -2220,9 +2193,8 @@ def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
 
 
 def _without_padding(x, v: _Value, on):
-  """``x``, a shard of ``v``, zero past ``v``'s end along each dimension
-  the mesh does not divide (XLA pads the last shards with unspecified
-  values)."""
+  """``x``, a shard of ``v``, zeroed past ``v``'s end where the mesh does
+  not divide a dimension (XLA pads last shards with unspecified values)."""
   if v.spec is None or x.dtype == jax.dtypes.float0:
     return x
   for d, entry in enumerate(v.spec):
@@ -2243,8 +2215,7 @@ def _masked(fn: Callable, primals, mask):
 
 
 def _rule_attr(rule, levels: list):
-  """The Shardy rule of a derived op: the author's ``rule`` walked up the
-  steps (``rule_up``)."""
+  """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
   bottom = levels[0]
   n = len(bottom.operands)
   sizes, dims = _resolve_rule(
@@ -3018,21 +2989,17 @@ def _short_repr(value, limit: int = 60) -> str:
 # --------------------------------------------------------------------------
 # Appendix A. Shardings
 #
-# XLA talks in HloShardings on flat lists of shapes; the author's callbacks
-# talk in jax shardings on pytrees of ``jax.ShapeDtypeStruct``. In between,
-# each operand and result is a ``_Value``: its PartitionSpec entries where it
-# has them (what the checks and derived ops work with) and the HloSharding
-# XLA or the author gave, kept as given.
+# XLA talks in HloShardings on flat lists of shapes, the author's callbacks
+# in jax shardings on pytrees of ``jax.ShapeDtypeStruct``; in between, each
+# operand and result is a ``_Value``.
 # --------------------------------------------------------------------------
 
 class _Value(NamedTuple):
-  """An operand or result of an op.
-
-  ``spec``: its PartitionSpec entries (None: it has none, or its sharding is
-  not known); ``hlo``: the HloSharding it came as (None: it is known by
-  ``spec`` alone, or not at all); ``varying``: inside a shard_map, the
-  manual axes it varies over (None: not tracked).
-  """
+  """An operand or result of an op. ``spec``: its PartitionSpec entries,
+  what the checks and derived ops work with (None: it has none, or its
+  sharding is not known); ``hlo``: the HloSharding XLA or the author gave,
+  kept as given (None: known by ``spec`` alone, or not at all); ``varying``:
+  inside a shard_map, the manual axes it varies over (None: not tracked)."""
   shape: tuple
   dtype: Any
   spec: tuple | None = None
@@ -3045,45 +3012,37 @@ class _Value(NamedTuple):
 
 def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
   """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
-  if shape.is_tuple():
-    shapes = list(shape.tuple_shapes())
-    shardings = (list(sharding.tuple_elements()) if sharding is not None
-                 else [None] * len(shapes))
-    return shapes, shardings
-  return [shape], [sharding]
+  if not shape.is_tuple():
+    return [shape], [sharding]
+  shapes = list(shape.tuple_shapes())
+  return shapes, (list(sharding.tuple_elements()) if sharding is not None
+                  else [None] * len(shapes))
 
 
 def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
-  if shape.is_tuple():
-    return xc.HloSharding.tuple_sharding(shape, shardings)
-  return shardings[0]
+  return (xc.HloSharding.tuple_sharding(shape, shardings)
+          if shape.is_tuple() else shardings[0])
 
 
 def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
   """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
-  out = []
-  for s, h, v in zip(shapes, hlo_shardings, list(varying) or
-                     [None] * len(shapes)):
-    ndim = len(s.dimensions())
-    spec = None if h is None or on.empty else _decode_spec(h, on, ndim)
-    out.append(_Value(tuple(s.dimensions()), s.numpy_dtype(), spec, h, v))
-  return out
+  return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
+                 None if h is None or on.empty
+                 else _decode_spec(h, on, len(s.dimensions())), h, v)
+          for s, h, v in zip(shapes, hlo_shardings,
+                             list(varying) or [None] * len(shapes))]
 
 
 def _hlo_of(v: _Value, on) -> xc.HloSharding:
-  if v.hlo is not None:
-    return v.hlo
-  return _to_hlo_sharding(jax.sharding.NamedSharding(
-      on, jax.sharding.PartitionSpec(*v.spec)), len(v.shape))
+  return v.hlo if v.hlo is not None else _to_hlo_sharding(
+      jax.sharding.NamedSharding(on, jax.sharding.PartitionSpec(*v.spec)),
+      len(v.shape))
 
 
 def _axes_in(specs) -> set:
   """The mesh axis names used by some PartitionSpec entries."""
-  names: set = set()
-  for spec in specs:
-    for entry in spec or ():
-      names.update(_entry_axes(entry))
-  return names
+  return {a for spec in specs for entry in spec or ()
+          for a in _entry_axes(entry)}
 
 
 def _shard_count(entry, mesh) -> int:
@@ -3092,9 +3051,8 @@ def _shard_count(entry, mesh) -> int:
 
 
 def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` with more than one device. Along a size-1 axis
-  there is one device, so nothing is sharded and nothing can differ; XLA's
-  HloShardings cannot even name such an axis."""
+  """The axes of ``mesh`` with more than one device (along a size-1 axis
+  nothing is sharded or can differ; HloShardings cannot name one)."""
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
@@ -3785,22 +3743,20 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 # Appendix D. Keys that hit across processes
 #
 # Where jax's persistent compilation cache is on, a custom call's key is part
-# of the cache's key, so it must name the op by content, the same in every
-# process (``_register``'s seam; without the cache, a key names the op within
-# one lowering). It digests a description of all that decides the op's
-# partitioning: the body's jaxpr and constants, each callback's code and the
-# values it reads (closures, globals, attributes of user modules, defaults),
-# static arguments, pytrees, mesh, devices, partitioner and jax's trace
-# context (every field of the ``_Op`` not marked state). Plain data
-# (including arrays up to _MAX_HASHED_BYTES and user objects, by their
-# fields), code, meshes, devices and shardings are described faithfully;
-# anything else, and bigger arrays (hashing costs time linear in their size,
-# in every lowering), is *opaque*: described by its identity within one
-# lowering in one process. So a program keeps its key across processes
-# unless it reads opaque values, and a changed program (even in place: each
-# lowering is described anew) never gets an old key. No description sees
-# state that callbacks read through libraries (environment, files, random
-# numbers); like functions jax.jit traces, they must not.
+# of its key, so it names the op by content, alike in every process
+# (``_register``'s seam; otherwise a key names the op within one lowering):
+# a digest of every ``_Op`` field not marked state (the body's jaxpr and
+# constants; each callback's code and the values it reads: closures,
+# globals, user modules' attributes, defaults; static arguments, pytrees,
+# mesh, devices, partitioner, jax's trace context). Plain data (arrays up to
+# _MAX_HASHED_BYTES; user objects by their fields), code, meshes, devices and
+# shardings are described faithfully; anything else, and bigger arrays
+# (hashing costs time linear in their size, in every lowering), is *opaque*:
+# named by its identity within one lowering in one process. So a program
+# keeps its key across processes unless it reads opaque values, and a changed
+# program (even in place: each lowering is described anew) never gets an old
+# key. State callbacks read through libraries (environment, files, random
+# numbers) is not seen; as in functions jax.jit traces, they must not.
 # --------------------------------------------------------------------------
 
 def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
@@ -3814,18 +3770,16 @@ def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
 
 
 # Code of these packages is identified by name and version, not by content.
-_LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "builtins", "functools",
-                     "operator", "math", "typing", "collections", "abc",
-                     "ml_dtypes", "opt_einsum", "scipy", "os", "sys",
-                     "random", "time", "io", "pathlib")
+_LIBRARY_PREFIXES = (
+    "jax", "jaxlib", "numpy", "builtins", "functools", "operator", "math",
+    "typing", "collections", "abc", "ml_dtypes", "opt_einsum", "scipy", "os",
+    "sys", "random", "time", "io", "pathlib")
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # Classes of this module whose objects are described by what a function of
 # them returns; all are registered in the wiring block at the end.
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
-
-
 _SKIPPED_CLASS_ATTRS = frozenset({
     "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
     "__annotations__", "__dataclass_fields__", "__dataclass_params__",
@@ -3876,9 +3830,8 @@ class _Describer:
         self.add(item)
     elif isinstance(obj, dict):
       out.append(f"dict[{len(obj)}]")
-      for k, v in obj.items():
-        self.add(k)
-        self.add(v)
+      for item in itertools.chain.from_iterable(obj.items()):
+        self.add(item)
     elif isinstance(obj, (np.ndarray, np.generic, jax.Array)):
       self._array(obj)
     elif isinstance(obj, (np.dtype, enum.Enum)):
@@ -3901,19 +3854,18 @@ class _Describer:
       out.append(f"builtin {obj.__module__}.{obj.__qualname__}")
       if not isinstance(obj.__self__, (types.ModuleType, type(None))):
         self.add(obj.__self__)
-    elif not self._jax_object(obj):
+    else:
       self._object(obj)
 
-  def _jax_object(self, obj) -> bool:
-    """Describes a mesh, device, sharding, pytree structure or rule, or an
-    object of this module; False for any other object."""
+  def _object(self, obj) -> None:
+    """Describes a mesh, device, sharding, pytree structure or rule, object
+    of this module, wrapper or user object; anything else as opaque."""
     out, kind = self.out, type(obj)
     if isinstance(obj, jax.sharding.Mesh) and obj.empty:
       out.append("empty mesh")
     elif isinstance(obj, jax.sharding.Mesh):
       out.append(f"mesh {obj.axis_names} {obj.devices.shape} "
-                 f"{[d.id for d in _mesh_devices(obj)]} "
-                 f"{_axis_types(obj)}")
+                 f"{[d.id for d in _mesh_devices(obj)]} {_axis_types(obj)}")
     elif isinstance(obj, mesh_lib.AbstractMesh):  # its repr is its value
       out.append(f"abstract mesh {obj!r}")
     elif isinstance(obj, jax.Device):
@@ -3932,17 +3884,12 @@ class _Describer:
       out.append(f"{kind.__qualname__}")
       self.add(next(_DESCRIBED_BY[t] for t in kind.__mro__
                     if t in _DESCRIBED_BY)(obj))
-    else:
-      return False
-    return True
-
-  def _object(self, obj) -> None:
-    if hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
-      self.out.append(f"wrapper {type(obj).__qualname__}")
+    elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
+      out.append(f"wrapper {kind.__qualname__}")
       self.add(obj.__wrapped__)
-    elif not _is_library(type(obj).__module__) and hasattr(obj, "__dict__"):
-      self.out.append("object")  # dataclasses, other user objects: by fields
-      self._class(type(obj))
+    elif not _is_library(kind.__module__) and hasattr(obj, "__dict__"):
+      out.append("object")  # dataclasses, other user objects: by fields
+      self._class(kind)
       self.add(vars(obj))
     else:
       self.opaque(obj)
@@ -3959,15 +3906,13 @@ class _Describer:
     return "\n".join(sub.out)
 
   def _array(self, obj) -> None:
+    value = None
     # Checked before np.asarray, which copies a jax.Array to the host.
-    if getattr(obj, "nbytes", 0) > _MAX_HASHED_BYTES:
-      self.opaque(obj)
-      return
-    try:
-      value = np.asarray(obj)
-    except Exception:  # noqa: BLE001 - e.g. not addressable from here
-      self.opaque(obj)
-      return
+    if getattr(obj, "nbytes", 0) <= _MAX_HASHED_BYTES:
+      with contextlib.suppress(Exception):  # e.g. not addressable from here
+        value = np.asarray(obj)
+    if value is None:
+      return self.opaque(obj)
     self.out.append(f"array {value.dtype} {value.shape} "
                     f"{hashlib.sha256(value.tobytes()).hexdigest()}")
 
@@ -4054,13 +3999,12 @@ def _code_names(code: types.CodeType) -> list[str]:
 #   _call_names     body -> name of its function            weak    -
 #   _lapack_ready   jaxlib's LAPACK kernels registered (F)  -       never
 #
-# What each key holds of jax's configuration (its trace context, which
-# jax's own tracing caches key on): op._traces, op._programs and _derived
-# hold the context itself; _registry's key holds it by value where it is a
-# content key (appendix D), else names an op of one lowering, which has one
-# configuration; so _Op.lowered's answers hold for it too. _eager's
-# values are jax.jit functions, which key on the configuration themselves,
-# and build nothing that depends on it. _pending is no cache.
+# Of jax's configuration (the trace context jax's own caches key on):
+# op._traces, op._programs and _derived key on the context itself;
+# _registry's content keys (appendix D) hold it by value, its other keys name
+# an op of one lowering, which has one configuration (so _Op.lowered's
+# answers hold for it too); _eager holds jax.jit functions, which key on it
+# themselves and build nothing that depends on it. _pending is no cache.
 #
 # C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
 # D: ``def_partition``; P: popped by the next partition callback on that
@@ -4105,8 +4049,7 @@ class _LRU:
       self._lock.release()
 
   def cached(self, key, build: Callable[[], Any]):
-    """The value under ``key``; if missing, ``build()``, kept (unless
-    ``key`` is None: then nothing is looked up or kept)."""
+    """The value under ``key``, else ``build()``, kept (key None: neither)."""
     value = None if key is None else self.get(key)
     if value is None:
       value = build()

@@ -3702,8 +3702,7 @@ def _logged(operands=None, results=None) -> str:
 
 def _debug_partition(op: _Op, operands: list, results: list, answer,
                      path: str, why: str = "") -> None:
-  """The record of a ``partition`` question, asked about the author's op
-  (``operands``, ``results``) and answered by ``answer`` (an _Answer)."""
+  """Records ``partition`` asked about the author's op (``answer``: _Answer)."""
   _debug(op.name, "partition", path=path, mesh=op.mesh,
          asked=_logged(operands, results),
          answered=_logged(answer.args, answer.results) if answer else "",

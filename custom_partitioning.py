@@ -3635,16 +3635,13 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
 # --------------------------------------------------------------------------
 # Appendix C. The log of what each op was asked
 #
-# ``logging.getLogger(__name__)`` (a vendored copy logs under its own
-# path), silent at the default WARNING. At DEBUG, one record per question an
-# op is asked (by XLA or, under Explicit axes, while tracing) and one where
-# ``fun`` runs instead: the op (a derived one named as jax made it,
-# "transpose of jvp of f"), the mesh, the shardings asked with and the
-# answer (for a derived op, the author's callbacks' view), the path, why
-# (where the module chose) and whether a cache answered; the record's
-# ``custom_partitioning`` attribute holds op, question, path, mesh, cached
-# and why as a dict. Call sites check ``_log.isEnabledFor(logging.DEBUG)``
-# first: formatting costs, and tracing is a hot path.
+# ``logging.getLogger(__name__)``, silent at the default WARNING (README,
+# "Debugging", says what a record holds). At DEBUG, one record per question
+# an op is asked (by XLA or, under Explicit axes, while tracing) and one
+# where ``fun`` runs instead; a derived op is named as jax made it
+# ("transpose of jvp of f") and answers in its author's callbacks' view.
+# Callers check ``_log.isEnabledFor(logging.DEBUG)`` first: formatting
+# costs, and tracing is a hot path.
 # --------------------------------------------------------------------------
 
 _log = logging.getLogger(__name__)
@@ -3660,17 +3657,12 @@ def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
   axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
   where = (f"{path}, {'Shardy' if _use_shardy() else 'GSPMD'}"
            if path == _CUSTOM_CALL else path)
-  text = (f"custom_partitioning op {name}: {question} [{where}] "
-          f"{f'on mesh {axes}' if axes else 'with no mesh'}")
-  if asked:
-    text += f"; asked with {asked}"
-  if answered:
-    text += (f"; answered from the cache: {answered}" if cached
-             else f"; {by} answered {answered}")
-  elif cached:
-    text += "; answered from the cache"
-  if why:
-    text += f"; {why}"
+  text = "; ".join(filter(None, [
+      f"custom_partitioning op {name}: {question} [{where}] "
+      + (f"on mesh {axes}" if axes else "with no mesh"),
+      asked and f"asked with {asked}",
+      "answered from the cache" + (answered and f": {answered}") if cached
+      else answered and f"{by} answered {answered}", why]))
   _log.debug(text, extra={"custom_partitioning": dict(
       op=name, question=question, path=path, mesh=axes, cached=cached,
       why=why)})
@@ -3691,8 +3683,7 @@ def _logged(operands=None, results=None) -> str:
 
 def _debug_partition(op: _Op, operands: list, results: list, answer,
                      path: str, why: str = "") -> None:
-  """The record of a ``partition`` question, asked about the author's op
-  (``operands``, ``results``) and answered by ``answer`` (an _Answer)."""
+  """Records ``partition`` asked about the author's op (``answer``: _Answer)."""
   _debug(op.name, "partition", path=path, mesh=op.mesh,
          asked=_logged(operands, results),
          answered=_logged(answer.args, answer.results) if answer else "",
@@ -3705,15 +3696,12 @@ def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
   """The record of a ``partition`` question XLA asked before, answered
   with ``hit`` (what ``_answer_partition`` gave XLA)."""
   on = op.mesh if op.place.auto is None else op.place.auto
-  result_shapes, _ = _hlo_parts(result_shape, None)
-  _, answered_args, answered_result = hit
+  asked, answered = (
+      _logged(_from_xla(arg_shapes, args, on),
+              _from_xla(*_hlo_parts(result_shape, result), on))
+      for args, result in ((arg_shardings, result_sharding), hit[1:]))
   _debug(op.name, "partition", path=_CUSTOM_CALL, mesh=op.mesh, cached=True,
-         asked=_logged(_from_xla(arg_shapes, arg_shardings, on),
-                       _from_xla(*_hlo_parts(result_shape, result_sharding),
-                                 on)),
-         answered=_logged(_from_xla(arg_shapes, answered_args, on),
-                          _from_xla(result_shapes, _hlo_parts(
-                              result_shape, answered_result)[1], on)))
+         asked=asked, answered=answered)
 
 
 def _debug_infer(op: _Op, operands: list, inferred,
@@ -4111,7 +4099,8 @@ def _store_sizes(op=None) -> dict[str, int]:
 # branch naming the release that forced it (delete it once that release
 # leaves the supported range). Python internals are gated on jax's version,
 # C++ bindings (Shardy, XLA) on jaxlib's: a jax release may run on the
-# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1).
+# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1). Private names used
+# without a branch are unchanged from jax 0.4.35 through 0.11.
 # --------------------------------------------------------------------------
 
 def _typeof(x) -> core.AbstractValue:
@@ -4121,9 +4110,8 @@ def _typeof(x) -> core.AbstractValue:
     return core.typeof(x)
   # jax 0.4.36 removed ConcreteArray, the abstract value of a concrete
   # array before it; tracing must not see (or key on) the array's values.
-  if _JAX_VERSION < (0, 4, 36):
-    return core.raise_to_shaped(core.get_aval(x))
-  return core.get_aval(x)
+  aval = core.get_aval(x)
+  return core.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
 
 
 def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
@@ -4132,9 +4120,8 @@ def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
   # api_util.debug_info); before it, we trace without debug info.
   if _JAX_VERSION < (0, 5, 1):
     return lu.wrap_init(fun)
-  info = api_util.debug_info("custom_partitioning", fun, args, {},
-                             static_argnums=static_argnums)
-  return lu.wrap_init(fun, debug_info=info)
+  return lu.wrap_init(fun, debug_info=api_util.debug_info(
+      "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
 
 
 def _fun_name(call) -> str:
@@ -4157,7 +4144,6 @@ def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals,
 
 
 def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
-  """The flat list of MLIR types for a sequence of abstract values."""
   # jax 0.10.1 made aval_to_ir_types take the module context first.
   first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
   return [t for aval in avals for t in mlir.aval_to_ir_types(*first, aval)]
@@ -4165,13 +4151,11 @@ def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
 
 def _module_backend(ctx: mlir.LoweringRuleContext):
   # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
-  if _JAX_VERSION < (0, 5, 0):
-    return ctx.module_context.backend_or_name
-  return ctx.module_context.backend
+  return (ctx.module_context.backend if _JAX_VERSION >= (0, 5, 0)
+          else ctx.module_context.backend_or_name)
 
 
 def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
-  """Lowers the per-shard jaxpr; returns ``(module, host_callbacks)``."""
   # jax 0.5.0 renamed the backend_or_name keyword to backend.
   kwargs: dict[str, Any] = {
       "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
@@ -4187,8 +4171,7 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   if _JAX_VERSION >= (0, 11, 0):
     kwargs["out_avals"] = closed_jaxpr.out_avals
   result = mlir.lower_jaxpr_to_module(
-      "custom_partitioning_shard", closed_jaxpr,
-      ordered_effects=[],
+      "custom_partitioning_shard", closed_jaxpr, ordered_effects=[],
       donated_args=[False] * len(closed_jaxpr.in_avals),
       axis_context=axis_context, platforms=platforms,
       lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
@@ -4196,13 +4179,11 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
 
 
 # jaxlib registers its LAPACK kernels with XLA only when jax lowers a
-# linear-algebra primitive for CPU (jax._src.lib.lapack._lapack.initialize,
-# jax 0.4.35 to 0.11; a few tenths of a second, once). A program that the
-# persistent cache loads runs per-shard code nobody lowered in this process,
-# and XLA segfaults calling an unregistered kernel (jax.export initializes
-# them for a deserialized module alike). So, where the persistent cache is
-# used, an op whose body uses one initializes them when it is lowered for
-# CPU.
+# linear-algebra primitive for CPU (jax._src.lib.lapack._lapack.initialize;
+# tenths of a second, once). XLA segfaults calling an unregistered one from
+# per-shard code that the persistent cache loaded (jax.export initializes
+# them for a deserialized module alike); so, where that cache is used, an
+# op whose body uses one initializes them when it is lowered for CPU.
 _lapack_ready = False
 
 
@@ -4224,11 +4205,9 @@ def _uses_any(jaxpr: core.Jaxpr, primitives: set) -> bool:
 
 def _ambient_mesh(getter: str):
   """``mesh_lib.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
-  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh; until 0.5.1
-  # they return () when no mesh is set.
-  if not hasattr(mesh_lib, getter):
-    return None
-  mesh = getattr(mesh_lib, getter)()
+  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh (``tuple``
+  # stands in before it); until 0.5.1 they return () when no mesh is set.
+  mesh = getattr(mesh_lib, getter, tuple)()
   return None if isinstance(mesh, tuple) else mesh
 
 
@@ -4241,14 +4220,12 @@ def _context_abstract_mesh(axis_context):
 
 
 def _aval_mesh(aval):
-  """The abstract mesh an abstract value is sharded on, if it has one."""
   # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
   mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
   return None if mesh is None or mesh.empty else mesh
 
 
 def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
-  """A concrete mesh of ``devices`` shaped and named like ``am``."""
   # jax 0.4.36 added mesh axis types; before it, meshes have none.
   kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
   return mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
@@ -4265,9 +4242,8 @@ def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
   try:
     spec = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
     # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
-    if _JAX_VERSION < (0, 5, 3):
-      spec = spec.get_partition_spec()
-    spec = tuple(spec)
+    spec = tuple(spec.get_partition_spec() if _JAX_VERSION < (0, 5, 3)
+                 else spec)
   except Exception:  # noqa: BLE001 - not expressible on this mesh
     return None
   # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
@@ -4297,19 +4273,17 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
 
 # jax 0.5.3 made axis types a per-axis tuple of jax.sharding.AxisType; before
 # it, meshes cannot type single axes Manual, so a NamedSharding cannot express
-# the manual subgroup of XLA's shardings inside a partly manual shard_map.
+# the manual subgroup that XLA expects (it aborts without) of shardings
+# inside a partly manual shard_map.
 _MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
 
 
 def _inexpressible(place) -> bool:
-  """Whether a NamedSharding cannot carry the manual subgroup that XLA
-  expects of a sharding inside the partly manual shard_map the op is placed
-  in (XLA aborts on one without): before jax 0.5.3 (untyped axes)."""
+  """Whether the op is in a partly manual shard_map on such a jax (above)."""
   return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
 
 
 def _with_manual_axes(mesh, manual_axes):
-  """``mesh`` with ``manual_axes`` typed ``AxisType.Manual``."""
   if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
     return mesh
   types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
@@ -4319,16 +4293,15 @@ def _with_manual_axes(mesh, manual_axes):
 
 def _auto_submesh(mesh, manual_axes):
   """The sub-mesh over the non-manual axes (devices of one manual group)."""
-  index = tuple(0 if name in manual_axes else slice(None)
-                for name in mesh.axis_names)
   keep = [i for i, name in enumerate(mesh.axis_names)
           if name not in manual_axes]
-  names = tuple(mesh.axis_names[i] for i in keep)
+  index = tuple(slice(None) if i in keep else 0
+                for i in range(len(mesh.axis_names)))
   # jax 0.5.3 made axis types a per-axis tuple (_MESH_TYPES_MANUAL_AXES).
-  if not _MESH_TYPES_MANUAL_AXES:
-    return mesh_lib.Mesh(mesh.devices[index], names)
-  return mesh_lib.Mesh(mesh.devices[index], names,
-                       axis_types=tuple(mesh.axis_types[i] for i in keep))
+  kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
+            if _MESH_TYPES_MANUAL_AXES else {})
+  return mesh_lib.Mesh(mesh.devices[index],
+                       tuple(mesh.axis_names[i] for i in keep), **kwargs)
 
 
 def _no_ambient_mesh():
@@ -4342,13 +4315,11 @@ def _no_ambient_mesh():
 
 
 def _manual_scope(mesh):
-  """The ambient mesh ``lower_fn`` is traced under: ``mesh`` with every axis
-  Manual, as inside ``jax.shard_map``, so that ``jax.lax.pcast`` (``pvary``)
-  can mark a value (a loop carry) varying; outside ``jax.shard_map``'s own
-  typing (check_vma) such a cast adds no equation. The empty mesh where jax
-  types no varying axes."""
-  # The casts' abstract evaluation asserts that their axes are Manual in
-  # the ambient mesh (_VARYING_TYPES).
+  """The ambient mesh ``lower_fn`` is traced under (the empty one where jax
+  types no varying axes): ``mesh`` with every axis Manual, as in
+  ``jax.shard_map``, so that ``jax.lax.pcast`` (``pvary``), which asserts
+  that its axes are Manual, can mark a value (a loop carry) varying; outside
+  shard_map's own typing (check_vma) such a cast adds no equation."""
   if not _VARYING_TYPES or mesh.empty:
     return _no_ambient_mesh()
   am = mesh.abstract_mesh
@@ -4369,18 +4340,16 @@ def _varying_axes(aval) -> frozenset | None:
   # jax 0.6 added ShapedArray.vma (shard_map's check_vma); jax 0.10 moved it
   # to ShapedArray.manual_axis_type.varying.
   mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return mat.varying
-  return getattr(aval, "vma", None)
+  return getattr(aval, "vma", None) if mat is None else mat.varying
 
 
-# jax's concrete array type (C++, jaxlib 0.4.35 to 0.11): ``type(x) is`` it
-# is a tenth of ``isinstance(x, jax.Array)``, on the eager call's hot path.
+# jax's concrete array type (C++): ``type(x) is`` it is a tenth of
+# ``isinstance(x, jax.Array)``, on the eager call's hot path.
 _ArrayImpl = xc.ArrayImpl
 
 
-# Private attributes of jax's mesh and sharding classes, unchanged from 0.4.35
-# through 0.11; one place to change if jax renames them.
+# Private attributes of jax's mesh and sharding classes: one place to change
+# if jax renames them.
 def _mesh_devices(mesh) -> tuple:
   return tuple(mesh._flat_devices_tuple)  # in mesh order
 
@@ -4413,7 +4382,6 @@ _ShardingTypeError = getattr(core, "ShardingTypeError", type(
 
 
 def _axis_types(mesh) -> tuple | None:
-  """The mesh's axis type per axis (``jax.sharding.AxisType``), or None."""
   # jax 0.4.36 added axis types, as a dict of axes by type; jax 0.5.3 made
   # them a tuple of one type per axis.
   types_ = getattr(mesh, "axis_types", None)
@@ -4423,23 +4391,16 @@ def _axis_types(mesh) -> tuple | None:
 def _explicitly_typed(avals) -> bool:
   """Whether the shard_map path may apply: some abstract value is sharded
   on a mesh with an axis typed Explicit (see ``_EXPLICIT_PATH``)."""
-  # jax 0.5.0 gave ShapedArray a sharding; jax 0.5.3 made axis types a
-  # tuple (_axis_types).
-  return _EXPLICIT_PATH and any(
-      jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
-          a, "sharding", None), "mesh", None), "axis_types", ())
-      for a in avals)
+  return _EXPLICIT_PATH and any(map(_any_explicit, map(_aval_mesh, avals)))
 
 
 def _all_explicit(am) -> bool:
-  """Whether every axis of the abstract mesh ``am`` is typed Explicit."""
   types_ = _axis_types(am)
   return bool(am.axis_names) and types_ is not None and all(
       t == jax.sharding.AxisType.Explicit for t in types_)
 
 
 def _any_explicit(mesh) -> bool:
-  """Whether some axis of ``mesh`` is typed Explicit."""
   # Before jax 0.5.3 (see _axis_types) no axis is Explicit.
   types_ = _axis_types(mesh)
   return types_ is not None and jax.sharding.AxisType.Explicit in types_
@@ -4447,8 +4408,7 @@ def _any_explicit(mesh) -> bool:
 
 def _scan_counts(params: dict) -> tuple[int, int]:
   """A scan equation's numbers of constants and carries."""
-  # jax 0.11.0 replaced num_consts/num_carry with ft_in, a flat tree of
-  # (consts, carry, xs).
+  # jax 0.11.0 replaced num_consts/num_carry with ft_in: (consts, carry, xs).
   if "num_consts" in params:
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].unpack()
@@ -4457,18 +4417,16 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 
 def _returns_padded() -> bool:
   """Whether jax compiles a jit whose result XLA leaves padded (a dimension
-  over an axis that does not divide it), as check_partitioning's padded
-  placements need: not jax 0.9 under Shardy, which raises IndivisibleError
-  recovering that result's sharding (seen on 0.9.2; 0.8.3 and 0.10.2 give
-  the result another sharding)."""
+  over an axis that does not divide it), which check_partitioning's padded
+  placements need: not jax 0.9 under Shardy (0.9.2 raises IndivisibleError
+  recovering its sharding; 0.8.3 and 0.10.2 give it another sharding)."""
   return _JAX_VERSION[:2] != (0, 9) or not _use_shardy()
 
 
 def _set_mesh_scope(mesh):
-  """A context that sets ``mesh`` as jax's ambient mesh, if it has any axis
-  typed Explicit; else (or before jax 0.5.3) does nothing."""
-  # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0 it is
-  # jax.sharding.use_mesh. Before 0.5.3 no axis is Explicit.
+  """A context that sets ``mesh`` as jax's ambient mesh if it has an axis
+  typed Explicit (none before jax 0.5.3); else does nothing."""
+  # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)
   if setter is None or not _any_explicit(mesh):
@@ -4478,25 +4436,21 @@ def _set_mesh_scope(mesh):
 
 def _typed_like(x, like):
   """``x`` resharded to the sharding in ``like``'s type where that type has
-  one on Explicit mesh axes (a cotangent must match its output's type);
-  else ``x``."""
+  one on Explicit mesh axes (a cotangent must match its output's type)."""
   # jax 0.5.0 gave ShapedArray a sharding; jax 0.7.0 exported reshard.
   aval = _typeof(like)
-  if not hasattr(jax.sharding, "reshard") or (
-      jax.sharding.AxisType.Explicit not in (
-          _axis_types(_aval_mesh(aval)) or ())):
-    return x
-  return jax.sharding.reshard(x, aval.sharding.spec)
+  if hasattr(jax.sharding, "reshard") and _any_explicit(_aval_mesh(aval)):
+    return jax.sharding.reshard(x, aval.sharding.spec)
+  return x
 
 
 def _arguable(result: jax.Array, mesh) -> jax.sharding.Sharding:
   """The sharding of a jitted program's ``result`` (on ``mesh``, or one
   device if None), as ``jax.jit`` takes it for an argument."""
-  # jax 0.4.35 to 0.5.3 under Shardy return a result that XLA shards its
-  # own way (that of a padded operand: rows over 2 of 8 devices, say) with
-  # a GSPMDSharding, which their jit then refuses for an argument; jax
-  # 0.10.2 returns a NamedSharding. Named on the mesh where a
-  # PartitionSpec can say it, else replicated.
+  # jax 0.4.35 to 0.5.3 under Shardy give a result that XLA shards its own
+  # way (a padded operand's: rows over 2 of 8 devices, say) a GSPMDSharding,
+  # which their jit refuses for an argument (0.10.2 gives a NamedSharding):
+  # named on the mesh where a PartitionSpec can say it, else replicated.
   sharding = result.sharding
   if mesh is None or not isinstance(sharding, sharding_impls.GSPMDSharding):
     return sharding
@@ -4515,11 +4469,9 @@ def _vmapped_over_mesh_axis(x) -> bool:
   """Whether ``x`` is (the primal of) a ``jax.vmap`` tracer whose batch
   dimension is sharded over a mesh axis in its type."""
   # jax's vmap of shard_map moves such a batch dimension to no mesh axis
-  # (an all-gather; jax 0.10.2; over a size-1 axis, that axis is then
-  # unbound in lower_fn), where the op's own batching rule keeps it:
-  # the shard_map path leaves these calls to the custom call.
-  # BatchTracer.val and .batch_dim, JVPTracer.primal: unchanged from jax
-  # 0.4.35 to 0.11.0.
+  # (an all-gather, jax 0.10.2; a size-1 axis is then unbound in lower_fn)
+  # where the op's own batching rule keeps it, so the shard_map path leaves
+  # these calls to the custom call.
   while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
     if isinstance(x, ad.JVPTracer):
       x = x.primal
@@ -4545,16 +4497,13 @@ def _add_note(error: BaseException, note: str) -> None:
     error.add_note(note)
 
 
-# Options that jax sets while tracing, not users, and that lower_fn is
-# traced without, as it is without the ambient mesh: an enclosing
-# jax.shard_map sets check_vma for its body (jax 0.10.2), and lower_fn runs
-# on plain local types.
+# Options that jax sets while tracing, not users (an enclosing jax.shard_map
+# sets check_vma for its body, jax 0.10.2): lower_fn, traced on plain local
+# types without the ambient mesh, is traced without them too.
 _TRACING_OPTIONS = frozenset({"check_vma"})
 
 
 def _persistent_cache_used() -> bool:
-  # jax_compilation_cache_dir and jax_enable_compilation_cache: unchanged
-  # from jax 0.4.35 to 0.11.
   return bool(_config.compilation_cache_dir.value and
               _config.enable_compilation_cache.value)
 
@@ -4562,9 +4511,6 @@ def _persistent_cache_used() -> bool:
 def _config_values() -> tuple:
   """Every jax option's value on this thread, context managers included, as
   ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
-  # Config._value_holders and State (.value, and calling it for a context
-  # manager that sets the option on this thread alone): unchanged from jax
-  # 0.4.35 to 0.11.
   return tuple((name, holder.value)
                for name, holder in _config.config._value_holders.items()
                if isinstance(holder, _config.State) and
@@ -4573,22 +4519,20 @@ def _config_values() -> tuple:
 
 @contextlib.contextmanager
 def _config_entered(values: tuple):
-  """Runs the block on this thread under ``values`` (``_config_values``):
-  each option that differs here is set by its own context manager, as the
-  user's ``with`` did on the thread that took the values."""
+  """Runs the block on this thread under ``values`` (``_config_values``),
+  each option that differs set by its (thread-local) context manager, as
+  the user's ``with`` did."""
   holders = _config.config._value_holders
   with contextlib.ExitStack() as stack:
     for name, value in values:
-      state = holders[name]
-      if state.value != value:
-        stack.enter_context(state(value))
+      if holders[name].value != value:
+        stack.enter_context(holders[name](value))
     yield
 
 
 def _trace_context_by_value() -> tuple:
   """jax's trace context (the configuration its tracing caches key on),
-  with each entry described by value, so that equal configurations give
-  equal descriptions in every process."""
+  each entry described by value: equal in every process for equal ones."""
   # The axis environment is a tuple of frames in jax 0.4.35 (empty outside
   # a transformation), a core.AxisEnv object (whose repr is its address) in
   # jax 0.10 and 0.11. Other entries are plain values, enums, meshes and

@@ -4390,8 +4390,14 @@ def _axis_types(mesh) -> tuple | None:
 
 def _explicitly_typed(avals) -> bool:
   """Whether the shard_map path may apply: some abstract value is sharded
-  on a mesh with an axis typed Explicit (see ``_EXPLICIT_PATH``)."""
-  return _EXPLICIT_PATH and any(map(_any_explicit, map(_aval_mesh, avals)))
+  on a mesh with an axis typed Explicit (see ``_EXPLICIT_PATH``). Runs for
+  every bind: one function, no helper calls."""
+  # jax 0.5.0 gave ShapedArray a sharding; jax 0.5.3 made axis types a
+  # tuple (_axis_types); _EXPLICIT_PATH needs jax 0.6.
+  return _EXPLICIT_PATH and any(
+      jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
+          a, "sharding", None), "mesh", None), "axis_types", ())
+      for a in avals)
 
 
 def _all_explicit(am) -> bool:

@@ -1410,7 +1410,9 @@ def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
   jax calls this on the caller's thread, not XLA's, which cannot tell
   which thread compiled, so every kept error goes: a compile running
   meanwhile on another thread then loses one it kept, goes on as if the
-  callback had returned None, and partition still decides the program."""
+  callback had returned None, and partition still decides the program.
+  Registered as jax's event listener (``event``, duration), it acts on the
+  end of a backend compile alone."""
   if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
     return
   with _weak_lock:

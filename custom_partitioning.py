@@ -63,20 +63,21 @@ below, every version difference in appendix F.
 
 Reading order
 -------------
-The sections follow a call: 1. the decorator and how a call is bound; 2.
-the shard_map path (Explicit mesh axes); 3. the primitive and its lowering
-to a custom call; 4. the callbacks XLA calls; 5. the partition pipeline,
-which asks the author's callbacks; 6. derived ops (vmap, jvp,
-transposition); 7. checks of the per-shard program; 8.
-``check_partitioning``, for an op author's tests. Appendices: A. shardings;
-B. the Shardy rule parser; C. the DEBUG log; D. keys; E. module state; F.
-compatibility; G. what each refusal says. Then a self-demo and the wiring
-block, which registers every hook into jax and XLA.
-
-An ordinary op (Auto axes, no transformation) runs sections 1, 3, 4 and 5
-and the helpers they call. Every extra joins that path at one line marked
-``# seam:``, a test that it applies, and runs only then: grep for it to
-see what the core leaves out, or what a copy may delete.
+The core first, the path of an ordinary op (Auto axes, no transformation)
+in the order a call takes: 1. the decorator and how a call is bound; 2.
+the primitive and its lowering to a custom call; 3. the callbacks XLA
+calls; 4. the partition pipeline, which asks the author's callbacks. Every
+extra joins that path at one line marked ``# seam:``, a test that it
+applies, runs only then, and lives after the core: 5. extras of the core
+path (placements inside a shard_map or without devices, callable rules,
+kept callback errors, rule-only ops); 6. the shard_map path (Explicit mesh
+axes); 7. derived ops (vmap, jvp, transposition); 8. checks of the
+per-shard program; 9. ``check_partitioning``, a tool for an op author's
+tests. Appendices: A. shardings; B. the Shardy rule parser; C. the DEBUG
+log; D. keys for the persistent cache; E. module state; F. compatibility;
+G. what each refusal says. Then a self-demo and the wiring block, which
+registers every hook into jax and XLA. Grep ``seam:`` to see what the
+core leaves out, or what a copy may delete.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ _JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
 #
 # A call's arguments are bound by ``fun``'s signature and sorted by role
 # (``_split``). Outside any transformation it is compiled (``_eager_call``);
-# inside one, ``_bind`` takes the shard_map path (section 2) under Explicit
-# mesh axes, else binds the primitive (section 3).
+# inside one, ``_bind`` takes the shard_map path (section 6) under Explicit
+# mesh axes, else binds the primitive (section 2).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
@@ -175,7 +176,7 @@ class custom_partitioning:
   in a ``shard_map`` manual over every mesh axis and under
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
-  transformed on the same local shards (section 6; upstream supports none
+  transformed on the same local shards (section 7; upstream supports none
   of the three). An eager call is compiled: partitioned if an operand is a
   ``jax.Array`` sharded over several devices (not fully replicated), else
   ``fun`` runs and no callback is asked (as upstream does for every eager
@@ -195,7 +196,7 @@ class custom_partitioning:
 
   Under Explicit mesh axes (jax 0.7+, mesh set by ``jax.set_mesh``)
   ``partition`` is asked while tracing and the op becomes ``lower_fn`` under
-  ``jax.shard_map`` between two reshards, with no custom call (section 2).
+  ``jax.shard_map`` between two reshards, with no custom call (section 6).
   Lowered inside another primitive's lowering rule (``mlir.lower_fun(op)``),
   the op takes its devices from the mesh set around the call
   (``jax.set_mesh`` or ``with mesh:``).
@@ -462,7 +463,7 @@ class custom_partitioning:
       raise NotImplementedError(_REFUSALS["gspmd_only"].format(
           name=self._name))
     flat = _flatten(args)  # once, for every step below
-    if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (2)
+    if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (6)
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
@@ -689,6 +690,761 @@ class _Unhashable:
     return isinstance(other, _Unhashable) and other.value is self.value
 
 
+custom_partitioning_p = core.Primitive("custom_partitioning")
+custom_partitioning_p.multiple_results = True
+
+
+def _abstract_eval(*avals, call, **_):
+  del avals
+  return call.out_avals
+
+
+def _impl(*args, **params):
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``).
+
+  Compiled, like a jax.jit'd function; partitioned by the op's callbacks
+  only if some operand is really sharded (upstream runs the body and never
+  asks them, and a ``partition`` written for sharded operands must not be
+  asked about host data).
+  """
+  # Cache key: the params hold the body and every callback; jax.jit keys on
+  # the operands' types and shardings itself.
+  call = params["call"]
+  if _jit_disabled():  # jax.jit would call straight back into this impl
+    return core.jaxpr_as_fun(call)(*args)
+  sharded = _any_sharded(args)
+  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
+  fn = _eager.cached(key, lambda: jax.jit(
+      functools.partial(custom_partitioning_p.bind, **params) if sharded
+      else core.jaxpr_as_fun(call)))
+  return fn(*args)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
+  call, steps = params["call"], params.get("transform", ())
+  place, why = _partitioned_placement(ctx, steps)
+  if place is None:  # seam: nothing to partition
+    return _lowered_body(ctx, call, why, values)
+  name = _fun_name(call)
+  if ctx.module_context.lowering_parameters.for_export:
+    raise NotImplementedError(_REFUSALS["export"].format(name=name))
+  if place.devices is None:
+    raise ValueError(_REFUSALS["no_devices"].format(name=name))
+  if params["partition"] is None:
+    raise ValueError(_REFUSALS["no_partition"].format(
+        name=name, n=len(place.devices)))
+  rule, rule_attr = params["sharding_rule"], None
+  if callable(rule) or (_use_shardy() and rule is not None):  # seam: rules
+    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
+      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+  # Inside a partly manual shard_map (section 7 reads it): the manual axes
+  # each operand and result varies over.
+  varying = ((), ()) if place.auto is None else tuple(
+      tuple(_varying_axes(a) for a in avals)
+      for avals in (ctx.avals_in, ctx.avals_out))
+  op = _op_of(params, place, rule, varying=varying,
+              platforms=ctx.module_context.platforms,
+              backend=_module_backend(ctx), config=_config_values())
+  # Shardy's verifier refuses a rule on an op without operands. There it
+  # could only tie the results to each other; without it, XLA propagates
+  # around the op and ``partition`` still decides every sharding.
+  rule_attr = None if rule_attr is None or not values else {
+      "sdy.sharding_rule": rule_attr}
+  return mlir.custom_call(
+      _TARGET, result_types=_ir_types(ctx, call.out_avals),
+      operands=list(values), backend_config=_register(ctx, op, params),
+      extra_attributes=rule_attr).results
+
+
+def _partitioned_placement(ctx, steps):
+  """``(placement, why)``: where the op XLA partitions runs, or None and
+  why its body is inlined instead (the code of one shard, one device, or
+  shardings that need the manual subgroup only typed meshes express, else
+  XLA aborts).
+
+  The placement's mesh is the first of these that is known:
+  1. The enclosing shard_map's (its manual axes typed Manual).
+  2. One the caller gave (``_caller_mesh``) on the program's devices; where
+     jax does not say them (inside another primitive's lowering, through
+     ``mlir.lower_fun``), one of the shape of the program's abstract mesh.
+  3. The program's abstract mesh, on its devices.
+  4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
+     source).
+  """
+  axis_context = ctx.module_context.axis_context
+  devices = getattr(axis_context, "device_assignment", None)
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    place = _shard_map_placement(axis_context)  # seam: inside a shard_map
+    if place is None:
+      return None, ("inside a shard_map manual over every mesh axis (one "
+                    "shard's code)")
+  elif devices is None:  # seam: jax did not say the devices
+    place = _placement_without_devices(axis_context, ctx.avals_in)
+  else:
+    devices = tuple(devices)
+    mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
+    if mesh is None:
+      am = _context_abstract_mesh(axis_context)
+      if am is not None and am.size == len(devices):
+        mesh = _mesh_from_abstract(devices, am)
+    place = _Placement(mesh if mesh is not None else
+                       mesh_lib.thread_resources.env.physical_mesh, devices)
+  if (place.devices is not None and len(place.devices) == 1) or getattr(
+      axis_context, "num_devices", None) == 1:
+    return None, "the program runs on one device"
+  if steps and _inexpressible(place):
+    return None, ("a derived op inside a partly manual shard_map before jax "
+                  "0.5.3, whose shardings cannot be expressed")
+  return place, None
+
+
+def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
+  """The first mesh the caller gave that ``fits``, of: ``with mesh:``
+  (unless ``with_block`` is False: the shard_map path takes only the
+  others), ``jax.set_mesh``, an eager call's operands' mesh. None if none
+  does. The one order of precedence for every path."""
+  with_mesh = mesh_lib.thread_resources.env.physical_mesh  # `with mesh:`
+  sources = ((with_mesh,) if with_block else ()) + (
+      _ambient_mesh("get_concrete_mesh"), eager_mesh)
+  return next((m for m in sources
+               if m is not None and not m.empty and fits(m)), None)
+
+
+@contextlib.contextmanager
+def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
+  """Re-raises a plain ValueError or TypeError with ``prefix`` and
+  ``suffix`` (or what it returns for the error) around its message (naming
+  the op); subclasses, whose types callers may catch, pass unchanged."""
+  try:
+    yield
+  except (ValueError, TypeError) as e:
+    if type(e) not in (ValueError, TypeError):
+      raise
+    after = suffix(e) if callable(suffix) else suffix
+    raise type(e)(f"{prefix}{e}{after}") from e
+
+
+def _ask_rule(ctx, params, mesh, steps):
+  """The op's rule (a callable ``sharding_rule`` asked here, about the
+  author's op) and, under Shardy, its attribute for the custom call."""
+  call, rule = params["call"], params["sharding_rule"]
+  values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
+            [_Value(a.shape, a.dtype) for a in call.out_avals])
+  levels = (_levels(steps, *values) if steps  # section 7
+            else [_Level(None, *values)])
+  if callable(rule):  # seam: a rule asked per call
+    rule = _asked_rule(ctx, params, mesh, levels[0])
+  attr = None
+  if _use_shardy() and rule is not None:
+    attr = _rule_attr(rule, levels)
+  return rule, attr
+
+
+def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
+  """The one builder of an ``_Op``: from its equation's parameters
+  (``custom_partitioning._params``), where it runs, its rule (a callable
+  ``sharding_rule`` asked by now) and, for a custom call, what its
+  lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
+  static = params["static_args"]
+  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
+             infer_sharding_from_operands=params[
+                 "infer_sharding_from_operands"],
+             propagate_user_sharding=params["propagate_user_sharding"],
+             sharding_rule=rule, decode_shardings=params["decode_shardings"],
+             check_vma=params.get("check_vma", True),  # upstream has none
+             static_args=(static.value if isinstance(static, _Unhashable)
+                          else static),
+             in_tree=params["in_tree"], out_tree=params["out_tree"],
+             steps=params.get("transform", ()), place=place, mesh=place.mesh,
+             lowered=_LRU(256), **lowered)
+
+
+class _Placement(NamedTuple):
+  """Where a lowered op runs.
+
+  ``mesh`` is what the callbacks see: the real mesh whenever it can be
+  recovered, else the mesh of ``with mesh:`` (the empty mesh if none).
+  Inside a partly manual shard_map it names every axis, the manual ones
+  typed ``AxisType.Manual``; XLA then asks for the partition on ``auto``,
+  the mesh of the auto axes alone, and the per-shard code runs on
+  ``whole``, the shard_map's mesh.
+  """
+  mesh: Any
+  devices: tuple | None
+  auto: Any = None
+  whole: Any = None
+
+
+_STATE = {"state": True}  # marks the fields of an _Op that are not its key
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Op:
+  """What XLA's callbacks need to know about one lowered custom call; built
+  by ``_op_of`` alone, immutable but for its answer cache.
+
+  Every field but those marked ``_STATE`` decides the answers, and ops
+  registered under one key agree on all of them (``_register``).
+  """
+  name: str
+  partition: Callable | None
+  infer_sharding_from_operands: Callable | None
+  propagate_user_sharding: Callable | None
+  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
+  decode_shardings: bool
+  check_vma: bool
+  static_args: tuple
+  in_tree: Any
+  out_tree: Any
+  steps: tuple  # of _Step: from the author's op to this one
+  place: _Placement
+  # Per operand and result: the manual axes it varies over, if tracked.
+  varying: tuple = ((), ())
+  platforms: Any = None
+  backend: Any = None
+  # jax's configuration where the op was lowered (``_config_values``),
+  # which ``partition`` and ``lower_fn`` run under on XLA's thread; None:
+  # the caller's own (the shard_map path). The key holds what jax keys its
+  # traces on (``_content_key``); in one lowering it is one.
+  config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
+  # Partition request -> XLA's answer. The request holds every input of the
+  # answer that is not in the op's key (shapes, dtypes, shardings); the key
+  # holds the rest.
+  lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
+  mesh: Any = None  # place.mesh, what the callbacks see
+
+
+def _register(ctx, op: _Op, params) -> str:
+  """Registers ``op`` under its key; returns the key. XLA's questions are
+  answered from the op and from what XLA asks with (shapes, shardings), so
+  ops found under one key must answer alike."""
+  if _persistent_cache_used():  # seam: keys that hit across processes (D)
+    key = _content_key(ctx, op, params["call"])
+  else:
+    # In one lowering jax's configuration is one: equal parameters in one
+    # placement are one op. A new lowering asks anew (and sees changes to
+    # what the callbacks read).
+    ident = (tuple(sorted(params.items())), op.place, op.varying,
+             op.platforms, op.backend, _use_shardy())
+    keepalives = ctx.module_context.keepalives
+    with _weak_lock:
+      table = _lowering_ops.get(id(keepalives))
+      if table is None:  # lives as long as the lowering
+        table = _lowering_ops[id(keepalives)] = _OpTable()
+        keepalives.append(table)
+      op = table.setdefault(ident, op)
+    key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
+  with _weak_lock:
+    # Keep the first live entry: lowerings that hold it must keep finding it.
+    op = _registry.setdefault(key, op)
+  ctx.module_context.add_keepalive(op)
+  return key
+
+
+# --------------------------------------------------------------------------
+# 3. The callbacks XLA calls
+#
+# XLA hands the custom call's key back to its callbacks, which find the op in
+# ``_registry`` (``_xla_callback``, the one boundary). An exception must
+# never reach XLA raw (under GSPMD that aborts the process): each is parked
+# in ``_parked_errors`` under a tag that goes into the message XLA reports,
+# and when the compile fails, ``_reraise_callback_error`` (registered with
+# jax's compiler) finds the tag and jax raises the original, with its type.
+# One raised while inferring or propagating waits in ``_pending`` for the
+# compiling thread's next partition callback, of whichever op: XLA compiles
+# one program at a time on a thread and partitions only after propagating.
+# --------------------------------------------------------------------------
+
+_TARGET = f"CustomSPMDPartitioning.{__name__}"
+_ERROR_TAG = f"[{_TARGET} error #"
+
+
+def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
+  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
+  for the op registered under ``key``: the one boundary between XLA and
+  this module. Every error reaches XLA as a ``RuntimeError`` whose message
+  names the parked original (``_park``).
+
+  ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
+  given where the op leaves the question to XLA (also for an unknown key)
+  and where ``answer`` raises: then the error is kept for this compile's
+  partition callback, as raising here would abort the process under GSPMD.
+  Without it (partition): an error kept by then is raised first.
+  """
+  def callback(*args):
+    *xla_args, key = args
+    with _weak_lock:
+      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
+    if leave_to_xla is not None and (op is None or _inexpressible(op.place) or (
+        op.steps and op.mesh.empty)):
+      return leave_to_xla(op, *xla_args)
+    if leave_to_xla is None:
+      if op is None:
+        raise RuntimeError(_REFUSALS["unknown_key"].format(key=key))
+      if _pending:  # seam: an infer/propagate error kept (on some thread)
+        _raise_pending()
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      if leave_to_xla is None:
+        raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
+                           ) from e
+      with _weak_lock:  # the first error of this compile
+        _pending.setdefault(threading.get_ident(), (op.name, e))
+      return leave_to_xla(None, *xla_args)
+  return callback
+
+
+def _park(error: BaseException, where: str) -> str:
+  """Parks ``error``; returns a message that names it for the handler."""
+  tag = next(_parked_counter)
+  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
+  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
+
+
+def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
+  """Ends every kept infer/propagate error: called when a compile ends,
+  failed (XLA failed before the partition callback came) or not (XLA
+  dropped the op before partitioning it), so none reaches a later compile.
+  jax calls this on the caller's thread, not XLA's, which cannot tell
+  which thread compiled, so every kept error goes: a compile running
+  meanwhile on another thread then loses one it kept, goes on as if the
+  callback had returned None, and partition still decides the program.
+  Registered as jax's event listener (``event``, duration), it acts on the
+  end of a backend compile alone."""
+  if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
+    return
+  with _weak_lock:
+    _pending.clear()
+
+
+def _reraise_callback_error(xla_error: Exception):
+  """Compile-error handler: gives back the author's original exception."""
+  _drop_pending()
+  text = str(xla_error)
+  start = text.find(_ERROR_TAG)
+  if start < 0:
+    return None
+  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
+  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
+
+
+def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
+  """The result sharding XLA gets from the operands', or None."""
+  result_shapes, _ = _hlo_parts(result_shape, None)
+  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
+  operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
+  if op.steps:  # seam: a derived op (section 7)
+    inferred = _infer(op, _levels(op.steps, operands, results))
+  else:
+    inferred = _ask_infer(op, operands, results)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_infer(op, operands, inferred)
+  if inferred is None:
+    return None
+  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
+
+
+def _answer_propagate(op: _Op, user_sharding, shape):
+  """The result sharding the op prefers, given its user's."""
+  if op.propagate_user_sharding is None and not op.steps:
+    return _users_sharding(op, user_sharding, shape)
+  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
+  if op.steps and any(v.spec is None for v in results):
+    return user_sharding
+  propagated = _propagate(op, op.steps, results)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_propagate(op, results, propagated)
+  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
+
+
+def _users_sharding(op: _Op | None, user_sharding, shape):
+  """What XLA keeps where the op does not propagate: the user's sharding."""
+  if op is not None and _log.isEnabledFor(logging.DEBUG):
+    _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
+                                   op.mesh), None)
+  return user_sharding
+
+
+def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
+                      result_sharding):
+  """``(per-shard module, operand shardings, result sharding)`` for XLA,
+  from ``op.lowered`` where XLA asked it before."""
+  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
+                   for s, h in zip(arg_shapes, arg_shardings)),
+             str(result_shape), str(result_sharding))
+  hit = op.lowered.get(request)
+  if hit is not None:
+    if _log.isEnabledFor(logging.DEBUG):
+      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
+                              result_sharding, hit)
+    return hit
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
+  # XLA calls on a thread of its own, which has none of the lowering
+  # thread's context managers: partition and lower_fn run under the
+  # configuration the op was lowered (and keyed) with.
+  operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
+  results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
+  with _config_entered(op.config):
+    if op.steps:  # seam: a derived op (section 7)
+      shard = _partition_derived(op, operands, results, on)
+    else:
+      answer, closed = _partition(op, operands, results, on)
+      shard = _PerShard(answer.mesh, closed, answer.args, answer.results)
+    module = _per_shard_module(op, shard)
+  answer = (module, [_hlo_of(v, on) for v in shard.args],
+            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
+  op.lowered.put(request, answer)
+  return answer
+
+
+# --------------------------------------------------------------------------
+# 4. Asking the author: the partition pipeline
+#
+# Each question goes XLA (or the shard_map path) -> ``_<q>`` (walks the
+# steps down to the author's op and the answer back up, section 7) ->
+# ``_ask_<q>``, the only caller of that callback of the author's; a callable
+# sharding rule is asked while lowering (``_ask_rule``). Meshes: ``op.mesh``
+# is what the callbacks see; the ``on`` parameters name the mesh a value's
+# spec and HloSharding are on: ``op.mesh``, inside a partly manual
+# shard_map ``op.place.auto``, or for ``partition``'s answer the mesh it
+# returned (``_Answer.on``).
+# --------------------------------------------------------------------------
+
+def _partition(op: _Op, operands: list, results: list, on):
+  """``(answer, jaxpr)``: the author's answer about ``operands`` and
+  ``results`` (shardings on ``on``), and its ``lower_fn`` traced."""
+  answer = _ask_partition(op, operands, results, on)
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
+  closed, _ = _trace_lower_fn(op, answer, operands, results)
+  if _calls_host(closed.jaxpr):
+    raise _host_callback_error(op)
+  return answer, closed
+
+
+def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition`` asked about values whose shardings are on ``on`` (for
+  an op defined by its rule alone, ``_partition_from_rule``), its answer
+  checked."""
+  if op.partition is None:
+    raise ValueError(_REFUSALS["no_partition"].format(
+        name=op.name, n=len(op.place.devices)))
+  if isinstance(op.partition, _FromRule):  # seam: an op by its rule alone
+    answer = _partition_from_rule(op, operands, results)
+  else:
+    answer = op.partition(*op.static_args, op.mesh,
+                          _structs(op, op.in_tree, operands, on),
+                          _structs(op, op.out_tree, results, on))
+  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+    got = (f"a sequence of length {len(answer)}"
+           if isinstance(answer, (tuple, list)) else type(answer).__name__)
+    raise TypeError(_REFUSALS["answer"].format(name=op.name, got=got))
+  mesh, lower_fn, out_shardings, in_shardings = answer
+  if not callable(lower_fn):
+    raise TypeError(_REFUSALS["lower_fn"].format(
+        name=op.name, got=type(lower_fn).__name__))
+  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
+    raise TypeError(_REFUSALS["mesh"].format(name=op.name,
+                                             got=type(mesh).__name__))
+  devices = op.place.devices
+  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
+  # op got if no mesh could be recovered (as upstream, lower_fn then runs
+  # without mesh axes).
+  if op.place.auto is None and not mesh.empty:
+    if isinstance(mesh, mesh_lib.Mesh):
+      if set(_mesh_devices(mesh)) != set(devices):
+        raise ValueError(_REFUSALS["mesh_devices"].format(
+            name=op.name, got=sorted(d.id for d in _mesh_devices(mesh)),
+            want=sorted(d.id for d in devices)))
+    elif mesh.size != len(devices):
+      raise ValueError(_REFUSALS["mesh_size"].format(
+          name=op.name, got=mesh.size, want=len(devices)))
+  if isinstance(mesh, mesh_lib.AbstractMesh):
+    mesh = _concrete(op, mesh)
+  if op.place.auto is not None:
+    # Collectives must name devices of the whole program: lower on the
+    # whole mesh (the returned one may be the mesh with manual types).
+    mesh = op.place.whole
+  else:
+    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
+      raise NotImplementedError(_REFUSALS["derived_mesh"].format(
+          name=op.name, got=dict(mesh.shape), want=dict(op.mesh.shape)))
+    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
+  return _Answer(mesh, on, lower_fn,
+                 _encode(op, op.in_tree, in_shardings, operands, "partition",
+                         "arg sharding", on),
+                 _encode(op, op.out_tree, out_shardings, results,
+                         "partition", "result sharding", on))
+
+
+class _Answer(NamedTuple):
+  """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
+  (its collectives name that mesh's axes), the mesh the specs of ``args``
+  and ``results`` are on, and those shardings."""
+  mesh: Any
+  on: Any
+  lower_fn: Callable
+  args: list
+  results: list
+
+
+def _concrete(op: _Op, mesh: mesh_lib.AbstractMesh):
+  """An AbstractMesh from the author made concrete on the op's devices (as
+  upstream does)."""
+  if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
+    return op.mesh
+  return _mesh_from_abstract(op.place.devices, mesh)
+
+
+def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
+            on=None) -> list[_Value]:
+  """The author's pytree of shardings for ``like`` (values of the same
+  shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
+  on = op.mesh if on is None else on
+  leaves = _flatten_up_to(tree, answer,
+                          f"{callback} of {op.name} returned {what}s")
+  out = []
+  for i, (sharding, v) in enumerate(zip(leaves, like)):
+    where = f"{callback} of {op.name} returned {what} {i}"
+    ndim = len(v.shape)
+    if not isinstance(sharding, jax.sharding.Sharding):
+      raise TypeError(_REFUSALS["sharding"].format(
+          where=where, got=type(sharding).__name__))
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, mesh_lib.AbstractMesh):
+      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
+                                            sharding.spec)
+    if sharding.device_set != set(op.place.devices):
+      raise ValueError(_REFUSALS["sharding_devices"].format(
+          where=where, got=sorted(d.id for d in sharding.device_set),
+          want=sorted(d.id for d in op.place.devices)))
+    if isinstance(sharding, jax.sharding.NamedSharding) and (
+        len(sharding.spec) > ndim):
+      raise ValueError(_REFUSALS["spec_rank"].format(
+          where=where, spec=sharding.spec, ndim=ndim))
+    if on is op.place.auto:  # seam: inside a partly manual shard_map
+      sharding = _onto_auto_axes(op, sharding, where)
+    hlo = _to_hlo_sharding(sharding, ndim)
+    spec = None if on.empty else _decode_spec(hlo, on, ndim)
+    if spec is None and op.steps:
+      raise NotImplementedError(_REFUSALS["derived_spec"].format(
+          where=where, mesh=dict(op.mesh.shape)))
+    out.append(v._replace(spec=spec, hlo=hlo))
+  return out
+
+
+def _structs(op: _Op, tree, values, on=None):
+  """The callbacks' view of ``values`` (shardings on mesh ``on``): a pytree
+  of ShapeDtypeStructs, each sharded by a NamedSharding on the op's mesh
+  where it has a PartitionSpec and ``decode_shardings`` is on, else by a
+  GSPMDSharding; unsharded where its sharding is not known."""
+  on = op.mesh if on is None else on
+  structs = []
+  for v in values:
+    if v.spec is None and v.hlo is None:
+      sharding = None
+    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
+      sharding = jax.sharding.NamedSharding(
+          op.mesh, jax.sharding.PartitionSpec(*v.spec))
+    else:
+      sharding = sharding_impls.GSPMDSharding(
+          op.place.devices if on is op.mesh else _mesh_devices(on),
+          _hlo_of(v, on))
+    structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
+  return tree.unflatten(structs)
+
+
+def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
+                    results: list) -> tuple[core.ClosedJaxpr, bool]:
+  """Traces ``lower_fn`` on per-shard shapes, with the checks of section
+  8; returns its jaxpr (of flat local arrays) and whether the check proved
+  every replicated result equal along its axes (False where unchecked)."""
+  lower_fn, on = answer.lower_fn, answer.on
+  if op.check_vma and op.sharding_rule is not None and _padded(answer.args,
+                                                               on):
+    _check_even_reductions(op, operands + results, answer.args, on)  # seam
+  local_args = [_local_struct(v, on) for v in answer.args]
+  local_results = [_local_struct(v, on) for v in answer.results]
+  try:
+    with _manual_scope(answer.mesh):
+      closed, out_shape = jax.make_jaxpr(
+          lower_fn, axis_env=list(answer.mesh.shape.items()),
+          return_shape=True)(*op.in_tree.unflatten(local_args))
+  except NameError as e:  # an unbound axis name
+    if not answer.mesh.empty:
+      raise
+    raise ValueError(_REFUSALS["unbound_axis"].format(name=op.name,
+                                                      e=e)) from e
+  got = jax.tree_util.tree_leaves(out_shape)
+  if len(got) != len(local_results):
+    raise ValueError(_REFUSALS["result_count"].format(
+        name=op.name, got=len(got), want=len(local_results),
+        tree=op.out_tree))
+  for i, (g, want) in enumerate(zip(got, local_results)):
+    if g.shape != want.shape or g.dtype != want.dtype:
+      raise ValueError(_REFUSALS["result_shape"].format(
+          name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
+          want=f"{want.dtype}{list(want.shape)}"))
+  specs, axes = [v.spec for v in answer.results], _real_axes(on)
+  if op.check_vma and not all(  # seam: a result replicated over an axis
+      spec is not None and set(axes) <= {a for e in spec
+                                         for a in _entry_axes(e)}
+      for spec in specs):
+    return closed, _check_replicated_results(
+        op.name, closed.jaxpr, [v.spec for v in answer.args], specs, axes)
+  return closed, op.check_vma  # every result is sharded over every axis
+
+
+_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
+
+
+def _calls_host(jaxpr: core.Jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
+  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
+      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
+
+
+def _host_callback_error(op: _Op) -> NotImplementedError:
+  return NotImplementedError(
+      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
+      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
+      "cannot run inside a custom-partitioned op. Move the callback out "
+      "of lower_fn, before or after the op.")
+
+
+class _PerShard(NamedTuple):
+  """A partitioned op: the per-shard program (a jaxpr of flat local
+  arrays) on ``mesh``, and the shardings it takes and gives."""
+  mesh: Any
+  jaxpr: core.ClosedJaxpr
+  args: list
+  results: list
+
+
+def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
+  """The per-shard program lowered to a module, as bytecode."""
+  # XLA finds a host callback by its index in the list of the program
+  # being compiled, which was fixed before this callback ran; the
+  # per-shard module's own list is not reachable (upstream segfaults).
+  mesh = shard.mesh
+  with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
+    module, host_callbacks = _lower_per_shard(
+        shard.jaxpr, platforms=op.platforms, backend=op.backend,
+        axis_context=sharding_impls.SPMDAxisContext(
+            mesh, frozenset(mesh.axis_names)))
+  if host_callbacks:
+    raise _host_callback_error(op)
+  return mlir.module_to_bytecode(module)
+
+
+def _ask_infer(op: _Op, operands: list, results: list):
+  """The result shardings ``infer_sharding_from_operands`` gives or, without
+  it, the op's rule implies; None where neither can tell."""
+  if op.infer_sharding_from_operands is None:  # seam: inferred from the rule
+    return _infer_by_rule(op, operands, results)
+  answer = op.infer_sharding_from_operands(
+      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
+      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
+                             for v in results]))
+  if answer is None:
+    return None
+  return _encode(op, op.out_tree, answer, results,
+                 "infer_sharding_from_operands", "result sharding")
+
+
+def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+  """The result shardings ``propagate_user_sharding`` prefers, given the
+  user's (``results``); the user's if it is not defined."""
+  if op.propagate_user_sharding is None:
+    return results
+  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
+                                      _structs(op, op.out_tree, results))
+  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
+                 "result sharding")
+
+
+# --------------------------------------------------------------------------
+# 5. Extras of the core path
+#
+# What the path of an ordinary op (sections 1 to 4) leaves out, each entered
+# from one line of it marked ``# seam:``: a body with nothing to partition,
+# placements inside a shard_map or without the program's devices, a
+# callable sharding rule, an error kept from infer or propagate, and ops
+# defined by their rule alone. The shard_map path, derived ops and the
+# per-shard checks have sections of their own (6 to 8); content keys for
+# the persistent cache are appendix D.
+# --------------------------------------------------------------------------
+
+def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
+  """The op's body, lowered in place of a custom call, for ``why``."""
+  if _log.isEnabledFor(logging.DEBUG):
+    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
+        ctx.module_context.axis_context, "mesh", None),
+           why=f"fun is compiled as it is: {why}")
+  return mlir.lower_fun(core.jaxpr_as_fun(call),
+                        multiple_results=True)(ctx, *values)
+
+
+def _shard_map_placement(axis_context) -> _Placement | None:
+  """Inside a shard_map: its mesh, the manual axes typed Manual; None where
+  every axis is manual (the code of one shard)."""
+  whole, manual = axis_context.mesh, axis_context.manual_axes
+  if set(manual) == set(whole.axis_names):
+    return None
+  if not manual:
+    return _Placement(whole, _mesh_devices(whole))
+  return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
+                    _auto_submesh(whole, manual), whole)
+
+
+def _placement_without_devices(axis_context, avals) -> _Placement:
+  """Where jax does not say the devices (inside another primitive's
+  lowering): a mesh the caller gave of the program's shape, else that of
+  ``with mesh:``, without devices."""
+  num_devices = getattr(axis_context, "num_devices", None)
+  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
+              [_aval_mesh(a) for a in avals] if am is not None]
+  mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
+      dict(am.shape) == dict(m.shape) for am in abstract))
+  if mesh is None:
+    return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
+  return _Placement(mesh, _mesh_devices(mesh))
+
+
+def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
+  """What a callable ``sharding_rule`` answers about the author's op."""
+  operand_types, result_types = (
+      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+      for side in (author.operands, author.results))
+  static = params["static_args"]
+  produced = params["sharding_rule"](
+      *(static.value if isinstance(static, _Unhashable) else static), mesh,
+      operand_types, result_types)
+  kwargs: dict = {}
+  if isinstance(produced, (tuple, list)) and len(produced) == 2:
+    produced, kwargs = produced
+  if isinstance(produced, str):
+    return str_to_sdy_sharding_rule(produced, **kwargs)
+  if not isinstance(produced, SdyShardingRule):
+    raise ValueError(
+        "A callable sharding_rule must return an SdyShardingRule, an "
+        f"einsum-like string, or (string, kwargs); got {produced!r}.")
+  return produced
+
+
+def _raise_pending() -> None:
+  """Raises the error an infer or propagate callback kept on this thread,
+  if any (parked, so the failed compile re-raises the original)."""
+  with _weak_lock:
+    pending = _pending.pop(threading.get_ident(), None)
+  if pending is not None:
+    name, error = pending
+    raise RuntimeError(_park(error, f"custom_partitioning op {name}")
+                       ) from error
+
+
 class _FromRule:
   """The ``partition`` of an op defined by its rule alone: answered from
   the rule (``_partition_from_rule``), each shard running ``fun`` with the
@@ -724,7 +1480,73 @@ class _FromRule:
 
 
 # --------------------------------------------------------------------------
-# 2. The shard_map path (Explicit mesh axes): partitioning while tracing
+# 2. The primitive and its lowering
+#
+# ``custom_partitioning_p`` carries the traced body (``call``) and the
+# callbacks under upstream's parameter names, plus this module's
+# ``transform`` (the steps of a derived op, section 7) and ``check_vma``,
+# both read with a default so that binding it with upstream's parameters
+# alone works. Lowered on several devices, it is one custom call that
+# carries the key of its ``_Op`` (section 3 and appendix D).
+# --------------------------------------------------------------------------
+
+
+def _infer_by_rule(op: _Op, operands: list, results: list):
+  """The result shardings the op's rule implies, or None (GSPMD)."""
+  # The rule needs every placed operand's PartitionSpec.
+  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
+      v.spec is None and v.hlo is not None for v in operands):
+    return None
+  shapes = [v.shape for v in operands + results]
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if isinstance(op.partition, _FromRule):  # as the partition will answer
+      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
+                          [None] * len(results))[1]
+    else:
+      specs = _infer_from_rule(op.sharding_rule, shapes,
+                               [v.spec for v in operands])
+  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
+
+
+def _partition_from_rule(op: _Op, operands: list, results: list):
+  """What a ``partition`` written from the op's rule would return, for an
+  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
+  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
+  op's own ``fun``."""
+  lower_fn = op.partition.lower_fn(op.static_args)
+  if op.mesh.empty:  # no axis to name: replicated is right for every op
+    replicated = sharding_impls.GSPMDSharding(op.place.devices,
+                                              xc.HloSharding.replicate())
+    in_shardings = [replicated] * len(operands)
+    out_shardings = [replicated] * len(results)
+  else:
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      in_specs, out_specs = _rule_specs(
+          op.sharding_rule, [v.shape for v in operands + results],
+          [v.spec for v in operands], [v.spec for v in results])
+    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
+        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
+        for specs in (in_specs, out_specs))
+  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
+          op.in_tree.unflatten(in_shardings))
+
+
+def _onto_auto_axes(op: _Op, sharding, where: str):
+  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
+                    "partly manual shard_map it must be a NamedSharding.")
+  auto = op.place.auto
+  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
+  if manual:
+    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
+                     f"over the manual axes {sorted(manual)}; only "
+                     f"{auto.axis_names} may be used here.")
+  return jax.sharding.NamedSharding(auto, sharding.spec)
+
+
+# --------------------------------------------------------------------------
+# 6. The shard_map path (Explicit mesh axes): partitioning while tracing
 #
 # Where every operand's sharding is in its type, ``partition`` is asked
 # while tracing (by the functions XLA's callbacks use) and the op becomes
@@ -820,18 +1642,6 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   return mesh, None
 
 
-def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
-  """The first mesh the caller gave that ``fits``, of: ``with mesh:``
-  (unless ``with_block`` is False: the shard_map path takes only the
-  others), ``jax.set_mesh``, an eager call's operands' mesh. None if none
-  does. The one order of precedence for every path."""
-  with_mesh = mesh_lib.thread_resources.env.physical_mesh  # `with mesh:`
-  sources = ((with_mesh,) if with_block else ()) + (
-      _ambient_mesh("get_concrete_mesh"), eager_mesh)
-  return next((m for m in sources
-               if m is not None and not m.empty and fits(m)), None)
-
-
 class _Program(NamedTuple):
   """A call signature's plan under Explicit axes; ``run`` None: the op
   keeps the custom call, for the reason ``why``."""
@@ -840,7 +1650,6 @@ class _Program(NamedTuple):
   why: str = ""
   untyped: Callable | None = None  # check_vma off (None: off already)
   proven: bool = False  # the module's check proved replicated results equal
-
 
 
 def _shard_map_advice(error: Exception) -> str:
@@ -1025,803 +1834,7 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 
 
 # --------------------------------------------------------------------------
-# 3. The primitive and its lowering
-#
-# ``custom_partitioning_p`` carries the traced body (``call``) and the
-# callbacks under upstream's parameter names, plus this module's
-# ``transform`` (the steps of a derived op, section 6) and ``check_vma``,
-# both read with a default so that binding it with upstream's parameters
-# alone works. Lowered on several devices, it is one custom call that
-# carries the key of its ``_Op`` (section 4 and appendix D).
-# --------------------------------------------------------------------------
-
-custom_partitioning_p = core.Primitive("custom_partitioning")
-custom_partitioning_p.multiple_results = True
-
-
-def _abstract_eval(*avals, call, **_):
-  del avals
-  return call.out_avals
-
-
-def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``).
-
-  Compiled, like a jax.jit'd function; partitioned by the op's callbacks
-  only if some operand is really sharded (upstream runs the body and never
-  asks them, and a ``partition`` written for sharded operands must not be
-  asked about host data).
-  """
-  # Cache key: the params hold the body and every callback; jax.jit keys on
-  # the operands' types and shardings itself.
-  call = params["call"]
-  if _jit_disabled():  # jax.jit would call straight back into this impl
-    return core.jaxpr_as_fun(call)(*args)
-  sharded = _any_sharded(args)
-  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
-  fn = _eager.cached(key, lambda: jax.jit(
-      functools.partial(custom_partitioning_p.bind, **params) if sharded
-      else core.jaxpr_as_fun(call)))
-  return fn(*args)
-
-
-def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
-  call, steps = params["call"], params.get("transform", ())
-  place, why = _partitioned_placement(ctx, steps)
-  if place is None:  # seam: nothing to partition
-    return _lowered_body(ctx, call, why, values)
-  name = _fun_name(call)
-  if ctx.module_context.lowering_parameters.for_export:
-    raise NotImplementedError(_REFUSALS["export"].format(name=name))
-  if place.devices is None:
-    raise ValueError(_REFUSALS["no_devices"].format(name=name))
-  if params["partition"] is None:
-    raise ValueError(_REFUSALS["no_partition"].format(
-        name=name, n=len(place.devices)))
-  rule, rule_attr = params["sharding_rule"], None
-  if callable(rule) or (_use_shardy() and rule is not None):  # seam: rules
-    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
-  # Inside a partly manual shard_map (section 6 reads it): the manual axes
-  # each operand and result varies over.
-  varying = ((), ()) if place.auto is None else tuple(
-      tuple(_varying_axes(a) for a in avals)
-      for avals in (ctx.avals_in, ctx.avals_out))
-  op = _op_of(params, place, rule, varying=varying,
-              platforms=ctx.module_context.platforms,
-              backend=_module_backend(ctx), config=_config_values())
-  # Shardy's verifier refuses a rule on an op without operands. There it
-  # could only tie the results to each other; without it, XLA propagates
-  # around the op and ``partition`` still decides every sharding.
-  rule_attr = None if rule_attr is None or not values else {
-      "sdy.sharding_rule": rule_attr}
-  return mlir.custom_call(
-      _TARGET, result_types=_ir_types(ctx, call.out_avals),
-      operands=list(values), backend_config=_register(ctx, op, params),
-      extra_attributes=rule_attr).results
-
-
-def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
-  """The op's body, lowered in place of a custom call, for ``why``."""
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
-        ctx.module_context.axis_context, "mesh", None),
-           why=f"fun is compiled as it is: {why}")
-  return mlir.lower_fun(core.jaxpr_as_fun(call),
-                        multiple_results=True)(ctx, *values)
-
-
-def _partitioned_placement(ctx, steps):
-  """``(placement, why)``: where the op XLA partitions runs, or None and
-  why its body is inlined instead (the code of one shard, one device, or
-  shardings that need the manual subgroup only typed meshes express, else
-  XLA aborts).
-
-  The placement's mesh is the first of these that is known:
-  1. The enclosing shard_map's (its manual axes typed Manual).
-  2. One the caller gave (``_caller_mesh``) on the program's devices; where
-     jax does not say them (inside another primitive's lowering, through
-     ``mlir.lower_fun``), one of the shape of the program's abstract mesh.
-  3. The program's abstract mesh, on its devices.
-  4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
-     source).
-  """
-  axis_context = ctx.module_context.axis_context
-  devices = getattr(axis_context, "device_assignment", None)
-  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-    place = _shard_map_placement(axis_context)  # seam: inside a shard_map
-    if place is None:
-      return None, ("inside a shard_map manual over every mesh axis (one "
-                    "shard's code)")
-  elif devices is None:  # seam: jax did not say the devices
-    place = _placement_without_devices(axis_context, ctx.avals_in)
-  else:
-    devices = tuple(devices)
-    mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
-    if mesh is None:
-      am = _context_abstract_mesh(axis_context)
-      if am is not None and am.size == len(devices):
-        mesh = _mesh_from_abstract(devices, am)
-    place = _Placement(mesh if mesh is not None else
-                       mesh_lib.thread_resources.env.physical_mesh, devices)
-  if (place.devices is not None and len(place.devices) == 1) or getattr(
-      axis_context, "num_devices", None) == 1:
-    return None, "the program runs on one device"
-  if steps and _inexpressible(place):
-    return None, ("a derived op inside a partly manual shard_map before jax "
-                  "0.5.3, whose shardings cannot be expressed")
-  return place, None
-
-
-def _shard_map_placement(axis_context) -> _Placement | None:
-  """Inside a shard_map: its mesh, the manual axes typed Manual; None where
-  every axis is manual (the code of one shard)."""
-  whole, manual = axis_context.mesh, axis_context.manual_axes
-  if set(manual) == set(whole.axis_names):
-    return None
-  if not manual:
-    return _Placement(whole, _mesh_devices(whole))
-  return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
-                    _auto_submesh(whole, manual), whole)
-
-
-def _placement_without_devices(axis_context, avals) -> _Placement:
-  """Where jax does not say the devices (inside another primitive's
-  lowering): a mesh the caller gave of the program's shape, else that of
-  ``with mesh:``, without devices."""
-  num_devices = getattr(axis_context, "num_devices", None)
-  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
-              [_aval_mesh(a) for a in avals] if am is not None]
-  mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
-      dict(am.shape) == dict(m.shape) for am in abstract))
-  if mesh is None:
-    return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
-  return _Placement(mesh, _mesh_devices(mesh))
-
-
-@contextlib.contextmanager
-def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
-  """Re-raises a plain ValueError or TypeError with ``prefix`` and
-  ``suffix`` (or what it returns for the error) around its message (naming
-  the op); subclasses, whose types callers may catch, pass unchanged."""
-  try:
-    yield
-  except (ValueError, TypeError) as e:
-    if type(e) not in (ValueError, TypeError):
-      raise
-    after = suffix(e) if callable(suffix) else suffix
-    raise type(e)(f"{prefix}{e}{after}") from e
-
-
-def _ask_rule(ctx, params, mesh, steps):
-  """The op's rule (a callable ``sharding_rule`` asked here, about the
-  author's op) and, under Shardy, its attribute for the custom call."""
-  call, rule = params["call"], params["sharding_rule"]
-  values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
-            [_Value(a.shape, a.dtype) for a in call.out_avals])
-  levels = (_levels(steps, *values) if steps  # section 6
-            else [_Level(None, *values)])
-  if callable(rule):  # seam: a rule asked per call
-    rule = _asked_rule(ctx, params, mesh, levels[0])
-  attr = None
-  if _use_shardy() and rule is not None:
-    attr = _rule_attr(rule, levels)
-  return rule, attr
-
-
-def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
-  """What a callable ``sharding_rule`` answers about the author's op."""
-  operand_types, result_types = (
-      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
-      for side in (author.operands, author.results))
-  static = params["static_args"]
-  produced = params["sharding_rule"](
-      *(static.value if isinstance(static, _Unhashable) else static), mesh,
-      operand_types, result_types)
-  kwargs: dict = {}
-  if isinstance(produced, (tuple, list)) and len(produced) == 2:
-    produced, kwargs = produced
-  if isinstance(produced, str):
-    return str_to_sdy_sharding_rule(produced, **kwargs)
-  if not isinstance(produced, SdyShardingRule):
-    raise ValueError(
-        "A callable sharding_rule must return an SdyShardingRule, an "
-        f"einsum-like string, or (string, kwargs); got {produced!r}.")
-  return produced
-
-
-def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
-  """The one builder of an ``_Op``: from its equation's parameters
-  (``custom_partitioning._params``), where it runs, its rule (a callable
-  ``sharding_rule`` asked by now) and, for a custom call, what its
-  lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
-  static = params["static_args"]
-  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
-             infer_sharding_from_operands=params[
-                 "infer_sharding_from_operands"],
-             propagate_user_sharding=params["propagate_user_sharding"],
-             sharding_rule=rule, decode_shardings=params["decode_shardings"],
-             check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=(static.value if isinstance(static, _Unhashable)
-                          else static),
-             in_tree=params["in_tree"], out_tree=params["out_tree"],
-             steps=params.get("transform", ()), place=place, mesh=place.mesh,
-             lowered=_LRU(256), **lowered)
-
-
-class _Placement(NamedTuple):
-  """Where a lowered op runs.
-
-  ``mesh`` is what the callbacks see: the real mesh whenever it can be
-  recovered, else the mesh of ``with mesh:`` (the empty mesh if none).
-  Inside a partly manual shard_map it names every axis, the manual ones
-  typed ``AxisType.Manual``; XLA then asks for the partition on ``auto``,
-  the mesh of the auto axes alone, and the per-shard code runs on
-  ``whole``, the shard_map's mesh.
-  """
-  mesh: Any
-  devices: tuple | None
-  auto: Any = None
-  whole: Any = None
-
-
-_STATE = {"state": True}  # marks the fields of an _Op that are not its key
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Op:
-  """What XLA's callbacks need to know about one lowered custom call; built
-  by ``_op_of`` alone, immutable but for its answer cache.
-
-  Every field but those marked ``_STATE`` decides the answers, and ops
-  registered under one key agree on all of them (``_register``).
-  """
-  name: str
-  partition: Callable | None
-  infer_sharding_from_operands: Callable | None
-  propagate_user_sharding: Callable | None
-  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
-  decode_shardings: bool
-  check_vma: bool
-  static_args: tuple
-  in_tree: Any
-  out_tree: Any
-  steps: tuple  # of _Step: from the author's op to this one
-  place: _Placement
-  # Per operand and result: the manual axes it varies over, if tracked.
-  varying: tuple = ((), ())
-  platforms: Any = None
-  backend: Any = None
-  # jax's configuration where the op was lowered (``_config_values``),
-  # which ``partition`` and ``lower_fn`` run under on XLA's thread; None:
-  # the caller's own (the shard_map path). The key holds what jax keys its
-  # traces on (``_content_key``); in one lowering it is one.
-  config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
-  # Partition request -> XLA's answer. The request holds every input of the
-  # answer that is not in the op's key (shapes, dtypes, shardings); the key
-  # holds the rest.
-  lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
-  mesh: Any = None  # place.mesh, what the callbacks see
-
-
-def _register(ctx, op: _Op, params) -> str:
-  """Registers ``op`` under its key; returns the key. XLA's questions are
-  answered from the op and from what XLA asks with (shapes, shardings), so
-  ops found under one key must answer alike."""
-  if _persistent_cache_used():  # seam: keys that hit across processes (D)
-    key = _content_key(ctx, op, params["call"])
-  else:
-    # In one lowering jax's configuration is one: equal parameters in one
-    # placement are one op. A new lowering asks anew (and sees changes to
-    # what the callbacks read).
-    ident = (tuple(sorted(params.items())), op.place, op.varying,
-             op.platforms, op.backend, _use_shardy())
-    keepalives = ctx.module_context.keepalives
-    with _weak_lock:
-      table = _lowering_ops.get(id(keepalives))
-      if table is None:  # lives as long as the lowering
-        table = _lowering_ops[id(keepalives)] = _OpTable()
-        keepalives.append(table)
-      op = table.setdefault(ident, op)
-    key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
-  with _weak_lock:
-    # Keep the first live entry: lowerings that hold it must keep finding it.
-    op = _registry.setdefault(key, op)
-  ctx.module_context.add_keepalive(op)
-  return key
-
-
-# --------------------------------------------------------------------------
-# 4. The callbacks XLA calls
-#
-# XLA hands the custom call's key back to its callbacks, which find the op in
-# ``_registry`` (``_xla_callback``, the one boundary). An exception must
-# never reach XLA raw (under GSPMD that aborts the process): each is parked
-# in ``_parked_errors`` under a tag that goes into the message XLA reports,
-# and when the compile fails, ``_reraise_callback_error`` (registered with
-# jax's compiler) finds the tag and jax raises the original, with its type.
-# One raised while inferring or propagating waits in ``_pending`` for the
-# compiling thread's next partition callback, of whichever op: XLA compiles
-# one program at a time on a thread and partitions only after propagating.
-# --------------------------------------------------------------------------
-
-_TARGET = f"CustomSPMDPartitioning.{__name__}"
-_ERROR_TAG = f"[{_TARGET} error #"
-
-
-def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
-  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
-  for the op registered under ``key``: the one boundary between XLA and
-  this module. Every error reaches XLA as a ``RuntimeError`` whose message
-  names the parked original (``_park``).
-
-  ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
-  given where the op leaves the question to XLA (also for an unknown key)
-  and where ``answer`` raises: then the error is kept for this compile's
-  partition callback, as raising here would abort the process under GSPMD.
-  Without it (partition): an error kept by then is raised first.
-  """
-  def callback(*args):
-    *xla_args, key = args
-    with _weak_lock:
-      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if leave_to_xla is not None and (op is None or _inexpressible(op.place) or (
-        op.steps and op.mesh.empty)):
-      return leave_to_xla(op, *xla_args)
-    if leave_to_xla is None:
-      if op is None:
-        raise RuntimeError(_REFUSALS["unknown_key"].format(key=key))
-      if _pending:  # seam: an infer/propagate error kept (on some thread)
-        _raise_pending()
-    try:
-      return answer(op, *xla_args)
-    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
-      if leave_to_xla is None:
-        raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
-                           ) from e
-      with _weak_lock:  # the first error of this compile
-        _pending.setdefault(threading.get_ident(), (op.name, e))
-      return leave_to_xla(None, *xla_args)
-  return callback
-
-
-def _raise_pending() -> None:
-  """Raises the error an infer or propagate callback kept on this thread,
-  if any (parked, so the failed compile re-raises the original)."""
-  with _weak_lock:
-    pending = _pending.pop(threading.get_ident(), None)
-  if pending is not None:
-    name, error = pending
-    raise RuntimeError(_park(error, f"custom_partitioning op {name}")
-                       ) from error
-
-
-def _park(error: BaseException, where: str) -> str:
-  """Parks ``error``; returns a message that names it for the handler."""
-  tag = next(_parked_counter)
-  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
-  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
-
-
-def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
-  """Ends every kept infer/propagate error: called when a compile ends,
-  failed (XLA failed before the partition callback came) or not (XLA
-  dropped the op before partitioning it), so none reaches a later compile.
-  jax calls this on the caller's thread, not XLA's, which cannot tell
-  which thread compiled, so every kept error goes: a compile running
-  meanwhile on another thread then loses one it kept, goes on as if the
-  callback had returned None, and partition still decides the program.
-  Registered as jax's event listener (``event``, duration), it acts on the
-  end of a backend compile alone."""
-  if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
-    return
-  with _weak_lock:
-    _pending.clear()
-
-
-def _reraise_callback_error(xla_error: Exception):
-  """Compile-error handler: gives back the author's original exception."""
-  _drop_pending()
-  text = str(xla_error)
-  start = text.find(_ERROR_TAG)
-  if start < 0:
-    return None
-  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
-  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
-
-
-def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
-  """The result sharding XLA gets from the operands', or None."""
-  result_shapes, _ = _hlo_parts(result_shape, None)
-  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
-  operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
-  if op.steps:  # seam: a derived op (section 6)
-    inferred = _infer(op, _levels(op.steps, operands, results))
-  else:
-    inferred = _ask_infer(op, operands, results)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_infer(op, operands, inferred)
-  if inferred is None:
-    return None
-  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
-
-
-def _answer_propagate(op: _Op, user_sharding, shape):
-  """The result sharding the op prefers, given its user's."""
-  if op.propagate_user_sharding is None and not op.steps:
-    return _users_sharding(op, user_sharding, shape)
-  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
-  if op.steps and any(v.spec is None for v in results):
-    return user_sharding
-  propagated = _propagate(op, op.steps, results)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_propagate(op, results, propagated)
-  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
-
-
-def _users_sharding(op: _Op | None, user_sharding, shape):
-  """What XLA keeps where the op does not propagate: the user's sharding."""
-  if op is not None and _log.isEnabledFor(logging.DEBUG):
-    _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
-                                   op.mesh), None)
-  return user_sharding
-
-
-def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
-                      result_sharding):
-  """``(per-shard module, operand shardings, result sharding)`` for XLA,
-  from ``op.lowered`` where XLA asked it before."""
-  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
-                   for s, h in zip(arg_shapes, arg_shardings)),
-             str(result_shape), str(result_sharding))
-  hit = op.lowered.get(request)
-  if hit is not None:
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
-                              result_sharding, hit)
-    return hit
-  on = op.mesh if op.place.auto is None else op.place.auto
-  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
-  # XLA calls on a thread of its own, which has none of the lowering
-  # thread's context managers: partition and lower_fn run under the
-  # configuration the op was lowered (and keyed) with.
-  operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
-  results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
-  with _config_entered(op.config):
-    if op.steps:  # seam: a derived op (section 6)
-      shard = _partition_derived(op, operands, results, on)
-    else:
-      answer, closed = _partition(op, operands, results, on)
-      shard = _PerShard(answer.mesh, closed, answer.args, answer.results)
-    module = _per_shard_module(op, shard)
-  answer = (module, [_hlo_of(v, on) for v in shard.args],
-            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
-  op.lowered.put(request, answer)
-  return answer
-
-
-# --------------------------------------------------------------------------
-# 5. Asking the author: the partition pipeline
-#
-# Each question goes XLA (or the shard_map path) -> ``_<q>`` (walks the
-# steps down to the author's op and the answer back up, section 6) ->
-# ``_ask_<q>``, the only caller of that callback of the author's; a callable
-# sharding rule is asked while lowering (``_ask_rule``). Meshes: ``op.mesh``
-# is what the callbacks see; the ``on`` parameters name the mesh a value's
-# spec and HloSharding are on: ``op.mesh``, inside a partly manual
-# shard_map ``op.place.auto``, or for ``partition``'s answer the mesh it
-# returned (``_Answer.on``).
-# --------------------------------------------------------------------------
-
-def _partition(op: _Op, operands: list, results: list, on):
-  """``(answer, jaxpr)``: the author's answer about ``operands`` and
-  ``results`` (shardings on ``on``), and its ``lower_fn`` traced."""
-  answer = _ask_partition(op, operands, results, on)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
-  closed, _ = _trace_lower_fn(op, answer, operands, results)
-  if _calls_host(closed.jaxpr):
-    raise _host_callback_error(op)
-  return answer, closed
-
-
-def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values whose shardings are on ``on`` (for
-  an op defined by its rule alone, ``_partition_from_rule``), its answer
-  checked."""
-  if op.partition is None:
-    raise ValueError(_REFUSALS["no_partition"].format(
-        name=op.name, n=len(op.place.devices)))
-  if isinstance(op.partition, _FromRule):  # seam: an op by its rule alone
-    answer = _partition_from_rule(op, operands, results)
-  else:
-    answer = op.partition(*op.static_args, op.mesh,
-                          _structs(op, op.in_tree, operands, on),
-                          _structs(op, op.out_tree, results, on))
-  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
-    got = (f"a sequence of length {len(answer)}"
-           if isinstance(answer, (tuple, list)) else type(answer).__name__)
-    raise TypeError(_REFUSALS["answer"].format(name=op.name, got=got))
-  mesh, lower_fn, out_shardings, in_shardings = answer
-  if not callable(lower_fn):
-    raise TypeError(_REFUSALS["lower_fn"].format(
-        name=op.name, got=type(lower_fn).__name__))
-  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
-    raise TypeError(_REFUSALS["mesh"].format(name=op.name,
-                                             got=type(mesh).__name__))
-  devices = op.place.devices
-  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
-  # op got if no mesh could be recovered (as upstream, lower_fn then runs
-  # without mesh axes).
-  if op.place.auto is None and not mesh.empty:
-    if isinstance(mesh, mesh_lib.Mesh):
-      if set(_mesh_devices(mesh)) != set(devices):
-        raise ValueError(_REFUSALS["mesh_devices"].format(
-            name=op.name, got=sorted(d.id for d in _mesh_devices(mesh)),
-            want=sorted(d.id for d in devices)))
-    elif mesh.size != len(devices):
-      raise ValueError(_REFUSALS["mesh_size"].format(
-          name=op.name, got=mesh.size, want=len(devices)))
-  if isinstance(mesh, mesh_lib.AbstractMesh):
-    mesh = _concrete(op, mesh)
-  if op.place.auto is not None:
-    # Collectives must name devices of the whole program: lower on the
-    # whole mesh (the returned one may be the mesh with manual types).
-    mesh = op.place.whole
-  else:
-    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
-      raise NotImplementedError(_REFUSALS["derived_mesh"].format(
-          name=op.name, got=dict(mesh.shape), want=dict(op.mesh.shape)))
-    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
-  return _Answer(mesh, on, lower_fn,
-                 _encode(op, op.in_tree, in_shardings, operands, "partition",
-                         "arg sharding", on),
-                 _encode(op, op.out_tree, out_shardings, results,
-                         "partition", "result sharding", on))
-
-
-def _partition_from_rule(op: _Op, operands: list, results: list):
-  """What a ``partition`` written from the op's rule would return, for an
-  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
-  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
-  op's own ``fun``."""
-  lower_fn = op.partition.lower_fn(op.static_args)
-  if op.mesh.empty:  # no axis to name: replicated is right for every op
-    replicated = sharding_impls.GSPMDSharding(op.place.devices,
-                                              xc.HloSharding.replicate())
-    in_shardings = [replicated] * len(operands)
-    out_shardings = [replicated] * len(results)
-  else:
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      in_specs, out_specs = _rule_specs(
-          op.sharding_rule, [v.shape for v in operands + results],
-          [v.spec for v in operands], [v.spec for v in results])
-    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
-        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
-        for specs in (in_specs, out_specs))
-  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
-          op.in_tree.unflatten(in_shardings))
-
-
-class _Answer(NamedTuple):
-  """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
-  (its collectives name that mesh's axes), the mesh the specs of ``args``
-  and ``results`` are on, and those shardings."""
-  mesh: Any
-  on: Any
-  lower_fn: Callable
-  args: list
-  results: list
-
-
-def _concrete(op: _Op, mesh: mesh_lib.AbstractMesh):
-  """An AbstractMesh from the author made concrete on the op's devices (as
-  upstream does)."""
-  if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
-    return op.mesh
-  return _mesh_from_abstract(op.place.devices, mesh)
-
-
-def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
-            on=None) -> list[_Value]:
-  """The author's pytree of shardings for ``like`` (values of the same
-  shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
-  on = op.mesh if on is None else on
-  leaves = _flatten_up_to(tree, answer,
-                          f"{callback} of {op.name} returned {what}s")
-  out = []
-  for i, (sharding, v) in enumerate(zip(leaves, like)):
-    where = f"{callback} of {op.name} returned {what} {i}"
-    ndim = len(v.shape)
-    if not isinstance(sharding, jax.sharding.Sharding):
-      raise TypeError(_REFUSALS["sharding"].format(
-          where=where, got=type(sharding).__name__))
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-        sharding.mesh, mesh_lib.AbstractMesh):
-      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
-                                            sharding.spec)
-    if sharding.device_set != set(op.place.devices):
-      raise ValueError(_REFUSALS["sharding_devices"].format(
-          where=where, got=sorted(d.id for d in sharding.device_set),
-          want=sorted(d.id for d in op.place.devices)))
-    if isinstance(sharding, jax.sharding.NamedSharding) and (
-        len(sharding.spec) > ndim):
-      raise ValueError(_REFUSALS["spec_rank"].format(
-          where=where, spec=sharding.spec, ndim=ndim))
-    if on is op.place.auto:  # seam: inside a partly manual shard_map
-      sharding = _onto_auto_axes(op, sharding, where)
-    hlo = _to_hlo_sharding(sharding, ndim)
-    spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and op.steps:
-      raise NotImplementedError(_REFUSALS["derived_spec"].format(
-          where=where, mesh=dict(op.mesh.shape)))
-    out.append(v._replace(spec=spec, hlo=hlo))
-  return out
-
-
-def _onto_auto_axes(op: _Op, sharding, where: str):
-  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
-                    "partly manual shard_map it must be a NamedSharding.")
-  auto = op.place.auto
-  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
-  if manual:
-    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
-                     f"over the manual axes {sorted(manual)}; only "
-                     f"{auto.axis_names} may be used here.")
-  return jax.sharding.NamedSharding(auto, sharding.spec)
-
-
-def _structs(op: _Op, tree, values, on=None):
-  """The callbacks' view of ``values`` (shardings on mesh ``on``): a pytree
-  of ShapeDtypeStructs, each sharded by a NamedSharding on the op's mesh
-  where it has a PartitionSpec and ``decode_shardings`` is on, else by a
-  GSPMDSharding; unsharded where its sharding is not known."""
-  on = op.mesh if on is None else on
-  structs = []
-  for v in values:
-    if v.spec is None and v.hlo is None:
-      sharding = None
-    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
-      sharding = jax.sharding.NamedSharding(
-          op.mesh, jax.sharding.PartitionSpec(*v.spec))
-    else:
-      sharding = sharding_impls.GSPMDSharding(
-          op.place.devices if on is op.mesh else _mesh_devices(on),
-          _hlo_of(v, on))
-    structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
-  return tree.unflatten(structs)
-
-
-def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
-                    results: list) -> tuple[core.ClosedJaxpr, bool]:
-  """Traces ``lower_fn`` on per-shard shapes, with the checks of section
-  7; returns its jaxpr (of flat local arrays) and whether the check proved
-  every replicated result equal along its axes (False where unchecked)."""
-  lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None and _padded(answer.args,
-                                                               on):
-    _check_even_reductions(op, operands + results, answer.args, on)  # seam
-  local_args = [_local_struct(v, on) for v in answer.args]
-  local_results = [_local_struct(v, on) for v in answer.results]
-  try:
-    with _manual_scope(answer.mesh):
-      closed, out_shape = jax.make_jaxpr(
-          lower_fn, axis_env=list(answer.mesh.shape.items()),
-          return_shape=True)(*op.in_tree.unflatten(local_args))
-  except NameError as e:  # an unbound axis name
-    if not answer.mesh.empty:
-      raise
-    raise ValueError(_REFUSALS["unbound_axis"].format(name=op.name,
-                                                      e=e)) from e
-  got = jax.tree_util.tree_leaves(out_shape)
-  if len(got) != len(local_results):
-    raise ValueError(_REFUSALS["result_count"].format(
-        name=op.name, got=len(got), want=len(local_results),
-        tree=op.out_tree))
-  for i, (g, want) in enumerate(zip(got, local_results)):
-    if g.shape != want.shape or g.dtype != want.dtype:
-      raise ValueError(_REFUSALS["result_shape"].format(
-          name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
-          want=f"{want.dtype}{list(want.shape)}"))
-  specs, axes = [v.spec for v in answer.results], _real_axes(on)
-  if op.check_vma and not all(  # seam: a result replicated over an axis
-      spec is not None and set(axes) <= {a for e in spec
-                                         for a in _entry_axes(e)}
-      for spec in specs):
-    return closed, _check_replicated_results(
-        op.name, closed.jaxpr, [v.spec for v in answer.args], specs, axes)
-  return closed, op.check_vma  # every result is sharded over every axis
-
-
-_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
-
-
-def _calls_host(jaxpr: core.Jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
-  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
-      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
-
-
-def _host_callback_error(op: _Op) -> NotImplementedError:
-  return NotImplementedError(
-      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
-      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
-      "cannot run inside a custom-partitioned op. Move the callback out "
-      "of lower_fn, before or after the op.")
-
-
-class _PerShard(NamedTuple):
-  """A partitioned op: the per-shard program (a jaxpr of flat local
-  arrays) on ``mesh``, and the shardings it takes and gives."""
-  mesh: Any
-  jaxpr: core.ClosedJaxpr
-  args: list
-  results: list
-
-
-def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
-  """The per-shard program lowered to a module, as bytecode."""
-  # XLA finds a host callback by its index in the list of the program
-  # being compiled, which was fixed before this callback ran; the
-  # per-shard module's own list is not reachable (upstream segfaults).
-  mesh = shard.mesh
-  with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
-    module, host_callbacks = _lower_per_shard(
-        shard.jaxpr, platforms=op.platforms, backend=op.backend,
-        axis_context=sharding_impls.SPMDAxisContext(
-            mesh, frozenset(mesh.axis_names)))
-  if host_callbacks:
-    raise _host_callback_error(op)
-  return mlir.module_to_bytecode(module)
-
-
-def _ask_infer(op: _Op, operands: list, results: list):
-  """The result shardings ``infer_sharding_from_operands`` gives or, without
-  it, the op's rule implies; None where neither can tell."""
-  if op.infer_sharding_from_operands is None:  # seam: inferred from the rule
-    return _infer_by_rule(op, operands, results)
-  answer = op.infer_sharding_from_operands(
-      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
-      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
-                             for v in results]))
-  if answer is None:
-    return None
-  return _encode(op, op.out_tree, answer, results,
-                 "infer_sharding_from_operands", "result sharding")
-
-
-def _infer_by_rule(op: _Op, operands: list, results: list):
-  """The result shardings the op's rule implies, or None (GSPMD)."""
-  # The rule needs every placed operand's PartitionSpec.
-  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
-      v.spec is None and v.hlo is not None for v in operands):
-    return None
-  shapes = [v.shape for v in operands + results]
-  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-    if isinstance(op.partition, _FromRule):  # as the partition will answer
-      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
-                          [None] * len(results))[1]
-    else:
-      specs = _infer_from_rule(op.sharding_rule, shapes,
-                               [v.spec for v in operands])
-  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
-
-
-def _ask_propagate(op: _Op, results: list) -> list[_Value]:
-  """The result shardings ``propagate_user_sharding`` prefers, given the
-  user's (``results``); the user's if it is not defined."""
-  if op.propagate_user_sharding is None:
-    return results
-  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
-                                      _structs(op, op.out_tree, results))
-  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
-                 "result sharding")
-
-
-# --------------------------------------------------------------------------
-# 6. Derived ops: vmap, jvp and transposition
+# 7. Derived ops: vmap, jvp and transposition
 #
 # ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
 # *derived* op: the same callbacks, ``transform`` listing the steps (first to
@@ -2231,7 +2244,7 @@ def _rule_attr(rule, levels: list):
 
 
 # --------------------------------------------------------------------------
-# 7. Checks of the per-shard program
+# 8. Checks of the per-shard program
 #
 # ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
 # mistakes in it would otherwise give silently wrong numbers. Both are
@@ -2410,7 +2423,7 @@ def _only_subjaxpr(eqn):
 
 
 # --------------------------------------------------------------------------
-# 8. Checking an op's partitioning: check_partitioning
+# 9. Checking an op's partitioning: check_partitioning
 #
 # A wrong ``partition`` (a transformed axis kept sharded, a backward op that
 # forgets a psum) gives plausible numbers, and small tests on one device
@@ -3976,16 +3989,16 @@ def _code_names(code: types.CodeType) -> list[str]:
 #
 #   store           maps                                    bound   cleared
 #   op._traces      call signature -> traced fun            64/op   C, D
-#   op._programs    call signature -> _Program (2)          64/op   C, D
+#   op._programs    call signature -> _Program (6)          64/op   C, D
 #   _eager          eager call -> jitted function           64      C
 #   _derived        (body, tag, avals) -> derived body      64      C
 #   _Op.lowered     partition request -> XLA's answer       256/op  C
 #   _pending        XLA's thread -> (op name, callback      threads P, F
 #                   error) of the compile on it
-#   _registry       custom call key -> _Op (_register, 3)   weak    -
-#   _lowering_ops   lowering -> its ops by parameters (3)   weak    -
+#   _registry       custom call key -> _Op (_register, 2)   weak    -
+#   _lowering_ops   lowering -> its ops by parameters (2)   weak    -
 #   _parked_errors  tag -> a callback's exception           64      C, R
-#   _parked_counter the next tag (section 4)                -       -
+#   _parked_counter the next tag (section 3)                -       -
 #   _call_names     body -> name of its function            weak    -
 #   _lapack_ready   jaxlib's LAPACK kernels registered (F)  -       never
 #
@@ -3998,7 +4011,7 @@ def _code_names(code: types.CodeType) -> list[str]:
 #
 # C: ``jax.clear_caches()`` (noticed on each ``_LRU``'s next use);
 # D: ``def_partition``; P: popped by the next partition callback on that
-# thread; F: emptied when a compile ends (section 4); R: popped when the
+# thread; F: emptied when a compile ends (section 3); R: popped when the
 # failed compile re-raises it. Lowerings and executables that may still
 # call back keep their ``_registry`` entries alive. The weak tables and
 # ``_pending`` share ``_weak_lock``.

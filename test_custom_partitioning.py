@@ -6344,7 +6344,7 @@ _CACHE_BASE = dict(SCALE="2.0", BODY="jnp.sin(x) * 2.0 * k",
                    LOWER="jnp.sin(x) * SCALE * k", STATIC="2",
                    HELPER="2.0", MESH='Mesh(np.array(jax.devices()), ("x",))',
                    CONTEXT="contextlib.nullcontext()", PRECISION="None")
-# The same program under Explicit mesh axes (the module's section 2: no
+# The same program under Explicit mesh axes (the module's section 6: no
 # custom call).
 _CACHE_EXPLICIT = dict(
     MESH='jax.make_mesh((8,), ("x",), '
@@ -6570,7 +6570,7 @@ del ExportTest
 
 # --------------------------------------------------------------------------
 # Explicit mesh axes: the op runs as reshard -> shard_map(lower_fn) ->
-# reshard, decided while tracing (the module's section 2)
+# reshard, decided while tracing (the module's section 6)
 # --------------------------------------------------------------------------
 
 def _attend(q, k):

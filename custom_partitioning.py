@@ -451,10 +451,11 @@ class custom_partitioning:
     return (*traced, key)
 
   def _run_body(self, args: _CallArgs):
-    flat = _flatten(args)
+    leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+    flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     call, out_tree, _ = self._traced(args, flat)
     return jax.tree_util.tree_unflatten(
-        out_tree, core.jaxpr_as_fun(call)(*flat.leaves))
+        out_tree, core.jaxpr_as_fun(call)(*leaves))
 
   def _bind(self, args: _CallArgs, eager_mesh=None):
     if (_use_shardy() and self.sharding_rule is None and
@@ -462,7 +463,8 @@ class custom_partitioning:
          self.propagate_user_sharding is not None)):
       raise NotImplementedError(_REFUSALS["gspmd_only"].format(
           name=self._name))
-    flat = _flatten(args)  # once, for every step below
+    leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
+    flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (6)
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
@@ -497,18 +499,12 @@ class custom_partitioning:
     """``fun`` traced to ``(call, out_tree)``. Closed-over concrete arrays
     stay constants of ``call`` (``lower_fn`` captures its own); a
     closed-over tracer cannot reach XLA's callbacks and is rejected."""
-
     fixed = dict([*zip(args.static_argnums, args.static_args), *args.defaults])
     all_args = (_in_call_order(fixed, args.dyn_args) if fixed
                 else args.dyn_args)
-    wrapped = _wrap(self.fun, all_args, tuple(sorted(fixed)))
-    if fixed:
-      wrapped, _ = api_util.argnums_partial(
-          wrapped, [i for i in range(len(all_args)) if i not in fixed],
-          all_args, require_static_args_hashable=False)
-    flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
     try:
-      call = _trace_to_jaxpr(flat_fun, in_avals, self._name)
+      call, out_tree = _trace_to_jaxpr(self.fun, all_args, in_tree, in_avals,
+                                       self._name, tuple(sorted(fixed)))
     except _ShardingTypeError as e:
       raise type(e)(_REFUSALS["untypable_body"].format(
           name=self._name, e=e)) from e
@@ -663,11 +659,6 @@ class _FlatArgs(NamedTuple):
   in_avals: tuple
 
 
-def _flatten(args: _CallArgs) -> _FlatArgs:
-  leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
-  return _FlatArgs(leaves, in_tree, tuple(_typeof(x) for x in leaves))
-
-
 def _is_hashable(value) -> bool:
   try:
     hash(value)
@@ -773,20 +764,23 @@ def _partitioned_placement(ctx, steps):
   """
   axis_context = ctx.module_context.axis_context
   devices = getattr(axis_context, "device_assignment", None)
+  # The abstract mesh the jit's shardings were built on, else set_mesh's.
+  am = getattr(axis_context, "abstract_mesh", None)
+  if am is None or am.empty:
+    am = _ambient_mesh("get_abstract_mesh")
   if isinstance(axis_context, sharding_impls.SPMDAxisContext):
     place = _shard_map_placement(axis_context)  # seam: inside a shard_map
     if place is None:
       return None, ("inside a shard_map manual over every mesh axis (one "
                     "shard's code)")
   elif devices is None:  # seam: jax did not say the devices
-    place = _placement_without_devices(axis_context, ctx.avals_in)
+    place = _placement_without_devices(axis_context, am, ctx.avals_in)
   else:
     devices = tuple(devices)
-    mesh = _caller_mesh(lambda m: _mesh_devices(m) == devices)
-    if mesh is None:
-      am = _context_abstract_mesh(axis_context)
-      if am is not None and am.size == len(devices):
-        mesh = _mesh_from_abstract(devices, am)
+    mesh = _caller_mesh(lambda m: tuple(m.devices.flat) == devices)
+    if (mesh is None and am is not None and not am.empty and
+        am.size == len(devices)):
+      mesh = _mesh_from_abstract(devices, am)
     place = _Placement(mesh if mesh is not None else
                        mesh_lib.thread_resources.env.physical_mesh, devices)
   if (place.devices is not None and len(place.devices) == 1) or getattr(
@@ -918,7 +912,8 @@ def _register(ctx, op: _Op, params) -> str:
   """Registers ``op`` under its key; returns the key. XLA's questions are
   answered from the op and from what XLA asks with (shapes, shardings), so
   ops found under one key must answer alike."""
-  if _persistent_cache_used():  # seam: keys that hit across processes (D)
+  if (_config.compilation_cache_dir.value and  # seam: content keys (D)
+      _config.enable_compilation_cache.value):
     key = _content_key(ctx, op, params["call"])
   else:
     # In one lowering jax's configuration is one: equal parameters in one
@@ -1154,9 +1149,9 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   # without mesh axes).
   if op.place.auto is None and not mesh.empty:
     if isinstance(mesh, mesh_lib.Mesh):
-      if set(_mesh_devices(mesh)) != set(devices):
+      if set(mesh.devices.flat) != set(devices):
         raise ValueError(_REFUSALS["mesh_devices"].format(
-            name=op.name, got=sorted(d.id for d in _mesh_devices(mesh)),
+            name=op.name, got=sorted(d.id for d in mesh.devices.flat),
             want=sorted(d.id for d in devices)))
     elif mesh.size != len(devices):
       raise ValueError(_REFUSALS["mesh_size"].format(
@@ -1203,8 +1198,15 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
   """The author's pytree of shardings for ``like`` (values of the same
   shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
   on = op.mesh if on is None else on
-  leaves = _flatten_up_to(tree, answer,
-                          f"{callback} of {op.name} returned {what}s")
+  leaves = None  # a list where a tuple is expected is fine
+  for value in [answer, tuple(answer)] if isinstance(answer, list) else [
+      answer]:
+    with contextlib.suppress(ValueError, TypeError):
+      leaves = tree.flatten_up_to(value)
+      break
+  if leaves is None:
+    raise ValueError(f"{callback} of {op.name} returned {what}s {answer!r}, "
+                     f"whose structure does not match {tree}.")
   out = []
   for i, (sharding, v) in enumerate(zip(leaves, like)):
     where = f"{callback} of {op.name} returned {what} {i}"
@@ -1226,7 +1228,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
           where=where, spec=sharding.spec, ndim=ndim))
     if on is op.place.auto:  # seam: inside a partly manual shard_map
       sharding = _onto_auto_axes(op, sharding, where)
-    hlo = _to_hlo_sharding(sharding, ndim)
+    hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
     if spec is None and op.steps:
       raise NotImplementedError(_REFUSALS["derived_spec"].format(
@@ -1250,7 +1252,7 @@ def _structs(op: _Op, tree, values, on=None):
           op.mesh, jax.sharding.PartitionSpec(*v.spec))
     else:
       sharding = sharding_impls.GSPMDSharding(
-          op.place.devices if on is op.mesh else _mesh_devices(on),
+          op.place.devices if on is op.mesh else tuple(on.devices.flat),
           _hlo_of(v, on))
     structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
   return tree.unflatten(structs)
@@ -1262,9 +1264,10 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   8; returns its jaxpr (of flat local arrays) and whether the check proved
   every replicated result equal along its axes (False where unchecked)."""
   lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None and _padded(answer.args,
-                                                               on):
-    _check_even_reductions(op, operands + results, answer.args, on)  # seam
+  if op.check_vma and op.sharding_rule is not None and any(  # seam: padded
+      size % _shard_count(entry, on)
+      for v in answer.args for size, entry in zip(v.shape, v.spec or ())):
+    _check_even_reductions(op, operands + results, answer.args, on)
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
   try:
@@ -1287,13 +1290,13 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
       raise ValueError(_REFUSALS["result_shape"].format(
           name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
           want=f"{want.dtype}{list(want.shape)}"))
-  specs, axes = [v.spec for v in answer.results], _real_axes(on)
+  specs = [v.spec for v in answer.results]
   if op.check_vma and not all(  # seam: a result replicated over an axis
-      spec is not None and set(axes) <= {a for e in spec
-                                         for a in _entry_axes(e)}
-      for spec in specs):
+      spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
+      on.size for spec in specs):
     return closed, _check_replicated_results(
-        op.name, closed.jaxpr, [v.spec for v in answer.args], specs, axes)
+        op.name, closed.jaxpr, [v.spec for v in answer.args], specs,
+        _real_axes(on))
   return closed, op.check_vma  # every result is sharded over every axis
 
 
@@ -1394,23 +1397,23 @@ def _shard_map_placement(axis_context) -> _Placement | None:
   if set(manual) == set(whole.axis_names):
     return None
   if not manual:
-    return _Placement(whole, _mesh_devices(whole))
-  return _Placement(_with_manual_axes(whole, manual), _mesh_devices(whole),
+    return _Placement(whole, tuple(whole.devices.flat))
+  return _Placement(_with_manual_axes(whole, manual), tuple(whole.devices.flat),
                     _auto_submesh(whole, manual), whole)
 
 
-def _placement_without_devices(axis_context, avals) -> _Placement:
+def _placement_without_devices(axis_context, am, avals) -> _Placement:
   """Where jax does not say the devices (inside another primitive's
   lowering): a mesh the caller gave of the program's shape, else that of
   ``with mesh:``, without devices."""
   num_devices = getattr(axis_context, "num_devices", None)
-  abstract = [am for am in [_context_abstract_mesh(axis_context)] +
-              [_aval_mesh(a) for a in avals] if am is not None]
+  abstract = [m for m in [am, *map(_aval_mesh, avals)]
+              if m is not None and not m.empty]
   mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
       dict(am.shape) == dict(m.shape) for am in abstract))
   if mesh is None:
     return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
-  return _Placement(mesh, _mesh_devices(mesh))
+  return _Placement(mesh, tuple(mesh.devices.flat))
 
 
 def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
@@ -1877,7 +1880,8 @@ def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, tag, in_avals, _config.trace_context())
   return _derived.cached(key, lambda: _trace_to_jaxpr(
-      _wrap(fun, in_avals, ()), in_avals, f"{label} of {_fun_name(call)}"))
+      fun, in_avals, jax.tree_util.tree_structure(in_avals), in_avals,
+      f"{label} of {_fun_name(call)}")[0])
 
 
 def _bind_derived(args, params, step: _Step, call) -> list:
@@ -3049,9 +3053,9 @@ def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
 
 
 def _hlo_of(v: _Value, on) -> xc.HloSharding:
-  return v.hlo if v.hlo is not None else _to_hlo_sharding(
-      jax.sharding.NamedSharding(on, jax.sharding.PartitionSpec(*v.spec)),
-      len(v.shape))
+  return v.hlo if v.hlo is not None else jax.sharding.NamedSharding(
+      on, jax.sharding.PartitionSpec(*v.spec))._to_xla_hlo_sharding(
+          len(v.shape))
 
 
 def _axes_in(specs) -> set:
@@ -3090,17 +3094,6 @@ def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(
       tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
       v.dtype)
-
-
-def _flatten_up_to(tree, value, where: str) -> list:
-  """Flattens ``value`` to the leaves of ``tree``, or raises naming it."""
-  try:
-    return tree.flatten_up_to(value)
-  except (ValueError, TypeError) as e:
-    if isinstance(value, list):  # a list where a tuple is expected is fine
-      return _flatten_up_to(tree, tuple(value), where)
-    raise ValueError(f"{where} {value!r}, whose structure does not match "
-                     f"{tree}.") from e
 
 
 # --------------------------------------------------------------------------
@@ -4129,33 +4122,35 @@ def _typeof(x) -> core.AbstractValue:
   return core.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
 
 
-def _wrap(fun: Callable, args: Sequence[Any], static_argnums) -> lu.WrappedFun:
-  """Wraps ``fun`` for tracing, with debug info naming its arguments."""
-  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
-  # api_util.debug_info); before it, we trace without debug info.
-  if _JAX_VERSION < (0, 5, 1):
-    return lu.wrap_init(fun)
-  return lu.wrap_init(fun, debug_info=api_util.debug_info(
-      "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
-
-
 def _fun_name(call) -> str:
   with _weak_lock:
     name = _call_names.get(call)
   return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
 
 
-def _trace_to_jaxpr(flat_fun: lu.WrappedFun, in_avals,
-                    name: str) -> core.ClosedJaxpr:
-  """Traces ``flat_fun``; the body of function ``name`` (``_fun_name``)."""
+def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
+                    name: str, static_argnums: tuple = ()):
+  """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
+  fixed) traced at ``in_avals``, the others' leaves by ``in_tree``; the
+  body of function ``name`` (``_fun_name``)."""
+  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
+  # api_util.debug_info); before it, we trace without debug info.
+  wrapped = lu.wrap_init(fun) if _JAX_VERSION < (0, 5, 1) else lu.wrap_init(
+      fun, debug_info=api_util.debug_info(
+          "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
+  if static_argnums:
+    wrapped, _ = api_util.argnums_partial(
+        wrapped, [i for i in range(len(args)) if i not in static_argnums],
+        args, require_static_args_hashable=False)
+  flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
   # jax 0.7.0 dropped the fourth result (attrs).
   jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
   call = core.ClosedJaxpr(jaxpr, consts)
-  # jax 0.5.1 added DebugInfo.func_name; before it (see ``_wrap``), and for
-  # derived bodies, names are kept in the weak table ``_call_names``.
+  # jax 0.5.1 added DebugInfo.func_name; before it, and for derived bodies,
+  # names are kept in the weak table ``_call_names``.
   with _weak_lock:
     _call_names[call] = name
-  return call
+  return call, out_tree
 
 
 def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
@@ -4224,14 +4219,6 @@ def _ambient_mesh(getter: str):
   # stands in before it); until 0.5.1 they return () when no mesh is set.
   mesh = getattr(mesh_lib, getter, tuple)()
   return None if isinstance(mesh, tuple) else mesh
-
-
-def _context_abstract_mesh(axis_context):
-  """The abstract mesh that the jit's shardings were built on, if any."""
-  am = getattr(axis_context, "abstract_mesh", None)
-  if am is None or am.empty:
-    am = _ambient_mesh("get_abstract_mesh")
-  return None if am is None or am.empty else am
 
 
 def _aval_mesh(aval):

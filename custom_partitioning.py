@@ -681,6 +681,17 @@ class _Unhashable:
     return isinstance(other, _Unhashable) and other.value is self.value
 
 
+# --------------------------------------------------------------------------
+# 2. The primitive and its lowering
+#
+# ``custom_partitioning_p`` carries the traced body (``call``) and the
+# callbacks under upstream's parameter names, plus this module's
+# ``transform`` (the steps of a derived op, section 7) and ``check_vma``,
+# both read with a default so that binding it with upstream's parameters
+# alone works. Lowered on several devices, it is one custom call that
+# carries the key of its ``_Op`` (section 3 and appendix D).
+# --------------------------------------------------------------------------
+
 custom_partitioning_p = core.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
 
@@ -1468,30 +1479,16 @@ class _FromRule:
   def __eq__(self, other):
     return isinstance(other, _FromRule) and other._parts == self._parts
 
-
   def lower_fn(self, static_args: tuple) -> Callable:
     """``fun`` as a function of the operands, ``static_args`` bound."""
     fixed = dict([*zip(self.static_argnums, static_args), *self.defaults])
     fun = self.fun
-
 
     def lower_fn(*operands):
       return fun(*_in_call_order(fixed, operands))
     name = getattr(fun, "__name__", "")
     lower_fn.__name__ = name if name.isidentifier() else "fun"
     return lower_fn
-
-
-# --------------------------------------------------------------------------
-# 2. The primitive and its lowering
-#
-# ``custom_partitioning_p`` carries the traced body (``call``) and the
-# callbacks under upstream's parameter names, plus this module's
-# ``transform`` (the steps of a derived op, section 7) and ``check_vma``,
-# both read with a default so that binding it with upstream's parameters
-# alone works. Lowered on several devices, it is one custom call that
-# carries the key of its ``_Op`` (section 3 and appendix D).
-# --------------------------------------------------------------------------
 
 
 def _infer_by_rule(op: _Op, operands: list, results: list):

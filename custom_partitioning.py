@@ -23,20 +23,18 @@
 A drop-in replacement for ``jax.experimental.custom_partitioning``: the
 ``custom_partitioning`` decorator gives an op its own sharding rules and a
 per-shard implementation, so XLA's SPMD partitioner runs it on shards instead
-of gathering its operands. The op is staged out as one XLA custom call; while
-compiling, XLA asks this module (through Python callbacks) for the result's
-sharding and a per-shard program lowered from the author's ``lower_fn``. The
-contract is in the docstrings of ``custom_partitioning``, ``def_partition``
-and ``check_partitioning``; ``_demo`` at the end is a complete example
-(``python custom_partitioning.py`` runs it).
+of gathering its operands. The op is one XLA custom call; while compiling,
+XLA asks this module (through Python callbacks) for the result's sharding
+and a per-shard program lowered from the author's ``lower_fn``. The contract
+is in the docstrings of ``custom_partitioning``, ``def_partition`` and
+``check_partitioning``; ``python custom_partitioning.py`` runs ``_demo``.
 
 Version
 -------
 1.0.1 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
-Every change a user can notice bumps it, in the same commit, here and in
-``__version__``.
+Every change a user can notice bumps it, in the same commit.
 
 How to vendor
 -------------
@@ -64,20 +62,17 @@ below, every version difference in appendix F.
 Reading order
 -------------
 The core first, the path of an ordinary op (Auto axes, no transformation)
-in the order a call takes: 1. the decorator and how a call is bound; 2.
-the primitive and its lowering to a custom call; 3. the callbacks XLA
-calls; 4. the partition pipeline, which asks the author's callbacks. Every
-extra joins that path at one line marked ``# seam:``, a test that it
-applies, runs only then, and lives after the core: 5. extras of the core
-path (placements inside a shard_map or without devices, callable rules,
-kept callback errors, rule-only ops); 6. the shard_map path (Explicit mesh
+in call order: 1. the decorator and how a call is bound; 2. the primitive
+and its lowering to a custom call; 3. the callbacks XLA calls; 4. the
+partition pipeline, which asks the author's callbacks. Every extra joins
+that path at one line marked ``# seam:`` (grep it: what the core leaves
+out, what a copy may delete), runs only when it applies, and lives after
+the core: 5. extras of the core path; 6. the shard_map path (Explicit mesh
 axes); 7. derived ops (vmap, jvp, transposition); 8. checks of the
-per-shard program; 9. ``check_partitioning``, a tool for an op author's
-tests. Appendices: A. shardings; B. the Shardy rule parser; C. the DEBUG
-log; D. keys for the persistent cache; E. module state; F. compatibility;
-G. what each refusal says. Then a self-demo and the wiring block, which
-registers every hook into jax and XLA. Grep ``seam:`` to see what the
-core leaves out, or what a copy may delete.
+per-shard program; 9. ``check_partitioning``. Appendices: A. shardings; B.
+the Shardy rule parser; C. the DEBUG log; D. keys for the persistent cache;
+E. module state; F. compatibility; G. what each refusal says. Then a
+self-demo and the wiring block, which registers every hook with jax and XLA.
 """
 
 from __future__ import annotations
@@ -952,13 +947,12 @@ def _register(ctx, op: _Op, params) -> str:
 #
 # XLA hands the custom call's key back to its callbacks, which find the op in
 # ``_registry`` (``_xla_callback``, the one boundary). An exception must
-# never reach XLA raw (under GSPMD that aborts the process): each is parked
-# in ``_parked_errors`` under a tag that goes into the message XLA reports,
-# and when the compile fails, ``_reraise_callback_error`` (registered with
-# jax's compiler) finds the tag and jax raises the original, with its type.
-# One raised while inferring or propagating waits in ``_pending`` for the
-# compiling thread's next partition callback, of whichever op: XLA compiles
-# one program at a time on a thread and partitions only after propagating.
+# never reach XLA raw (under GSPMD that aborts the process): it is parked
+# under a tag put into XLA's error message, from which
+# ``_reraise_callback_error`` (jax's compile-error handler) gives jax the
+# original back. One raised while inferring or propagating waits in
+# ``_pending`` for the thread's next partition callback, of whichever op:
+# XLA compiles one program at a time on a thread, and partitions last.
 # --------------------------------------------------------------------------
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
@@ -967,15 +961,14 @@ _ERROR_TAG = f"[{_TARGET} error #"
 
 def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
   """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
-  for the op registered under ``key``: the one boundary between XLA and
-  this module. Every error reaches XLA as a ``RuntimeError`` whose message
-  names the parked original (``_park``).
+  for the op registered under ``key``. Every error reaches XLA as a
+  ``RuntimeError`` naming the parked original (``_park``).
 
   ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
-  given where the op leaves the question to XLA (also for an unknown key)
-  and where ``answer`` raises: then the error is kept for this compile's
-  partition callback, as raising here would abort the process under GSPMD.
-  Without it (partition): an error kept by then is raised first.
+  given where the op leaves the question to XLA (or the key is unknown) and
+  where ``answer`` raises, the error then kept for this compile's partition
+  callback (raising here aborts the process under GSPMD). Without it
+  (partition): an error kept by then is raised first.
   """
   def callback(*args):
     *xla_args, key = args
@@ -1009,15 +1002,12 @@ def _park(error: BaseException, where: str) -> str:
 
 
 def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
-  """Ends every kept infer/propagate error: called when a compile ends,
-  failed (XLA failed before the partition callback came) or not (XLA
-  dropped the op before partitioning it), so none reaches a later compile.
-  jax calls this on the caller's thread, not XLA's, which cannot tell
-  which thread compiled, so every kept error goes: a compile running
-  meanwhile on another thread then loses one it kept, goes on as if the
-  callback had returned None, and partition still decides the program.
-  Registered as jax's event listener (``event``, duration), it acts on the
-  end of a backend compile alone."""
+  """jax's event listener: at the end of a backend compile, failed or not
+  (XLA dropped the op before partitioning it), every kept infer/propagate
+  error goes, so none reaches a later compile. jax calls it on the
+  caller's thread, not XLA's, so a compile running meanwhile on another
+  thread may lose one it kept: it goes on as if the callback had returned
+  None, and partition still decides the program."""
   if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
     return
   with _weak_lock:

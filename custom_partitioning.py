@@ -3757,15 +3757,6 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 # not seen: as in functions jax.jit traces, callbacks must not read it.
 # --------------------------------------------------------------------------
 
-def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
-  # What the cache loads runs per-shard code no one lowered in this process.
-  _ensure_lapack(op.platforms, call.jaxpr)
-  # The keep-alive list lives as long as the lowering and its executables.
-  scope = f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}"
-  return f"{_TARGET}:" + _digest(scope, str(call.jaxpr), call.consts, op,
-                                 _trace_context_by_value(), _use_shardy())
-
-
 # Code of these packages is identified by name and version, not by content.
 _LIBRARY_PREFIXES = frozenset(
     "jax jaxlib numpy builtins functools operator math typing collections abc"
@@ -3780,19 +3771,25 @@ _SKIPPED_CLASS_ATTRS = frozenset(
     " __dataclass_fields__ __dataclass_params__ __match_args__".split())
 
 
-def _digest(scope: str, *parts) -> str:
-  """A digest of ``parts`` (see the section comment); 40 hex digits."""
-  describer = _Describer(scope)
+def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
+  # What the cache loads runs per-shard code no one lowered in this process.
+  _ensure_lapack(op.platforms, call.jaxpr)
+  # The keep-alive list lives as long as the lowering and its executables.
+  describer = _Describer(
+      f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}")
+  parts = (str(call.jaxpr), call.consts, op, _trace_context_by_value(),
+           _use_shardy())
   try:
     describer.add((jax.__version__, *parts))
   except RecursionError:  # too deep, or too big (``add``)
     describer.out = ["too big to describe"]
     describer.opaque(parts)
-  return hashlib.sha256("\n".join(describer.out).encode()).hexdigest()[:40]
+  digest = hashlib.sha256("\n".join(describer.out).encode()).hexdigest()
+  return f"{_TARGET}:{digest[:40]}"
 
 
 class _Describer:
-  """Writes a description of Python values, for ``_digest``; ``scope`` names
+  """Writes a description of Python values (a content key's); ``scope`` names
   one lowering in one process (opaque values are described within it)."""
 
   def __init__(self, scope: str):
@@ -4056,15 +4053,15 @@ class _LRU:
       return len(self._current())
 
 
+class _OpTable(dict):
+  """One lowering's ops by parameters (weakly referable, unlike a dict)."""
+
+
 _eager = _LRU()
 _derived = _LRU()
 _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 # Kept alive by the lowering's keep-alive list, whose id is the key.
 _lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-class _OpTable(dict):
-  """One lowering's ops by parameters (weakly referable, unlike a dict)."""
 _parked_errors = _LRU()
 _parked_counter = itertools.count()
 _pending: dict[int, tuple[str, BaseException]] = {}

@@ -3113,7 +3113,7 @@ def _flatten_up_to(tree, value, where: str) -> list:
 # --------------------------------------------------------------------------
 
 BATCHING: str = "\u2026"  # one character ("…") standing for "..." in a rule.
-_BATCH_FACTOR_PREFIX = "?"  # of batch dimensions' factors: users can't write it
+_BATCH_FACTOR_PREFIX = "?"  # of expanded batch factors: no user can write it
 _SPECIAL_FACTOR_KINDS = ("reduction_factors", "need_replication_factors",
                          "permutation_factors")  # as SdyShardingRule names them
 
@@ -3414,11 +3414,12 @@ _MAX_FACTOR_SIZE = 2**31 - 1
 _TRIAL_DIVISION_LIMIT = 2**21
 
 
-def _split_size(size: int) -> list[int] | None:
+def _split_size(size: int, where: str | None = None) -> list[int] | None:
   """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
-  None if a prime factor is bigger. The major part takes the small primes
-  first: mesh axes (usually powers of two) then still divide it, so Shardy
-  shards the dimension through it without splitting a mesh axis."""
+  None if a prime factor is bigger (given ``where``, the dimension's name: a
+  ValueError naming it). The major part takes the small primes first: mesh
+  axes (usually powers of two) then still divide it, so Shardy shards the
+  dimension through it without splitting a mesh axis."""
   if size <= _MAX_FACTOR_SIZE:
     return [size]
   primes, rest, p = [], size, 2
@@ -3428,7 +3429,10 @@ def _split_size(size: int) -> list[int] | None:
       rest //= p
     p += 1 if p == 2 else 2
   if rest > _MAX_FACTOR_SIZE:
-    return None
+    if where is None:
+      return None
+    raise ValueError(_REFUSALS["factor_too_big"].format(
+        where=where, size=size, limit=_MAX_FACTOR_SIZE))
   parts: list[int] = []
   for p in primes + ([rest] if rest > 1 else []):  # ascending
     for i, part in enumerate(parts):
@@ -3440,19 +3444,6 @@ def _split_size(size: int) -> list[int] | None:
   return parts
 
 
-def _split_or_refuse(factor: str, size: int, dims: list,
-                     num_operands: int) -> list[int]:
-  """``_split_size(size)``, or ValueError naming ``factor``'s dimension."""
-  split = _split_size(size)
-  if split is None:
-    where = next(f"{_value_name(i, num_operands)} dimension {d}"
-                 for i, value_dims in enumerate(dims)
-                 for d, factors in enumerate(value_dims) if factor in factors)
-    raise ValueError(_REFUSALS["factor_too_big"].format(
-        where=where, size=size, limit=_MAX_FACTOR_SIZE))
-  return split
-
-
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
   """The attribute of a resolved rule; a factor too big for Shardy's parser
@@ -3460,8 +3451,12 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
   parts: dict[str, range] = {}  # factor -> the indices of its parts
   part_sizes: list[int] = []
   for factor, size in sizes.items():
-    split = [size] if size <= _MAX_FACTOR_SIZE else (  # seam: too big
-        _split_or_refuse(factor, size, dims, num_operands))
+    split = [size]
+    if size > _MAX_FACTOR_SIZE:  # seam: too big
+      split = _split_size(size, next(
+          f"{_value_name(i, num_operands)} dimension {d}"
+          for i, value_dims in enumerate(dims)
+          for d, factors in enumerate(value_dims) if factor in factors))
     parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
     part_sizes += split
   tensors = [sdy.TensorMappingAttr.get(dim_mappings=[
@@ -3502,11 +3497,11 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
-  """GSPMD inference from a Shardy rule: each result's PartitionSpec
-  entries from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
-  operands', then results'). A result dimension takes the mesh axes of the
-  first operand dimension with the same single, passthrough factor, unless
-  another dimension of that result has them already."""
+  """GSPMD inference from a Shardy rule: each result's PartitionSpec entries
+  from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
+  operands', then results'): the mesh axes of the first operand dimension
+  with the same single, passthrough factor, unless another dimension of
+  that result has them already."""
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
@@ -3529,19 +3524,17 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
 
 def _entry_axes(entry) -> tuple:
   """A PartitionSpec entry as a tuple of mesh axis names."""
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+  return (() if entry is None else
+          tuple(entry) if isinstance(entry, tuple) else (entry,))
 
 
 def _reduced_factors(rule: SdyShardingRule, dims: list,
                      num_operands: int) -> set:
-  """The factors of a resolved rule that no shard can keep, the one
-  definition every check and derivation uses: the reduction factors; those
-  of operands in no result (``j`` of ``"i, j -> i"``, as ``x * sum(y)``);
-  those in results only; and those a result is reduced over, the factors it
-  lacks of the operands it shares one with (of all, for a factorless
-  result), as ``n`` for the second result of ``"b n -> b n, b"``."""
+  """The factors of a resolved rule no shard can keep (the one definition
+  every check and derivation uses): reduction factors, those of operands or
+  results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
+  result lacks of the operands it shares a factor with (of all operands, if
+  it has no factor), as ``n`` for the second result of ``"b n -> b n, b"``."""
   factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
   ins, outs = factors[:num_operands], factors[num_operands:]
   reduced = set(rule.reduction_factors) | (
@@ -3565,9 +3558,8 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
   sizes, or an earlier factor (in order of first use) keeps those axes."""
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands)
-  blocked = (set(rule.need_replication_factors)
-             | set(rule.permutation_factors) |
-             _reduced_factors(rule, dims, num_operands))
+  blocked = _reduced_factors(rule, dims, num_operands).union(
+      rule.need_replication_factors, rule.permutation_factors)
   for value_dims, shape in zip(dims, shapes):
     for factors, size in zip(value_dims, shape):
       if len(factors) > 1 or size != sizes[factors[0]]:
@@ -3580,12 +3572,10 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
       for factors, entry in zip(value_dims, spec or ()):
         if factors[0] not in blocked and entry is not None:
           brought.setdefault(factors[0], set()).add(_entry_axes(entry))
-    for factor, axes in brought.items():
-      if factor in axes_of:  # the operands decided
-        continue
-      if len(axes) > 1:
+    for factor, axes in brought.items():  # unless the operands decided:
+      if factor not in axes_of and len(axes) > 1:
         blocked.add(factor)  # a conflict: no side's choice is better
-      else:
+      elif factor not in axes_of:
         (axes_of[factor],) = axes
   used: set = set()
   kept: dict[str, Any] = {}

@@ -3264,8 +3264,7 @@ class SdyShardingRule:
 def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
   """One side of a rule string (``"i j, (a b) k"``) as mappings."""
   side = " ".join(text.split())
-  for char in "(),":
-    text = text.replace(char, f" {char} ")
+  text = text.translate({ord(char): f" {char} " for char in "(),"})
   values: list[ArrayMapping] = []
   dims: list = []
   compound: list[str] | None = None  # factors of an open "(...)"

@@ -3234,8 +3234,7 @@ class SdyShardingRule:
                 permutation_factors)
     for kind, factors in zip(_SPECIAL_FACTOR_KINDS, specials):
       if not isinstance(factors, tuple):
-        raise ValueError(f"{kind} must be a tuple of factors; got "
-                         f"{factors!r}.")
+        raise ValueError(f"{kind} must be a tuple of factors; got {factors!r}.")
       if len(set(factors)) != len(factors):
         raise ValueError(f"{kind} contains duplicated factors: {factors}.")
       for factor in factors:

@@ -3087,20 +3087,15 @@ def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
 # Appendix B. Sharding rules for Shardy
 #
 # A rule names a *factor* for every dimension of every operand and result,
-# einsum-style: "i j, j k -> i k". Dimensions that share a factor are sharded
-# alike. A leading "..." (optionally "...2", a numbered group) stands for any
-# number of leading batch dimensions; "(a b)" is a dimension made of two
-# factors, whose sizes then come from keyword arguments.
+# einsum-style: "i j, j k -> i k"; dimensions that share a factor are sharded
+# alike. A leading "..." (or "...2", a numbered group) stands for any number
+# of leading batch dimensions; "(a b)" is a dimension made of two factors.
 # --------------------------------------------------------------------------
 
 BATCHING: str = "\u2026"  # one character ("…") standing for "..." in a rule.
-
-# Expanded batch dimensions get factor names users cannot write.
-_BATCH_FACTOR_PREFIX = "?"
-
-# The special factors, as SdyShardingRule names its arguments and attributes.
+_BATCH_FACTOR_PREFIX = "?"  # of expanded batch factors: no user can write it
 _SPECIAL_FACTOR_KINDS = ("reduction_factors", "need_replication_factors",
-                         "permutation_factors")
+                         "permutation_factors")  # as SdyShardingRule names them
 
 
 def _check_factor_name(name: str) -> None:
@@ -3108,8 +3103,7 @@ def _check_factor_name(name: str) -> None:
     if not (char == "_" or char.isdigit() or char.isalpha()):
       raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
   if not name[0].isalpha():
-    raise ValueError(
-        f"A factor name must start with a letter; got {name!r}.")
+    raise ValueError(f"A factor name must start with a letter; got {name!r}.")
 
 
 def _is_batching(dim) -> bool:
@@ -3119,11 +3113,8 @@ def _is_batching(dim) -> bool:
 
 class CompoundFactor(tuple):
   """A dimension made of two or more factors, e.g. ``CompoundFactor('b', 'c')``.
-
-  Raises:
-    ValueError: fewer than two factors, a non-string factor, or a batching
-      marker inside.
-  """
+  Raises ValueError for fewer than two factors, a non-string factor, or a
+  batching marker inside."""
 
   def __new__(cls, *factors):
     if len(factors) < 2:
@@ -3141,16 +3132,11 @@ class CompoundFactor(tuple):
 
 
 class ArrayMapping(tuple):
-  """The factors of one operand or result, one entry per dimension.
-
-  Each entry is a factor name or a ``CompoundFactor``; the first entry may be
-  ``BATCHING`` (leading batch dimensions). Examples: ``ArrayMapping('a')``,
-  ``ArrayMapping(BATCHING, CompoundFactor('b', 'c'), 'd')``.
-
-  Raises:
-    ValueError: an entry of another type, a bad factor name, or ``BATCHING``
-      anywhere but first.
-  """
+  """The factors of one operand or result, one entry per dimension: a factor
+  name or a ``CompoundFactor``, or first ``BATCHING`` (leading batch
+  dimensions), e.g. ``ArrayMapping(BATCHING, CompoundFactor('b', 'c'), 'd')``.
+  Raises ValueError for an entry of another type, a bad factor name, or
+  ``BATCHING`` anywhere but first."""
 
   def __new__(cls, *dims):
     for i, dim in enumerate(dims):
@@ -3176,7 +3162,6 @@ class SdyShardingRule:
     need_replication_factors: factors whose dimensions must not be sharded.
     permutation_factors: factors whose sharding needs a collective permute.
     **factor_sizes: sizes of factors that only occur inside compound factors.
-
   Raises:
     ValueError: a size given for an unknown or whole-dimension factor, a
       missing size, a factor naming two dimensions of one array, or special
@@ -3211,21 +3196,25 @@ class SdyShardingRule:
       factors = [f for dim in mapping for f in (
           dim if isinstance(dim, CompoundFactor) else (dim,))]
       twice = sorted({f for f in factors if factors.count(f) > 1})
-      if twice:
+      if twice:  # the rule as text, e.g. "(a b) i, ... -> ..."
+        text = " -> ".join(", ".join(" ".join(
+            f"({' '.join(d)})" if isinstance(d, CompoundFactor) else
+            "..." if _is_batching(d) else d for d in m) for m in side)
+            for side in (operand_mappings, result_mappings))
         raise ValueError(
             f"Factor {twice[0]} names two dimensions of "
             f"{_value_name(i, len(operand_mappings))} in the rule "
-            f"{_rule_text(operand_mappings, result_mappings)!r}: a factor "
+            f"{text!r}: a factor "
             "names one dimension per operand or result (Shardy refuses to "
             "reuse one for two dimensions of an array). Give each dimension "
             "a factor of its own (e.g. 'i j -> i') and list those that "
             "must not be sharded in need_replication_factors.")
     seen: set[str] = set()
-    for kind, factors in zip(_SPECIAL_FACTOR_KINDS, (
-        reduction_factors, need_replication_factors, permutation_factors)):
+    specials = (reduction_factors, need_replication_factors,
+                permutation_factors)
+    for kind, factors in zip(_SPECIAL_FACTOR_KINDS, specials):
       if not isinstance(factors, tuple):
-        raise ValueError(f"{kind} must be a tuple of factors; got "
-                         f"{factors!r}.")
+        raise ValueError(f"{kind} must be a tuple of factors; got {factors!r}.")
       if len(set(factors)) != len(factors):
         raise ValueError(f"{kind} contains duplicated factors: {factors}.")
       for factor in factors:
@@ -3237,12 +3226,10 @@ class SdyShardingRule:
                            "reduction, need replication, or permutation "
                            "factor sets.")
         seen.add(factor)
-    self.operand_mappings = operand_mappings
-    self.result_mappings = result_mappings
-    self.factor_sizes = factor_sizes
-    self.reduction_factors = reduction_factors
-    self.need_replication_factors = need_replication_factors
-    self.permutation_factors = permutation_factors
+    (self.operand_mappings, self.result_mappings, self.factor_sizes,
+     self.reduction_factors, self.need_replication_factors,
+     self.permutation_factors) = (operand_mappings, result_mappings,
+                                  factor_sizes, *specials)
 
   def __str__(self):
     special = "".join(f" {kind}={getattr(self, kind)}"
@@ -3254,11 +3241,9 @@ class SdyShardingRule:
 
 
 def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
-  """Parses one side of a rule string (``"i j, (a b) k"``) into mappings,
-  which check the names."""
+  """One side of a rule string (``"i j, (a b) k"``) as mappings."""
   side = " ".join(text.split())
-  for char in "(),":
-    text = text.replace(char, f" {char} ")
+  text = text.translate({ord(char): f" {char} " for char in "(),"})
   values: list[ArrayMapping] = []
   dims: list = []
   compound: list[str] | None = None  # factors of an open "(...)"
@@ -3287,8 +3272,7 @@ def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
         (dims if compound is None else compound).append(token)
   if compound is not None:
     raise ValueError(f"Brackets are not balanced in rule side {side!r}.")
-  values.append(ArrayMapping(*dims))
-  return tuple(values)
+  return (*values, ArrayMapping(*dims))
 
 
 def str_to_sdy_sharding_rule(rule: str, *,
@@ -3296,13 +3280,11 @@ def str_to_sdy_sharding_rule(rule: str, *,
                              need_replication_factors: tuple[str, ...] = (),
                              permutation_factors: tuple[str, ...] = (),
                              **factor_sizes: int) -> SdyShardingRule:
-  """Parses an einsum-like rule such as ``"... i j, j k -> ... i k"``.
+  """Parses an einsum-like rule such as ``"... i j, j k -> ... i k"`` into an
+  ``SdyShardingRule``. Factor names start with a letter and hold letters,
+  digits and ``_``; operands (and results) are separated by ``,``; an empty
+  side is a scalar.
 
-  Factor names start with a letter and hold letters, digits and ``_``;
-  operands (and results) are separated by ``,``; an empty side is a scalar.
-
-  Returns:
-    An ``SdyShardingRule``.
   Raises:
     TypeError: ``rule`` is not a str, or a factor size is not an int.
     ValueError: the rule cannot be parsed, or is inconsistent (see
@@ -3321,35 +3303,15 @@ def str_to_sdy_sharding_rule(rule: str, *,
   if len(sides) != 2:  # the first message is upstream's
     raise ValueError(f"There is no -> in rule: {rule!r}." if len(sides) == 1
                      else f"A rule has exactly one '->'; got {rule!r}.")
-  return SdyShardingRule(_parse_side(sides[0]), _parse_side(sides[1]),
+  return SdyShardingRule(*map(_parse_side, sides),
                          reduction_factors=reduction_factors,
                          need_replication_factors=need_replication_factors,
                          permutation_factors=permutation_factors,
                          **factor_sizes)
 
 
-def _rule_text(operand_mappings, result_mappings) -> str:
-  """A rule's mappings as rule text (``"i j, j k -> i k"``)."""
-  def dim_text(dim):
-    if isinstance(dim, CompoundFactor):
-      return f"({' '.join(dim)})"
-    return "..." if _is_batching(dim) else dim
-  return " -> ".join(", ".join(" ".join(map(dim_text, m)) for m in side)
-                     for side in (operand_mappings, result_mappings))
-
-
 def _value_name(i: int, num_operands: int) -> str:
   return f"operand {i}" if i < num_operands else f"result {i - num_operands}"
-
-
-def _check_value_counts(rule: SdyShardingRule, num_operands: int,
-                        num_results: int) -> None:
-  for kind, in_rule, in_op in (
-      ("operands", len(rule.operand_mappings), num_operands),
-      ("results", len(rule.result_mappings), num_results)):
-    if in_rule != in_op:
-      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
-                       f"operation has {in_op} {kind}.")
 
 
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
@@ -3357,27 +3319,23 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   """Expands ``...`` against ``shapes`` (operands', then results') and
   sizes every factor: ``(sizes, dims)``, ``sizes`` each factor's in order of
   first use, ``dims[v][d]`` the factors of dimension ``d`` of value ``v``.
-  Raises ValueError on a rank mismatch, an ellipsis standing for different
-  numbers of dimensions, or sizes that do not fit."""
-  _check_value_counts(rule, num_operands, len(shapes) - num_operands)
+  Raises ValueError on a count or rank mismatch, an ellipsis standing for
+  different numbers of dimensions, or sizes that do not fit."""
+  for kind, in_rule, in_op in (
+      ("operands", len(rule.operand_mappings), num_operands),
+      ("results", len(rule.result_mappings), len(shapes) - num_operands)):
+    if in_rule != in_op:
+      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
+                       f"operation has {in_op} {kind}.")
   sizes: dict[str, Any] = {}  # None while only compounds have shown it
-
-  def see(factor: str, size: int | None) -> None:
-    old = sizes.get(factor)
-    if old is None:
-      sizes[factor] = size
-    elif size is not None and size != old:
-      if factor.startswith(_BATCH_FACTOR_PREFIX):
-        raise ValueError(f"Batching dimension {factor[1:]} has two sizes: "
-                         f"{old} and {size}.")
-      # Like jax: a factor seen with two sizes takes the smaller one.
-      sizes[factor] = min(old, size)
   group_rank: dict[str, int] = {}
   dims: list[list[tuple[str, ...]]] = []
   mappings = (*rule.operand_mappings, *rule.result_mappings)
   for i, (mapping, shape) in enumerate(zip(mappings, shapes)):
     entries = list(mapping)
-    if entries and _is_batching(entries[0]):  # seam: an ellipsis
+    head = entries[0] if entries else None  # _is_batching(head), inlined:
+    if (isinstance(head, str) and head[:1] == BATCHING and
+        (head[1:] or "0").isdigit()):  # seam: an ellipsis
       entries = _expand_ellipsis(entries, len(shape), group_rank)
     if len(entries) != len(shape):
       name = _value_name(i, num_operands)
@@ -3387,8 +3345,15 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                   else (entry,) for entry in entries]
     for factors, size in zip(value_dims, shape):
       for factor in factors:  # a compound's parts are sized by the rule
-        see(factor, size if len(factors) == 1
-            else rule.factor_sizes.get(factor))
+        new = size if len(factors) == 1 else rule.factor_sizes.get(factor)
+        old = sizes.get(factor)
+        if old is None:
+          sizes[factor] = new
+        elif new is not None and new != old:
+          if factor.startswith(_BATCH_FACTOR_PREFIX):
+            raise ValueError(f"Batching dimension {factor[1:]} has two "
+                             f"sizes: {old} and {new}.")
+          sizes[factor] = min(old, new)  # like jax: the smaller size wins
     dims.append(value_dims)
   if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
     _check_compounds(sizes, dims, shapes, num_operands)  # seam: compounds
@@ -3419,19 +3384,20 @@ def _check_compounds(sizes: dict, dims: list, shapes, num_operands: int):
             f"but its compound factors {factors} multiply to {product}.")
 
 
-# XLA reads the rule back from its text form while compiling, and Shardy's
-# parser takes factor sizes as 32-bit integers ("integer value too large").
+# Shardy's parser, which reads the rule back while XLA compiles, takes factor
+# sizes as 32-bit integers ("integer value too large"). Trial division stops
+# at _TRIAL_DIVISION_LIMIT: a cofactor left above _MAX_FACTOR_SIZE is taken
+# as unsplittable (it may be a product of primes above the limit).
 _MAX_FACTOR_SIZE = 2**31 - 1
-# Trial division stops here: a cofactor left above _MAX_FACTOR_SIZE is
-# taken as unsplittable (it may be a product of primes above this limit).
 _TRIAL_DIVISION_LIMIT = 2**21
 
 
-def _split_size(size: int) -> list[int] | None:
+def _split_size(size: int, where: str | None = None) -> list[int] | None:
   """``size`` as factors of at most ``_MAX_FACTOR_SIZE``, major first, or
-  None if a prime factor is bigger. The major part takes the small primes
-  first: mesh axes (usually powers of two) then still divide it, so Shardy
-  shards the dimension through it without splitting a mesh axis."""
+  None if a prime factor is bigger (given ``where``, the dimension's name: a
+  ValueError naming it). The major part takes the small primes first: mesh
+  axes (usually powers of two) then still divide it, so Shardy shards the
+  dimension through it without splitting a mesh axis."""
   if size <= _MAX_FACTOR_SIZE:
     return [size]
   primes, rest, p = [], size, 2
@@ -3440,12 +3406,13 @@ def _split_size(size: int) -> list[int] | None:
       primes.append(p)
       rest //= p
     p += 1 if p == 2 else 2
-  if rest > 1:
-    primes.append(rest)
-  if primes[-1] > _MAX_FACTOR_SIZE:
-    return None
+  if rest > _MAX_FACTOR_SIZE:
+    if where is None:
+      return None
+    raise ValueError(_REFUSALS["factor_too_big"].format(
+        where=where, size=size, limit=_MAX_FACTOR_SIZE))
   parts: list[int] = []
-  for p in primes:  # ascending
+  for p in primes + ([rest] if rest > 1 else []):  # ascending
     for i, part in enumerate(parts):
       if part * p <= _MAX_FACTOR_SIZE:
         parts[i] = part * p
@@ -3455,83 +3422,64 @@ def _split_size(size: int) -> list[int] | None:
   return parts
 
 
-def _split_or_refuse(factor: str, size: int, dims: list,
-                     num_operands: int) -> list[int]:
-  """``_split_size(size)``, or ValueError naming the dimension of ``factor``
-  where no split fits."""
-  split = _split_size(size)
-  if split is None:
-    where = next(f"{_value_name(i, num_operands)} dimension {d}"
-                 for i, value_dims in enumerate(dims)
-                 for d, factors in enumerate(value_dims) if factor in factors)
-    raise ValueError(_REFUSALS["factor_too_big"].format(
-        where=where, size=size, limit=_MAX_FACTOR_SIZE))
-  return split
-
-
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
                          reduction, need_replication, permutation):
   """The attribute of a resolved rule; a factor too big for Shardy's parser
   becomes a compound of smaller ones (``_split_size``) everywhere."""
-  parts: dict[str, list[str]] = {}
-  part_sizes: dict[str, int] = {}
+  parts: dict[str, range] = {}  # factor -> the indices of its parts
+  part_sizes: list[int] = []
   for factor, size in sizes.items():
-    split = [size] if size <= _MAX_FACTOR_SIZE else (  # seam: too big
-        _split_or_refuse(factor, size, dims, num_operands))
-    names = [factor] if len(split) == 1 else [
-        f"{factor}#{k}" for k in range(len(split))]
-    parts[factor] = names
-    part_sizes.update(zip(names, split))
-  index = {factor: i for i, factor in enumerate(part_sizes)}
-
-  def indices(factors):
-    return [index[part] for f in factors for part in parts[f]]
-  tensors = [
-      sdy.TensorMappingAttr.get(dim_mappings=[
-          sdy.DimMappingAttr.get(factor_indices=indices(factors))
-          for factors in value_dims])
-      for value_dims in dims]
-  return _sdy_rule_attr(
-      list(part_sizes.values()), tensors[:num_operands],
-      tensors[num_operands:], indices(reduction), indices(need_replication),
-      indices(permutation))
+    split = [size]
+    if size > _MAX_FACTOR_SIZE:  # seam: too big
+      split = _split_size(size, next(
+          f"{_value_name(i, num_operands)} dimension {d}"
+          for i, value_dims in enumerate(dims)
+          for d, factors in enumerate(value_dims) if factor in factors))
+    parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
+    part_sizes += split
+  tensors = [sdy.TensorMappingAttr.get(dim_mappings=[
+      sdy.DimMappingAttr.get(factor_indices=[i for f in factors
+                                             for i in parts[f]])
+      for factors in value_dims]) for value_dims in dims]
+  special = [[i for f in factors for i in parts[f]]
+             for factors in (reduction, need_replication, permutation)]
+  return _sdy_rule_attr(part_sizes, tensors[:num_operands],
+                        tensors[num_operands:], *special)
 
 
 def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
                               operand_types: list[ir.Type],
                               result_types: list[ir.Type]) -> ir.Attribute:
-  """Checks ``rule`` against the op's MLIR types and builds its attribute.
+  """Checks ``rule`` against the op's MLIR types (``operand_types``,
+  ``result_types``: ranked tensor types of the custom call) and returns its
+  ``sdy.OpShardingRuleAttr``.
 
-  Args:
-    rule: an ``SdyShardingRule``.
-    operand_types, result_types: ranked tensor types of the custom call.
-  Returns:
-    An ``sdy.OpShardingRuleAttr``.
   Raises:
     ValueError: operand/result counts or ranks do not match the rule, or
       factor sizes are inconsistent.
-    TypeError: a type is not an ``ir.Type``.
+    TypeError: a type is not an ``ir.Type`` (counts are checked first).
   """
-  _check_value_counts(rule, len(operand_types), len(result_types))
   types_ = [*operand_types, *result_types]
-  if not all(isinstance(t, ir.Type) for t in types_):
+  typed = all(isinstance(t, ir.Type) for t in types_)
+  if not typed and (len(operand_types), len(result_types)) == (
+      len(rule.operand_mappings), len(rule.result_mappings)):
     raise TypeError("operand_types and result_types must be lists of "
                     f"ir.Type; got {operand_types} and {result_types}.")
-  sizes, dims = _resolve_rule(rule, [ir.ShapedType(t).shape for t in types_],
-                              len(operand_types))
-  return _rule_attr_from_dims(sizes, dims, len(operand_types),
-                              rule.reduction_factors,
-                              rule.need_replication_factors,
-                              rule.permutation_factors)
+  # Mismatched counts (upstream checks them before the types) raise here.
+  sizes, dims = _resolve_rule(
+      rule, [ir.ShapedType(t).shape if typed else () for t in types_],
+      len(operand_types))
+  return _rule_attr_from_dims(sizes, dims, len(operand_types), *(
+      getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
 
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
-  """GSPMD inference from a Shardy rule: each result's PartitionSpec
-  entries from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
-  operands', then results'). A result dimension takes the mesh axes of the
-  first operand dimension with the same single, passthrough factor, unless
-  another dimension of that result has them already."""
+  """GSPMD inference from a Shardy rule: each result's PartitionSpec entries
+  from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
+  operands', then results'): the mesh axes of the first operand dimension
+  with the same single, passthrough factor, unless another dimension of
+  that result has them already."""
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
@@ -3545,10 +3493,8 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
     spec = []
     for factors in value_dims:
       axes = axes_of.get(factors[0]) if len(factors) == 1 else None
-      if axes is not None and used.isdisjoint(_entry_axes(axes)):
-        used.update(_entry_axes(axes))
-      else:
-        axes = None
+      axes = axes if used.isdisjoint(_entry_axes(axes)) else None
+      used.update(_entry_axes(axes))
       spec.append(axes)
     out.append(tuple(spec))
   return out
@@ -3556,19 +3502,17 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
 
 def _entry_axes(entry) -> tuple:
   """A PartitionSpec entry as a tuple of mesh axis names."""
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+  return (() if entry is None else
+          tuple(entry) if isinstance(entry, tuple) else (entry,))
 
 
 def _reduced_factors(rule: SdyShardingRule, dims: list,
                      num_operands: int) -> set:
-  """The factors of a resolved rule that no shard can keep, the one
-  definition every check and derivation uses: the reduction factors; those
-  of operands in no result (``j`` of ``"i, j -> i"``, as ``x * sum(y)``);
-  those in results only; and those a result is reduced over, the factors it
-  lacks of the operands it shares one with (of all, for a factorless
-  result), as ``n`` for the second result of ``"b n -> b n, b"``."""
+  """The factors of a resolved rule no shard can keep (the one definition
+  every check and derivation uses): reduction factors, those of operands or
+  results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
+  result lacks of the operands it shares a factor with (of all operands, if
+  it has no factor), as ``n`` for the second result of ``"b n -> b n, b"``."""
   factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
   ins, outs = factors[:num_operands], factors[num_operands:]
   reduced = set(rule.reduction_factors) | (
@@ -3583,19 +3527,17 @@ def _reduced_factors(rule: SdyShardingRule, dims: list,
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
   """The partition of an op by its rule alone (``_partition_from_rule``):
-  ``(operand specs, result specs)`` as PartitionSpec entries, from those
-  ``in_specs`` and ``out_specs`` arrive with (None: unknown; ``shapes``:
-  operands', then results'). A factor keeps the mesh axes the operands bring
-  it on, else the results' (slicing a replicated operand costs no
-  communication); brought on different axes by one side, it is replicated.
-  Replicated too: the special and reduced factors, factors of compound
-  dimensions or seen with two sizes, and a factor whose axes an earlier one
-  (in order of first use) keeps."""
+  ``(operand specs, result specs)`` as PartitionSpec entries, from the
+  ``in_specs`` and ``out_specs`` values arrive with (None: unknown;
+  ``shapes``: operands', then results'). A factor keeps the mesh axes the
+  operands bring it on, else the results' (slicing a replicated operand
+  costs no communication), unless one side brings it on two (a conflict),
+  it is special or reduced, in a compound dimension or seen with two
+  sizes, or an earlier factor (in order of first use) keeps those axes."""
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands)
-  blocked = (set(rule.need_replication_factors)
-             | set(rule.permutation_factors) |
-             _reduced_factors(rule, dims, num_operands))
+  blocked = _reduced_factors(rule, dims, num_operands).union(
+      rule.need_replication_factors, rule.permutation_factors)
   for value_dims, shape in zip(dims, shapes):
     for factors, size in zip(value_dims, shape):
       if len(factors) > 1 or size != sizes[factors[0]]:
@@ -3608,12 +3550,10 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
       for factors, entry in zip(value_dims, spec or ()):
         if factors[0] not in blocked and entry is not None:
           brought.setdefault(factors[0], set()).add(_entry_axes(entry))
-    for factor, axes in brought.items():
-      if factor in axes_of:  # the operands decided
-        continue
-      if len(axes) > 1:
+    for factor, axes in brought.items():  # unless the operands decided:
+      if factor not in axes_of and len(axes) > 1:
         blocked.add(factor)  # a conflict: no side's choice is better
-      else:
+      elif factor not in axes_of:
         (axes_of[factor],) = axes
   used: set = set()
   kept: dict[str, Any] = {}

@@ -1581,10 +1581,9 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
 
 
 def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
-  """Runs (traces) the program, or its untyped twin (as the custom call
-  would) where shard_map's types refuse what the module's check proved: an
-  unmarked loop carry a collective makes varying (TypeError), a result made
-  equal by all_gather (ValueError)."""
+  """Runs (traces) the program, or its untyped twin where shard_map's types
+  refuse what the module's check proved (an unmarked loop carry a collective
+  makes varying: TypeError; a result made equal by all_gather: ValueError)."""
   prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
             "of its lower_fn under Explicit mesh axes: ")
   try:
@@ -1610,7 +1609,8 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
-  (for the log, where the operands' mesh is all Explicit) why not."""
+  (for the log, where the operands' mesh is all Explicit) why not. Asks no
+  callback."""
   if not _EXPLICIT_PATH or _jit_disabled():
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
@@ -1622,8 +1622,7 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
     return None, None
   ambient = _ambient_mesh("get_abstract_mesh")
   if ambient is not None and not ambient.empty and ambient != am:
-    return None, ("another mesh is ambient (inside a shard_map or "
-                  "auto_axes)")
+    return None, "another mesh is ambient (inside a shard_map or auto_axes)"
   mesh = _caller_mesh(lambda m: m.abstract_mesh == am, eager_mesh,
                       with_block=False)
   if mesh is None:
@@ -1638,8 +1637,7 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
 
 
 class _Program(NamedTuple):
-  """A call signature's plan under Explicit axes; ``run`` None: the op
-  keeps the custom call, for the reason ``why``."""
+  """A call signature's plan; ``run`` None: the custom call, for ``why``."""
   run: Callable | None  # jitted reshard -> shard_map -> reshard
   out_tree: Any
   why: str = ""
@@ -1664,8 +1662,7 @@ def _shard_map_advice(error: Exception) -> str:
 
 def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                       mesh) -> _Program:
-  """Plans one call signature: ``partition`` asked and checked, the program
-  built."""
+  """Plans one call signature: ``partition`` asked, checked, compiled."""
   call, out_tree, type_error = _typed_trace(user_op, args, flat)
   params = user_op._params(args, flat, call, out_tree,
                            _is_hashable(args.static_args))
@@ -1704,8 +1701,8 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
 
 
 def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
-  """``(call, out_tree, type_error)``: ``fun`` traced on the operands'
-  types or, where jax cannot type it (``type_error``), without shardings."""
+  """``(call, out_tree, type_error)``: ``fun`` traced on the operands' types
+  or, where jax cannot type it (``type_error``), without shardings."""
   try:
     return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
   except (_ShardingTypeError, ValueError) as e:
@@ -1782,13 +1779,11 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
     outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
     return [_invariant_over_size1(x, axes, mesh)
             for x, axes in zip(outs, out_axes)]
-  # An operand differing from partition's answer only in size-1 axes keeps
-  # its type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying
-  # over 'y'.
+  # An operand differing from the answer only in size-1 axes keeps its
+  # type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying over 'y'.
   arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
                for t, v in zip(map(_spec_of, in_avals), answer.args)]
-  # No devices: jax.jit reuses its traces for every mesh of one abstract
-  # mesh.
+  # No devices: jax.jit reuses its traces for every mesh of an abstract one.
   am = mesh.abstract_mesh
   mapped = jax.shard_map(
       per_shard, mesh=am, check_vma=check_vma,
@@ -1801,8 +1796,7 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
         for x, spec in zip(xs, specs)]
 
   def program(*flat):
-    return reshard(mapped(*reshard(flat, arg_specs)),
-                   [v.spec for v in typed])
+    return reshard(mapped(*reshard(flat, arg_specs)), [v.spec for v in typed])
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
   return jax.jit(program)
 
@@ -1915,8 +1909,8 @@ def _batch(args, dims, **params):
 class _Step:
   """One step from an op to the op derived from it: the values below it
   (``down``), per-value items above it (``up``: spec entries or a rule's
-  dimensions) and its part of each question given the part below (by
-  default, that of a step keeping shardings). Hashable, as keys need."""
+  dimensions), its part of each question (by default, keeping shardings).
+  Hashable, as cache keys need."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -1928,15 +1922,13 @@ class _Step:
     return (*self.up(ops, res), reduction)
 
   def entry(self, values, used, mesh):
-    """The spec entry a batch dimension gets; ``used()``: the mesh axes the
-    op below uses."""
+    """The spec entry a batch dimension gets (``used()``: the op below's)."""
     return None
 
 
 class _Level(NamedTuple):
-  """An op from the author's (``step`` None) up to the one XLA asks about,
-  its values as asked or (``_specs_up``) as partitioned, and the spec entry
-  its step gave a batch dimension."""
+  """An op from the author's (``step`` None) up to the one XLA asks about:
+  its values as asked or as partitioned, and its batch dimension's entry."""
   step: _Step | None
   operands: list
   results: list
@@ -1993,9 +1985,8 @@ class _Batch(_Step):
     return (*self.up(ops, res, (factor,)), reduction)
 
   def entry(self, values, used, mesh):
-    """The mesh axes the batch dimension arrives sharded over (in the first
-    of ``values`` with any) that the op below leaves free and that divide
-    the batch size, or None."""
+    """The axes the batch dimension arrives on (first in ``values``) that
+    the op below leaves free and that divide the batch size, or None."""
     entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
     used = used()
     axes = [a for a in _entry_axes(entry) if a not in used]
@@ -2029,8 +2020,7 @@ class _Jvp(_Step):
 @dataclasses.dataclass(frozen=True)
 class _Vjp(_Step):
   """``jax.grad``'s transposition: operands are the primals, then the
-  results' cotangents; results are the cotangents of the primals in
-  ``mask``, sharded like them or, propagated, as the user has them."""
+  results' cotangents; results, the cotangents of the primals in ``mask``."""
   mask: tuple
 
   def down(self, operands, results):  # cotangents stand for results
@@ -2050,15 +2040,13 @@ class _Vjp(_Step):
     return (*self.up(ops, res), [])
 
   def lower(self, fn, op, answer, below, batched):
-    """``fn`` transposed as jax transposes ``pmap`` code (each device's copy
-    is a value of its own), then corrected: each of a result's ``r`` copies
-    gets ``1/r`` of its cotangent, a replicated operand's cotangent sums
-    over the axes it is replicated over."""
-    scales = [math.prod(answer.mesh.shape[a]
-                        for a in _copies_over(op, answer.on, v, batched))
+    """``fn`` transposed as jax transposes ``pmap`` code, then corrected:
+    each of a result's ``r`` copies gets ``1/r`` of its cotangent, an
+    operand's cotangent sums over the axes it is replicated over."""
+    copies = functools.partial(_copies_over, op, answer.on, batched=batched)
+    scales = [math.prod(answer.mesh.shape[a] for a in copies(v))
               for v in below.results]
-    psum_axes = [_copies_over(op, answer.on, v, batched)
-                 for v, m in zip(below.operands, self.mask) if m]
+    psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
     # The transposition reduces where the forward broadcast: padding must
     # add nothing.
@@ -2084,7 +2072,11 @@ def _partition_derived(op: _Op, operands: list, results: list,
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
   levels = _specs_up(levels, answer, closed)
-  fn = _lower_fn_up(op, levels, answer, closed)
+  # lower_fn transformed by each step (given batch dimensions above it).
+  fn = core.jaxpr_as_fun(closed)
+  for i in range(1, len(levels)):
+    fn = levels[i].step.lower(fn, op, answer, levels[i - 1], _axes_in(
+        [[level.entry] for level in levels[i + 1:]]))
   top = levels[-1]
   with _no_ambient_mesh():
     closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
@@ -2110,9 +2102,9 @@ def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
 
 def _specs_up(levels: list, answer: _Answer,
               closed: core.ClosedJaxpr) -> list[_Level]:
-  """``levels`` as partitioned: the author's answer walked up the steps. A
-  batch dimension keeps the mesh axes it arrives on unless the level below
-  uses them (in its shardings or ``lower_fn``'s collectives)."""
+  """``levels`` as partitioned: the author's answer walked up the steps (a
+  batch dimension keeps its axes unless shardings or collectives below use
+  them)."""
   out = [levels[0]._replace(operands=answer.args, results=answer.results)]
   for level in levels[1:]:
     args, outs = ([v.spec for v in side]
@@ -2141,25 +2133,11 @@ def _eqn_axes(eqn) -> set:
           if isinstance(axis, str)}
 
 
-def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
-                 closed: core.ClosedJaxpr, batched=frozenset()) -> Callable:
-  """The per-shard function of the op at the top of ``levels`` (as
-  partitioned): ``lower_fn``'s jaxpr transformed by each step, first to
-  last; ``batched``: the mesh axes batch dimensions above shard over."""
-  *below, top = levels
-  if top.step is None:
-    return core.jaxpr_as_fun(closed)
-  fn = _lower_fn_up(op, below, answer, closed,
-                    batched | _axes_in([[top.entry]]))
-  return top.step.lower(fn, op, answer, below[-1], batched)
-
-
 def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
-  """The (not size-1) mesh axes along which devices hold equal copies of
-  ``value``: those of ``on`` that neither its spec nor a batch dimension
-  above shard it over and, inside a partly manual shard_map, the manual
-  axes it does not vary over (none where untyped: jax < 0.6 and
-  ``check_vma=False``)."""
+  """The (not size-1) axes along which devices hold equal copies of
+  ``value``: those of ``on`` its spec and batch dimensions leave out and,
+  inside a partly manual shard_map, the manual axes it does not vary over
+  (none where untyped: jax < 0.6 and ``check_vma=False``)."""
   used = _axes_in([value.spec]) | batched
   axes = tuple(a for a in _real_axes(on) if a not in used)
   if op.place.auto is None or value.varying is None or not any(
@@ -2232,8 +2210,7 @@ def _padded(values: list, mesh) -> bool:
 
 
 def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
-  """Raises if an operand dimension that the op's rule reduces over is
-  padded (sharded as in ``args``, over mesh axes that do not divide it)."""
+  """Raises if ``args`` pads an operand dimension the rule reduces over."""
   shapes = [v.shape for v in values]
   try:  # a rule that does not fit the op fails elsewhere, with its cause
     _, dims = _resolve_rule(op.sharding_rule, shapes, len(args))

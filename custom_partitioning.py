@@ -1689,8 +1689,7 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                        why=("asked while tracing; not run as shard_map "
                             f"under Explicit axes: {why[1]}"))
     return _Program(None, out_tree, why[1])
-  # The checks, naming the op.
-  _, proven = _trace_lower_fn(op, answer, operands, results)
+  _, proven = _trace_lower_fn(op, answer, operands, results)  # the checks
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _SHARD_MAP)
   build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
@@ -1870,9 +1869,8 @@ def _transpose(cts, *args, **params):
   n = len(mask)
 
   def body(*xs):
-    # The vjp of a linear function is its transpose at any point; the
-    # primals have the tangents' types (inside shard_map, also their
-    # varying manual axes, which jax.linear_transpose would drop).
+    # A linear function's vjp is its transpose at any point, and keeps the
+    # tangents' varying manual axes (jax.linear_transpose drops them).
     linear = functools.partial(core.jaxpr_as_fun(call), *xs[:n])
     _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
     return list(pullback(list(xs[n:])))
@@ -1895,8 +1893,8 @@ def _batch(args, dims, **params):
   batched = tuple(d is not None for d in dims)
 
   def body(*xs):
-    # The body sees the broadcast operands unbatched again: with Explicit
-    # mesh axes, vmap wants all batch dimensions sharded alike.
+    # Broadcast operands unbatched again: under Explicit axes, vmap wants
+    # all batch dimensions sharded alike.
     return jax.vmap(core.jaxpr_as_fun(call),
                     in_axes=[0 if b else None for b in batched])(
                         *[x if b else x[0] for x, b in zip(xs, batched)])
@@ -2048,8 +2046,7 @@ class _Vjp(_Step):
               for v in below.results]
     psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
-    # The transposition reduces where the forward broadcast: padding must
-    # add nothing.
+    # The transposition reduces where the forward broadcast: no padding.
     padded = _padded(below.results, answer.on)
 
     def vjp_fn(*xs):
@@ -2187,19 +2184,15 @@ def _rule_attr(rule, levels: list):
 # --------------------------------------------------------------------------
 # 8. Checks of the per-shard program
 #
-# Two mistakes in ``lower_fn`` (per-shard code, as a shard_map body) that
-# would give silently wrong numbers are refused while it is traced (unless
-# the op says ``check_vma=False``):
-#  - reducing over a dimension the mesh does not divide (XLA pads the last
-#    shards with unspecified values), where the rule says it is reduced
-#    (``_reduced_factors``);
-#  - a result replicated over a mesh axis that may vary along it. Each
-#    value's *varying axes* are followed through the jaxpr as shard_map's
-#    check_vma does: operands vary over the axes they are sharded on,
-#    ``axis_index`` and scattering collectives add theirs, ``psum``/``pmax``/
-#    ``pmin``/``all_gather`` remove theirs, loop carries take the union over
-#    iterations; an unknown effect (grouped collectives, other subprograms)
-#    gives "unknown", which never raises. Size-1 axes never count.
+# Two silent mistakes in ``lower_fn`` are refused while it is traced (unless
+# ``check_vma=False``): reducing over a dimension the mesh does not divide
+# (XLA pads the last shards with unspecified values; ``_reduced_factors``),
+# and a result replicated over a mesh axis it may vary along. *Varying axes*
+# are followed as shard_map's check_vma does: operands vary over their
+# sharded axes, ``axis_index`` and scattering collectives add theirs,
+# ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs, loop carries take
+# the union over iterations; an unknown effect (grouped collectives, other
+# subprograms) never raises. Size-1 axes never count.
 # --------------------------------------------------------------------------
 
 def _padded(values: list, mesh) -> bool:
@@ -2277,8 +2270,7 @@ def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
     name = eqn.primitive.name
     outs: list = [union] * len(eqn.outvars)
     if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
-      # A psum of several values is one equation, each output from its own
-      # operand.
+      # A psum of several values: each output from its own operand.
       change = (frozenset.difference if name in _INVARIANT_OVER_AXES
                 else frozenset.union)
       outs = [None if v is None or eqn.params.get("axis_index_groups")

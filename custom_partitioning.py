@@ -1539,16 +1539,13 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
 # 6. The shard_map path (Explicit mesh axes): partitioning while tracing
 #
 # Where every operand's sharding is in its type, ``partition`` is asked
-# while tracing (by the functions XLA's callbacks use) and the op becomes
-# reshard -> ``jax.shard_map(lower_fn)`` -> reshard, with no custom call
-# (README: "Explicit mesh axes: two paths"). ``_explicit_mesh`` is the gate,
-# ``_explicit_program`` the plan, ``_shard_map_program`` the emission.
+# while tracing and the op becomes reshard -> ``jax.shard_map(lower_fn)``
+# -> reshard, with no custom call (README: "Explicit mesh axes: two paths").
 # --------------------------------------------------------------------------
 
 def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
                    eager_mesh=None):
-  """The op's results, run as reshard -> shard_map -> reshard; None where
-  the op keeps the custom call."""
+  """The op's results, via shard_map; None where it keeps the custom call."""
   mesh, why_not = _explicit_mesh(flat, eager_mesh)
   if mesh is None:
     if why_not is not None and _log.isEnabledFor(logging.DEBUG):
@@ -1574,11 +1571,9 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
 
 
 def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
-  """Runs (traces) the program. Where shard_map's types refuse what the
-  module's check proved (every result replicated as its sharding says): an
-  unmarked loop carry a collective makes varying (TypeError) or a result
-  made equal by all_gather (ValueError), runs its untyped twin instead, as
-  the custom call would; else shard_map's refusal stands."""
+  """Runs (traces) the program, or its untyped twin where shard_map's types
+  refuse what the module's check proved (an unmarked loop carry a collective
+  makes varying: TypeError; a result made equal by all_gather: ValueError)."""
   prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
             "of its lower_fn under Explicit mesh axes: ")
   try:
@@ -1603,9 +1598,9 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 
 
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
-  """``(mesh, why_not)``: the concrete mesh the op runs on as shard_map, or
-  None and, where the operands' mesh is all Explicit, why not (for the
-  log). Reads no callback."""
+  """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
+  (for the log, where the operands' mesh is all Explicit) why not. Asks no
+  callback."""
   if not _EXPLICIT_PATH or _jit_disabled():
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
@@ -1617,8 +1612,7 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
     return None, None
   ambient = _ambient_mesh("get_abstract_mesh")
   if ambient is not None and not ambient.empty and ambient != am:
-    return None, ("another mesh is ambient (inside a shard_map or "
-                  "auto_axes)")
+    return None, "another mesh is ambient (inside a shard_map or auto_axes)"
   mesh = _caller_mesh(lambda m: m.abstract_mesh == am, eager_mesh,
                       with_block=False)
   if mesh is None:
@@ -1633,8 +1627,7 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
 
 
 class _Program(NamedTuple):
-  """A call signature's plan under Explicit axes; ``run`` None: the op
-  keeps the custom call, for the reason ``why``."""
+  """A call signature's plan; ``run`` None: the custom call, for ``why``."""
   run: Callable | None  # jitted reshard -> shard_map -> reshard
   out_tree: Any
   why: str = ""
@@ -1643,8 +1636,7 @@ class _Program(NamedTuple):
 
 
 def _shard_map_advice(error: Exception) -> str:
-  """The way out of the shard_map program's check of replicated results
-  and typing of loop carries (jax's advice names shard_map's arguments)."""
+  """Advice on shard_map's refusals (jax's names shard_map's arguments)."""
   if type(error) is ValueError and "out_specs" in str(error):
     return (" (here: shard_map's check_vma cannot prove a result replicated "
             "over an axis its sharding leaves out; reduce it over that axis "
@@ -1660,8 +1652,7 @@ def _shard_map_advice(error: Exception) -> str:
 
 def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                       mesh) -> _Program:
-  """Plans one call signature: ``partition`` asked while tracing, the
-  answer checked for what shard_map can run, then the program built."""
+  """Plans one call signature: ``partition`` asked, checked, compiled."""
   call, out_tree, type_error = _typed_trace(user_op, args, flat)
   params = user_op._params(args, flat, call, out_tree,
                            _is_hashable(args.static_args))
@@ -1688,8 +1679,7 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                        why=("asked while tracing; not run as shard_map "
                             f"under Explicit axes: {why[1]}"))
     return _Program(None, out_tree, why[1])
-  # The checks, naming the op.
-  _, proven = _trace_lower_fn(op, answer, operands, results)
+  _, proven = _trace_lower_fn(op, answer, operands, results)  # the checks
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _SHARD_MAP)
   build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
@@ -1700,15 +1690,13 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
 
 
 def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
-  """``(call, out_tree, type_error)``: ``fun`` traced on the operands'
-  types or, where jax cannot type it there (``type_error``), without
-  shardings."""
+  """``(call, out_tree, type_error)``: ``fun`` traced on the operands' types
+  or, where jax cannot type it (``type_error``), without shardings."""
   try:
     return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
   except (_ShardingTypeError, ValueError) as e:
-    # Where jax cannot type a result's sharding it raises ShardingTypeError,
-    # and for some ops a plain ValueError (rfft of a sharded axis, jax
-    # 0.10.2): a body that traces without shardings runs as shard_map alike.
+    # Some ops raise a plain ValueError instead of ShardingTypeError (rfft
+    # of a sharded axis, jax 0.10.2).
     with _no_ambient_mesh():
       try:
         return (*user_op._trace_fun(args, flat.in_tree,
@@ -1721,10 +1709,9 @@ def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
 
 
 def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
-  """``(operands, results, typed)``: the values the callbacks are asked
-  about, specs as the custom call's (no size-1 axes), and the program's
-  result types (None: ``partition``'s): jax's typing of ``fun`` or, for a
-  body it cannot type, the op's inference where it places every result."""
+  """``(operands, results, typed)``: the values asked about, specs as the
+  custom call's (no size-1 axes), and the program's result types (None:
+  ``partition``'s): jax's typing of ``fun``, else the op's inference."""
   operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
               for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
@@ -1748,8 +1735,7 @@ def _spec_of(aval) -> tuple:
 
 
 def _unrunnable(answer: _Answer, mesh):
-  """``(error type, reason)`` where shard_map cannot run ``partition``'s
-  answer on ``mesh``; None where it can."""
+  """``(error type, reason)`` where shard_map cannot run ``answer``."""
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
     return NotImplementedError, (
@@ -1774,8 +1760,7 @@ def _unrunnable(answer: _Answer, mesh):
 
 def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
                        fun_name: str, check_vma: bool) -> Callable:
-  """The jitted program: reshard to ``partition``'s arg shardings,
-  ``jax.shard_map`` of ``lower_fn``, reshard to the result types."""
+  """The jitted reshard -> ``jax.shard_map(lower_fn)`` -> reshard."""
   mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
   out_axes = [_axes_in([v.spec]) for v in answer.results]
 
@@ -1783,14 +1768,11 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
     outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
     return [_invariant_over_size1(x, axes, mesh)
             for x, axes in zip(outs, out_axes)]
-  # An operand whose type differs from partition's answer only in size-1
-  # axes (which XLA's shardings drop) keeps its type, so that lower_fn types
-  # as under a plain shard_map of it (a psum over ('z', 'y') on P(('z', 'y'))
-  # needs the operand varying over 'y').
+  # An operand differing from the answer only in size-1 axes keeps its
+  # type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying over 'y'.
   arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
                for t, v in zip(map(_spec_of, in_avals), answer.args)]
-  # The program names no devices: jax.jit reuses its traces for every
-  # concrete mesh of one abstract mesh, and gives the devices when lowering.
+  # No devices: jax.jit reuses its traces for every mesh of an abstract one.
   am = mesh.abstract_mesh
   mapped = jax.shard_map(
       per_shard, mesh=am, check_vma=check_vma,
@@ -1803,17 +1785,14 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
         for x, spec in zip(xs, specs)]
 
   def program(*flat):
-    return reshard(mapped(*reshard(flat, arg_specs)),
-                   [v.spec for v in typed])
+    return reshard(mapped(*reshard(flat, arg_specs)), [v.spec for v in typed])
   program.__name__ = fun_name if fun_name.isidentifier() else "op"
   return jax.jit(program)
 
 
 def _invariant_over_size1(x, spec_axes: set, mesh):
-  """``x`` made invariant (by a psum, which adds nothing) over size-1 mesh
-  axes it varies over in shard_map's types (say after ``axis_index`` over
-  one) and its out spec omits: check_vma would refuse them, needlessly."""
-
+  """``x`` made invariant (by a no-op psum) over size-1 axes it varies over
+  but its out spec omits, which check_vma would needlessly refuse."""
   axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
                if mesh.shape[a] == 1 and a not in spec_axes)
   if not axes:
@@ -1827,19 +1806,15 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # 7. Derived ops: vmap, jvp and transposition
 #
 # ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
-# *derived* op: the same callbacks, ``transform`` listing the steps (first to
-# last) from the author's op (which has none), and as ``call`` the body
-# transformed alike. XLA asks about the derived op, the callbacks answer about
-# their own: each question walks down the steps and its answer back up (as
-# PartitionSpec entries on the op's mesh), ``lower_fn`` becoming
-# ``vmap``/``jvp``/``vjp`` of itself on the same local shards.
+# *derived* op: the same callbacks, ``transform`` listing the steps from the
+# author's op, ``call`` the body transformed alike. Each question XLA asks
+# walks down the steps to the author's op and its answer back up (as spec
+# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
 # --------------------------------------------------------------------------
 
 def _jvp(primals, tangents, **params):
-  """The primal stays the op; the tangents come from a derived jvp op (per
-  shard, ``jax.jvp`` of ``lower_fn`` on the op's own partition). An op with
-  a non-float result is differentiated through its body (XLA partitions
-  that copy)."""
+  """The primal stays the op, the tangents come from a derived jvp op; an op
+  with a non-float result is differentiated through its body."""
   call = params["call"]
   out = custom_partitioning_p.bind(*primals, **params)
   mask = tuple(type(t) is not ad.Zero and
@@ -1852,28 +1827,23 @@ def _jvp(primals, tangents, **params):
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
   operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
-  derived = _derived_call(call, ("jvp", mask), "jvp",
-                          _Jvp(mask).lower(core.jaxpr_as_fun(call)), operands)
-  return out, _bind_derived(operands, params, _Jvp(mask), derived)
+  return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
+      core.jaxpr_as_fun(call)), params.get("transform", ()) + (_Jvp(mask),))
 
 
-def _derived_call(call: core.ClosedJaxpr, tag: tuple, label: str, fun,
-                  operands) -> core.ClosedJaxpr:
-  """``fun``, the body transformed as ``tag`` says (which operands are
-  batched or differentiated), traced for ``operands``."""
+def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
+  """Binds the op derived by ``transform``, its body ``fun`` (``call``
+  transformed as ``tag`` says) traced for ``operands``."""
   # A pure function of the key: the body, the tag, the operands' avals
-  # (under Explicit axes with shardings, which the results inherit) and
-  # jax's trace context.
+  # (with the shardings the results inherit) and jax's trace context.
+  call = params["call"]
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, tag, in_avals, _config.trace_context())
-  return _derived.cached(key, lambda: _trace_to_jaxpr(
+  derived = _derived.cached(key, lambda: _trace_to_jaxpr(
       fun, in_avals, jax.tree_util.tree_structure(in_avals), in_avals,
-      f"{label} of {_fun_name(call)}")[0])
-
-
-def _bind_derived(args, params, step: _Step, call) -> list:
-  return custom_partitioning_p.bind(*args, **dict(
-      params, call=call, transform=params.get("transform", ()) + (step,)))
+      f"{tag[0]} of {_fun_name(call)}")[0])
+  return custom_partitioning_p.bind(*operands, **dict(
+      params, call=derived, transform=transform))
 
 
 def _transpose(cts, *args, **params):
@@ -1890,23 +1860,20 @@ def _transpose(cts, *args, **params):
   n = len(mask)
 
   def body(*xs):
-    # The vjp of a linear function is its transpose at any point; the
-    # primals have the tangents' types (inside shard_map, also their
-    # varying manual axes, which jax.linear_transpose would drop).
+    # A linear function's vjp is its transpose at any point, and keeps the
+    # tangents' varying manual axes (jax.linear_transpose drops them).
     linear = functools.partial(core.jaxpr_as_fun(call), *xs[:n])
     _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
     return list(pullback(list(xs[n:])))
   operands = [*args[:n], *map(ad.instantiate_zeros, cts)]
-  derived = _derived_call(call, ("transpose",), "transpose", body, operands)
-  outs = custom_partitioning_p.bind(*operands, **dict(
-      params, call=derived,
-      transform=steps[:k] + (_Vjp(mask),) + steps[k + 1:]))
-  return [None] * n + list(outs)
+  return [None] * n + list(_bind_derived(
+      operands, params, ("transpose",), body,
+      steps[:k] + (_Vjp(mask),) + steps[k + 1:]))
 
 
 def _batch(args, dims, **params):
-  """Batches the op: every operand gets the batch dimension in front."""
-  # An unbatched operand has dimension None (batching.not_mapped).
+  """Batches the op: every operand gets the batch dimension in front (an
+  unbatched one has dimension None)."""
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   call = params["call"]
   if size == 0:  # nothing to partition (and no item to unbatch below)
@@ -1917,23 +1884,22 @@ def _batch(args, dims, **params):
   batched = tuple(d is not None for d in dims)
 
   def body(*xs):
-    # The body sees the broadcast operands unbatched again: with Explicit
-    # mesh axes, vmap wants all batch dimensions sharded alike.
+    # Broadcast operands unbatched again: under Explicit axes, vmap wants
+    # all batch dimensions sharded alike.
     return jax.vmap(core.jaxpr_as_fun(call),
                     in_axes=[0 if b else None for b in batched])(
                         *[x if b else x[0] for x, b in zip(xs, batched)])
-  derived = _derived_call(call, ("batch", batched), "vmap", body, args)
-  outs = _bind_derived(args, params, _Batch(), derived)
+  outs = _bind_derived(args, params, ("vmap", batched), body,
+                       params.get("transform", ()) + (_Batch(),))
   return outs, [0] * len(outs)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-  """One step from an op to the op derived from it (a subclass per
-  transformation): the values below it (``down``), per-value items above it
-  (``up``: spec entries or a rule's dimensions) and its part of each
-  question given the part below (by default, a step's that keeps
-  shardings). Steps compare and hash by class and fields, as keys need."""
+  """One step from an op to the op derived from it: the values below it
+  (``down``), per-value items above it (``up``: spec entries or a rule's
+  dimensions), its part of each question (by default, keeping shardings).
+  Hashable, as cache keys need."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -1945,15 +1911,13 @@ class _Step:
     return (*self.up(ops, res), reduction)
 
   def entry(self, values, used, mesh):
-    """The spec entry a batch dimension gets; ``used()``: the mesh axes the
-    op below uses (computed only where a step asks)."""
+    """The spec entry a batch dimension gets (``used()``: the op below's)."""
     return None
 
 
 class _Level(NamedTuple):
-  """An op from the author's (``step`` None) up to the one XLA asks about,
-  its values as asked or (``_specs_up``) as partitioned; ``entry``: the
-  spec entry its step gave a batch dimension."""
+  """An op from the author's (``step`` None) up to the one XLA asks about:
+  its values as asked or as partitioned, and its batch dimension's entry."""
   step: _Step | None
   operands: list
   results: list
@@ -1961,8 +1925,7 @@ class _Level(NamedTuple):
 
 
 def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
-  """The ops from the author's to the one at the top, whose values are
-  ``operands`` and ``results``: each one's walked down from those."""
+  """The ops from the author's to the top one, whose values are given."""
   if not steps:
     return [_Level(None, operands, results)]
   return [*_levels(steps[:-1], *steps[-1].down(operands, results)),
@@ -1970,9 +1933,8 @@ def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
 
 
 def _unbatched(v: _Value) -> _Value:
-  """``v`` without its leading batch dimension. A sharding with no
-  PartitionSpec (e.g. a reshape split a mesh axis) reads as replicated: XLA
-  reshards the operand to whatever ``partition`` asks anyway."""
+  """``v`` without its batch dimension; a sharding with no PartitionSpec
+  reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
   spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
   return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
                 v.varying)
@@ -2012,10 +1974,8 @@ class _Batch(_Step):
     return (*self.up(ops, res, (factor,)), reduction)
 
   def entry(self, values, used, mesh):
-    """The spec entry the batch dimension keeps: the mesh axes it arrives
-    sharded over (first of ``values`` that has any) that the op below
-    leaves free (not in ``used()``) and that divide the batch size, or
-    None."""
+    """The axes the batch dimension arrives on (first in ``values``) that
+    the op below leaves free and that divide the batch size, or None."""
     entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
     used = used()
     axes = [a for a in _entry_axes(entry) if a not in used]
@@ -2029,8 +1989,8 @@ class _Batch(_Step):
 
 @dataclasses.dataclass(frozen=True)
 class _Jvp(_Step):
-  """``jax.jvp``: operands are the primals, then the tangents of those
-  marked in ``mask``; results are tangents, each sharded like its primal."""
+  """``jax.jvp``: operands are the primals, then the tangents of those in
+  ``mask``; results are tangents, sharded like their primals."""
   mask: tuple
 
   def down(self, operands, results):
@@ -2040,7 +2000,6 @@ class _Jvp(_Step):
     return operands + [v for v, m in zip(operands, self.mask) if m], results
 
   def lower(self, fn, *_):
-    """Per-shard tangent function: ``(primals, tangents) -> tangents``."""
     def jvp_fn(*xs):
       partial_fn, chosen = _masked(fn, xs[:len(self.mask)], self.mask)
       return list(jax.jvp(partial_fn, chosen, list(xs[len(self.mask):]))[1])
@@ -2050,9 +2009,7 @@ class _Jvp(_Step):
 @dataclasses.dataclass(frozen=True)
 class _Vjp(_Step):
   """``jax.grad``'s transposition: operands are the primals, then the
-  results' cotangents; results are the cotangents of the primals marked in
-  ``mask``, sharded like them (even along a reduction factor) or,
-  propagated, as the user has them."""
+  results' cotangents; results, the cotangents of the primals in ``mask``."""
   mask: tuple
 
   def down(self, operands, results):  # cotangents stand for results
@@ -2072,20 +2029,15 @@ class _Vjp(_Step):
     return (*self.up(ops, res), [])
 
   def lower(self, fn, op, answer, below, batched):
-    """Per-shard ``(primals, cotangents) -> cotangents``: ``fn`` transposed
-    as jax transposes ``pmap`` code (each device's copy of a value is a value
-    of its own), then corrected: a result replicated over ``r`` devices is
-    one value with ``r`` copies, each getting ``1/r`` of its cotangent
-    (``scales``); an operand replicated over some mesh axes feeds every copy,
-    so its cotangent sums over them (``psum_axes``)."""
-    scales = [math.prod(answer.mesh.shape[a]
-                        for a in _copies_over(op, answer.on, v, batched))
+    """``fn`` transposed as jax transposes ``pmap`` code, then corrected:
+    each of a result's ``r`` copies gets ``1/r`` of its cotangent, an
+    operand's cotangent sums over the axes it is replicated over."""
+    copies = functools.partial(_copies_over, op, answer.on, batched=batched)
+    scales = [math.prod(answer.mesh.shape[a] for a in copies(v))
               for v in below.results]
-    psum_axes = [_copies_over(op, answer.on, v, batched)
-                 for v, m in zip(below.operands, self.mask) if m]
+    psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
-    # The transposition reduces where the forward broadcast (a primal
-    # without a dimension of the result): padding must add nothing.
+    # The transposition reduces where the forward broadcast: no padding.
     padded = _padded(below.results, answer.on)
 
     def vjp_fn(*xs):
@@ -2101,14 +2053,18 @@ class _Vjp(_Step):
 
 def _partition_derived(op: _Op, operands: list, results: list,
                        on) -> _PerShard:
-  """The author's answer about the op ``op.steps`` below, walked up."""
+  """The author's answer about the op below, walked up ``op.steps``."""
   if op.mesh.empty:
     raise NotImplementedError(_REFUSALS["derived_without_mesh"].format(
         name=op.name))
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
   levels = _specs_up(levels, answer, closed)
-  fn = _lower_fn_up(op, levels, answer, closed)
+  # lower_fn transformed by each step (given batch dimensions above it).
+  fn = core.jaxpr_as_fun(closed)
+  for i in range(1, len(levels)):
+    fn = levels[i].step.lower(fn, op, answer, levels[i - 1], _axes_in(
+        [[level.entry] for level in levels[i + 1:]]))
   top = levels[-1]
   with _no_ambient_mesh():
     closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
@@ -2134,29 +2090,26 @@ def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
 
 def _specs_up(levels: list, answer: _Answer,
               closed: core.ClosedJaxpr) -> list[_Level]:
-  """``levels`` as partitioned: the author's answer walked up the steps. A
-  batch dimension keeps the mesh axes it arrives on unless the level below
-  uses them (in its shardings or ``lower_fn``'s collectives)."""
+  """``levels`` as partitioned: the author's answer walked up the steps (a
+  batch dimension keeps its axes unless shardings or collectives below use
+  them)."""
   out = [levels[0]._replace(operands=answer.args, results=answer.results)]
   for level in levels[1:]:
     args, outs = ([v.spec for v in side]
                   for side in (out[-1].operands, out[-1].results))
     entry = level.step.entry(level.operands + level.results, functools.partial(
-        _used_axes, closed.jaxpr, answer.on, args + outs), answer.on)
+        _collective_axes, closed.jaxpr, set(answer.on.axis_names),
+        _axes_in(args + outs)), answer.on)
     args, outs = level.step.up(args, outs, entry)
     out.append(_Level(level.step, _with_specs(level.operands, args),
                       _with_specs(level.results, outs), entry))
   return out
 
 
-def _used_axes(jaxpr: core.Jaxpr, mesh, specs: list) -> set:
-  """The axes of ``mesh`` that ``specs`` or ``jaxpr``'s collectives use."""
-  return _collective_axes(jaxpr, set(mesh.axis_names)) | _axes_in(specs)
-
-
-def _collective_axes(jaxpr: core.Jaxpr, names: set) -> set:
-  """The axes among ``names`` that ``jaxpr``'s collectives run over."""
-  return names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
+def _collective_axes(jaxpr: core.Jaxpr, names: set, also=()) -> set:
+  """The axes among ``names`` that ``jaxpr``'s collectives run over, and
+  ``also``."""
+  return set(also) | names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
       _collective_axes(sub, names) for sub in core.subjaxprs(jaxpr)))
 
 
@@ -2168,26 +2121,11 @@ def _eqn_axes(eqn) -> set:
           if isinstance(axis, str)}
 
 
-def _lower_fn_up(op: _Op, levels: list, answer: _Answer,
-                 closed: core.ClosedJaxpr, batched=frozenset()) -> Callable:
-  """The per-shard function of the op at the top of ``levels`` (as
-  partitioned): ``lower_fn``'s jaxpr transformed by each step, first to
-  last; ``batched``: the mesh axes batch dimensions above shard over."""
-  *below, top = levels
-  if top.step is None:
-    return core.jaxpr_as_fun(closed)
-  fn = _lower_fn_up(op, below, answer, closed,
-                    batched | _axes_in([[top.entry]]))
-  return top.step.lower(fn, op, answer, below[-1], batched)
-
-
 def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
-  """The mesh axes along which devices hold equal copies of ``value`` (a
-  size-1 axis holds one copy, and needs no correction):
-  those of ``on`` that neither its spec nor a batch dimension above shard
-  it over and, inside a partly manual shard_map, the manual axes it does
-  not vary over (as shard_map types it; jax < 0.6 and ``check_vma=False``
-  leave every value untyped, and then no manual axis counts)."""
+  """The (not size-1) axes along which devices hold equal copies of
+  ``value``: those of ``on`` its spec and batch dimensions leave out and,
+  inside a partly manual shard_map, the manual axes it does not vary over
+  (none where untyped: jax < 0.6 and ``check_vma=False``)."""
   used = _axes_in([value.spec]) | batched
   axes = tuple(a for a in _real_axes(on) if a not in used)
   if op.place.auto is None or value.varying is None or not any(
@@ -2199,8 +2137,8 @@ def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
 
 
 def _without_padding(x, v: _Value, on):
-  """``x``, a shard of ``v``, zeroed past ``v``'s end where the mesh does
-  not divide a dimension (XLA pads last shards with unspecified values)."""
+  """``x``, a shard of ``v``, zeroed past ``v``'s end (XLA pads last shards
+  with unspecified values)."""
   if v.spec is None or x.dtype == jax.dtypes.float0:
     return x
   for d, entry in enumerate(v.spec):
@@ -2237,25 +2175,15 @@ def _rule_attr(rule, levels: list):
 # --------------------------------------------------------------------------
 # 8. Checks of the per-shard program
 #
-# ``lower_fn`` is per-shard code, as a ``jax.shard_map`` body is, and two
-# mistakes in it would otherwise give silently wrong numbers. Both are
-# refused while ``lower_fn`` is traced, before XLA runs it (unless the op
-# says ``check_vma=False``):
-#  - a dimension that the mesh does not divide is padded by XLA (the last
-#    shards hold unspecified values past the end); reducing over it mixes the
-#    padding into the result. Refused where the op's rule says the dimension
-#    is reduced (``_reduced_factors``: a reduction factor, a factor in no
-#    result, or one a result lacks while sharing another with the operand).
-#  - a result whose sharding is replicated over a mesh axis must be equal on
-#    all devices along it. Each value's *varying axes* (the axes along which
-#    devices may hold different values) are followed through the jaxpr, as
-#    shard_map's check_vma does: operands vary over the axes they are sharded
-#    on, ``axis_index`` and the scattering collectives add their axes,
-#    ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs, loop carries
-#    take the union over the iterations. Where a primitive's effect is
-#    unknown (grouped collectives, other primitives with subprograms) the
-#    answer is "unknown", and unknown never raises. Size-1 axes never count:
-#    along them there is one device, so nothing can differ.
+# Two silent mistakes in ``lower_fn`` are refused while it is traced (unless
+# ``check_vma=False``): reducing over a dimension the mesh does not divide
+# (XLA pads the last shards with unspecified values; ``_reduced_factors``),
+# and a result replicated over a mesh axis it may vary along. *Varying axes*
+# are followed as shard_map's check_vma does: operands vary over their
+# sharded axes, ``axis_index`` and scattering collectives add theirs,
+# ``psum``/``pmax``/``pmin``/``all_gather`` remove theirs, loop carries take
+# the union over iterations; an unknown effect (grouped collectives, other
+# subprograms) never raises. Size-1 axes never count.
 # --------------------------------------------------------------------------
 
 def _padded(values: list, mesh) -> bool:
@@ -2266,45 +2194,36 @@ def _padded(values: list, mesh) -> bool:
 
 
 def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
-  """Raises if an operand dimension that the op's rule reduces over is
-  padded (sharded as in ``args``, over mesh axes that do not divide it)."""
+  """Raises if ``args`` pads an operand dimension the rule reduces over."""
   shapes = [v.shape for v in values]
   try:  # a rule that does not fit the op fails elsewhere, with its cause
     _, dims = _resolve_rule(op.sharding_rule, shapes, len(args))
   except ValueError:
     return
-  name, in_specs = op.name, [v.spec for v in args]
   reduced = _reduced_factors(op.sharding_rule, dims, len(args))
-  for i, (value_dims, spec) in enumerate(zip(dims, in_specs)):
-    for d, (factors, entry) in enumerate(zip(value_dims, spec or ())):
-      axes = sorted(_axes_in([[entry]]))
+  for i, (value_dims, v) in enumerate(zip(dims, args)):
+    for d, (factors, entry) in enumerate(zip(value_dims, v.spec or ())):
       count = _shard_count(entry, mesh)
-      if count == 1 or shapes[i][d] % count == 0:
-        continue
-      if reduced.intersection(factors):
+      if shapes[i][d] % count and reduced.intersection(factors):
         raise ValueError(
-            f"partition of {name} shards operand {i} dimension {d} (size "
-            f"{shapes[i][d]}) over mesh axes {axes} ({count} devices), "
-            f"which do not divide it, and the op's sharding rule reduces "
-            "over that dimension: XLA pads the last shards with unspecified "
-            "values, which the reduction would mix into the result (jax."
-            "shard_map refuses such operands too). Shard that dimension "
-            f"over axes that divide its size (or not at all), or pad it to a "
-            f"multiple of {count} before the op; if lower_fn masks the "
-            "padding itself (from jax.lax.axis_index and the global size), "
-            "pass check_vma=False to def_partition.")
+            f"partition of {op.name} shards operand {i} dimension {d} (size "
+            f"{shapes[i][d]}) over mesh axes {sorted(_axes_in([[entry]]))} "
+            f"({count} devices), which do not divide it, and the op's "
+            "sharding rule reduces over that dimension: XLA pads the last "
+            "shards with unspecified values, which the reduction would mix "
+            "into the result (jax.shard_map refuses such operands too). "
+            "Shard that dimension over axes that divide its size (or not at "
+            f"all), or pad it to a multiple of {count} before the op; if "
+            "lower_fn masks the padding itself (from jax.lax.axis_index and "
+            "the global size), pass check_vma=False to def_partition.")
 
 
 def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
                               out_specs: list, axes) -> bool:
-  """Raises if a result replicated over one of ``axes`` may vary over it;
-  returns whether every such result was proven equal (none unknown).
-
-  ``in_specs``/``out_specs``: PartitionSpec entries per operand and result
-  of ``lower_fn`` (None: unknown, which never raises). ``axes`` leaves out
-  the mesh's size-1 axes (``_real_axes``): a collective over one, or
-  ``axis_index`` of one, makes nothing differ.
-  """
+  """Raises if a result replicated over one of ``axes`` (no size-1 axes)
+  may vary over it; returns whether every such result was proven equal.
+  ``in_specs``/``out_specs``: spec entries per operand and result of
+  ``lower_fn`` (None: unknown, which never raises)."""
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -2342,17 +2261,12 @@ def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
     name = eqn.primitive.name
     outs: list = [union] * len(eqn.outvars)
     if name in _INVARIANT_OVER_AXES or name in _VARYING_OVER_AXES:
-      # One output per operand (a psum of several values is one
-      # equation), each from its own operand.
-      per_operand = ins if len(ins) == len(eqn.outvars) else [union] * len(
-          eqn.outvars)
-      axes = _eqn_axes(eqn)
-      if eqn.params.get("axis_index_groups") is not None:
-        outs = [None] * len(eqn.outvars)
-      elif name in _INVARIANT_OVER_AXES:
-        outs = [None if v is None else v - axes for v in per_operand]
-      else:
-        outs = [None if v is None else v | axes for v in per_operand]
+      # A psum of several values: each output from its own operand.
+      change = (frozenset.difference if name in _INVARIANT_OVER_AXES
+                else frozenset.union)
+      outs = [None if v is None or eqn.params.get("axis_index_groups")
+              is not None else change(v, _eqn_axes(eqn))
+              for v in (ins if len(ins) == len(outs) else outs)]
     elif name == "cond":
       branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
       outs = [None if ins[0] is None or None in per_out
@@ -2361,23 +2275,22 @@ def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
       outs = _loop_varying(eqn, ins)
     elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
         eqn.params)):
-      sub = _only_subjaxpr(eqn)
-      outs = (_varying(sub, ins) if sub is not None
-              else [None] * len(eqn.outvars))
+      # Followed only into one jaxpr called with the operands one to one
+      # (jit, checkpoint, custom_jvp/vjp calls).
+      subs = [getattr(v, "jaxpr", v) for v in eqn.params.values()
+              if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
+      outs = (_varying(subs[0], ins) if len(subs) == 1 and (
+          len(subs[0].invars), len(subs[0].outvars)) == (len(ins), len(outs))
+              else [None] * len(outs))
     for v, out in zip(eqn.outvars, outs):
       env[v] = out
   return [read(v) for v in jaxpr.outvars]
 
 
 def _loop_varying(eqn, ins: list) -> list:
-  """``_varying`` of a ``scan`` or ``while`` equation: each carry varies
-  over what it starts with and whatever any iteration adds (iterated to a
-  fixed point: the sets only grow), and a while loop's carries over what
-  its predicate varies over too (devices may stop after different counts).
-  A carry that becomes varying only on a later iteration (a ppermute of a
-  shard into it) is followed, as shard_map's check_vma types it."""
-  def union(*sets):
-    return None if None in sets else frozenset().union(*sets)
+  """``_varying`` of a ``scan`` or ``while``: each carry varies over what it
+  starts with and any iteration adds (to a fixed point, as check_vma types
+  it), a while loop's also over its predicate's (counts may differ)."""
   p = eqn.params
   if eqn.primitive.name == "scan":
     n, k = _scan_counts(p)
@@ -2392,25 +2305,11 @@ def _loop_varying(eqn, ins: list) -> list:
   while True:
     outs = _varying(body, consts + carry + xs)
     stop = [] if cond is None else _varying(cond, cond_consts + carry)
-    new = [union(c, o, *stop) for c, o in zip(carry, outs[:k])]
+    new = [None if None in (c, o, *stop) else c.union(o, *stop)
+           for c, o in zip(carry, outs[:k])]
     if new == carry:
       return new + outs[k:]
     carry = new
-
-
-def _only_subjaxpr(eqn):
-  """The one jaxpr an equation calls with its operands one to one (jit,
-  checkpoint, custom_jvp/vjp calls), or None."""
-  subs = [v for v in eqn.params.values()
-          if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
-  if len(subs) != 1:
-    return None
-  sub = subs[0]
-  jaxpr = getattr(sub, "jaxpr", sub)
-  if (len(jaxpr.invars) != len(eqn.invars) or
-      len(jaxpr.outvars) != len(eqn.outvars)):
-    return None
-  return jaxpr
 
 
 # --------------------------------------------------------------------------

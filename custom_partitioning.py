@@ -2425,11 +2425,9 @@ def _only_subjaxpr(eqn):
 # --------------------------------------------------------------------------
 # 9. Checking an op's partitioning: check_partitioning
 #
-# A wrong ``partition`` (a transformed axis kept sharded, a backward op that
-# forgets a psum) gives plausible numbers that one-device tests never see.
-# Placements: ``_shardings_of`` per operand, ``_sharding_combinations``
-# across them, ``_cotangent_specs`` for cotangents. Deterministic: no
-# randomness but the cotangents' fixed seed.
+# A wrong ``partition`` gives plausible numbers one device never shows.
+# Placements: ``_shardings_of`` (one operand), ``_sharding_combinations``,
+# ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
 _ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
@@ -2449,63 +2447,57 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   over one axis that divides it; several dimensions, one axis each; one
   dimension over all the axes as a tuple (both orders); padded, one
   dimension over an axis that does not divide it (XLA pads the last
-  shards; none on Explicit axes, where jax types no uneven sharding, nor on
-  jax 0.9 under Shardy, which cannot compile a padded result). Across
-  arguments: all combinations, or ``max_combinations`` per mesh chosen
-  deterministically (all replicated, each argument sharded alone, all
-  sharded at once, then the rest). Each is compiled and run, and its
-  results (with ``grad``, also its VJP's gradients) compared with
-  ``jax.jit(fn)`` on ``jax.devices()[0]``, where every custom-partitioned
-  op runs its own ``fun`` and no callback is asked. Padding never reaches
-  a global result, so none is compared.
+  shards, and no global result holds padding; none on Explicit axes,
+  where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
+  cannot compile a padded result). Across arguments: all combinations, or
+  ``max_combinations`` per mesh chosen deterministically (all replicated,
+  each argument sharded alone, all sharded at once, then the rest). Each
+  is compiled and run, and its results (with ``grad``, also its VJP's
+  gradients) compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where
+  every custom-partitioned op runs its own ``fun`` and no callback is
+  asked.
 
   Args:
-    fn: a ``custom_partitioning`` op, or any function of arrays built from
-      ops (e.g. a ``jax.custom_vjp`` whose forward and backward are ops).
-      Bind static and non-array arguments into it beforehand.
+    fn: a ``custom_partitioning`` op or a function of arrays built from
+      ops (e.g. a ``jax.custom_vjp``); bind non-array arguments into it.
     *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
-      leaf an operand. Keep shapes small. A dimension that mesh axes
-      divide (by 2, 4 or 8 on the default meshes on 8 devices) is sharded
-      evenly, another padded: a shape with both kinds checks both.
+      leaf an operand. Keep shapes small, with dimensions the mesh axes
+      divide (by 2, 4 or 8 on 8 devices; sharded evenly) and others
+      (padded).
     grad: also compare the VJP for fixed random cotangents (seed 0; zero
       for non-float results; no gradient for an integer argument), each
       placed as its result comes out of the jitted forward, as in a real
-      loss (never padded; two compiles per combination). Then, on each
-      mesh without Explicit axes, the operands replicated, each cotangent
-      in its result's k-th sharding of one dimension over one axis, for
-      every k (one VJP compile each).
-    meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
-      mesh ``('x',)`` over all devices and, if the device count has a
-      factor p (1 < p < count; the smallest), a 2-D mesh ``('x', 'y')`` of
-      shape ``(p, count // p)``, with Auto axes (``jax.make_mesh`` gives
+      loss (two compiles per combination); then, on each mesh without
+      Explicit axes, the operands replicated, each cotangent in the k-th
+      one-axis sharding of its result, for every k (one compile each).
+    meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
+      mesh ``('x',)`` over all devices and, for p the device count's
+      smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
+      ``(p, count // p)``, both with Auto axes (``jax.make_mesh`` gives
       Explicit ones from jax 0.9). A mesh with an Explicit axis is checked
       under ``jax.set_mesh``, so that ops take their Explicit-axes path.
-    rtol, atol: as in ``numpy.allclose``. Default by dtype (bfloat16 and
-      float8 are floats, as jax types them): ``rtol`` 1e-9 for 64-bit
-      floats (complex128's parts too), 1e-4 for 32-bit, 5e-3 for float16,
-      3e-2 for bfloat16, twice the epsilon for narrower floats (0.25 for
-      float8_e4m3fn, 0.5 for float8_e5m2); ``atol`` the same times the
-      reference's largest magnitude (at least 1); integers and booleans
-      exact.
-    max_combinations: the bound per mesh. Raise it, or pass ``meshes=``,
-      to check more.
+    rtol, atol: as in ``numpy.allclose``. Default by dtype as jax types it:
+      ``rtol`` 1e-9 for 64-bit floats (complex128's parts too), 1e-4 for
+      32-bit, 5e-3 for float16, 3e-2 for bfloat16, twice the epsilon for
+      float8 types (0.25 for e4m3fn, 0.5 for e5m2); ``atol`` the same times
+      the reference's largest magnitude (at least 1); integers and
+      booleans exact.
+    max_combinations: the bound per mesh.
 
   Returns:
-    A ``PartitioningReport``; its ``str`` says how many combinations were
-    checked on which meshes, in which classes, and per argument which
-    classes were not tried and why.
+    A ``PartitioningReport``; its ``str`` says what was checked on which
+    meshes, and per argument which classes were not tried and why.
 
   Raises:
-    TypeError: ``fn`` is not callable, an example argument (or a leaf of
-      one) is not an array, or ``meshes`` holds a non-mesh.
+    TypeError: ``fn`` is not callable, an example leaf is not an array, or
+      ``meshes`` holds a non-mesh.
     ValueError: ``max_combinations`` is less than 1, or no example argument.
     AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand shardings (and the cotangents' where
-      not their results') as ``PartitionSpec``s, which result or gradient,
-      and the largest error.
-    Exception: an error compiling or running a placement, or the reference
-      on one device, is re-raised with its type (chained to the original),
-      the message naming the mesh and operand shardings (or the device).
+      function, the mesh, the operand (and cotangent) shardings as
+      ``PartitionSpec``s, which result or gradient, and the largest error.
+    Exception: an error compiling or running a placement, or on one
+      device, is re-raised with its type, chained to the original, the
+      message naming the mesh and shardings (or the device).
   """
   name, arg_names, hosts, in_tree, flat, meshes = _checked_examples(
       fn, example_args, meshes, max_combinations)
@@ -2600,10 +2592,8 @@ def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
             grad: bool) -> tuple[Callable, list]:
   """``(run, cotangent shapes)``, None for a non-float result. ``run(leaves,
-  constraints=None, ct_specs=None, mesh=None)`` gives ``[(what, array)]``:
-  the jitted forward's results (leaf i constrained inside ``jit`` to
-  ``constraints[i]``) and, with ``grad``, the jitted VJP's gradients, the
-  cotangents placed as the results are or in ``ct_specs``."""
+  constraints=None, ct_specs=None, mesh=None)``: ``[(what, array)]`` of the
+  jitted results and, with ``grad``, the jitted VJP's gradients."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
 
@@ -2674,10 +2664,8 @@ def _placed(host, mesh, spec: tuple) -> tuple:
 
 
 def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates over the axes of more than one device:
-  replicated, then by class (``_CLASSES``); none padded on a mesh with an
-  Explicit axis (jax types no uneven sharding) or if not
-  ``_returns_padded()``."""
+  """One operand's candidates: replicated, then by class (``_CLASSES``);
+  none padded on Explicit axes or if not ``_returns_padded()``."""
   axes, rank = _real_axes(mesh), len(shape)
 
   def divides(d: int, names: tuple) -> bool:
@@ -2713,9 +2701,8 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
 
 
 def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
-  """The cotangents' placements besides their results': each the k-th of
-  its one-axis shardings, for every k (a shape None: no cotangent). None on
-  an Explicit mesh, where a cotangent must have its result's type."""
+  """For every k, each cotangent in its k-th one-axis sharding (a shape
+  None: none); on Explicit axes none, a cotangent typed as its result."""
   if _any_explicit(mesh):
     return []
   options = [[()] if shape is None else [
@@ -2750,8 +2737,7 @@ def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
 
 def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
               tried: list) -> dict:
-  """The report's ``replicated_only``, ``placements`` and ``untried``, from
-  the classes each operand was ``offered`` and ``tried`` on all meshes."""
+  """The report's ``replicated_only``, ``placements`` and ``untried``."""
   untried = []
   for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
     missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
@@ -2816,8 +2802,7 @@ def _specs_text(specs, arg_names: list, flat: bool) -> str:
 
 
 def _spec_text(spec: tuple) -> str:
-  """``PartitionSpec(None, 'x')`` on every jax release (newer ones print
-  ``P(...)``)."""
+  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
   return f"PartitionSpec({', '.join(map(repr, spec))})"
 
 
@@ -2863,8 +2848,7 @@ def _compare(got, want, rtol, atol, what: str) -> None:
 
 
 def _default_tolerance(dtype) -> float:
-  """rtol (and atol, times the reference's largest magnitude) by dtype, as
-  check_partitioning's ``rtol`` says."""
+  """The default rtol (see check_partitioning's ``rtol``)."""
   if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
     return 0.0
   info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
@@ -2885,8 +2869,8 @@ class PartitioningReport:
     checked: placements compiled, run and compared, over all meshes.
     meshes: per mesh, ``(description, checked, total)``, total the
       combinations before ``max_combinations`` cut them.
-    replicated_only: the example arguments (with their shapes) no mesh
-      could place but replicated.
+    replicated_only: the example arguments (with shapes) placed
+      replicated only, as no mesh could place them otherwise.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.
     placements: the classes besides replicated that some argument was
@@ -2894,10 +2878,9 @@ class PartitioningReport:
       over one axis each"``, ``"one dimension over a tuple of axes"``,
       ``"padded"``.
     untried: per argument with classes not checked, a sentence naming
-      them and why (no mesh axis divides it, or ``max_combinations``).
-    cotangent_placements: with ``grad``, how many placements of the
-      cotangents other than their results' were checked (the operands
-      replicated).
+      them and why (e.g. no mesh axis divides it, or the bound).
+    cotangent_placements: with ``grad``, how many cotangent placements
+      other than their results' were checked (the operands replicated).
   """
   name: str
   checked: int
@@ -2911,28 +2894,23 @@ class PartitioningReport:
 
   def __str__(self) -> str:
     what = "results and gradients" if self.grad else "results"
-    per_mesh = "; ".join(f"{text}: {n} of {total}"
-                         for text, n, total in self.meshes)
-    text = (f"check_partitioning({self.name}): {self.checked} combinations "
-            f"of operand shardings checked, {what} equal to {self.name} on "
-            f"one device ({per_mesh}).")
-    n = self.cotangent_placements
-    if n:
-      text += (f" Cotangents also checked in {n} sharding{'s' * (n > 1)} "
-               "other than their results' (the operands replicated).")
-    text += (" Placements checked: replicated"
-             + "".join(f", {c}" for c in self.placements) + ".")
-    if self.replicated_only:
-      text += (f" No mesh axis divides {', '.join(self.replicated_only)}: "
-               "checked replicated only.")
-    if self.untried:
-      text += f" Not tried {'; '.join(self.untried)}."
-    left = sum(total - n for _, n, total in self.meshes)
-    if left:
-      text += (f" {left} combinations left unchecked (max_combinations="
-               f"{self.max_combinations} per mesh): raise max_combinations, "
-               "or pass meshes=, to check them.")
-    return text
+    n, left = self.cotangent_placements, sum(
+        total - k for _, k, total in self.meshes)
+    per_mesh = "; ".join(f"{text}: {k} of {total}"
+                         for text, k, total in self.meshes)
+    return "".join(part for part in (
+        f"check_partitioning({self.name}): {self.checked} combinations of "
+        f"operand shardings checked, {what} equal to {self.name} on one "
+        f"device ({per_mesh}). ",
+        n and f"Cotangents also checked in {n} sharding{'s' * (n > 1)} "
+        "other than their results' (the operands replicated). ",
+        f"Placements checked: {', '.join(['replicated', *self.placements])}.",
+        self.replicated_only and " No mesh axis divides "
+        f"{', '.join(self.replicated_only)}: checked replicated only.",
+        self.untried and f" Not tried {'; '.join(self.untried)}.",
+        left and f" {left} combinations left unchecked (max_combinations="
+        f"{self.max_combinations} per mesh): raise max_combinations, or pass "
+        "meshes=, to check them.") if part)
 
 
 def _short_repr(value, limit: int = 60) -> str:

@@ -2447,23 +2447,20 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   over one axis that divides it; several dimensions, one axis each; one
   dimension over all the axes as a tuple (both orders); padded, one
   dimension over an axis that does not divide it (XLA pads the last
-  shards, and no global result holds padding; none on Explicit axes,
-  where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
-  cannot compile a padded result). Across arguments: all combinations, or
-  ``max_combinations`` per mesh chosen deterministically (all replicated,
-  each argument sharded alone, all sharded at once, then the rest). Each
-  is compiled and run, and its results (with ``grad``, also its VJP's
-  gradients) compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where
-  every custom-partitioned op runs its own ``fun`` and no callback is
-  asked.
+  shards; not on Explicit axes, where jax types no uneven sharding, nor on
+  jax 0.9 under Shardy, which cannot compile a padded result). Across
+  arguments: all combinations, or ``max_combinations`` per mesh chosen
+  deterministically (all replicated, each argument sharded alone, all
+  sharded at once, then the rest). Each one's jitted results (with
+  ``grad``, also its VJP's gradients) are compared with ``jax.jit(fn)`` on
+  ``jax.devices()[0]``, where each op runs its own ``fun`` (no callback).
 
   Args:
     fn: a ``custom_partitioning`` op or a function of arrays built from
       ops (e.g. a ``jax.custom_vjp``); bind non-array arguments into it.
     *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
-      leaf an operand. Keep shapes small, with dimensions the mesh axes
-      divide (by 2, 4 or 8 on 8 devices; sharded evenly) and others
-      (padded).
+      leaf an operand; small, with dimensions the mesh axes divide (2, 4, 8
+      on 8 devices: sharded evenly) and others (padded).
     grad: also compare the VJP for fixed random cotangents (seed 0; zero
       for non-float results; no gradient for an integer argument), each
       placed as its result comes out of the jitted forward, as in a real
@@ -2476,12 +2473,11 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       ``(p, count // p)``, both with Auto axes (``jax.make_mesh`` gives
       Explicit ones from jax 0.9). A mesh with an Explicit axis is checked
       under ``jax.set_mesh``, so that ops take their Explicit-axes path.
-    rtol, atol: as in ``numpy.allclose``. Default by dtype as jax types it:
-      ``rtol`` 1e-9 for 64-bit floats (complex128's parts too), 1e-4 for
-      32-bit, 5e-3 for float16, 3e-2 for bfloat16, twice the epsilon for
-      float8 types (0.25 for e4m3fn, 0.5 for e5m2); ``atol`` the same times
-      the reference's largest magnitude (at least 1); integers and
-      booleans exact.
+    rtol, atol: as in ``numpy.allclose``; default by dtype as jax types it,
+      ``rtol`` 1e-9 for 64-bit floats (and complex128), 1e-4 for 32-bit,
+      5e-3 for float16, 3e-2 for bfloat16, 2 epsilon for float8 types,
+      ``atol`` that times the reference's largest magnitude (at least 1);
+      integers and booleans exact.
     max_combinations: the bound per mesh.
 
   Returns:
@@ -2675,16 +2671,15 @@ def _shardings_of(shape: tuple, mesh) -> list[tuple]:
   def spec(entries: dict) -> tuple:  # {dimension: entry}
     return tuple(entries.get(d) for d in range(max(entries) + 1))
   one = [spec({d: a}) for d in range(rank) for a in axes if divides(d, (a,))]
-  several, tuples, padded = [], [], []
-  if len(axes) > 1:
-    several = [spec(dict(zip(dims, axes)))
-               for dims in itertools.permutations(range(rank), len(axes))
-               if all(divides(d, (a,)) for d, a in zip(dims, axes))]
-    tuples = [spec({d: t}) for d in range(rank)
-              for t in (axes, axes[::-1]) if divides(d, t)]
-  if not _any_explicit(mesh) and _returns_padded():
-    padded = [spec({d: a}) for d in range(rank) for a in axes
-              if shape[d] % mesh.shape[a]]
+  multi = len(axes) > 1
+  several = [spec(dict(zip(dims, axes)))
+             for dims in itertools.permutations(range(rank), len(axes))
+             if multi and all(divides(d, (a,)) for d, a in zip(dims, axes))]
+  tuples = [spec({d: t}) for d in range(rank) for t in (axes, axes[::-1])
+            if multi and divides(d, t)]
+  padded = [] if _any_explicit(mesh) or not _returns_padded() else [
+      spec({d: a}) for d in range(rank) for a in axes
+      if shape[d] % mesh.shape[a]]
   return [()] + one + several + tuples + padded
 
 

@@ -2655,8 +2655,7 @@ def _placed(host, mesh, spec: tuple) -> tuple:
       mesh, jax.sharding.PartitionSpec(*spec))
   if _placement_class(spec, host.shape, mesh) != _PADDED:
     return jax.device_put(host, sharding), None
-  return jax.device_put(host, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec())), sharding
+  return _placed(host, mesh, ())[0], sharding
 
 
 def _shardings_of(shape: tuple, mesh) -> list[tuple]:
@@ -2862,10 +2861,9 @@ class PartitioningReport:
   Attributes:
     name: the checked function's name.
     checked: placements compiled, run and compared, over all meshes.
-    meshes: per mesh, ``(description, checked, total)``, total the
-      combinations before ``max_combinations`` cut them.
-    replicated_only: the example arguments (with shapes) placed
-      replicated only, as no mesh could place them otherwise.
+    meshes: per mesh, ``(description, checked, total)``, total before
+      ``max_combinations`` cut it.
+    replicated_only: the example arguments (with shapes) no mesh shards.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.
     placements: the classes besides replicated that some argument was
@@ -2875,7 +2873,7 @@ class PartitioningReport:
     untried: per argument with classes not checked, a sentence naming
       them and why (e.g. no mesh axis divides it, or the bound).
     cotangent_placements: with ``grad``, how many cotangent placements
-      other than their results' were checked (the operands replicated).
+      other than their results' were checked (operands replicated).
   """
   name: str
   checked: int

@@ -2425,8 +2425,9 @@ def _only_subjaxpr(eqn):
 # --------------------------------------------------------------------------
 # 9. Checking an op's partitioning: check_partitioning
 #
-# A wrong ``partition`` gives plausible numbers one device never shows.
-# Placements: ``_shardings_of`` (one operand), ``_sharding_combinations``,
+# A wrong ``partition`` (an FFT axis kept sharded, a psum forgotten) gives
+# plausible numbers, and one-device tests never run it. Placements:
+# ``_shardings_of`` (one operand), ``_sharding_combinations``,
 # ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
@@ -2447,13 +2448,14 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   over one axis that divides it; several dimensions, one axis each; one
   dimension over all the axes as a tuple (both orders); padded, one
   dimension over an axis that does not divide it (XLA pads the last
-  shards; not on Explicit axes, where jax types no uneven sharding, nor on
-  jax 0.9 under Shardy, which cannot compile a padded result). Across
-  arguments: all combinations, or ``max_combinations`` per mesh chosen
-  deterministically (all replicated, each argument sharded alone, all
-  sharded at once, then the rest). Each one's jitted results (with
-  ``grad``, also its VJP's gradients) are compared with ``jax.jit(fn)`` on
-  ``jax.devices()[0]``, where each op runs its own ``fun`` (no callback).
+  shards, never a global result; not on Explicit axes, where jax types no
+  uneven sharding, nor on jax 0.9 under Shardy, which cannot compile a
+  padded result). Across arguments: all combinations, or
+  ``max_combinations`` per mesh chosen deterministically (all replicated,
+  each argument sharded alone, all sharded at once, then the rest). Each
+  one's jitted results (with ``grad``, also its VJP's gradients) are
+  compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
+  runs its own ``fun`` (no callback).
 
   Args:
     fn: a ``custom_partitioning`` op or a function of arrays built from
@@ -2464,9 +2466,10 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     grad: also compare the VJP for fixed random cotangents (seed 0; zero
       for non-float results; no gradient for an integer argument), each
       placed as its result comes out of the jitted forward, as in a real
-      loss (two compiles per combination); then, on each mesh without
-      Explicit axes, the operands replicated, each cotangent in the k-th
-      one-axis sharding of its result, for every k (one compile each).
+      loss (never padded; two compiles per combination); then, on each
+      mesh without Explicit axes, the operands replicated, each cotangent
+      in the k-th one-axis sharding of its result, for every k (one
+      compile each).
     meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
       mesh ``('x',)`` over all devices and, for p the device count's
       smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
@@ -2748,9 +2751,9 @@ def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
   """Why no placement of class ``cls`` was tried for ``shape``."""
-  axes = [_real_axes(mesh) for mesh in meshes]
   if offered:
     return "left out by max_combinations"
+  axes = [_real_axes(mesh) for mesh in meshes]
   if not any(axes):
     return "no mesh has an axis of more than one device"
   if cls == _PADDED:

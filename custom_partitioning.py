@@ -2735,18 +2735,17 @@ def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
 def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
               tried: list) -> dict:
   """The report's ``replicated_only``, ``placements`` and ``untried``."""
-  untried = []
+  replicated_only, untried = [], []
   for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
     missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
               for c in _CLASSES if c not in done]
-    if missed and offer != {None}:
+    if offer == {None}:
+      replicated_only.append(f"{arg_name} (shape {h.shape})")
+    elif missed:
       untried.append(f"on {arg_name} (shape {h.shape}): {', '.join(missed)}")
   return dict(
-      replicated_only=tuple(f"{arg_name} (shape {h.shape})" for arg_name, h,
-                            offer in zip(arg_names, hosts, offered)
-                            if offer == {None}),
-      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)),
-      untried=tuple(untried))
+      replicated_only=tuple(replicated_only), untried=tuple(untried),
+      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)))
 
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:

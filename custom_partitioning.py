@@ -2315,105 +2315,81 @@ def _loop_varying(eqn, ins: list) -> list:
 # --------------------------------------------------------------------------
 # 9. Checking an op's partitioning: check_partitioning
 #
-# A wrong ``partition`` (a transformed axis kept sharded, a backward op that
-# forgets a psum) gives plausible numbers, and small tests on one device
-# never run it. Each operand's placements: ``_shardings_of`` (the classes
-# are check_partitioning's); across operands: ``_sharding_combinations``;
-# the cotangents': ``_cotangent_specs``. Deterministic: no randomness but
-# the cotangents' fixed seed.
+# A wrong ``partition`` (an FFT axis kept sharded, a psum forgotten) gives
+# plausible numbers, and one-device tests never run it. Placements:
+# ``_shardings_of`` (one operand), ``_sharding_combinations``,
+# ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
-_DEFAULT_MAX_COMBINATIONS = 32  # per mesh
-_ONE_AXIS = "one dimension over one axis"
-_SEVERAL = "several dimensions over one axis each"
-_TUPLE = "one dimension over a tuple of axes"
-_PADDED = "padded"
-_CLASSES = (_ONE_AXIS, _SEVERAL, _TUPLE, _PADDED)
+_ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
+    "one dimension over one axis", "several dimensions over one axis each",
+    "one dimension over a tuple of axes", "padded")
 
 
 def check_partitioning(fn: Callable, *example_args, grad: bool = False,
                        meshes=None, rtol: float | None = None,
                        atol: float | None = None,
-                       max_combinations: int = _DEFAULT_MAX_COMBINATIONS
-                       ) -> PartitioningReport:
+                       max_combinations: int = 32) -> PartitioningReport:
   """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
   whatever sharding its operands arrive in. For an op author's tests.
 
-  On each mesh, every example argument is placed replicated or in one of
-  these classes of shardings over the mesh's axes of more than one device:
-  one dimension over one axis that divides it; several dimensions, every
-  axis on a dimension of its own; one dimension over all the axes as a
-  tuple (mesh order and reversed); padded, one dimension over an axis that
-  does not divide it (XLA pads the last shards; none on Explicit axes,
-  where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
-  cannot compile a padded result). Combinations across arguments: all, or
-  at most ``max_combinations`` per mesh, chosen deterministically (all
-  replicated, each argument sharded alone, all sharded at once, then the
-  rest). Each placement is compiled and run; its results (with ``grad``,
-  and its VJP's gradients) are compared with ``jax.jit(fn)`` on the
-  arguments on ``jax.devices()[0]``, where every custom-partitioned op runs
-  its own ``fun`` and no callback is asked. Padding never reaches a global
-  result, so none is compared.
+  On each mesh, over its axes of more than one device, every example
+  argument is placed replicated or in one of four classes: one dimension
+  over one axis that divides it; several dimensions, one axis each; one
+  dimension over all the axes as a tuple (both orders); padded, one
+  dimension over an axis that does not divide it (XLA pads the last
+  shards, never a global result; not on Explicit axes, where jax types no
+  uneven sharding, nor on jax 0.9 under Shardy, which cannot compile a
+  padded result). Across arguments: all combinations, or
+  ``max_combinations`` per mesh chosen deterministically (all replicated,
+  each argument sharded alone, all sharded at once, then the rest). Each
+  one's jitted results (with ``grad``, also its VJP's gradients) are
+  compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
+  runs its own ``fun`` (no callback).
 
   Args:
-    fn: a ``custom_partitioning`` op, or any function of arrays built from
-      such ops (e.g. a ``jax.custom_vjp`` whose forward and backward are
-      ops). Bind static and non-array arguments into it beforehand
-      (``functools.partial`` or a lambda).
-    *example_args: arrays (``numpy`` or ``jax``), or pytrees of arrays:
-      every leaf is an operand placed in its own shardings. Small shapes
-      keep the check fast. Dimensions divisible by the mesh axes' sizes get
-      sharded evenly (with the default meshes on 8 devices: by 2, 4 or 8),
-      the others padded: a shape with both kinds checks both.
-    grad: also compare the vector-Jacobian product of ``fn`` for fixed
-      random cotangents (seed 0; zero for non-float results; gradients
-      with respect to integer arguments are not compared). Each cotangent
-      is placed as its result comes out of the jitted forward in that
-      combination (never padded), so backward ops see cotangents sharded as
-      in a real loss: two compiles per combination instead of one. Then, on
-      each mesh without Explicit axes, the operands replicated, the
-      cotangents take their results' shardings of one dimension over one
-      axis (the k-th of each, for every k): one VJP compile each, for
-      backward ops that go wrong only on cotangents sharded otherwise.
-    meshes: a ``jax.sharding.Mesh`` or a sequence of them. Default: a 1-D
-      mesh ``('x',)`` over all devices and, where the device count has a
-      factor p (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
-      ``(p, count // p)``, with Auto axes (``jax.sharding.Mesh``; note
-      ``jax.make_mesh`` gives Explicit axes from jax 0.9). A mesh with an
-      Explicit axis is checked under ``jax.set_mesh``, so that ops take
-      their Explicit-axes path.
-    rtol, atol: tolerances, as in ``numpy.allclose``. Default by dtype (as
-      jax types it: bfloat16 and the float8 types are floats): ``rtol``
-      1e-9 for 64-bit floats (complex128's parts too), 1e-4 for 32-bit,
-      5e-3 for float16, 3e-2 for bfloat16, twice the machine epsilon for
-      narrower floats (float8_e4m3fn 0.25, float8_e5m2 0.5); ``atol`` the
-      same times the reference's largest magnitude (at least 1); integers
-      and booleans exact.
-    max_combinations: keyword; the bound per mesh (default 32). Raise it,
-      or pass ``meshes=``, to check more.
+    fn: a ``custom_partitioning`` op or a function of arrays built from
+      ops (e.g. a ``jax.custom_vjp``); bind non-array arguments into it.
+    *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
+      leaf an operand; small, with dimensions the mesh axes divide (2, 4, 8
+      on 8 devices: sharded evenly) and others (padded).
+    grad: also compare the VJP for fixed random cotangents (seed 0; zero
+      for non-float results; no gradient for an integer argument), each
+      placed as its result comes out of the jitted forward, as in a real
+      loss (never padded; two compiles per combination); then, on each
+      mesh without Explicit axes, the operands replicated, each cotangent
+      in the k-th one-axis sharding of its result, for every k (one
+      compile each).
+    meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
+      mesh ``('x',)`` over all devices and, for p the device count's
+      smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
+      ``(p, count // p)``, both with Auto axes (``jax.make_mesh`` gives
+      Explicit ones from jax 0.9). A mesh with an Explicit axis is checked
+      under ``jax.set_mesh``, so that ops take their Explicit-axes path.
+    rtol, atol: as in ``numpy.allclose``; default by dtype as jax types it,
+      ``rtol`` 1e-9 for 64-bit floats (and complex128), 1e-4 for 32-bit,
+      5e-3 for float16, 3e-2 for bfloat16, 2 epsilon for float8 types,
+      ``atol`` that times the reference's largest magnitude (at least 1);
+      integers and booleans exact.
+    max_combinations: the bound per mesh.
 
   Returns:
-    A ``PartitioningReport``; its ``str`` says how many combinations were
-    checked on which meshes, in which classes of placements, and per
-    argument which classes were not tried and why (no axis divides it, or
-    the bound left them out).
+    A ``PartitioningReport``; its ``str`` says what was checked on which
+    meshes, and per argument which classes were not tried and why.
 
   Raises:
-    TypeError: ``fn`` is not callable, an example argument (or a leaf of
-      one) is not an array, or ``meshes`` holds a non-mesh.
+    TypeError: ``fn`` is not callable, an example leaf is not an array, or
+      ``meshes`` holds a non-mesh.
     ValueError: ``max_combinations`` is less than 1, or no example argument.
     AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand shardings (as ``PartitionSpec``s;
-      and the cotangents' where they are not their results'), which
-      result or gradient, and the largest error.
-    Exception: an error raised while compiling or running one placement
-      is re-raised with its type (chained to the original), the message
-      naming the mesh and operand shardings; one raised by the reference
-      run on one device, likewise.
+      function, the mesh, the operand (and cotangent) shardings as
+      ``PartitionSpec``s, which result or gradient, and the largest error.
+    Exception: an error compiling or running a placement, or on one
+      device, is re-raised with its type, chained to the original, the
+      message naming the mesh and shardings (or the device).
   """
-  name, arg_names, hosts, in_tree, flat = _checked_examples(
-      fn, example_args, max_combinations)
-  meshes = _checked_meshes(name, meshes)
+  name, arg_names, hosts, in_tree, flat, meshes = _checked_examples(
+      fn, example_args, meshes, max_combinations)
   run, ct_shapes = _runner(fn, name, in_tree, hosts, arg_names, grad)
   device = jax.devices()[0]
   try:
@@ -2421,33 +2397,46 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   except Exception as e:
     raise _renamed(e, f"check_partitioning({name}): on one device "
                       f"({device})") from e
-  check = _checker(run, want, name, arg_names, flat, hosts, (rtol, atol))
+
+  def check(mesh, specs, ct_specs=None):
+    where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
+             f"operand shardings {_specs_text(specs, arg_names, flat)}")
+    if ct_specs is not None:
+      where += f" and cotangent shardings {_specs_text(ct_specs, [], True)}"
+    placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
+    try:
+      with _set_mesh_scope(mesh):
+        got = run([x for x, _ in placed], tuple(c for _, c in placed),
+                  ct_specs, mesh)
+    except Exception as e:
+      raise _renamed(e, where) from e
+    for (what, g), (_, w) in zip(got, want):
+      _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} on "
+               "one device")
   per_mesh, cotangents = [], 0
   offered, tried = [set() for _ in hosts], [set() for _ in hosts]
   for mesh in meshes:
     options = [_shardings_of(h.shape, mesh) for h in hosts]
-    combinations = _sharding_combinations(options, max_combinations)
-    for specs in combinations:
+    chosen = _sharding_combinations(options, max_combinations)
+    for specs in chosen:
       check(mesh, specs)
     for ct_specs in _cotangent_specs(ct_shapes, mesh):
       check(mesh, [()] * len(hosts), ct_specs)
       cotangents += 1
     for i, h in enumerate(hosts):
-      offered[i].update(_placement_class(s, h.shape, mesh)
-                        for s in options[i])
-      tried[i].update(_placement_class(specs[i], h.shape, mesh)
-                      for specs in combinations)
-    per_mesh.append((_mesh_text(mesh), len(combinations),
-                     math.prod(len(o) for o in options)))
+      offered[i] |= {_placement_class(s, h.shape, mesh) for s in options[i]}
+      tried[i] |= {_placement_class(c[i], h.shape, mesh) for c in chosen}
+    per_mesh.append((_mesh_text(mesh), len(chosen),
+                     math.prod(map(len, options))))
   return PartitioningReport(
       name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
       max_combinations=max_combinations, cotangent_placements=cotangents,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
-def _checked_examples(fn, example_args: tuple, max_combinations):
-  """``(name, arg_names, host arrays, in_tree, flat)`` of checked
-  arguments; ``flat``: every argument is an array (no pytree)."""
+def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
+  """``(name, arg_names, host arrays, in_tree, flat, meshes)``, checked;
+  ``flat``: no argument is a pytree."""
   if not callable(fn):
     raise TypeError(
         "check_partitioning: fn must be callable (a custom_partitioning op "
@@ -2463,7 +2452,9 @@ def _checked_examples(fn, example_args: tuple, max_combinations):
   if not paths_leaves:
     raise ValueError(f"check_partitioning({name}): no example argument "
                      "(an array) to place.")
-  arg_names = [_path_text(path, "argument") for path, _ in paths_leaves]
+  arg_names = [f"argument {path[0].idx}"
+               f"{jax.tree_util.keystr(tuple(path[1:]))}"
+               for path, _ in paths_leaves]
   for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
     if not _is_array(leaf):
       raise TypeError(
@@ -2471,52 +2462,27 @@ def _checked_examples(fn, example_args: tuple, max_combinations):
           f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
           "numpy or jax arrays; bind other arguments into fn "
           "(functools.partial or a lambda).")
-  return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
-          in_tree, all(len(path) == 1 for path, _ in paths_leaves))
-
-
-def _checked_meshes(name: str, meshes) -> list:
   if meshes is None:
-    return _default_meshes()
+    devices = np.array(jax.devices())
+    n = devices.size
+    factors = [p for p in range(2, n) if n % p == 0]
+    meshes = [jax.sharding.Mesh(devices, ("x",))] + [
+        jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y"))
+        for p in factors[:1]]
   meshes = [meshes] if isinstance(meshes, jax.sharding.Mesh) else list(meshes)
   for mesh in meshes:
     if not isinstance(mesh, jax.sharding.Mesh):
       raise TypeError(f"check_partitioning({name}): meshes must hold "
                       f"jax.sharding.Mesh objects; got {type(mesh).__name__}.")
-  return meshes
-
-
-def _checker(run: Callable, want: list, name: str, arg_names: list,
-             flat: bool, hosts: list, tolerances: tuple) -> Callable:
-  """``check(mesh, specs, ct_specs=None)``: runs ``hosts`` placed in
-  ``specs`` (cotangents in ``ct_specs``) and compares with ``want``."""
-  def check(mesh, specs, ct_specs=None):
-    where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
-             f"operand shardings {_specs_text(specs, arg_names, flat)}")
-    if ct_specs is not None:
-      where += f" and cotangent shardings {_specs_text(ct_specs, [], True)}"
-    placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
-    try:
-      with _set_mesh_scope(mesh):
-        got = run([x for x, _ in placed], tuple(c for _, c in placed),
-                  ct_specs, mesh)
-    except Exception as e:
-      raise _renamed(e, where) from e
-    for (what, g), (_, w) in zip(got, want):
-      _compare(g, w, *tolerances, f"{where}: {what} differs from {name} on "
-               "one device")
-  return check
+  return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
+          in_tree, all(len(path) == 1 for path, _ in paths_leaves), meshes)
 
 
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
             grad: bool) -> tuple[Callable, list]:
-  """``(run, cotangent shapes)``, a shape None for a non-float result.
-
-  ``run(leaves, constraints=None, ct_specs=None, mesh=None)`` returns
-  ``[(what, array)]``: the jitted forward's results on ``leaves`` (each
-  constrained inside ``jit`` to its entry of ``constraints``, if any) and,
-  with ``grad``, the jitted VJP's gradients for fixed cotangents placed as
-  the forward's results are or, given ``ct_specs``, in those on ``mesh``."""
+  """``(run, cotangent shapes)``, None for a non-float result. ``run(leaves,
+  constraints=None, ct_specs=None, mesh=None)``: ``[(what, array)]`` of the
+  jitted results and, with ``grad``, the jitted VJP's gradients."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
 
@@ -2524,7 +2490,18 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
     return fn(*args_of(leaves, constraints))
   forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
   jitted_forward = jax.jit(forward, static_argnums=1)
-  cts = _cotangents(fn, in_tree.unflatten(hosts)) if grad else []
+  # Cotangents: seed 0; None for a non-float result (its float0 is built
+  # while tracing); floats as jax types them (bfloat16: not numpy's).
+  rng, cts = np.random.default_rng(0), []
+  for s in jax.tree_util.tree_leaves(jax.eval_shape(
+      fn, *in_tree.unflatten(hosts))) if grad else []:
+    ct = None
+    if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
+      ct = rng.standard_normal(s.shape)
+      if jax.numpy.issubdtype(s.dtype, jax.numpy.complexfloating):
+        ct = ct + 1j * rng.standard_normal(s.shape)
+      ct = ct.astype(s.dtype)
+    cts.append(ct)
 
   def pullback(leaves, cts, constraints, ct_constraints):
     out, vjp = jax.vjp(fn, *args_of(leaves, constraints))
@@ -2540,8 +2517,9 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
   def run(leaves, constraints=None, ct_specs=None, mesh=None):
     constraints = constraints or (None,) * len(leaves)
     out = jitted_forward(leaves, constraints)
-    found = [(_path_text(path, "result"), leaf) for path, leaf in
-             jax.tree_util.tree_flatten_with_path(out)[0]]
+    found = [(f"result {jax.tree_util.keystr(tuple(path))}" if path else
+              "the result", leaf)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]]
     if grad:
       placed = [(None, None) if c is None else
                 (jax.device_put(c, _arguable(o, mesh)), None) if spec is None
@@ -2557,58 +2535,25 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
   return run, [None if c is None else c.shape for c in cts]
 
 
-def _cotangents(fn: Callable, args: tuple) -> list:
-  """Fixed random cotangents (seed 0) of ``fn``'s results, flat; None for
-  a non-float result (float0, built while tracing). Floats as jax types
-  them: bfloat16 and float8 are not ``numpy.inexact``."""
-  rng = np.random.default_rng(0)
-
-  def cotangent(s):
-    if not jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
-      return None
-    ct = rng.standard_normal(s.shape)
-    if jax.numpy.issubdtype(s.dtype, jax.numpy.complexfloating):
-      ct = ct + 1j * rng.standard_normal(s.shape)
-    return ct.astype(s.dtype)
-  return [cotangent(s) for s in
-          jax.tree_util.tree_leaves(jax.eval_shape(fn, *args))]
-
-
 def _constrained(xs: list, shardings) -> list:
-  """``xs`` inside ``jit``, each constrained to its sharding (if any)."""
   return [x if s is None else jax.lax.with_sharding_constraint(x, s)
           for x, s in zip(xs, shardings)]
 
 
 def _placed(host, mesh, spec: tuple) -> tuple:
   """``(host put on mesh in spec, None)``; for a padded ``spec``, which
-  ``jax.device_put`` refuses, ``host`` put replicated and ``spec``'s
-  sharding, to constrain it to inside ``jit`` as a user's program would."""
+  ``jax.device_put`` refuses, ``(host replicated, spec's sharding)``, to
+  constrain it to inside ``jit`` as a user's program would."""
   sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(*spec))
   if _placement_class(spec, host.shape, mesh) != _PADDED:
     return jax.device_put(host, sharding), None
-  return jax.device_put(host, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec())), sharding
-
-
-def _default_meshes() -> list:
-  """check_partitioning's default meshes, p the smallest factor."""
-  devices = np.array(jax.devices())
-  meshes = [jax.sharding.Mesh(devices, ("x",))]
-  n = devices.size
-  p = next((p for p in range(2, n) if n % p == 0), None)
-  if p is not None:
-    meshes.append(jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y")))
-  return meshes
+  return _placed(host, mesh, ())[0], sharding
 
 
 def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates, in this order: replicated; one
-  dimension over one axis; several dimensions; a tuple of axes; padded
-  (none on a mesh with an Explicit axis: jax types no uneven sharding;
-  none where ``_returns_padded`` says jax cannot compile them).
-  Axes: those of more than one device."""
+  """One operand's candidates: replicated, then by class (``_CLASSES``);
+  none padded on Explicit axes or if not ``_returns_padded()``."""
   axes, rank = _real_axes(mesh), len(shape)
 
   def divides(d: int, names: tuple) -> bool:
@@ -2618,16 +2563,15 @@ def _shardings_of(shape: tuple, mesh) -> list[tuple]:
   def spec(entries: dict) -> tuple:  # {dimension: entry}
     return tuple(entries.get(d) for d in range(max(entries) + 1))
   one = [spec({d: a}) for d in range(rank) for a in axes if divides(d, (a,))]
-  several, tuples, padded = [], [], []
-  if len(axes) > 1:
-    several = [spec(dict(zip(dims, axes)))
-               for dims in itertools.permutations(range(rank), len(axes))
-               if all(divides(d, (a,)) for d, a in zip(dims, axes))]
-    tuples = [spec({d: t}) for d in range(rank)
-              for t in (axes, axes[::-1]) if divides(d, t)]
-  if not _any_explicit(mesh) and _returns_padded():
-    padded = [spec({d: a}) for d in range(rank) for a in axes
-              if shape[d] % mesh.shape[a]]
+  multi = len(axes) > 1
+  several = [spec(dict(zip(dims, axes)))
+             for dims in itertools.permutations(range(rank), len(axes))
+             if multi and all(divides(d, (a,)) for d, a in zip(dims, axes))]
+  tuples = [spec({d: t}) for d in range(rank) for t in (axes, axes[::-1])
+            if multi and divides(d, t)]
+  padded = [] if _any_explicit(mesh) or not _returns_padded() else [
+      spec({d: a}) for d in range(rank) for a in axes
+      if shape[d] % mesh.shape[a]]
   return [()] + one + several + tuples + padded
 
 
@@ -2644,9 +2588,8 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
 
 
 def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
-  """The cotangents' placements besides their results': each the k-th of
-  its one-axis shardings, for every k (a shape None: no cotangent). None on
-  an Explicit mesh, where a cotangent must have its result's type."""
+  """For every k, each cotangent in its k-th one-axis sharding (a shape
+  None: none); on Explicit axes none, a cotangent typed as its result."""
   if _any_explicit(mesh):
     return []
   options = [[()] if shape is None else [
@@ -2662,46 +2605,37 @@ def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
   replicated first): all if they fit; else all replicated, each operand
   sharded alone (round-robin), "diagonals" (operand i takes its k-th
   option, for every k), then the rest in ``itertools.product`` order."""
-  total = math.prod(len(o) for o in options)
-  if total <= bound:
+  if math.prod(map(len, options)) <= bound:
     return list(itertools.product(*options))
-  chosen: dict[tuple, None] = {}
-
-  def add(combination):
-    if len(chosen) < bound:
-      chosen.setdefault(tuple(combination), None)
   replicated = [o[0] for o in options]
-  add(replicated)
-  longest = max(len(o) for o in options)
-  for k in range(1, longest):  # one operand sharded, round-robin
-    for i, o in enumerate(options):
-      if k < len(o):
-        add(replicated[:i] + [o[k]] + replicated[i + 1:])
-  for k in range(1, longest):  # every operand sharded at once
-    add([o[k % len(o)] for o in options])
-  for combination in itertools.product(*options):
-    if len(chosen) >= bound:
+  ks = range(1, max(map(len, options)))
+  chosen: dict[tuple, None] = {}
+  for combination in itertools.chain(
+      [replicated],
+      (replicated[:i] + [o[k]] + replicated[i + 1:]
+       for k in ks for i, o in enumerate(options) if k < len(o)),
+      ([o[k % len(o)] for o in options] for k in ks),
+      itertools.product(*options)):
+    chosen.setdefault(tuple(combination), None)
+    if len(chosen) == bound:
       break
-    add(combination)
   return list(chosen)
 
 
 def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
               tried: list) -> dict:
-  """The report's ``replicated_only``, ``placements`` and ``untried``, from
-  the classes each operand was ``offered`` and ``tried``, over all meshes."""
-  untried = []
+  """The report's ``replicated_only``, ``placements`` and ``untried``."""
+  replicated_only, untried = [], []
   for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
     missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
               for c in _CLASSES if c not in done]
-    if missed and offer != {None}:
+    if offer == {None}:
+      replicated_only.append(f"{arg_name} (shape {h.shape})")
+    elif missed:
       untried.append(f"on {arg_name} (shape {h.shape}): {', '.join(missed)}")
   return dict(
-      replicated_only=tuple(f"{arg_name} (shape {h.shape})" for arg_name, h,
-                            offer in zip(arg_names, hosts, offered)
-                            if offer == {None}),
-      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)),
-      untried=tuple(untried))
+      replicated_only=tuple(replicated_only), untried=tuple(untried),
+      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)))
 
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
@@ -2711,12 +2645,12 @@ def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
   axes = [_real_axes(mesh) for mesh in meshes]
   if not any(axes):
     return "no mesh has an axis of more than one device"
-  if cls == _PADDED and not _returns_padded() and any(
-      n % m.shape[a] for m in meshes if not _any_explicit(m)
-      for a in _real_axes(m) for n in shape):
-    return ("jax 0.9 under Shardy cannot compile a program whose result "
-            "is padded")
   if cls == _PADDED:
+    if not _returns_padded() and any(
+        n % m.shape[a] for m in meshes if not _any_explicit(m)
+        for a in _real_axes(m) for n in shape):
+      return ("jax 0.9 under Shardy cannot compile a program whose result "
+              "is padded")
     explicit = [_any_explicit(m) for m, a in zip(meshes, axes) if a]
     if all(explicit):
       return "jax types no uneven sharding on Explicit mesh axes"
@@ -2754,16 +2688,8 @@ def _specs_text(specs, arg_names: list, flat: bool) -> str:
 
 
 def _spec_text(spec: tuple) -> str:
-  """``PartitionSpec(None, 'x')`` on every jax release (newer ones print
-  ``P(...)``)."""
+  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
   return f"PartitionSpec({', '.join(map(repr, spec))})"
-
-
-def _path_text(path, first: str) -> str:
-  """A key path as ``argument 1['w']`` or ``result [0]``."""
-  if first == "argument":
-    return f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
-  return f"result {jax.tree_util.keystr(tuple(path))}" if path else "the result"
 
 
 def _renamed(error: Exception, where: str) -> Exception:
@@ -2788,27 +2714,27 @@ def _compare(got, want, rtol, atol, what: str) -> None:
   g, w = got.astype(wide), want.astype(wide)
   tol = _default_tolerance(want.dtype)
   scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))
-  rtol_ = tol if rtol is None else rtol
-  atol_ = tol * max(scale, 1.0) if atol is None else atol
+  rtol = tol if rtol is None else rtol
+  atol = tol * max(scale, 1.0) if atol is None else atol
   with np.errstate(invalid="ignore"):
     error = np.abs(g - w)
     same = (g == w) | (np.isnan(g) & np.isnan(w))
-    bad = ~same & ~(error <= atol_ + rtol_ * np.abs(w))
+    bad = ~same & ~(error <= atol + rtol * np.abs(w))
   if not bad.any():
     return
   error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
   at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
                         want.shape)
+  got_at, want_at = (format(v, ".6g") if isinstance(v, (float, complex))
+                     else str(v) for v in (got[at].item(), want[at].item()))
   raise AssertionError(
       f"{what}: largest error {float(np.max(error)):.3g} ({int(bad.sum())} "
       f"of {bad.size} elements off; at index {tuple(map(int, at))} got "
-      f"{_number(got[at])}, expected {_number(want[at])}; rtol={rtol_:.3g}, "
-      f"atol={atol_:.3g})")
+      f"{got_at}, expected {want_at}; rtol={rtol:.3g}, atol={atol:.3g})")
 
 
 def _default_tolerance(dtype) -> float:
-  """rtol (and atol, relative to the reference's largest magnitude) by
-  dtype, as check_partitioning's ``rtol`` says."""
+  """The default rtol (see check_partitioning's ``rtol``)."""
   if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
     return 0.0
   info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
@@ -2820,35 +2746,26 @@ def _default_tolerance(dtype) -> float:
                                                   2 * float(info.eps))
 
 
-def _number(value) -> str:
-  value = np.asarray(value).item()
-  return format(value, ".6g") if isinstance(value, (float, complex)) else (
-      str(value))
-
-
 @dataclasses.dataclass(frozen=True)
 class PartitioningReport:
   """What ``check_partitioning`` checked; ``str()`` says it in sentences.
 
   Attributes:
     name: the checked function's name.
-    checked: how many placements of the operands were compiled, run and
-      compared, over all meshes.
-    meshes: per mesh, ``(description, checked, total)``: combinations run
-      and those the sweep has (more when the bound cut it).
-    replicated_only: the example arguments (described with their shapes)
-      that no mesh could place but replicated: checked replicated only.
+    checked: placements compiled, run and compared, over all meshes.
+    meshes: per mesh, ``(description, checked, total)``, total before
+      ``max_combinations`` cut it.
+    replicated_only: the example arguments (with shapes) no mesh shards.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.
-    placements: the classes of placements some argument was checked in
-      (besides replicated), of ``"one dimension over one axis"``,
-      ``"several dimensions over one axis each"``, ``"one dimension over a
-      tuple of axes"`` and ``"padded"``.
-    untried: per argument with classes not checked, a sentence naming them
-      and why (no mesh axis divides it, or ``max_combinations``).
-    cotangent_placements: with ``grad``, how many placements of the
-      cotangents other than as their results were checked (the operands
-      replicated).
+    placements: the classes besides replicated that some argument was
+      checked in: ``"one dimension over one axis"``, ``"several dimensions
+      over one axis each"``, ``"one dimension over a tuple of axes"``,
+      ``"padded"``.
+    untried: per argument with classes not checked, a sentence naming
+      them and why (e.g. no mesh axis divides it, or the bound).
+    cotangent_placements: with ``grad``, how many cotangent placements
+      other than their results' were checked (operands replicated).
   """
   name: str
   checked: int
@@ -2862,28 +2779,23 @@ class PartitioningReport:
 
   def __str__(self) -> str:
     what = "results and gradients" if self.grad else "results"
-    per_mesh = "; ".join(f"{text}: {n} of {total}"
-                         for text, n, total in self.meshes)
-    text = (f"check_partitioning({self.name}): {self.checked} combinations "
-            f"of operand shardings checked, {what} equal to {self.name} on "
-            f"one device ({per_mesh}).")
-    n = self.cotangent_placements
-    if n:
-      text += (f" Cotangents also checked in {n} sharding{'s' * (n > 1)} "
-               "other than their results' (the operands replicated).")
-    text += (" Placements checked: replicated"
-             + "".join(f", {c}" for c in self.placements) + ".")
-    if self.replicated_only:
-      text += (f" No mesh axis divides {', '.join(self.replicated_only)}: "
-               "checked replicated only.")
-    if self.untried:
-      text += f" Not tried {'; '.join(self.untried)}."
-    left = sum(total - n for _, n, total in self.meshes)
-    if left:
-      text += (f" {left} combinations left unchecked (max_combinations="
-               f"{self.max_combinations} per mesh): raise max_combinations, "
-               "or pass meshes=, to check them.")
-    return text
+    n, left = self.cotangent_placements, sum(
+        total - k for _, k, total in self.meshes)
+    per_mesh = "; ".join(f"{text}: {k} of {total}"
+                         for text, k, total in self.meshes)
+    return "".join(part for part in (
+        f"check_partitioning({self.name}): {self.checked} combinations of "
+        f"operand shardings checked, {what} equal to {self.name} on one "
+        f"device ({per_mesh}). ",
+        n and f"Cotangents also checked in {n} sharding{'s' * (n > 1)} "
+        "other than their results' (the operands replicated). ",
+        f"Placements checked: {', '.join(['replicated', *self.placements])}.",
+        self.replicated_only and " No mesh axis divides "
+        f"{', '.join(self.replicated_only)}: checked replicated only.",
+        self.untried and f" Not tried {'; '.join(self.untried)}.",
+        left and f" {left} combinations left unchecked (max_combinations="
+        f"{self.max_combinations} per mesh): raise max_combinations, or pass "
+        "meshes=, to check them.") if part)
 
 
 def _short_repr(value, limit: int = 60) -> str:

@@ -4211,8 +4211,8 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
 
 def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
   """Registers jaxlib's LAPACK kernels (tenths of a second, once) if ``jaxpr``
-  uses one on CPU, as jax.export does for a loaded module: jax only does when
-  lowering one; XLA segfaults if code the persistent cache loaded calls one."""
+  uses one on CPU, as jax.export does for a loaded module: jax does so only
+  when it lowers one, and XLA segfaults if cached per-shard code calls one."""
   global _lapack_ready
   if _lapack_ready or "cpu" not in platforms:
     return
@@ -4492,7 +4492,7 @@ def _trace_context_by_value() -> tuple:
   """jax's trace context (the configuration its tracing caches key on),
   each entry described by value: equal in every process for equal ones."""
   # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
-  # a core.AxisEnv, whose repr is its address. Other entries are values.
+  # a core.AxisEnv, whose repr is its address; the rest describe by value.
   axis_env = getattr(core, "AxisEnv", ())  # a class, or no class
   return tuple(
       ("axis env", dict(v.axis_sizes), v.spmd_axis_names,

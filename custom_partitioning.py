@@ -3814,21 +3814,41 @@ def _store_sizes(op=None) -> dict[str, int]:
 # --------------------------------------------------------------------------
 # Appendix F. Compatibility
 #
-# Every jax._src import and every difference between jax releases, each
-# branch naming the release that forced it (delete it once that release
-# leaves the supported range). Python internals are gated on jax's version,
-# C++ bindings (Shardy, XLA) on jaxlib's: a jax release may run on the
-# previous jaxlib (e.g. jax 0.10.2 on jaxlib 0.10.1). Private names used
-# without a branch are unchanged from jax 0.4.35 through 0.11.
+# Every jax._src import and version difference; each branch names the
+# release that forced it, to delete with it. Python internals are gated on
+# jax's version, C++ bindings (Shardy, XLA) on jaxlib's (jax 0.10.2 may run
+# on jaxlib 0.10.1). Unbranched private names hold from jax 0.4.35 to 0.11.
 # --------------------------------------------------------------------------
 
+# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
+# shardings cannot type the manual subgroup XLA needs (it aborts without).
+_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
+# jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
+_ShardingTypeError = getattr(core, "ShardingTypeError", type(
+    "_NeverRaised", (Exception,), {}))
+# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
+# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+# jax 0.6.0 added the cast to varying types jax.lax.pvary, 0.8.2 pcast(x,
+# axes, to="varying"), 0.10.0 removed pvary; advice names the one it has.
+_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
+                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
+_VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
+# Options jax sets while tracing, not users (check_vma in a jax.shard_map's
+# body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
+_TRACING_OPTIONS = frozenset({"check_vma"})
+# jax's array class (C++): ``type(x) is`` it costs a tenth of isinstance.
+_ArrayImpl = xc.ArrayImpl
+_lapack_ready = False  # see _ensure_lapack
+
+
 def _typeof(x) -> core.AbstractValue:
-  """The abstract value of a concrete array, tracer or Python scalar."""
-  # jax 0.5.3 added core.typeof; 0.10.0 removed core.get_aval.
-  if hasattr(core, "typeof"):
+  if hasattr(core, "typeof"):  # jax 0.5.3 added it; 0.10.0 removed get_aval
     return core.typeof(x)
-  # jax 0.4.36 removed ConcreteArray, the abstract value of a concrete
-  # array before it; tracing must not see (or key on) the array's values.
+  # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
   aval = core.get_aval(x)
   return core.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
 
@@ -3877,19 +3897,15 @@ def _module_backend(ctx: mlir.LoweringRuleContext):
 
 
 def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
-  # jax 0.5.0 renamed the backend_or_name keyword to backend.
-  kwargs: dict[str, Any] = {
+  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
       "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
   params: dict[str, Any] = {}
-  # jax 0.7.0 dropped the name_stack keyword.
-  if _JAX_VERSION < (0, 7, 0):
+  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
     kwargs["name_stack"] = source_info_util.new_name_stack()
-  # jax 0.7.1 added num_const_args, in_avals and hoist_constants_as_args.
-  if _JAX_VERSION >= (0, 7, 1):
+  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
     kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
     params["hoist_constants_as_args"] = False
-  # jax 0.11.0 made out_avals required (and ClosedJaxpr an alias of Jaxpr).
-  if _JAX_VERSION >= (0, 11, 0):
+  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
     kwargs["out_avals"] = closed_jaxpr.out_avals
   result = mlir.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr, ordered_effects=[],
@@ -3899,29 +3915,22 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
   return result.module, result.host_callbacks
 
 
-# jaxlib registers its LAPACK kernels with XLA only when jax lowers a
-# linear-algebra primitive for CPU (jax._src.lib.lapack._lapack.initialize;
-# tenths of a second, once). XLA segfaults calling an unregistered one from
-# per-shard code that the persistent cache loaded (jax.export initializes
-# them for a deserialized module alike); so, where that cache is used, an
-# op whose body uses one initializes them when it is lowered for CPU.
-_lapack_ready = False
-
-
 def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
+  """Registers jaxlib's LAPACK kernels (tenths of a second, once) if ``jaxpr``
+  uses one on CPU, as jax.export does for a loaded module: jax does so only
+  when it lowers one, and XLA segfaults if cached per-shard code calls one."""
   global _lapack_ready
   if _lapack_ready or "cpu" not in platforms:
     return
   linear_algebra = {p for p in vars(linalg).values()
                     if isinstance(p, core.Primitive)}
-  if _uses_any(jaxpr, linear_algebra):
-    lapack._lapack.initialize()
-    _lapack_ready = True
-
-
-def _uses_any(jaxpr: core.Jaxpr, primitives: set) -> bool:
-  return any(eqn.primitive in primitives for eqn in jaxpr.eqns) or any(
-      _uses_any(sub, primitives) for sub in core.subjaxprs(jaxpr))
+  jaxprs = [jaxpr]
+  while jaxprs and not _lapack_ready:
+    jaxpr = jaxprs.pop()
+    if any(eqn.primitive in linear_algebra for eqn in jaxpr.eqns):
+      lapack._lapack.initialize()
+      _lapack_ready = True
+    jaxprs.extend(core.subjaxprs(jaxpr))
 
 
 def _ambient_mesh(getter: str):
@@ -3948,8 +3957,7 @@ def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
 def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
   """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
   if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
-    # Also covers "replicated within a manual subgroup", which jax's parser
-    # does not handle.
+    # Also "replicated within a manual subgroup", which jax cannot parse.
     if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
       return (None,) * ndim
   try:
@@ -3966,33 +3974,22 @@ def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
 def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
                    reduction, need_replication, permutation):
   kwargs: dict[str, Any] = {}
-  # jaxlib 0.5.0 added the special factor kinds to Shardy rules.
-  if _JAXLIB_VERSION >= (0, 5, 0):
+  if _JAXLIB_VERSION >= (0, 5, 0):  # jaxlib 0.5.0 added these factor kinds
     kwargs.update(reduction_factors=reduction,
                   need_replication_factors=need_replication,
                   permutation_factors=permutation)
   elif reduction or need_replication or permutation:
     raise NotImplementedError(_REFUSALS["special_factors"].format(
         jaxlib=".".join(map(str, _JAXLIB_VERSION))))
-  # jaxlib 0.6.1: rules of custom calls are marked is_custom. Before it,
-  # is_custom=True fails the compile ("Unable to convert StableHLO to MHLO"
-  # on 0.4.x; "can only define custom sharding rules on stablehlo" on 0.5.x).
-  if _JAXLIB_VERSION >= (0, 6, 1):
+  if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
     kwargs["is_custom"] = True
   return sdy.OpShardingRuleAttr.get(
       factor_sizes=factor_sizes, operand_mappings=operand_mappings,
       result_mappings=result_mappings, **kwargs)
 
 
-# jax 0.5.3 made axis types a per-axis tuple of jax.sharding.AxisType; before
-# it, meshes cannot type single axes Manual, so a NamedSharding cannot express
-# the manual subgroup that XLA expects (it aborts without) of shardings
-# inside a partly manual shard_map.
-_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
-
-
 def _inexpressible(place) -> bool:
-  """Whether the op is in a partly manual shard_map on such a jax (above)."""
+  """Whether the op is in a partly manual shard_map before jax 0.5.3."""
   return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
 
 
@@ -4006,33 +4003,26 @@ def _with_manual_axes(mesh, manual_axes):
 
 def _auto_submesh(mesh, manual_axes):
   """The sub-mesh over the non-manual axes (devices of one manual group)."""
-  keep = [i for i, name in enumerate(mesh.axis_names)
-          if name not in manual_axes]
-  index = tuple(slice(None) if i in keep else 0
-                for i in range(len(mesh.axis_names)))
-  # jax 0.5.3 made axis types a per-axis tuple (_MESH_TYPES_MANUAL_AXES).
+  keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
+  index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
   kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
-            if _MESH_TYPES_MANUAL_AXES else {})
+            if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
   return mesh_lib.Mesh(mesh.devices[index],
                        tuple(mesh.axis_names[i] for i in keep), **kwargs)
 
 
 def _no_ambient_mesh():
-  """Clears the ambient abstract mesh while tracing and lowering lower_fn."""
-  # jax 0.5.3 to 0.8.x: under an ambient mesh with Explicit axes (set_mesh
-  # or use_mesh), the per-shard module gets sharding constraints that XLA
-  # cannot export (Shardy, 0.5.x) or run ("Sharding" custom call, 0.6-0.8).
+  """Clears the ambient mesh for lower_fn: under an Explicit one, jax 0.5.3
+  to 0.8.x give the per-shard module constraints XLA cannot export or run."""
   if not hasattr(mesh_lib, "use_abstract_mesh"):
     return contextlib.nullcontext()
   return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
 
 
 def _manual_scope(mesh):
-  """The ambient mesh ``lower_fn`` is traced under (the empty one where jax
-  types no varying axes): ``mesh`` with every axis Manual, as in
-  ``jax.shard_map``, so that ``jax.lax.pcast`` (``pvary``), which asserts
-  that its axes are Manual, can mark a value (a loop carry) varying; outside
-  shard_map's own typing (check_vma) such a cast adds no equation."""
+  """Where lower_fn is traced: ``mesh`` with every axis Manual, as in
+  jax.shard_map, so that jax.lax.pcast/pvary can mark a loop carry varying
+  (no equation outside check_vma); no mesh where jax has no varying types."""
   if not _VARYING_TYPES or mesh.empty:
     return _no_ambient_mesh()
   am = mesh.abstract_mesh
@@ -4040,25 +4030,11 @@ def _manual_scope(mesh):
       {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
 
 
-# jax 0.6.0 added jax.lax.pvary, the cast to varying types; 0.8.2 added
-# jax.lax.pcast(x, axes, to="varying") for it, and 0.10.0 removed pvary.
-# Advice names the one this jax has.
-_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
-                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
-_VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
-
-
 def _varying_axes(aval) -> frozenset | None:
   """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
-  # jax 0.6 added ShapedArray.vma (shard_map's check_vma); jax 0.10 moved it
-  # to ShapedArray.manual_axis_type.varying.
+  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
   mat = getattr(aval, "manual_axis_type", None)
   return getattr(aval, "vma", None) if mat is None else mat.varying
-
-
-# jax's concrete array type (C++): ``type(x) is`` it is a tenth of
-# ``isinstance(x, jax.Array)``, on the eager call's hot path.
-_ArrayImpl = xc.ArrayImpl
 
 
 # Private attributes of jax's mesh and sharding classes: one place to change
@@ -4079,34 +4055,15 @@ def _gspmd_hlo(sharding) -> xc.HloSharding:
   return sharding._hlo_sharding
 
 
-# The shard_map path (reshard -> shard_map -> reshard while tracing) needs
-# Explicit axis types (jax 0.5.3), jax.shard_map with check_vma (jax 0.6)
-# and jax.sharding.reshard (exported from jax 0.7.0); without all three
-# every op keeps the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-
-# jax 0.5.3 added ShardingTypeError (raised while tracing when jax cannot
-# type a result's sharding); before it nothing can raise it.
-_ShardingTypeError = getattr(core, "ShardingTypeError", type(
-    "_NeverRaised", (Exception,), {}))
-
-
 def _axis_types(mesh) -> tuple | None:
-  # jax 0.4.36 added axis types, as a dict of axes by type; jax 0.5.3 made
-  # them a tuple of one type per axis.
+  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
   types_ = getattr(mesh, "axis_types", None)
   return types_ if isinstance(types_, tuple) else None
 
 
 def _explicitly_typed(avals) -> bool:
-  """Whether the shard_map path may apply: some abstract value is sharded
-  on a mesh with an axis typed Explicit (see ``_EXPLICIT_PATH``). Runs for
-  every bind: one function, no helper calls."""
-  # jax 0.5.0 gave ShapedArray a sharding; jax 0.5.3 made axis types a
-  # tuple (_axis_types); _EXPLICIT_PATH needs jax 0.6.
+  """Whether the shard_map path may apply: an aval sharded (jax 0.5.0+) on
+  a mesh with an Explicit axis. Runs for every bind: calls no helper."""
   return _EXPLICIT_PATH and any(
       jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
           a, "sharding", None), "mesh", None), "axis_types", ())
@@ -4120,31 +4077,26 @@ def _all_explicit(am) -> bool:
 
 
 def _any_explicit(mesh) -> bool:
-  # Before jax 0.5.3 (see _axis_types) no axis is Explicit.
-  types_ = _axis_types(mesh)
+  types_ = _axis_types(mesh)  # None before jax 0.5.3: no axis is Explicit
   return types_ is not None and jax.sharding.AxisType.Explicit in types_
 
 
 def _scan_counts(params: dict) -> tuple[int, int]:
-  """A scan equation's numbers of constants and carries."""
-  # jax 0.11.0 replaced num_consts/num_carry with ft_in: (consts, carry, xs).
-  if "num_consts" in params:
+  if "num_consts" in params:  # jax 0.11.0 replaced these with ft_in
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].unpack()
   return len(list(consts)), len(list(carry))
 
 
 def _returns_padded() -> bool:
-  """Whether jax compiles a jit whose result XLA leaves padded (a dimension
-  over an axis that does not divide it), which check_partitioning's padded
-  placements need: not jax 0.9 under Shardy (0.9.2 raises IndivisibleError
-  recovering its sharding; 0.8.3 and 0.10.2 give it another sharding)."""
+  """Whether jax compiles a jit whose result XLA leaves padded, as
+  check_partitioning's padded placements need: not jax 0.9 with Shardy
+  (0.9.2 raises IndivisibleError; 0.8.3, 0.10.2 give another sharding)."""
   return _JAX_VERSION[:2] != (0, 9) or not _use_shardy()
 
 
 def _set_mesh_scope(mesh):
-  """A context that sets ``mesh`` as jax's ambient mesh if it has an axis
-  typed Explicit (none before jax 0.5.3); else does nothing."""
+  """Sets ``mesh`` as jax's ambient mesh if it has an Explicit axis."""
   # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)
@@ -4154,9 +4106,8 @@ def _set_mesh_scope(mesh):
 
 
 def _typed_like(x, like):
-  """``x`` resharded to the sharding in ``like``'s type where that type has
-  one on Explicit mesh axes (a cotangent must match its output's type)."""
-  # jax 0.5.0 gave ShapedArray a sharding; jax 0.7.0 exported reshard.
+  """``x`` resharded like ``like``'s type if that is on Explicit mesh axes
+  (a cotangent must match its output's type; jax 0.7.0 exported reshard)."""
   aval = _typeof(like)
   if hasattr(jax.sharding, "reshard") and _any_explicit(_aval_mesh(aval)):
     return jax.sharding.reshard(x, aval.sharding.spec)
@@ -4164,12 +4115,9 @@ def _typed_like(x, like):
 
 
 def _arguable(result: jax.Array, mesh) -> jax.sharding.Sharding:
-  """The sharding of a jitted program's ``result`` (on ``mesh``, or one
-  device if None), as ``jax.jit`` takes it for an argument."""
-  # jax 0.4.35 to 0.5.3 under Shardy give a result that XLA shards its own
-  # way (a padded operand's: rows over 2 of 8 devices, say) a GSPMDSharding,
-  # which their jit refuses for an argument (0.10.2 gives a NamedSharding):
-  # named on the mesh where a PartitionSpec can say it, else replicated.
+  """``result``'s sharding (on ``mesh``, or one device if None) as jax.jit
+  takes it for an argument: jax 0.4.35 to 0.5.3 with Shardy give a padded
+  result a GSPMDSharding, which their jit refuses for an argument."""
   sharding = result.sharding
   if mesh is None or not isinstance(sharding, sharding_impls.GSPMDSharding):
     return sharding
@@ -4185,17 +4133,13 @@ def _unsharded(aval):
 
 
 def _vmapped_over_mesh_axis(x) -> bool:
-  """Whether ``x`` is (the primal of) a ``jax.vmap`` tracer whose batch
-  dimension is sharded over a mesh axis in its type."""
-  # jax's vmap of shard_map moves such a batch dimension to no mesh axis
-  # (an all-gather, jax 0.10.2; a size-1 axis is then unbound in lower_fn)
-  # where the op's own batching rule keeps it, so the shard_map path leaves
-  # these calls to the custom call.
+  """Whether ``x`` is (the primal of) a jax.vmap tracer whose batch dimension
+  is sharded over a mesh axis in its type: jax's vmap of shard_map moves it
+  to no mesh axis (an all-gather, jax 0.10.2; a size-1 axis is then unbound
+  in lower_fn), so such calls keep the custom call."""
   while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
-    if isinstance(x, ad.JVPTracer):
-      x = x.primal
-      continue
-    dim, x = x.batch_dim, x.val
+    dim, x = ((None, x.primal) if isinstance(x, ad.JVPTracer)
+              else (x.batch_dim, x.val))
     spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
     if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
       return True
@@ -4211,15 +4155,8 @@ def _jit_disabled() -> bool:
 
 
 def _add_note(error: BaseException, note: str) -> None:
-  # Python 3.11 added BaseException.add_note.
-  if hasattr(error, "add_note"):
+  if hasattr(error, "add_note"):  # Python 3.11 added it
     error.add_note(note)
-
-
-# Options that jax sets while tracing, not users (an enclosing jax.shard_map
-# sets check_vma for its body, jax 0.10.2): lower_fn, traced on plain local
-# types without the ambient mesh, is traced without them too.
-_TRACING_OPTIONS = frozenset({"check_vma"})
 
 
 def _persistent_cache_used() -> bool:
@@ -4252,16 +4189,13 @@ def _config_entered(values: tuple):
 def _trace_context_by_value() -> tuple:
   """jax's trace context (the configuration its tracing caches key on),
   each entry described by value: equal in every process for equal ones."""
-  # The axis environment is a tuple of frames in jax 0.4.35 (empty outside
-  # a transformation), a core.AxisEnv object (whose repr is its address) in
-  # jax 0.10 and 0.11. Other entries are plain values, enums, meshes and
-  # tuples of them, which the key's describer takes by value.
-  axis_env = getattr(core, "AxisEnv", None)
+  # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
+  # a core.AxisEnv, whose repr is its address; the rest describe by value.
+  axis_env = getattr(core, "AxisEnv", ())  # a class, or no class
   return tuple(
       ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
        getattr(v, "explicit_mesh_axis_names", None))
-      if axis_env is not None and isinstance(v, axis_env) else v
-      for v in _config.trace_context())
+      if isinstance(v, axis_env) else v for v in _config.trace_context())
 
 
 @_jax_util.cache(max_size=1, trace_context_in_key=False)
@@ -4275,14 +4209,13 @@ def _cache_epoch() -> object:
 
 def _register_partitioner(name: str, prop_user_sharding, partition,
                           infer_sharding_from_operands) -> None:
-  """Registers the XLA custom-call partitioner, also with PJRT plugins."""
-  kwargs = dict(prop_user_sharding=prop_user_sharding, partition=partition,
-                infer_sharding_from_operands=infer_sharding_from_operands,
-                can_side_effecting_have_replicated_sharding=True)
-  xc.register_custom_call_partitioner(name, **kwargs)
-  xla_bridge.register_plugin_callbacks(
-      functools.partial(xc.register_custom_call_partitioner, name=name,
-                        **kwargs))
+  register = functools.partial(
+      xc.register_custom_call_partitioner, name=name,
+      prop_user_sharding=prop_user_sharding, partition=partition,
+      infer_sharding_from_operands=infer_sharding_from_operands,
+      can_side_effecting_have_replicated_sharding=True)
+  register()
+  xla_bridge.register_plugin_callbacks(register)
 
 
 # --------------------------------------------------------------------------

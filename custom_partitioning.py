@@ -244,35 +244,32 @@ class custom_partitioning:
     k), "norm": (n,)}``, has the rule ``"i, i j -> i, i j"``.
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
-    ``lower_fn`` as shards of ceil(n / k), the last ones padded with
-    unspecified values (zeros on CPU in practice); XLA drops the results'
-    padding. A reduction over a padded dimension is refused (see
-    ``check_vma``): shard it only over axes that divide it, or mask the
-    padding in ``lower_fn`` (from ``jax.lax.axis_index`` and the global
-    size) and pass ``check_vma=False``.
+    ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
+    values (zeros on CPU in practice); XLA drops the results' padding. A
+    reduction over a padded dimension is refused (``check_vma``): shard it
+    over axes that divide it, or mask the padding in ``lower_fn`` (from
+    ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
 
     Args:
       partition: ``(*static, mesh, arg_shapes, result_shape) -> (mesh,
-        lower_fn, result_shardings, arg_shardings)``. XLA reshards the
+        lower_fn, result_shardings, arg_shardings)``: XLA reshards the
         operands to ``arg_shardings``; ``lower_fn(*local_args)`` computes
-        one shard, may use collectives over the returned mesh's axes and
-        returns results sharded as ``result_shardings``. That mesh is
-        ``mesh``, another mesh over the same devices or an
-        ``AbstractMesh`` (made concrete on the op's devices, shardings on
-        it too). Where no mesh could be recovered, ``mesh`` is the empty
-        mesh: returned, ``lower_fn`` runs with no mesh axes (naming one is
-        an error saying how to give the op a mesh). None (the default)
-        with a ``sharding_rule``: derived from the rule, for both
-        partitioners and Explicit axes. Each factor keeps the mesh axes
-        the operands arrive sharded on (a factor they bring on different
-        axes is replicated, and of two factors on one axis the later one);
-        replicated are the special factors, the reduced ones (in no
-        result, in results only, or lacking from a result that shares
-        another factor with the operand: ``j`` of ``"i, j -> i"`` for ``x *
-        sum(y)``), and factors of compound dimensions. Each shard runs
-        ``fun`` (with the static arguments) on its local arrays, so the
-        rule must hold shard-wise. None without a rule: ``fun`` runs on
-        one device; on several the call raises ``ValueError``.
+        one shard (collectives may name the returned mesh's axes) sharded
+        as ``result_shardings``. That mesh is ``mesh``, another over the
+        same devices, or an ``AbstractMesh`` (it and shardings on it made
+        concrete on the op's devices). If no mesh could be recovered,
+        ``mesh`` is empty and ``lower_fn`` has no mesh axes (naming one
+        raises an error saying how to give the op one). None (default)
+        with a ``sharding_rule``: derived from the rule (both partitioners,
+        Explicit axes): a factor keeps the axes its operands arrive sharded
+        on (replicated if they disagree; of two factors on one axis, the
+        later one); replicated are special factors, reduced ones (in no
+        result, in results only, or missing from a result sharing another
+        factor with the operand: ``j`` in ``"i, j -> i"`` for ``x *
+        sum(y)``) and factors of compound dimensions; each shard runs
+        ``fun`` on its local arrays, so the rule must hold shard-wise. None
+        without a rule: ``fun`` runs on one device; on several the call
+        raises ``ValueError``.
       infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
         for a body jax cannot type): ``(*static, mesh, arg_shapes,
         result_shape) -> result sharding(s)``; ``result_shape`` has no
@@ -290,21 +287,19 @@ class custom_partitioning:
       check_vma: keyword-only, this module's (upstream has none). True:
         tracing ``lower_fn`` raises ``ValueError`` for a replicated result
         that may vary along a mesh axis (a missing ``psum``) and for
-        padding that would enter a reduction (of a dimension the rule
-        reduces). Like ``jax.shard_map``'s ``check_vma``, it follows the
-        axes each value may vary along through ``lower_fn``'s jaxpr (loop
-        carries to a fixed point); where it cannot (grouped collectives,
-        unknown primitives with subprograms) it never refuses; mesh axes
-        of size 1 never count. ``lower_fn`` is traced as a shard_map body,
-        so ``jax.lax.pcast(x, axes, to="varying")`` (``pvary`` before jax
-        0.8.2) may mark a loop carry; an unmarked one works too, as
-        upstream. Under Explicit axes the op's ``jax.shard_map`` gets its
-        own ``check_vma``, turned off where it refuses what this check
-        proved (an unmarked varying carry, a result made equal by
-        ``all_gather``); else its refusal stands. Reductions a derived
-        op's transposition makes never see XLA's padding (cotangents are
-        zeroed past the end). False turns the checks off (for code right
-        by a construction they cannot see, such as a ring all-reduce).
+        padding entering a reduction the rule makes. As ``jax.shard_map``'s
+        check, it follows through the jaxpr the axes each value may vary
+        along (loop carries to a fixed point), never refuses where it
+        cannot (grouped collectives, unknown primitives with subprograms)
+        and ignores size-1 axes; a loop carry may be marked with
+        ``jax.lax.pcast(x, axes, to="varying")`` (``pvary`` before jax
+        0.8.2) or not, as upstream. Under Explicit axes the op's
+        ``jax.shard_map`` check is turned off where it refuses what this
+        one proved (an unmarked varying carry, a result made equal by
+        ``all_gather``). A derived op's transposition zeroes cotangents
+        past the end, so XLA's padding never enters its reductions. False
+        turns the checks off (for code right by a construction they cannot
+        see, such as a ring all-reduce).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -329,10 +324,21 @@ class custom_partitioning:
       raise TypeError(
           f"def_partition of {self._name}: partition must be callable; got "
           f"{type(partition).__name__}.")
-    sharding_rule = _checked_rule(self._name, sharding_rule, dict(
-        factor_sizes, **{kind: factors for kind, factors in zip(
-            _SPECIAL_FACTOR_KINDS, (reduction_factors, need_replication_factors,
-                                    permutation_factors)) if factors}))
+    extra = dict(factor_sizes, **{kind: factors for kind, factors in zip(
+        _SPECIAL_FACTOR_KINDS, (reduction_factors, need_replication_factors,
+                                permutation_factors)) if factors})
+    if isinstance(sharding_rule, str):
+      sharding_rule = str_to_sdy_sharding_rule(sharding_rule, **extra)
+    elif not (sharding_rule is None or callable(sharding_rule) or
+              isinstance(sharding_rule, SdyShardingRule)):
+      raise TypeError(
+          f"def_partition of {self._name}: sharding_rule must be a str, an "
+          f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
+    elif extra:
+      raise ValueError(
+          f"def_partition of {self._name}: {sorted(extra)} only apply to a "
+          "string sharding_rule; put them into the SdyShardingRule (or the "
+          "(string, kwargs) pair your callable returns) instead.")
     self._defined = True
     (self.partition, self.infer_sharding_from_operands,
      self.propagate_user_sharding, self.decode_shardings, self.sharding_rule,
@@ -352,12 +358,11 @@ class custom_partitioning:
     eager = core.trace_state_clean() and not _config.disable_jit.value
     if (not kwargs and len(args) == self._signature.plain and
         not (self.static_argnums or self.static_argnums == 0)):
-      # The common case, kept fast: every argument is an operand.
-      return (self._eager_call(args) if eager
-              else self._bind(_CallArgs((), (), (), args)))
-    args = self._split(args, kwargs)
+      args = _CallArgs((), (), (), args)  # the common case, kept fast
+    else:
+      args = self._split(args, kwargs)
     if eager and _is_hashable(args.static_args):
-      return self._eager_call(args.dyn_args, args)
+      return self._eager_call(args)
     return self._bind(args)
 
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
@@ -365,50 +370,63 @@ class custom_partitioning:
     args, unpassed = self._signature.positional(args, kwargs, self._name)
     if not unpassed and not (self.static_argnums or self.static_argnums == 0):
       return _CallArgs((), (), (), args)  # the common case, kept fast
-    static_argnums, static_args = _static_args(self.static_argnums, args,
-                                               self._name)
+    nums = self.static_argnums
+    positions: list[int] = []  # in the author's order: callbacks see it
+    for i in (nums,) if isinstance(nums, int) else nums or ():
+      if not -len(args) <= i < len(args):
+        raise IndexError(
+            f"custom_partitioning function {self._name}: static_argnums "
+            f"entry {i} is out of range for a call with {len(args)} "
+            "arguments.")
+      if i % len(args) not in positions:
+        positions.append(i % len(args))
+    for i in positions:
+      if any(isinstance(leaf, core.Tracer)
+             for leaf in jax.tree_util.tree_leaves(args[i])):
+        raise _errors.UnexpectedTracerError(
+            f"custom_partitioning function {self._name} got a traced value "
+            f"as argument {i}, which static_argnums marks static. Static "
+            "arguments must be concrete Python values.")
     # Like jax.jit: unpassed Python defaults are constants, not operands.
     defaults = tuple((i, args[i]) for i in unpassed
-                     if i not in static_argnums and not _is_array(args[i]))
-    fixed = set(static_argnums) | {i for i, _ in defaults}
-    return _CallArgs(static_argnums, static_args, defaults,
+                     if i not in positions and not _is_array(args[i]))
+    fixed = set(positions) | {i for i, _ in defaults}
+    return _CallArgs(tuple(positions), tuple(args[i] for i in positions),
+                     defaults,
                      tuple(a for i, a in enumerate(args) if i not in fixed))
 
-  def _eager_call(self, dyn_args: tuple, args: _CallArgs | None = None):
-    """A call outside any transformation, compiled; ``args`` None: no
-    static arguments or defaults. The cache's key holds all the jitted
-    function depends on but the operands' types and shardings, which
-    jax.jit keys on itself."""
-    leaves = dyn_args  # concrete arrays are their own leaves
-    for x in dyn_args:  # (a loop: all() of a generator costs 5x as much)
+
+  def _eager_call(self, args: _CallArgs):
+    """A call outside any transformation, compiled. The cache's key holds
+    all the jitted function depends on but the operands' types and
+    shardings, which jax.jit keys on itself."""
+    leaves = args.dyn_args  # concrete arrays are their own leaves
+    for x in leaves:  # (a loop: all() of a generator costs 5x as much)
       if type(x) is not _ArrayImpl:
-        leaves = jax.tree_util.tree_leaves(dyn_args)
+        leaves = jax.tree_util.tree_leaves(args.dyn_args)
         break
     sharded = _any_sharded(leaves)
-    # Under Explicit axes the operands' mesh is the op's.
-    mesh = _operands_mesh(leaves) if sharded else None
-    key = (self, self._generation, () if args is None else args.static_args,
-           () if args is None else _positions(args.defaults), sharded, mesh)
+    # Under Explicit axes the operands' (concrete) mesh is the op's.
+    mesh = next((x.sharding.mesh for x in leaves if isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding) and
+        isinstance(x.sharding.mesh, mesh_lib.Mesh)), None) if sharded else None
+    key = (self, self._generation, args.static_args,
+           _positions(args.defaults), sharded, mesh)
     fn = _eager.get(key)
     if fn is None:  # only on a miss: no closure built per hit
-      fn = self._eager_function(args, sharded, mesh)
+      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
+             else self._run_body)
+      if not sharded and _log.isEnabledFor(logging.DEBUG):
+        _debug(self._name, "path", path=_FUN, mesh=None,
+               why="an eager call with no operand sharded over several "
+               "devices: fun is compiled as it is")
+      base = args._replace(dyn_args=())  # holds no operand
+
+      def call(*dyn):
+        return run(base._replace(dyn_args=dyn))
+      fn = jax.jit(call)
       _eager.put(key, fn)
-    return fn(*dyn_args)
-
-  def _eager_function(self, args: _CallArgs | None, sharded: bool, mesh):
-    """The jitted function of ``_eager_call`` (``args`` as there)."""
-    run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
-           else self._run_body)
-    if not sharded and _log.isEnabledFor(logging.DEBUG):
-      _debug(self._name, "path", path=_FUN, mesh=None,
-             why="an eager call with no operand sharded over several "
-             "devices: fun is compiled as it is")
-    base = (_CallArgs((), (), (), ()) if args is None  # holds no operand
-            else args._replace(dyn_args=()))
-
-    def call(*dyn):
-      return run(base._replace(dyn_args=dyn))
-    return jax.jit(call)
+    return fn(*args.dyn_args)
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
     """``(call, out_tree, key)``: ``fun`` traced for ``args``, cached where
@@ -488,23 +506,6 @@ class custom_partitioning:
     return call, out_tree()
 
 
-def _checked_rule(name: str, sharding_rule, extra: dict):
-  """``sharding_rule`` checked, a string parsed with the keywords ``extra``."""
-  if isinstance(sharding_rule, str):
-    return str_to_sdy_sharding_rule(sharding_rule, **extra)
-  if not (sharding_rule is None or callable(sharding_rule) or
-          isinstance(sharding_rule, SdyShardingRule)):
-    raise TypeError(
-        f"def_partition of {name}: sharding_rule must be a str, an "
-        f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
-  if extra:
-    raise ValueError(
-        f"def_partition of {name}: {sorted(extra)} only apply to a string "
-        "sharding_rule; put them into the SdyShardingRule (or the (string, "
-        "kwargs) pair your callable returns) instead.")
-  return sharding_rule
-
-
 class _Signature:
   """Binds a call's keyword arguments to positions."""
 
@@ -562,28 +563,6 @@ class _CallArgs(NamedTuple):
   dyn_args: tuple        # the rest: the operands (pytrees of arrays)
 
 
-def _static_args(static_argnums, args: tuple, name: str) -> tuple:
-  """``(positions, values)`` of the static arguments."""
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
-  positions: list[int] = []
-  for i in static_argnums or ():
-    if not -len(args) <= i < len(args):
-      raise IndexError(
-          f"custom_partitioning function {name}: static_argnums entry {i} "
-          f"is out of range for a call with {len(args)} arguments.")
-    if i % len(args) not in positions:  # the author's order: callbacks see it
-      positions.append(i % len(args))
-  for i in positions:
-    if any(isinstance(leaf, core.Tracer)
-           for leaf in jax.tree_util.tree_leaves(args[i])):
-      raise _errors.UnexpectedTracerError(
-          f"custom_partitioning function {name} got a traced value as "
-          f"argument {i}, which static_argnums marks static. Static "
-          "arguments must be concrete Python values.")
-  return tuple(positions), tuple(args[i] for i in positions)
-
-
 def _in_call_order(fixed: dict, operands) -> tuple:
   """``fixed`` (position -> value) among the operands, in call order."""
   it = iter(operands)
@@ -609,15 +588,6 @@ def _any_sharded(xs) -> bool:
   return False
 
 
-def _operands_mesh(leaves):
-  """The concrete mesh an eager call's operands are sharded on, if any."""
-  for x in leaves:
-    sharding = getattr(x, "sharding", None)
-    if (isinstance(sharding, jax.sharding.NamedSharding) and
-        isinstance(sharding.mesh, mesh_lib.Mesh)):
-      return sharding.mesh
-  return None
-
 
 def _positions(defaults: tuple) -> tuple:
   return tuple(i for i, _ in defaults) if defaults else ()
@@ -625,7 +595,6 @@ def _positions(defaults: tuple) -> tuple:
 
 class _FlatArgs(NamedTuple):
   """A call's operands, flattened once."""
-
   leaves: list
   in_tree: Any
   in_avals: tuple
@@ -870,7 +839,6 @@ def _register(ctx, op: _Op, params) -> str:
   else:
     # In one lowering the config is one: equal parameters in one placement
     # are one op. A new lowering asks anew.
-
     ident = (tuple(sorted(params.items())), op.place, op.varying,
              op.platforms, op.backend, _use_shardy())
     keepalives = ctx.module_context.keepalives
@@ -1412,7 +1380,6 @@ def _infer_by_rule(op: _Op, operands: list, results: list):
 
 def _partition_from_rule(op: _Op, operands: list, results: list):
   """What a ``partition`` written from the op's rule would return."""
-
   lower_fn = op.partition.lower_fn(op.static_args)
   if op.mesh.empty:  # no axis to name: replicated is right for every op
     replicated = sharding_impls.GSPMDSharding(op.place.devices,
@@ -2978,7 +2945,6 @@ def _as_xla_spec(spec, mesh) -> tuple:
 
 def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
   """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
-
   if v.spec is None:
     tile = v.hlo.tile(xc.Shape.array_shape(np.dtype(v.dtype), v.shape))
     return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)

@@ -220,7 +220,6 @@ class custom_partitioning:
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
   __getattr__: Any = custom_api_util.forward_attr
-  # Until def_partition sets them:
   partition = infer_sharding_from_operands = sharding_rule = None
   propagate_user_sharding, decode_shardings, check_vma = None, True, True
 
@@ -366,7 +365,6 @@ class custom_partitioning:
     return self._bind(args)
 
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
-    """Binds a call's arguments to positions and sorts them by role."""
     args, unpassed = self._signature.positional(args, kwargs, self._name)
     if not unpassed and not (self.static_argnums or self.static_argnums == 0):
       return _CallArgs((), (), (), args)  # the common case, kept fast
@@ -508,7 +506,6 @@ class custom_partitioning:
 
 class _Signature:
   """Binds a call's keyword arguments to positions."""
-
   _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY,
                  inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -556,7 +553,6 @@ class _Signature:
 
 
 class _CallArgs(NamedTuple):
-  """One call's arguments, by role."""
   static_argnums: tuple  # positions of the static arguments, author's order
   static_args: tuple     # their values, passed first to every callback
   defaults: tuple        # (position, value) of unpassed Python defaults
@@ -594,7 +590,6 @@ def _positions(defaults: tuple) -> tuple:
 
 
 class _FlatArgs(NamedTuple):
-  """A call's operands, flattened once."""
   leaves: list
   in_tree: Any
   in_avals: tuple
@@ -903,7 +898,7 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
 
 
 def _park(error: BaseException, where: str) -> str:
-  """Parks ``error``; returns a message that names it for the handler."""
+  """Parks ``error``; returns a message naming it for the handler."""
   tag = next(_parked_counter)
   _parked_errors.put(tag, error)  # bounded: old compiles that never failed
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
@@ -933,8 +928,7 @@ def _reraise_callback_error(xla_error: Exception):
 
 def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   """The result sharding XLA gets from the operands', or None."""
-  result_shapes, _ = _hlo_parts(result_shape, None)
-  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
+  results = _from_xla(*_hlo_parts(result_shape, None), op.mesh)
   operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
   if op.steps:  # seam: a derived op (section 7)
     inferred = _infer(op, _levels(op.steps, operands, results))
@@ -948,7 +942,6 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
 
 
 def _answer_propagate(op: _Op, user_sharding, shape):
-  """The result sharding the op prefers, given its user's."""
   if op.propagate_user_sharding is None and not op.steps:
     return _users_sharding(op, user_sharding, shape)
   results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
@@ -1218,7 +1211,6 @@ class _PerShard(NamedTuple):
 
 
 def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
-  """The per-shard program lowered to a module, as bytecode."""
   # Host callbacks cannot work: XLA finds them by index in the compiled
   # program's list, fixed before this ran (upstream segfaults).
   mesh = shard.mesh
@@ -1266,7 +1258,6 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
 # --------------------------------------------------------------------------
 
 def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
-  """The op's body, lowered in place of a custom call, for ``why``."""
   if _log.isEnabledFor(logging.DEBUG):
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
         ctx.module_context.axis_context, "mesh", None),
@@ -1276,8 +1267,7 @@ def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
 
 
 def _shard_map_placement(axis_context) -> _Placement | None:
-  """Inside a shard_map: its mesh, manual axes typed Manual; None if all
-  are."""
+  """Inside a shard_map: its mesh, manual axes typed Manual; or None."""
   whole, manual = axis_context.mesh, axis_context.manual_axes
   if set(manual) == set(whole.axis_names):
     return None
@@ -2891,7 +2881,6 @@ class _Value(NamedTuple):
 
 
 def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
-  """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
   if not shape.is_tuple():
     return [shape], [sharding]
   shapes = list(shape.tuple_shapes())
@@ -2905,7 +2894,6 @@ def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
 
 
 def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
-  """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
   return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
                  None if h is None or on.empty
                  else _decode_spec(h, on, len(s.dimensions())), h, v)
@@ -2920,7 +2908,6 @@ def _hlo_of(v: _Value, on) -> xc.HloSharding:
 
 
 def _axes_in(specs) -> set:
-  """The mesh axis names used by some PartitionSpec entries."""
   return {a for spec in specs for entry in spec or ()
           for a in _entry_axes(entry)}
 

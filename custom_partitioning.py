@@ -757,10 +757,8 @@ def _ask_rule(ctx, params, mesh, steps):
             else [_Level(None, *values)])
   if callable(rule):  # seam: a rule asked per call
     rule = _asked_rule(ctx, params, mesh, levels[0])
-  attr = None
-  if _use_shardy() and rule is not None:
-    attr = _rule_attr(rule, levels)
-  return rule, attr
+  return rule, (_rule_attr(rule, levels) if _use_shardy() and rule is not None
+                else None)
 
 
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:

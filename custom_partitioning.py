@@ -230,17 +230,16 @@ class custom_partitioning:
                     permutation_factors=(), **factor_sizes):
     """Defines how the op is partitioned; returns ``partition``.
 
-    Callbacks get the static arguments first. ``arg_shapes``,
-    ``result_shape`` and ``user_shape`` are pytrees like the op's arguments
-    or results, of ``jax.ShapeDtypeStruct`` whose ``.sharding`` is XLA's
-    choice (see ``decode_shardings``); so are ``lower_fn``'s arguments and
-    results and the shardings ``partition`` returns. A sharding rule (and
-    a callable rule's ``operand_types``/``result_types``) lists operands
-    and results in jax's flattening order: ``fun``'s parameters in order
-    (keyword arguments at their positions), each flattened as
-    ``jax.tree_util.tree_leaves`` does (dict entries by sorted key); e.g.
-    ``fun({"x": x, "w": w})``, x (n, k) and w (n,), returning ``{"y": (n,
-    k), "norm": (n,)}``, has the rule ``"i, i j -> i, i j"``.
+    Callbacks get the static arguments first; ``arg_shapes``,
+    ``result_shape`` and ``user_shape`` are pytrees (like the op's
+    arguments or results) of ``jax.ShapeDtypeStruct`` with XLA's choice
+    as ``.sharding`` (see ``decode_shardings``), as are ``lower_fn``'s
+    arguments and results and ``partition``'s shardings. A sharding rule
+    (and a callable rule's ``operand_types``/``result_types``) lists
+    operands and results in ``jax.tree_util.tree_leaves`` order over
+    ``fun``'s parameters (keyword arguments at their positions, dict
+    entries by sorted key): ``fun({"x": x, "w": w})``, x (n, k), w (n,),
+    returning ``{"y": (n, k), "norm": (n,)}`` has ``"i, i j -> i, i j"``.
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
@@ -366,8 +365,6 @@ class custom_partitioning:
 
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
     args, unpassed = self._signature.positional(args, kwargs, self._name)
-    if not unpassed and not (self.static_argnums or self.static_argnums == 0):
-      return _CallArgs((), (), (), args)  # the common case, kept fast
     nums = self.static_argnums
     positions: list[int] = []  # in the author's order: callbacks see it
     for i in (nums,) if isinstance(nums, int) else nums or ():
@@ -392,7 +389,6 @@ class custom_partitioning:
     return _CallArgs(tuple(positions), tuple(args[i] for i in positions),
                      defaults,
                      tuple(a for i, a in enumerate(args) if i not in fixed))
-
 
   def _eager_call(self, args: _CallArgs):
     """A call outside any transformation, compiled. The cache's key holds
@@ -582,7 +578,6 @@ def _any_sharded(xs) -> bool:
          any(map(_entry_axes, x.sharding.spec)))):
       return True
   return False
-
 
 
 def _positions(defaults: tuple) -> tuple:
@@ -852,13 +847,12 @@ def _register(ctx, op: _Op, params) -> str:
 # --------------------------------------------------------------------------
 # 3. The callbacks XLA calls
 #
-# XLA's callbacks get the custom call's key and find the op in ``_registry``
-# (``_xla_callback``). An exception never reaches XLA raw (under GSPMD that
-# aborts): it is parked under a tag in XLA's error message, from which
-# ``_reraise_callback_error`` gives jax the original back. One raised while
-# inferring or propagating waits in ``_pending`` for the thread's next
-# partition callback: XLA compiles one program at a time on a thread, and
-# partitions last.
+# The callbacks find the op by the custom call's key (``_xla_callback``).
+# An exception never reaches XLA raw (under GSPMD that aborts): it is parked
+# under a tag in XLA's message, by which ``_reraise_callback_error`` gives
+# jax the original. One from infer or propagate waits in ``_pending`` for
+# the thread's partition callback (XLA compiles one program at a time on a
+# thread, and partitions last).
 # --------------------------------------------------------------------------
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"

@@ -391,9 +391,8 @@ class custom_partitioning:
                      tuple(a for i, a in enumerate(args) if i not in fixed))
 
   def _eager_call(self, args: _CallArgs):
-    """A call outside any transformation, compiled. The cache's key holds
-    all the jitted function depends on but the operands' types and
-    shardings, which jax.jit keys on itself."""
+    """A call outside any transformation, compiled; cached on all the jitted
+    function depends on but what jax.jit keys on itself (the operands)."""
     leaves = args.dyn_args  # concrete arrays are their own leaves
     for x in leaves:  # (a loop: all() of a generator costs 5x as much)
       if type(x) is not _ArrayImpl:
@@ -567,9 +566,8 @@ def _is_array(value) -> bool:
 
 
 def _any_sharded(xs) -> bool:
-  """Whether some ``x`` is a concrete array split over several devices or
-  whose NamedSharding names a mesh axis (even of size 1: jax types it as
-  sharded, and the body must be typed as jit would)."""
+  """Whether some ``x`` is a concrete array on several devices or whose
+  NamedSharding names a mesh axis (even of size 1: jit types it sharded)."""
   for x in xs:
     if ((type(x) is _ArrayImpl or
          isinstance(x, jax.Array) and not isinstance(x, core.Tracer)) and
@@ -683,12 +681,10 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 
 def _partitioned_placement(ctx, steps):
   """``(placement, why)``: where the op runs, or None and why its body is
-  inlined (one shard's code, one device, or a derived op's shardings XLA
-  cannot express). The mesh is the first known of: the enclosing
-  shard_map's (manual axes typed Manual); one the caller gave
-  (``_caller_mesh``) on the program's devices (without them, one shaped
-  as the program's abstract mesh); that abstract mesh on the devices; the
-  mesh of ``with mesh:``, maybe empty (upstream's only source)."""
+  inlined. The mesh is the first known of: the enclosing shard_map's
+  (manual axes typed Manual); one the caller gave on the program's devices
+  (without them, one shaped as the program's abstract mesh); that abstract
+  mesh on the devices; ``with mesh:``'s, maybe empty (upstream's only)."""
   axis_context = ctx.module_context.axis_context
   devices = getattr(axis_context, "device_assignment", None)
   # The abstract mesh the jit's shardings were built on, else set_mesh's.
@@ -732,8 +728,7 @@ def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
 @contextlib.contextmanager
 def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
   """Re-raises a plain ValueError or TypeError with ``prefix`` and
-  ``suffix`` (or ``suffix(error)``) around its message; subclasses, which
-  callers may catch, pass unchanged."""
+  ``suffix`` (or ``suffix(error)``) around its message; subclasses pass."""
   try:
     yield
   except (ValueError, TypeError) as e:
@@ -898,9 +893,8 @@ def _park(error: BaseException, where: str) -> str:
 
 def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
   """jax's event listener: after a backend compile, failed or not, kept
-  infer/propagate errors go, so none reaches a later compile. Called on
-  the caller's thread, it may drop one another thread's compile kept:
-  that compile goes on as if the callback returned None."""
+  infer/propagate errors go. Called on the caller's thread, it may drop
+  one another thread's compile kept (which goes on as if it was None)."""
   if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
     return
   with _weak_lock:
@@ -1118,8 +1112,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
 
 def _structs(op: _Op, tree, values, on=None):
   """The callbacks' view of ``values`` (on ``on``): ShapeDtypeStructs with
-  NamedShardings on the op's mesh if ``decode_shardings`` and a spec,
-  else GSPMDShardings, or none where not known."""
+  NamedShardings (``decode_shardings``, a spec) or GSPMDShardings, if known."""
   on = op.mesh if on is None else on
   structs = []
   for v in values:

@@ -155,10 +155,9 @@ _JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
 # --------------------------------------------------------------------------
 # 1. The public API: custom_partitioning, and how a call is bound
 #
-# A call's arguments are bound by ``fun``'s signature and sorted by role
-# (``_split``). Outside any transformation it is compiled (``_eager_call``);
-# inside one, ``_bind`` takes the shard_map path (section 6) under Explicit
-# mesh axes, else binds the primitive (section 2).
+# A call's arguments are bound to positions and sorted by role (``_split``);
+# outside any transformation it is compiled (``_eager_call``), else bound
+# (``_bind``: under Explicit mesh axes section 6, else the primitive).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
@@ -173,31 +172,26 @@ class custom_partitioning:
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
   transformed on the same local shards (section 7; upstream supports none
   of the three). An eager call is compiled: partitioned if an operand is a
-  ``jax.Array`` sharded over several devices (not fully replicated), else
-  ``fun`` runs and no callback is asked (as upstream does for every eager
-  call).
+  ``jax.Array`` sharded over several devices, else ``fun`` runs unasked
+  (as upstream does for every eager call). Under Explicit mesh axes (jax
+  0.7+, ``jax.set_mesh``) ``partition`` is asked while tracing and the op
+  becomes ``lower_fn`` under ``jax.shard_map`` between two reshards
+  (section 6). Lowered inside another primitive's lowering rule
+  (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
+  around the call (``jax.set_mesh`` or ``with mesh:``).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
   arguments, operand pytree and avals, jax's config); ``jax.clear_caches()``
-  empties them and every cache of this module, so ``fun`` is retraced and
-  sees new settings of switches it reads. A lowering asks the callbacks
-  once per distinct question (upstream asks for every custom call), and a
-  new lowering asks anew; but where jax's persistent compilation cache is
-  on, a custom call carries a key that digests the op (its code, the
-  values its callbacks read, static arguments, mesh, jax's configuration),
-  so the cache hits across processes and ops equal by it share answers.
-  As with ``jax.jit``, callbacks must not depend on state no argument
-  shows (environment variables, files).
-
-  Under Explicit mesh axes (jax 0.7+, mesh set by ``jax.set_mesh``)
-  ``partition`` is asked while tracing and the op becomes ``lower_fn`` under
-  ``jax.shard_map`` between two reshards, with no custom call (section 6).
-  Lowered inside another primitive's lowering rule (``mlir.lower_fun(op)``),
-  the op takes its devices from the mesh set around the call
-  (``jax.set_mesh`` or ``with mesh:``).
+  empties every cache of this module (``fun`` is retraced). A lowering
+  asks the callbacks once per distinct question (upstream: per custom
+  call), a new lowering anew; where jax's persistent compilation cache is
+  on, a custom call's key digests the op (code, values its callbacks read,
+  static arguments, mesh, config), so the cache hits across processes and
+  equal ops share answers. As with ``jax.jit``, callbacks must not depend
+  on state no argument shows (environment variables, files).
 
   Args:
-    fun: the function. A call's keyword arguments are bound to positions by
+    fun: the function. Keyword arguments are bound to positions by
       ``inspect.signature(fun)``; keyword-only parameters keep their
       defaults. An unpassed default stays a Python value, as under
       ``jax.jit`` (so ``custom_partitioning(jnp.fft.fft)`` works), unless
@@ -221,12 +215,11 @@ class custom_partitioning:
     self.fun, self.static_argnums = fun, static_argnums
     self._defined = False  # def_partition called
     self._traces, self._programs = _LRU(), _LRU()  # _traced, _explicit_call
-    self._generation = 0  # counts def_partition calls (see _eager_call)
+    self._generation = 0  # def_partition calls, in _eager_call's key
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
   __getattr__: Any = custom_api_util.forward_attr
-  # Until def_partition sets them:
   partition = infer_sharding_from_operands = sharding_rule = None
   propagate_user_sharding, decode_shardings, check_vma = None, True, True
 
@@ -237,53 +230,44 @@ class custom_partitioning:
                     permutation_factors=(), **factor_sizes):
     """Defines how the op is partitioned; returns ``partition``.
 
-    Callbacks get the static arguments first. ``arg_shapes``,
-    ``result_shape`` and ``user_shape`` are pytrees like the op's arguments
-    or results, of ``jax.ShapeDtypeStruct`` whose ``.sharding`` is XLA's
-    choice (see ``decode_shardings``); so are ``lower_fn``'s arguments and
-    results and the shardings ``partition`` returns.
-
-    Order: a sharding rule (string or ``SdyShardingRule``, and the
-    ``operand_types``/``result_types`` a callable rule gets) lists operands
-    and results in jax's flattening order, not always the call's: ``fun``'s
-    parameters in order (keyword arguments bound to their positions), each
-    flattened as ``jax.tree_util.tree_leaves`` does (dict entries by sorted
-    key). For ``fun(d)`` called as ``fun({"x": x, "w": w})`` with x (n, k)
-    and w (n,), returning ``{"y": (n, k), "norm": (n,)}``, the rule is
-    ``"i, i j -> i, i j"``.
+    Callbacks get the static arguments first; ``arg_shapes``,
+    ``result_shape`` and ``user_shape`` are pytrees (like the op's
+    arguments or results) of ``jax.ShapeDtypeStruct`` with XLA's choice
+    as ``.sharding`` (see ``decode_shardings``), as are ``lower_fn``'s
+    arguments and results and ``partition``'s shardings. A sharding rule
+    (and a callable rule's ``operand_types``/``result_types``) lists
+    operands and results in ``jax.tree_util.tree_leaves`` order over
+    ``fun``'s parameters (keyword arguments at their positions, dict
+    entries by sorted key): ``fun({"x": x, "w": w})``, x (n, k), w (n,),
+    returning ``{"y": (n, k), "norm": (n,)}`` has ``"i, i j -> i, i j"``.
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
-    ``lower_fn`` as shards of ceil(n / k), the last ones padded with
-    unspecified values (zeros on CPU in practice); XLA drops the results'
-    padding. Element-wise and row-wise code is right as it is; a reduction
-    over a padded dimension would mix the padding in and is refused (see
-    ``check_vma``): shard a reduced dimension only over axes that divide
-    it, or mask the padding in ``lower_fn`` (from ``jax.lax.axis_index``
-    and the global size) and pass ``check_vma=False``.
+    ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
+    values (zeros on CPU in practice); XLA drops the results' padding. A
+    reduction over a padded dimension is refused (``check_vma``): shard it
+    over axes that divide it, or mask the padding in ``lower_fn`` (from
+    ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
 
     Args:
       partition: ``(*static, mesh, arg_shapes, result_shape) -> (mesh,
-        lower_fn, result_shardings, arg_shardings)``. XLA reshards the
+        lower_fn, result_shardings, arg_shardings)``: XLA reshards the
         operands to ``arg_shardings``; ``lower_fn(*local_args)`` computes
-        one shard, may use collectives over the returned mesh's axes
-        (``psum``, ``all_gather``, ``axis_index``, ...) and returns results
-        sharded as ``result_shardings``. That mesh is ``mesh``, another mesh
-        over the same devices (other axis names, say) or an
-        ``AbstractMesh`` (made concrete on the op's devices, shardings on
-        it too). Where no mesh could be recovered, ``mesh`` is the empty
-        mesh: returned, ``lower_fn`` runs with no mesh axes (one that names
-        an axis gets an error saying how to give the op a mesh).
-        None (the default) with a ``sharding_rule``: derived from the rule,
-        for both partitioners and Explicit axes. Each factor keeps the mesh
-        axes the operands arrive sharded on (a factor they bring on
-        different axes is replicated, and of two factors on one axis the
-        later one); replicated are the special factors, the reduced ones
-        (in no result, in results only, or lacking from a result that
-        shares another factor with the operand: ``j`` of ``"i, j -> i"``
-        for ``x * sum(y)``), and factors of compound dimensions. Each shard
-        runs ``fun`` (with the static arguments) on its local arrays, so
-        the rule must hold shard-wise. None without a rule: ``fun`` runs on
-        one device, and on several the call raises ``ValueError``.
+        one shard (collectives may name the returned mesh's axes) sharded
+        as ``result_shardings``. That mesh is ``mesh``, another over the
+        same devices, or an ``AbstractMesh`` (it and shardings on it made
+        concrete on the op's devices). If no mesh could be recovered,
+        ``mesh`` is empty and ``lower_fn`` has no mesh axes (naming one
+        raises an error saying how to give the op one). None (default)
+        with a ``sharding_rule``: derived from the rule (both partitioners,
+        Explicit axes): a factor keeps the axes its operands arrive sharded
+        on (replicated if they disagree; of two factors on one axis, the
+        later one); replicated are special factors, reduced ones (in no
+        result, in results only, or missing from a result sharing another
+        factor with the operand: ``j`` in ``"i, j -> i"`` for ``x *
+        sum(y)``) and factors of compound dimensions; each shard runs
+        ``fun`` on its local arrays, so the rule must hold shard-wise. None
+        without a rule: ``fun`` runs on one device; on several the call
+        raises ``ValueError``.
       infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
         for a body jax cannot type): ``(*static, mesh, arg_shapes,
         result_shape) -> result sharding(s)``; ``result_shape`` has no
@@ -298,26 +282,22 @@ class custom_partitioning:
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
         ``-> (string, kwargs)``.
-      check_vma: keyword-only, this module's (upstream has no such checks).
-        True: tracing ``lower_fn`` raises ``ValueError`` for a replicated
-        result that may vary along a mesh axis (a missing ``psum``) and for
-        padding that would enter a reduction (of a dimension the rule
-        reduces, as for a derived partition). Like ``jax.shard_map``'s
-        ``check_vma``, it follows through ``lower_fn``'s jaxpr the axes each
-        value may vary along (loop carries to a fixed point); where it
-        cannot (grouped collectives, unknown primitives with subprograms) it
-        never refuses; mesh axes of size 1 never count. ``lower_fn`` is
-        traced as a ``jax.shard_map`` body is, so ``jax.lax.pcast(x, axes,
-        to="varying")`` (``pvary`` before jax 0.8.2) may mark a loop carry;
-        an unmarked one works too, as upstream. Under Explicit axes the op
-        runs as ``jax.shard_map`` with its own ``check_vma``, turned off
-        where it refuses what this check proved (an unmarked varying carry,
-        a result made equal by ``all_gather``), as the custom call would
-        run; else its refusal stands. Reductions a derived op's
-        transposition makes (the gradient of a broadcast) never see XLA's
-        padding: cotangents are zeroed past the end. False turns the checks
-        off (for code right by a construction they cannot see, such as a
-        ring all-reduce whose result is declared replicated).
+      check_vma: keyword-only, this module's (upstream has none). True:
+        tracing ``lower_fn`` raises ``ValueError`` for a replicated result
+        that may vary along a mesh axis (a missing ``psum``) and for
+        padding entering a reduction the rule makes. As ``jax.shard_map``'s
+        check, it follows through the jaxpr the axes each value may vary
+        along (loop carries to a fixed point), never refuses where it
+        cannot (grouped collectives, unknown primitives with subprograms)
+        and ignores size-1 axes; a loop carry may be marked with
+        ``jax.lax.pcast(x, axes, to="varying")`` (``pvary`` before jax
+        0.8.2) or not, as upstream. Under Explicit axes the op's
+        ``jax.shard_map`` check is turned off where it refuses what this
+        one proved (an unmarked varying carry, a result made equal by
+        ``all_gather``). A derived op's transposition zeroes cotangents
+        past the end, so XLA's padding never enters its reductions. False
+        turns the checks off (for code right by a construction they cannot
+        see, such as a ring all-reduce).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -325,14 +305,12 @@ class custom_partitioning:
       TypeError: ``partition`` is neither callable nor None, or
         ``sharding_rule`` is of another type.
       ValueError: factor keywords without a string rule, or a bad rule.
-      When called on several devices: ``ValueError`` if neither
-      ``partition`` nor ``sharding_rule`` is given. While the op is compiled
-      (by ``jax.jit``, ``.compile()`` or an eager call): a callback's
-      exception, with its own type (XLA's error as its ``__cause__``);
-      ``TypeError`` or ``ValueError`` naming the callback and position for
-      a malformed answer (not a 4-tuple, a ``lower_fn`` that is not
-      callable, a sharding that is not a ``jax.sharding.Sharding``, a pytree
-      unlike the operands or results, other devices than the op's);
+      While the op is compiled (``jax.jit``, ``.compile()``, an eager call):
+      a callback's exception, with its own type (XLA's error as its
+      ``__cause__``); ``TypeError`` or ``ValueError`` naming the callback
+      and position for a malformed answer (not a 4-tuple, ``lower_fn`` not
+      callable, a sharding that is not a ``jax.sharding.Sharding``, a
+      pytree unlike the operands or results, other devices than the op's);
       ``ValueError`` naming the result for ``lower_fn`` results of the
       wrong number, per-shard shape or dtype, and for the ``check_vma``
       checks; on the custom-call path, ``NotImplementedError`` for host
@@ -344,10 +322,21 @@ class custom_partitioning:
       raise TypeError(
           f"def_partition of {self._name}: partition must be callable; got "
           f"{type(partition).__name__}.")
-    sharding_rule = _checked_rule(self._name, sharding_rule, dict(
-        factor_sizes, **{kind: factors for kind, factors in zip(
-            _SPECIAL_FACTOR_KINDS, (reduction_factors, need_replication_factors,
-                                    permutation_factors)) if factors}))
+    extra = dict(factor_sizes, **{kind: factors for kind, factors in zip(
+        _SPECIAL_FACTOR_KINDS, (reduction_factors, need_replication_factors,
+                                permutation_factors)) if factors})
+    if isinstance(sharding_rule, str):
+      sharding_rule = str_to_sdy_sharding_rule(sharding_rule, **extra)
+    elif not (sharding_rule is None or callable(sharding_rule) or
+              isinstance(sharding_rule, SdyShardingRule)):
+      raise TypeError(
+          f"def_partition of {self._name}: sharding_rule must be a str, an "
+          f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
+    elif extra:
+      raise ValueError(
+          f"def_partition of {self._name}: {sorted(extra)} only apply to a "
+          "string sharding_rule; put them into the SdyShardingRule (or the "
+          "(string, kwargs) pair your callable returns) instead.")
     self._defined = True
     (self.partition, self.infer_sharding_from_operands,
      self.propagate_user_sharding, self.decode_shardings, self.sharding_rule,
@@ -364,82 +353,86 @@ class custom_partitioning:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    # Outside any transformation (and jit not disabled): an eager call.
     eager = core.trace_state_clean() and not _config.disable_jit.value
     if (not kwargs and len(args) == self._signature.plain and
         not (self.static_argnums or self.static_argnums == 0)):
-      # The common case, kept fast: every argument is an operand.
-      return (self._eager_call(args) if eager
-              else self._bind(_CallArgs((), (), (), args)))
-    args = self._split(args, kwargs)
+      args = _CallArgs((), (), (), args)  # the common case, kept fast
+    else:
+      args = self._split(args, kwargs)
     if eager and _is_hashable(args.static_args):
-      return self._eager_call(args.dyn_args, args)
+      return self._eager_call(args)
     return self._bind(args)
 
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
-    """Binds a call's arguments to positions and sorts them by role."""
     args, unpassed = self._signature.positional(args, kwargs, self._name)
-    if not unpassed and not (self.static_argnums or self.static_argnums == 0):
-      return _CallArgs((), (), (), args)  # the common case, kept fast
-    static_argnums, static_args = _static_args(self.static_argnums, args,
-                                               self._name)
+    nums = self.static_argnums
+    positions: list[int] = []  # in the author's order: callbacks see it
+    for i in (nums,) if isinstance(nums, int) else nums or ():
+      if not -len(args) <= i < len(args):
+        raise IndexError(
+            f"custom_partitioning function {self._name}: static_argnums "
+            f"entry {i} is out of range for a call with {len(args)} "
+            "arguments.")
+      if i % len(args) not in positions:
+        positions.append(i % len(args))
+    for i in positions:
+      if any(isinstance(leaf, core.Tracer)
+             for leaf in jax.tree_util.tree_leaves(args[i])):
+        raise _errors.UnexpectedTracerError(
+            f"custom_partitioning function {self._name} got a traced value "
+            f"as argument {i}, which static_argnums marks static. Static "
+            "arguments must be concrete Python values.")
     # Like jax.jit: unpassed Python defaults are constants, not operands.
     defaults = tuple((i, args[i]) for i in unpassed
-                     if i not in static_argnums and not _is_array(args[i]))
-    fixed = set(static_argnums) | {i for i, _ in defaults}
-    return _CallArgs(static_argnums, static_args, defaults,
+                     if i not in positions and not _is_array(args[i]))
+    fixed = set(positions) | {i for i, _ in defaults}
+    return _CallArgs(tuple(positions), tuple(args[i] for i in positions),
+                     defaults,
                      tuple(a for i, a in enumerate(args) if i not in fixed))
 
-  def _eager_call(self, dyn_args: tuple, args: _CallArgs | None = None):
-    """A call outside any transformation, compiled (see the class
-    docstring); ``args`` None: no static arguments or defaults. Cache: (op,
-    its def_partition generation, static arguments, positions of unpassed
-    defaults, sharded?, mesh) -> jitted function; jax.jit keys on the
-    operands' types and shardings itself."""
-    leaves = dyn_args  # concrete arrays are their own leaves
-    for x in dyn_args:  # (a loop: all() of a generator costs 5x as much)
+  def _eager_call(self, args: _CallArgs):
+    """A call outside any transformation, compiled; cached on all the jitted
+    function depends on but what jax.jit keys on itself (the operands)."""
+    leaves = args.dyn_args  # concrete arrays are their own leaves
+    for x in leaves:  # (a loop: all() of a generator costs 5x as much)
       if type(x) is not _ArrayImpl:
-        leaves = jax.tree_util.tree_leaves(dyn_args)
+        leaves = jax.tree_util.tree_leaves(args.dyn_args)
         break
     sharded = _any_sharded(leaves)
-    # Under Explicit axes the operands' mesh is the op's.
-    mesh = _operands_mesh(leaves) if sharded else None
-    key = (self, self._generation, () if args is None else args.static_args,
-           () if args is None else _positions(args.defaults), sharded, mesh)
+    # Under Explicit axes the operands' (concrete) mesh is the op's.
+    mesh = next((x.sharding.mesh for x in leaves if isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding) and
+        isinstance(x.sharding.mesh, mesh_lib.Mesh)), None) if sharded else None
+    key = (self, self._generation, args.static_args,
+           _positions(args.defaults), sharded, mesh)
     fn = _eager.get(key)
     if fn is None:  # only on a miss: no closure built per hit
-      fn = self._eager_function(args, sharded, mesh)
+      run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
+             else self._run_body)
+      if not sharded and _log.isEnabledFor(logging.DEBUG):
+        _debug(self._name, "path", path=_FUN, mesh=None,
+               why="an eager call with no operand sharded over several "
+               "devices: fun is compiled as it is")
+      base = args._replace(dyn_args=())  # holds no operand
+
+      def call(*dyn):
+        return run(base._replace(dyn_args=dyn))
+      fn = jax.jit(call)
       _eager.put(key, fn)
-    return fn(*dyn_args)
-
-  def _eager_function(self, args: _CallArgs | None, sharded: bool, mesh):
-    """The jitted function of ``_eager_call`` (``args`` as there)."""
-    run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
-           else self._run_body)
-    if not sharded and _log.isEnabledFor(logging.DEBUG):
-      _debug(self._name, "path", path=_FUN, mesh=None,
-             why="an eager call with no operand sharded over several "
-             "devices: fun is compiled as it is")
-    base = (_CallArgs((), (), (), ()) if args is None  # holds no operand
-            else args._replace(dyn_args=()))
-
-    def call(*dyn):
-      return run(base._replace(dyn_args=dyn))
-    return jax.jit(call)
+    return fn(*args.dyn_args)
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
-    """``(call, out_tree, key)``: ``fun`` traced for ``args``, from the
-    trace cache where the static arguments hash (else ``key`` is None)."""
+    """``(call, out_tree, key)``: ``fun`` traced for ``args``, cached where
+    the static arguments hash (else ``key`` is None)."""
     key = None
     if not args.static_args or _is_hashable(args.static_args):
-      # jax.jit's trace key (its trace context holds the config states),
-      # plus the positions of unpassed defaults. Like jax.jit, it does not
-      # see the globals and closures ``fun`` reads.
+      # jax.jit's trace key (its trace context holds the config), plus the
+      # positions of unpassed defaults; blind, as jax.jit, to fun's globals.
       key = (args.static_args, tuple(i for i, _ in args.defaults),
              flat.in_tree, flat.in_avals, _use_shardy(),
              _config.trace_context())
     traced = None if key is None else self._traces.get(key)
-    if traced is None:  # (get and put: no closure built on the hot path)
+    if traced is None:  # get and put: no closure built on the hot path
       traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
       if key is not None:
         self._traces.put(key, traced)
@@ -472,12 +465,10 @@ class custom_partitioning:
 
   def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree,
               hashable: bool) -> dict:
-    """A call's equation parameters: the traced body, the callbacks under
-    their API names (as upstream binds them), this module's ``check_vma``
-    and ``transform`` (a derived op's steps). The shard_map path's op too."""
+    """A call's equation parameters (the shard_map path's too): upstream's,
+    plus ``check_vma`` and ``transform`` (a derived op's steps)."""
     return dict(
         call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        # An op defined by its rule alone: the partition derived from it.
         partition=(self.partition
                    if self.partition is not None or self.sharding_rule is None
                    else _FromRule(self.fun, args.static_argnums,
@@ -491,9 +482,8 @@ class custom_partitioning:
         check_vma=self.check_vma, transform=())
 
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
-    """``fun`` traced to ``(call, out_tree)``. Closed-over concrete arrays
-    stay constants of ``call`` (``lower_fn`` captures its own); a
-    closed-over tracer cannot reach XLA's callbacks and is rejected."""
+    """``fun`` traced to ``(call, out_tree)``. Closed-over arrays stay
+    constants; a closed-over tracer cannot reach XLA's callbacks: refused."""
     fixed = dict([*zip(args.static_argnums, args.static_args), *args.defaults])
     all_args = (_in_call_order(fixed, args.dyn_args) if fixed
                 else args.dyn_args)
@@ -509,27 +499,8 @@ class custom_partitioning:
     return call, out_tree()
 
 
-def _checked_rule(name: str, sharding_rule, extra: dict):
-  """``def_partition``'s ``sharding_rule``, a string parsed with the factor
-  keywords ``extra``."""
-  if isinstance(sharding_rule, str):
-    return str_to_sdy_sharding_rule(sharding_rule, **extra)
-  if not (sharding_rule is None or callable(sharding_rule) or
-          isinstance(sharding_rule, SdyShardingRule)):
-    raise TypeError(
-        f"def_partition of {name}: sharding_rule must be a str, an "
-        f"SdyShardingRule or a callable; got {type(sharding_rule)}.")
-  if extra:
-    raise ValueError(
-        f"def_partition of {name}: {sorted(extra)} only apply to a string "
-        "sharding_rule; put them into the SdyShardingRule (or the (string, "
-        "kwargs) pair your callable returns) instead.")
-  return sharding_rule
-
-
 class _Signature:
-  """Binds a call's keyword arguments to positions, like jax does."""
-
+  """Binds a call's keyword arguments to positions."""
   _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY,
                  inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -540,13 +511,13 @@ class _Signature:
       self._sig = self.plain = None
       return
     params = self._sig.parameters.values()
-    # Calls with exactly this many positional args need no binding.
+    # Calls of exactly this many positional arguments need no binding.
     self.plain = (len(params) if all(p.kind in self._POSITIONAL
                                      for p in params) else None)
 
   def positional(self, args: tuple, kwargs: dict, name: str):
-    """``(args, unpassed)``: every positional parameter's value in order,
-    defaults filled in, and the positions that took their default."""
+    """``(args, unpassed)``: the positional parameters' values, defaults
+    filled in, and the positions that took their default."""
     if self._sig is None or (not kwargs and len(args) == self.plain):
       if kwargs:
         raise TypeError(f"{name} takes no keyword arguments here: its "
@@ -577,39 +548,14 @@ class _Signature:
 
 
 class _CallArgs(NamedTuple):
-  """One call's arguments, by role."""
   static_argnums: tuple  # positions of the static arguments, author's order
   static_args: tuple     # their values, passed first to every callback
   defaults: tuple        # (position, value) of unpassed Python defaults
   dyn_args: tuple        # the rest: the operands (pytrees of arrays)
 
 
-def _static_args(static_argnums, args: tuple, name: str) -> tuple:
-  """``(positions, values)`` of the static arguments; ``static_argnums`` is
-  an int or ints, maybe negative."""
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
-  positions: list[int] = []
-  for i in static_argnums or ():
-    if not -len(args) <= i < len(args):
-      raise IndexError(
-          f"custom_partitioning function {name}: static_argnums entry {i} "
-          f"is out of range for a call with {len(args)} arguments.")
-    if i % len(args) not in positions:  # the author's order: callbacks see it
-      positions.append(i % len(args))
-  for i in positions:
-    if any(isinstance(leaf, core.Tracer)
-           for leaf in jax.tree_util.tree_leaves(args[i])):
-      raise _errors.UnexpectedTracerError(
-          f"custom_partitioning function {name} got a traced value as "
-          f"argument {i}, which static_argnums marks static. Static "
-          "arguments must be concrete Python values.")
-  return tuple(positions), tuple(args[i] for i in positions)
-
-
 def _in_call_order(fixed: dict, operands) -> tuple:
-  """Every argument in call order: ``fixed`` (position -> value: static
-  arguments and unpassed defaults) among the operands."""
+  """``fixed`` (position -> value) among the operands, in call order."""
   it = iter(operands)
   return tuple(fixed[i] if i in fixed else next(it)
                for i in range(len(fixed) + len(operands)))
@@ -620,9 +566,8 @@ def _is_array(value) -> bool:
 
 
 def _any_sharded(xs) -> bool:
-  """Whether some ``x`` is a concrete array split over several devices, or
-  whose NamedSharding names a mesh axis (of size 1: jax types the array as
-  sharded over it, and so must type the body as jit would)."""
+  """Whether some ``x`` is a concrete array on several devices or whose
+  NamedSharding names a mesh axis (even of size 1: jit types it sharded)."""
   for x in xs:
     if ((type(x) is _ArrayImpl or
          isinstance(x, jax.Array) and not isinstance(x, core.Tracer)) and
@@ -633,22 +578,11 @@ def _any_sharded(xs) -> bool:
   return False
 
 
-def _operands_mesh(leaves):
-  """The concrete mesh an eager call's operands are sharded on, if any."""
-  for x in leaves:
-    sharding = getattr(x, "sharding", None)
-    if (isinstance(sharding, jax.sharding.NamedSharding) and
-        isinstance(sharding.mesh, mesh_lib.Mesh)):
-      return sharding.mesh
-  return None
-
-
 def _positions(defaults: tuple) -> tuple:
   return tuple(i for i, _ in defaults) if defaults else ()
 
 
 class _FlatArgs(NamedTuple):
-  """A call's operands, flattened once for every step that needs them."""
   leaves: list
   in_tree: Any
   in_avals: tuple
@@ -679,12 +613,10 @@ class _Unhashable:
 # --------------------------------------------------------------------------
 # 2. The primitive and its lowering
 #
-# ``custom_partitioning_p`` carries the traced body (``call``) and the
-# callbacks under upstream's parameter names, plus this module's
-# ``transform`` (the steps of a derived op, section 7) and ``check_vma``,
-# both read with a default so that binding it with upstream's parameters
-# alone works. Lowered on several devices, it is one custom call that
-# carries the key of its ``_Op`` (section 3 and appendix D).
+# ``custom_partitioning_p`` carries upstream's parameters plus
+# ``transform`` (a derived op's steps, section 7) and ``check_vma``, both
+# read with a default, so binding upstream's alone works. Lowered on
+# several devices it is one custom call carrying its ``_Op``'s key.
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = core.Primitive("custom_partitioning")
@@ -697,13 +629,9 @@ def _abstract_eval(*avals, call, **_):
 
 
 def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``).
-
-  Compiled, like a jax.jit'd function; partitioned by the op's callbacks
-  only if some operand is really sharded (upstream runs the body and never
-  asks them, and a ``partition`` written for sharded operands must not be
-  asked about host data).
-  """
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
+  compiled, and partitioned only if some operand is sharded (upstream
+  never asks the callbacks here; ``partition`` must not see host data)."""
   # Cache key: the params hold the body and every callback; jax.jit keys on
   # the operands' types and shardings itself.
   call = params["call"]
@@ -734,17 +662,15 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   if callable(rule) or (_use_shardy() and rule is not None):  # seam: rules
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
-  # Inside a partly manual shard_map (section 7 reads it): the manual axes
-  # each operand and result varies over.
+  # Inside a partly manual shard_map: the manual axes each value varies on.
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
       for avals in (ctx.avals_in, ctx.avals_out))
   op = _op_of(params, place, rule, varying=varying,
               platforms=ctx.module_context.platforms,
               backend=_module_backend(ctx), config=_config_values())
-  # Shardy's verifier refuses a rule on an op without operands. There it
-  # could only tie the results to each other; without it, XLA propagates
-  # around the op and ``partition`` still decides every sharding.
+  # Shardy's verifier refuses a rule on an op without operands (where it
+  # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
       "sdy.sharding_rule": rule_attr}
   return mlir.custom_call(
@@ -754,20 +680,11 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
 
 
 def _partitioned_placement(ctx, steps):
-  """``(placement, why)``: where the op XLA partitions runs, or None and
-  why its body is inlined instead (the code of one shard, one device, or
-  shardings that need the manual subgroup only typed meshes express, else
-  XLA aborts).
-
-  The placement's mesh is the first of these that is known:
-  1. The enclosing shard_map's (its manual axes typed Manual).
-  2. One the caller gave (``_caller_mesh``) on the program's devices; where
-     jax does not say them (inside another primitive's lowering, through
-     ``mlir.lower_fun``), one of the shape of the program's abstract mesh.
-  3. The program's abstract mesh, on its devices.
-  4. The mesh of ``with mesh:``, maybe the empty mesh (upstream's only
-     source).
-  """
+  """``(placement, why)``: where the op runs, or None and why its body is
+  inlined. The mesh is the first known of: the enclosing shard_map's
+  (manual axes typed Manual); one the caller gave on the program's devices
+  (without them, one shaped as the program's abstract mesh); that abstract
+  mesh on the devices; ``with mesh:``'s, maybe empty (upstream's only)."""
   axis_context = ctx.module_context.axis_context
   devices = getattr(axis_context, "device_assignment", None)
   # The abstract mesh the jit's shardings were built on, else set_mesh's.
@@ -799,10 +716,8 @@ def _partitioned_placement(ctx, steps):
 
 
 def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
-  """The first mesh the caller gave that ``fits``, of: ``with mesh:``
-  (unless ``with_block`` is False: the shard_map path takes only the
-  others), ``jax.set_mesh``, an eager call's operands' mesh. None if none
-  does. The one order of precedence for every path."""
+  """The first mesh the caller gave that ``fits`` (every path's order):
+  ``with mesh:`` (if ``with_block``), ``jax.set_mesh``, an eager call's."""
   with_mesh = mesh_lib.thread_resources.env.physical_mesh  # `with mesh:`
   sources = ((with_mesh,) if with_block else ()) + (
       _ambient_mesh("get_concrete_mesh"), eager_mesh)
@@ -813,8 +728,7 @@ def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
 @contextlib.contextmanager
 def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
   """Re-raises a plain ValueError or TypeError with ``prefix`` and
-  ``suffix`` (or what it returns for the error) around its message (naming
-  the op); subclasses, whose types callers may catch, pass unchanged."""
+  ``suffix`` (or ``suffix(error)``) around its message; subclasses pass."""
   try:
     yield
   except (ValueError, TypeError) as e:
@@ -825,8 +739,7 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
 
 
 def _ask_rule(ctx, params, mesh, steps):
-  """The op's rule (a callable ``sharding_rule`` asked here, about the
-  author's op) and, under Shardy, its attribute for the custom call."""
+  """The op's rule (a callable one asked) and, under Shardy, its attribute."""
   call, rule = params["call"], params["sharding_rule"]
   values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
             [_Value(a.shape, a.dtype) for a in call.out_avals])
@@ -834,17 +747,13 @@ def _ask_rule(ctx, params, mesh, steps):
             else [_Level(None, *values)])
   if callable(rule):  # seam: a rule asked per call
     rule = _asked_rule(ctx, params, mesh, levels[0])
-  attr = None
-  if _use_shardy() and rule is not None:
-    attr = _rule_attr(rule, levels)
-  return rule, attr
+  return rule, (_rule_attr(rule, levels) if _use_shardy() and rule is not None
+                else None)
 
 
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
-  """The one builder of an ``_Op``: from its equation's parameters
-  (``custom_partitioning._params``), where it runs, its rule (a callable
-  ``sharding_rule`` asked by now) and, for a custom call, what its
-  lowering knows (``varying``, ``platforms``, ``backend``, ``config``)."""
+  """The one builder of an ``_Op``: from its equation's parameters, where
+  it runs, its rule (asked by now) and what its lowering knows."""
   static = params["static_args"]
   return _Op(name=_fun_name(params["call"]), partition=params["partition"],
              infer_sharding_from_operands=params[
@@ -860,15 +769,10 @@ def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
 
 
 class _Placement(NamedTuple):
-  """Where a lowered op runs.
-
-  ``mesh`` is what the callbacks see: the real mesh whenever it can be
-  recovered, else the mesh of ``with mesh:`` (the empty mesh if none).
-  Inside a partly manual shard_map it names every axis, the manual ones
-  typed ``AxisType.Manual``; XLA then asks for the partition on ``auto``,
-  the mesh of the auto axes alone, and the per-shard code runs on
-  ``whole``, the shard_map's mesh.
-  """
+  """Where a lowered op runs. ``mesh``: what the callbacks see (inside a
+  partly manual shard_map, the manual axes typed Manual); XLA then asks on
+  ``auto``, the auto axes' mesh, and the per-shard code runs on ``whole``,
+  the shard_map's mesh."""
   mesh: Any
   devices: tuple | None
   auto: Any = None
@@ -880,12 +784,9 @@ _STATE = {"state": True}  # marks the fields of an _Op that are not its key
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Op:
-  """What XLA's callbacks need to know about one lowered custom call; built
-  by ``_op_of`` alone, immutable but for its answer cache.
-
+  """What XLA's callbacks need to know about one lowered custom call.
   Every field but those marked ``_STATE`` decides the answers, and ops
-  registered under one key agree on all of them (``_register``).
-  """
+  under one key agree on all of them (``_register``)."""
   name: str
   partition: Callable | None
   infer_sharding_from_operands: Callable | None
@@ -902,29 +803,25 @@ class _Op:
   varying: tuple = ((), ())
   platforms: Any = None
   backend: Any = None
-  # jax's configuration where the op was lowered (``_config_values``),
-  # which ``partition`` and ``lower_fn`` run under on XLA's thread; None:
-  # the caller's own (the shard_map path). The key holds what jax keys its
-  # traces on (``_content_key``); in one lowering it is one.
+  # jax's config where the op was lowered, which partition and lower_fn run
+  # under on XLA's thread (None: the caller's). Its keyed part is in the
+  # content key; in one lowering it is one.
   config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
-  # Partition request -> XLA's answer. The request holds every input of the
-  # answer that is not in the op's key (shapes, dtypes, shardings); the key
-  # holds the rest.
+  # Partition request -> answer: the request holds every input not in the
+  # op's key (shapes, dtypes, shardings).
   lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
   mesh: Any = None  # place.mesh, what the callbacks see
 
 
 def _register(ctx, op: _Op, params) -> str:
-  """Registers ``op`` under its key; returns the key. XLA's questions are
-  answered from the op and from what XLA asks with (shapes, shardings), so
-  ops found under one key must answer alike."""
+  """Registers ``op`` under its key, which must tell apart ops that
+  answer differently; returns the key."""
   if (_config.compilation_cache_dir.value and  # seam: content keys (D)
       _config.enable_compilation_cache.value):
     key = _content_key(ctx, op, params["call"])
   else:
-    # In one lowering jax's configuration is one: equal parameters in one
-    # placement are one op. A new lowering asks anew (and sees changes to
-    # what the callbacks read).
+    # In one lowering the config is one: equal parameters in one placement
+    # are one op. A new lowering asks anew.
     ident = (tuple(sorted(params.items())), op.place, op.varying,
              op.platforms, op.backend, _use_shardy())
     keepalives = ctx.module_context.keepalives
@@ -945,14 +842,12 @@ def _register(ctx, op: _Op, params) -> str:
 # --------------------------------------------------------------------------
 # 3. The callbacks XLA calls
 #
-# XLA hands the custom call's key back to its callbacks, which find the op in
-# ``_registry`` (``_xla_callback``, the one boundary). An exception must
-# never reach XLA raw (under GSPMD that aborts the process): it is parked
-# under a tag put into XLA's error message, from which
-# ``_reraise_callback_error`` (jax's compile-error handler) gives jax the
-# original back. One raised while inferring or propagating waits in
-# ``_pending`` for the thread's next partition callback, of whichever op:
-# XLA compiles one program at a time on a thread, and partitions last.
+# The callbacks find the op by the custom call's key (``_xla_callback``).
+# An exception never reaches XLA raw (under GSPMD that aborts): it is parked
+# under a tag in XLA's message, by which ``_reraise_callback_error`` gives
+# jax the original. One from infer or propagate waits in ``_pending`` for
+# the thread's partition callback (XLA compiles one program at a time on a
+# thread, and partitions last).
 # --------------------------------------------------------------------------
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
@@ -960,16 +855,11 @@ _ERROR_TAG = f"[{_TARGET} error #"
 
 
 def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
-  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``
-  for the op registered under ``key``. Every error reaches XLA as a
-  ``RuntimeError`` naming the parked original (``_park``).
-
-  ``leave_to_xla(op, *xla_args)`` (infer and propagate): XLA's own answer,
-  given where the op leaves the question to XLA (or the key is unknown) and
-  where ``answer`` raises, the error then kept for this compile's partition
-  callback (raising here aborts the process under GSPMD). Without it
-  (partition): an error kept by then is raised first.
-  """
+  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``;
+  errors reach XLA as a ``RuntimeError`` naming the parked original.
+  ``leave_to_xla(op, *xla_args)`` (infer, propagate): XLA's own answer,
+  given where the op leaves the question to XLA and where ``answer``
+  raises, the error kept for the partition callback, which raises it."""
   def callback(*args):
     *xla_args, key = args
     with _weak_lock:
@@ -995,19 +885,16 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
 
 
 def _park(error: BaseException, where: str) -> str:
-  """Parks ``error``; returns a message that names it for the handler."""
+  """Parks ``error``; returns a message naming it for the handler."""
   tag = next(_parked_counter)
   _parked_errors.put(tag, error)  # bounded: old compiles that never failed
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
 
 
 def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
-  """jax's event listener: at the end of a backend compile, failed or not
-  (XLA dropped the op before partitioning it), every kept infer/propagate
-  error goes, so none reaches a later compile. jax calls it on the
-  caller's thread, not XLA's, so a compile running meanwhile on another
-  thread may lose one it kept: it goes on as if the callback had returned
-  None, and partition still decides the program."""
+  """jax's event listener: after a backend compile, failed or not, kept
+  infer/propagate errors go. Called on the caller's thread, it may drop
+  one another thread's compile kept (which goes on as if it was None)."""
   if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
     return
   with _weak_lock:
@@ -1027,8 +914,7 @@ def _reraise_callback_error(xla_error: Exception):
 
 def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   """The result sharding XLA gets from the operands', or None."""
-  result_shapes, _ = _hlo_parts(result_shape, None)
-  results = _from_xla(result_shapes, [None] * len(result_shapes), op.mesh)
+  results = _from_xla(*_hlo_parts(result_shape, None), op.mesh)
   operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
   if op.steps:  # seam: a derived op (section 7)
     inferred = _infer(op, _levels(op.steps, operands, results))
@@ -1042,7 +928,6 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
 
 
 def _answer_propagate(op: _Op, user_sharding, shape):
-  """The result sharding the op prefers, given its user's."""
   if op.propagate_user_sharding is None and not op.steps:
     return _users_sharding(op, user_sharding, shape)
   results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
@@ -1064,8 +949,7 @@ def _users_sharding(op: _Op | None, user_sharding, shape):
 
 def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
                       result_sharding):
-  """``(per-shard module, operand shardings, result sharding)`` for XLA,
-  from ``op.lowered`` where XLA asked it before."""
+  """``(per-shard module, operand shardings, result sharding)``, cached."""
   request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
                    for s, h in zip(arg_shapes, arg_shardings)),
              str(result_shape), str(result_sharding))
@@ -1077,9 +961,8 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
     return hit
   on = op.mesh if op.place.auto is None else op.place.auto
   result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
-  # XLA calls on a thread of its own, which has none of the lowering
-  # thread's context managers: partition and lower_fn run under the
-  # configuration the op was lowered (and keyed) with.
+  # XLA's thread has none of the lowering thread's context managers:
+  # partition and lower_fn run under the config the op was lowered with.
   operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
   results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
   with _config_entered(op.config):
@@ -1098,19 +981,15 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
 # --------------------------------------------------------------------------
 # 4. Asking the author: the partition pipeline
 #
-# Each question goes XLA (or the shard_map path) -> ``_<q>`` (walks the
-# steps down to the author's op and the answer back up, section 7) ->
-# ``_ask_<q>``, the only caller of that callback of the author's; a callable
-# sharding rule is asked while lowering (``_ask_rule``). Meshes: ``op.mesh``
-# is what the callbacks see; the ``on`` parameters name the mesh a value's
-# spec and HloSharding are on: ``op.mesh``, inside a partly manual
-# shard_map ``op.place.auto``, or for ``partition``'s answer the mesh it
-# returned (``_Answer.on``).
+# A question goes XLA (or section 6) -> ``_<q>`` (a derived op's steps,
+# section 7) -> ``_ask_<q>``, the only caller of that author's callback.
+# ``op.mesh`` is what the callbacks see; ``on`` names the mesh of a value's
+# spec and HloSharding: ``op.mesh``, inside a partly manual shard_map
+# ``op.place.auto``, or the mesh ``partition`` returned (``_Answer.on``).
 # --------------------------------------------------------------------------
 
 def _partition(op: _Op, operands: list, results: list, on):
-  """``(answer, jaxpr)``: the author's answer about ``operands`` and
-  ``results`` (shardings on ``on``), and its ``lower_fn`` traced."""
+  """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
   answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
@@ -1121,9 +1000,7 @@ def _partition(op: _Op, operands: list, results: list, on):
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values whose shardings are on ``on`` (for
-  an op defined by its rule alone, ``_partition_from_rule``), its answer
-  checked."""
+  """``partition`` asked about values on ``on``, its answer checked."""
   if op.partition is None:
     raise ValueError(_REFUSALS["no_partition"].format(
         name=op.name, n=len(op.place.devices)))
@@ -1145,9 +1022,7 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
     raise TypeError(_REFUSALS["mesh"].format(name=op.name,
                                              got=type(mesh).__name__))
   devices = op.place.devices
-  # Inside a shard_map its mesh is used anyway; the empty mesh is what the
-  # op got if no mesh could be recovered (as upstream, lower_fn then runs
-  # without mesh axes).
+  # Inside a shard_map its mesh is used anyway; an empty one is the op's.
   if op.place.auto is None and not mesh.empty:
     if isinstance(mesh, mesh_lib.Mesh):
       if set(mesh.devices.flat) != set(devices):
@@ -1160,8 +1035,7 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   if isinstance(mesh, mesh_lib.AbstractMesh):
     mesh = _concrete(op, mesh)
   if op.place.auto is not None:
-    # Collectives must name devices of the whole program: lower on the
-    # whole mesh (the returned one may be the mesh with manual types).
+    # Collectives must name devices of the whole program.
     mesh = op.place.whole
   else:
     if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
@@ -1176,9 +1050,8 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
 
 
 class _Answer(NamedTuple):
-  """What ``partition`` returned, checked: the mesh ``lower_fn`` runs on
-  (its collectives name that mesh's axes), the mesh the specs of ``args``
-  and ``results`` are on, and those shardings."""
+  """``partition``'s answer, checked: the mesh ``lower_fn`` runs on, the
+  mesh ``on`` of the specs, the shardings."""
   mesh: Any
   on: Any
   lower_fn: Callable
@@ -1187,8 +1060,7 @@ class _Answer(NamedTuple):
 
 
 def _concrete(op: _Op, mesh: mesh_lib.AbstractMesh):
-  """An AbstractMesh from the author made concrete on the op's devices (as
-  upstream does)."""
+  """An AbstractMesh made concrete on the op's devices (as upstream)."""
   if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
     return op.mesh
   return _mesh_from_abstract(op.place.devices, mesh)
@@ -1196,8 +1068,8 @@ def _concrete(op: _Op, mesh: mesh_lib.AbstractMesh):
 
 def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
             on=None) -> list[_Value]:
-  """The author's pytree of shardings for ``like`` (values of the same
-  shapes), checked, as ``_Value``s with specs on the mesh ``on``."""
+  """The author's pytree of shardings for ``like``, checked, as
+  ``_Value``s with specs on ``on``."""
   on = op.mesh if on is None else on
   leaves = None  # a list where a tuple is expected is fine
   for value in [answer, tuple(answer)] if isinstance(answer, list) else [
@@ -1239,10 +1111,8 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
 
 
 def _structs(op: _Op, tree, values, on=None):
-  """The callbacks' view of ``values`` (shardings on mesh ``on``): a pytree
-  of ShapeDtypeStructs, each sharded by a NamedSharding on the op's mesh
-  where it has a PartitionSpec and ``decode_shardings`` is on, else by a
-  GSPMDSharding; unsharded where its sharding is not known."""
+  """The callbacks' view of ``values`` (on ``on``): ShapeDtypeStructs with
+  NamedShardings (``decode_shardings``, a spec) or GSPMDShardings, if known."""
   on = op.mesh if on is None else on
   structs = []
   for v in values:
@@ -1261,9 +1131,8 @@ def _structs(op: _Op, tree, values, on=None):
 
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
                     results: list) -> tuple[core.ClosedJaxpr, bool]:
-  """Traces ``lower_fn`` on per-shard shapes, with the checks of section
-  8; returns its jaxpr (of flat local arrays) and whether the check proved
-  every replicated result equal along its axes (False where unchecked)."""
+  """``lower_fn`` traced on local shapes, checked (section 8): its jaxpr
+  and whether every replicated result was proved equal along its axes."""
   lower_fn, on = answer.lower_fn, answer.on
   if op.check_vma and op.sharding_rule is not None and any(  # seam: padded
       size % _shard_count(entry, on)
@@ -1319,8 +1188,7 @@ def _host_callback_error(op: _Op) -> NotImplementedError:
 
 
 class _PerShard(NamedTuple):
-  """A partitioned op: the per-shard program (a jaxpr of flat local
-  arrays) on ``mesh``, and the shardings it takes and gives."""
+  """The per-shard program on ``mesh`` and the shardings it takes, gives."""
   mesh: Any
   jaxpr: core.ClosedJaxpr
   args: list
@@ -1328,10 +1196,8 @@ class _PerShard(NamedTuple):
 
 
 def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
-  """The per-shard program lowered to a module, as bytecode."""
-  # XLA finds a host callback by its index in the list of the program
-  # being compiled, which was fixed before this callback ran; the
-  # per-shard module's own list is not reachable (upstream segfaults).
+  # Host callbacks cannot work: XLA finds them by index in the compiled
+  # program's list, fixed before this ran (upstream segfaults).
   mesh = shard.mesh
   with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
     module, host_callbacks = _lower_per_shard(
@@ -1344,8 +1210,7 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
 
 
 def _ask_infer(op: _Op, operands: list, results: list):
-  """The result shardings ``infer_sharding_from_operands`` gives or, without
-  it, the op's rule implies; None where neither can tell."""
+  """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
   if op.infer_sharding_from_operands is None:  # seam: inferred from the rule
     return _infer_by_rule(op, operands, results)
   answer = op.infer_sharding_from_operands(
@@ -1359,8 +1224,7 @@ def _ask_infer(op: _Op, operands: list, results: list):
 
 
 def _ask_propagate(op: _Op, results: list) -> list[_Value]:
-  """The result shardings ``propagate_user_sharding`` prefers, given the
-  user's (``results``); the user's if it is not defined."""
+  """``propagate_user_sharding``'s answer, else the user's ``results``."""
   if op.propagate_user_sharding is None:
     return results
   answer = op.propagate_user_sharding(*op.static_args, op.mesh,
@@ -1372,17 +1236,13 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
 # --------------------------------------------------------------------------
 # 5. Extras of the core path
 #
-# What the path of an ordinary op (sections 1 to 4) leaves out, each entered
-# from one line of it marked ``# seam:``: a body with nothing to partition,
-# placements inside a shard_map or without the program's devices, a
-# callable sharding rule, an error kept from infer or propagate, and ops
-# defined by their rule alone. The shard_map path, derived ops and the
-# per-shard checks have sections of their own (6 to 8); content keys for
-# the persistent cache are appendix D.
+# What sections 1 to 4 leave out, each entered from a ``# seam:`` line: a
+# body with nothing to partition, placements inside a shard_map or without
+# devices, a callable sharding rule, a kept infer/propagate error, and ops
+# defined by their rule alone.
 # --------------------------------------------------------------------------
 
 def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
-  """The op's body, lowered in place of a custom call, for ``why``."""
   if _log.isEnabledFor(logging.DEBUG):
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
         ctx.module_context.axis_context, "mesh", None),
@@ -1392,8 +1252,7 @@ def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
 
 
 def _shard_map_placement(axis_context) -> _Placement | None:
-  """Inside a shard_map: its mesh, the manual axes typed Manual; None where
-  every axis is manual (the code of one shard)."""
+  """Inside a shard_map: its mesh, manual axes typed Manual; or None."""
   whole, manual = axis_context.mesh, axis_context.manual_axes
   if set(manual) == set(whole.axis_names):
     return None
@@ -1404,9 +1263,8 @@ def _shard_map_placement(axis_context) -> _Placement | None:
 
 
 def _placement_without_devices(axis_context, am, avals) -> _Placement:
-  """Where jax does not say the devices (inside another primitive's
-  lowering): a mesh the caller gave of the program's shape, else that of
-  ``with mesh:``, without devices."""
+  """Without devices (inside another primitive's lowering): a mesh the
+  caller gave of the program's shape, else ``with mesh:``'s."""
   num_devices = getattr(axis_context, "num_devices", None)
   abstract = [m for m in [am, *map(_aval_mesh, avals)]
               if m is not None and not m.empty]
@@ -1439,8 +1297,7 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
 
 
 def _raise_pending() -> None:
-  """Raises the error an infer or propagate callback kept on this thread,
-  if any (parked, so the failed compile re-raises the original)."""
+  """Raises (parked) the error infer or propagate kept on this thread."""
   with _weak_lock:
     pending = _pending.pop(threading.get_ident(), None)
   if pending is not None:
@@ -1450,16 +1307,14 @@ def _raise_pending() -> None:
 
 
 class _FromRule:
-  """The ``partition`` of an op defined by its rule alone: answered from
-  the rule (``_partition_from_rule``), each shard running ``fun`` with the
-  call's static arguments and unpassed defaults at their positions."""
+  """The ``partition`` of an op defined by its rule alone: each shard runs
+  ``fun`` with the call's static arguments and unpassed defaults."""
   __slots__ = ("fun", "static_argnums", "defaults", "_parts")
 
   def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
     self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
                                                     defaults)
-    # Defaults are fun's own default objects: compared by identity, as
-    # they need not be hashable.
+    # Defaults, fun's own objects, need not hash: compared by identity.
     self._parts = (fun, static_argnums, tuple((i, id(value))
                                               for i, value in defaults))
 
@@ -1482,8 +1337,8 @@ class _FromRule:
 
 
 def _infer_by_rule(op: _Op, operands: list, results: list):
-  """The result shardings the op's rule implies, or None (GSPMD)."""
-  # The rule needs every placed operand's PartitionSpec.
+  """The result shardings the op's rule implies, or None (GSPMD); it needs
+  every placed operand's PartitionSpec."""
   if op.sharding_rule is None or not any(v.known() for v in operands) or any(
       v.spec is None and v.hlo is not None for v in operands):
     return None
@@ -1499,10 +1354,7 @@ def _infer_by_rule(op: _Op, operands: list, results: list):
 
 
 def _partition_from_rule(op: _Op, operands: list, results: list):
-  """What a ``partition`` written from the op's rule would return, for an
-  op defined by its rule alone: ``(mesh, lower_fn, result_shardings,
-  arg_shardings)``, the shardings by ``_rule_specs`` and ``lower_fn`` the
-  op's own ``fun``."""
+  """What a ``partition`` written from the op's rule would return."""
   lower_fn = op.partition.lower_fn(op.static_args)
   if op.mesh.empty:  # no axis to name: replicated is right for every op
     replicated = sharding_impls.GSPMDSharding(op.place.devices,
@@ -2806,17 +2658,14 @@ def _short_repr(value, limit: int = 60) -> str:
 # --------------------------------------------------------------------------
 # Appendix A. Shardings
 #
-# XLA talks in HloShardings on flat lists of shapes, the author's callbacks
-# in jax shardings on pytrees of ``jax.ShapeDtypeStruct``; in between, each
-# operand and result is a ``_Value``.
+# XLA talks in HloShardings on flat lists of shapes, the callbacks in jax
+# shardings on pytrees; in between, each operand and result is a ``_Value``.
 # --------------------------------------------------------------------------
 
 class _Value(NamedTuple):
-  """An operand or result of an op. ``spec``: its PartitionSpec entries,
-  what the checks and derived ops work with (None: it has none, or its
-  sharding is not known); ``hlo``: the HloSharding XLA or the author gave,
-  kept as given (None: known by ``spec`` alone, or not at all); ``varying``:
-  inside a shard_map, the manual axes it varies over (None: not tracked)."""
+  """An operand or result. ``spec``: its PartitionSpec entries (None: none
+  or unknown); ``hlo``: the HloSharding as given (None: by ``spec`` alone
+  or unknown); ``varying``: the manual axes it varies over, if tracked."""
   shape: tuple
   dtype: Any
   spec: tuple | None = None
@@ -2828,7 +2677,6 @@ class _Value(NamedTuple):
 
 
 def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
-  """Splits a possibly-tuple XLA shape and its sharding into flat lists."""
   if not shape.is_tuple():
     return [shape], [sharding]
   shapes = list(shape.tuple_shapes())
@@ -2842,7 +2690,6 @@ def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
 
 
 def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
-  """XLA's shapes and shardings (on the mesh ``on``) as ``_Value``s."""
   return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
                  None if h is None or on.empty
                  else _decode_spec(h, on, len(s.dimensions())), h, v)
@@ -2857,7 +2704,6 @@ def _hlo_of(v: _Value, on) -> xc.HloSharding:
 
 
 def _axes_in(specs) -> set:
-  """The mesh axis names used by some PartitionSpec entries."""
   return {a for spec in specs for entry in spec or ()
           for a in _entry_axes(entry)}
 
@@ -2868,14 +2714,12 @@ def _shard_count(entry, mesh) -> int:
 
 
 def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` with more than one device (along a size-1 axis
-  nothing is sharded or can differ; HloShardings cannot name one)."""
+  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
 def _as_xla_spec(spec, mesh) -> tuple:
-  """``spec`` without its size-1 axes: as it reads after a round trip
-  through XLA (as the custom call's callbacks, and upstream's, see it)."""
+  """``spec`` without its size-1 axes, as a round trip through XLA reads."""
   def entry_of(entry):
     axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
@@ -2883,8 +2727,7 @@ def _as_xla_spec(spec, mesh) -> tuple:
 
 
 def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
-  """A shard of ``v``; a dimension the mesh does not divide is rounded up
-  (XLA pads the last shards)."""
+  """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
   if v.spec is None:
     tile = v.hlo.tile(xc.Shape.array_shape(np.dtype(v.dtype), v.shape))
     return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)

@@ -429,7 +429,7 @@ class custom_partitioning:
       # jax.jit's trace key (its trace context holds the config), plus the
       # positions of unpassed defaults; blind, as jax.jit, to fun's globals.
       key = (args.static_args, tuple(i for i, _ in args.defaults),
-             flat.in_tree, flat.in_avals, _use_shardy(),
+             flat.in_tree, flat.in_avals, _SHARDY.value,
              _config.trace_context())
     traced = None if key is None else self._traces.get(key)
     if traced is None:  # get and put: no closure built on the hot path
@@ -446,7 +446,7 @@ class custom_partitioning:
         out_tree, core.jaxpr_as_fun(call)(*leaves))
 
   def _bind(self, args: _CallArgs, eager_mesh=None):
-    if (_use_shardy() and self.sharding_rule is None and
+    if (_SHARDY.value and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
       raise NotImplementedError(_REFUSALS["gspmd_only"].format(
@@ -659,7 +659,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
     raise ValueError(_REFUSALS["no_partition"].format(
         name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None
-  if callable(rule) or (_use_shardy() and rule is not None):  # seam: rules
+  if callable(rule) or (_SHARDY.value and rule is not None):  # seam: rules
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
   # Inside a partly manual shard_map: the manual axes each value varies on.
@@ -747,7 +747,7 @@ def _ask_rule(ctx, params, mesh, steps):
             else [_Level(None, *values)])
   if callable(rule):  # seam: a rule asked per call
     rule = _asked_rule(ctx, params, mesh, levels[0])
-  return rule, (_rule_attr(rule, levels) if _use_shardy() and rule is not None
+  return rule, (_rule_attr(rule, levels) if _SHARDY.value and rule is not None
                 else None)
 
 
@@ -823,7 +823,7 @@ def _register(ctx, op: _Op, params) -> str:
     # In one lowering the config is one: equal parameters in one placement
     # are one op. A new lowering asks anew.
     ident = (tuple(sorted(params.items())), op.place, op.varying,
-             op.platforms, op.backend, _use_shardy())
+             op.platforms, op.backend, _SHARDY.value)
     keepalives = ctx.module_context.keepalives
     with _weak_lock:
       table = _lowering_ops.get(id(keepalives))
@@ -1509,7 +1509,7 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
   params = user_op._params(args, flat, call, out_tree,
                            _is_hashable(args.static_args))
   rule = params["sharding_rule"]
-  op = _op_of(params, _Placement(mesh, _mesh_devices(mesh)),
+  op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
               None if callable(rule) else rule)
   operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
                                               type_error)
@@ -3242,7 +3242,7 @@ def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
            cached: bool = False) -> None:
   """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
   axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
-  where = (f"{path}, {'Shardy' if _use_shardy() else 'GSPMD'}"
+  where = (f"{path}, {'Shardy' if _SHARDY.value else 'GSPMD'}"
            if path == _CUSTOM_CALL else path)
   text = "; ".join(filter(None, [
       f"custom_partitioning op {name}: {question} [{where}] "
@@ -3352,7 +3352,7 @@ def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
   describer = _Describer(
       f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}")
   parts = (str(call.jaxpr), call.consts, op, _trace_context_by_value(),
-           _use_shardy())
+           _SHARDY.value)
   try:
     describer.add((jax.__version__, *parts))
   except RecursionError:  # too deep, or too big (``add``)
@@ -3427,7 +3427,7 @@ class _Describer:
     if isinstance(obj, jax.sharding.Mesh):
       out.append("empty mesh" if obj.empty else
                  f"mesh {obj.axis_names} {obj.devices.shape} "
-                 f"{[d.id for d in _mesh_devices(obj)]} {_axis_types(obj)}")
+                 f"{[d.id for d in obj.devices.flat]} {_axis_types(obj)}")
     elif isinstance(obj, mesh_lib.AbstractMesh):  # its repr is its value
       out.append(f"abstract mesh {obj!r}")
     elif isinstance(obj, jax.Device):
@@ -3882,16 +3882,8 @@ def _varying_axes(aval) -> frozenset | None:
 
 # Private attributes of jax's mesh and sharding classes: one place to change
 # if jax renames them.
-def _mesh_devices(mesh) -> tuple:
-  return tuple(mesh._flat_devices_tuple)  # in mesh order
-
-
 def _sharding_devices(sharding) -> tuple:
   return tuple(sharding._device_assignment)
-
-
-def _to_hlo_sharding(sharding, ndim: int) -> xc.HloSharding:
-  return sharding._to_xla_hlo_sharding(ndim)
 
 
 def _gspmd_hlo(sharding) -> xc.HloSharding:
@@ -3935,7 +3927,7 @@ def _returns_padded() -> bool:
   """Whether jax compiles a jit whose result XLA leaves padded, as
   check_partitioning's padded placements need: not jax 0.9 with Shardy
   (0.9.2 raises IndivisibleError; 0.8.3, 0.10.2 give another sharding)."""
-  return _JAX_VERSION[:2] != (0, 9) or not _use_shardy()
+  return _JAX_VERSION[:2] != (0, 9) or not _SHARDY.value
 
 
 def _set_mesh_scope(mesh):
@@ -3989,8 +3981,8 @@ def _vmapped_over_mesh_axis(x) -> bool:
   return False
 
 
-def _use_shardy() -> bool:
-  return bool(_config.use_shardy_partitioner.value)
+# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
+_SHARDY = _config.use_shardy_partitioner
 
 
 def _jit_disabled() -> bool:
@@ -4000,11 +3992,6 @@ def _jit_disabled() -> bool:
 def _add_note(error: BaseException, note: str) -> None:
   if hasattr(error, "add_note"):  # Python 3.11 added it
     error.add_note(note)
-
-
-def _persistent_cache_used() -> bool:
-  return bool(_config.compilation_cache_dir.value and
-              _config.enable_compilation_cache.value)
 
 
 def _config_values() -> tuple:
@@ -4214,7 +4201,7 @@ def _demo() -> None:
   host = (real + 1j * imag).astype(np.complex64)
   # What ran decides what the lines below prove: say it first.
   print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; partitioner " +
-        ("Shardy (JAX_USE_SHARDY_PARTITIONER=0 for GSPMD)" if _use_shardy()
+        ("Shardy (JAX_USE_SHARDY_PARTITIONER=0 for GSPMD)" if _SHARDY.value
          else "GSPMD (JAX_USE_SHARDY_PARTITIONER=1 for Shardy)"))
   print(f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
         f"input {host.shape} {host.dtype} sharded over rows")

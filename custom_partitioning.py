@@ -84,6 +84,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import importlib
 import inspect
 import itertools
 import logging
@@ -123,33 +124,100 @@ if _JAX_VERSION < (0, 4, 35):
       f"{jax.__version__}. Upgrade jax and jaxlib, or use "
       "jax.experimental.custom_partitioning.")
 
-from jax._src import (
-  api_util,
-  core,
-  custom_api_util,
-  dispatch,
-  sharding_impls,
-  source_info_util,
-  xla_bridge,
-)
-from jax._src import compiler as _compiler
-from jax._src import config as _config
-from jax._src import errors as _errors
-from jax._src import linear_util as lu
-from jax._src import mesh as mesh_lib
-from jax._src import monitoring as _monitoring
-from jax._src import util as _jax_util
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import linalg
-from jax._src.lib import lapack
-from jax._src.lib import version as _jaxlib_version
-from jax._src.lib import xla_client as xc
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import sdy
 import numpy as np
 
-_JAXLIB_VERSION = tuple(_jaxlib_version)[:3]
+# --------------------------------------------------------------------------
+# jax's names: every one this module reads, looked up once, here
+#
+# Each module, then the names read from it; ``name?`` is optional (None
+# where the release lacks it: a version branch reads it, beside its owner).
+# Public and jax.extend names first, then jax._src where jax offers no
+# public one. A release lacking a required name fails here, at import, by
+# name; ``grep -n "_jax\."`` lists every use.
+# --------------------------------------------------------------------------
+
+_NAMES = {
+    "jax.core": "AbstractValue ShapedArray Tracer",
+    "jax.errors": "UnexpectedTracerError",
+    "jax.extend.core": "ClosedJaxpr Jaxpr Literal Primitive jaxpr_as_fun",
+    "jax.extend.linear_util": "wrap_init",
+    "jax.extend.mlir.dialects.sdy": "DimMappingAttr OpShardingRuleAttr "
+                                    "TensorMappingAttr",
+    "jax.extend.mlir.ir": "Attribute ShapedType Type",
+    "jax.interpreters.ad": "JVPTracer Zero instantiate_zeros "
+                           "is_undefined_primal primitive_jvps "
+                           "primitive_transposes",
+    "jax.interpreters.batching": "primitive_batchers",
+    "jax.interpreters.mlir": "LoweringParameters LoweringRuleContext "
+                             "aval_to_ir_types lower_fun "
+                             "lower_jaxpr_to_module module_to_bytecode "
+                             "register_lowering",
+    "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
+    "jax.monitoring": "register_event_duration_secs_listener",
+    "jax.sharding": "AbstractMesh Mesh",
+    "jax._src.api_util": "argnums_partial debug_info flatten_fun_nokwargs",
+    "jax._src.compiler": "register_xla_runtime_error_handler",
+    "jax._src.config": "State compilation_cache_dir config disable_jit "
+                       "enable_compilation_cache trace_context "
+                       "use_shardy_partitioner",
+    "jax._src.core": "extend_axis_env_nd jaxprs_in_params subjaxprs "
+                     "trace_state_clean AxisEnv? ShardingTypeError? "
+                     "get_aval? raise_to_shaped? typeof?",
+    "jax._src.custom_api_util": "forward_attr register_custom_decorator_type",
+    "jax._src.dispatch": "BACKEND_COMPILE_EVENT "
+                         "prim_requires_devices_during_lowering",
+    "jax._src.interpreters.batching": "BatchTracer",
+    "jax._src.interpreters.mlir": "custom_call",
+    "jax._src.lax": "linalg",
+    "jax._src.lib": "lapack version",
+    "jax._src.lib.xla_client": "ArrayImpl Client HloSharding Shape "
+                               "register_custom_call_partitioner",
+    "jax._src.mesh": "thread_resources empty_abstract_mesh? "
+                     "get_abstract_mesh? get_concrete_mesh? "
+                     "use_abstract_mesh?",
+    "jax._src.sharding_impls": "GSPMDSharding SPMDAxisContext "
+                               "parse_flatten_op_sharding",
+    "jax._src.source_info_util": "new_name_stack",
+    "jax._src.util": "cache",
+    "jax._src.xla_bridge": "register_plugin_callbacks",
+}
+
+
+def _look_up(names: dict) -> types.SimpleNamespace:
+  found = {}
+  for where, listed in names.items():
+    for name in listed.split():
+      optional = name.endswith("?")
+      name = name.rstrip("?")
+      path = f"{where}.{name}"
+      found[name] = value = _resolve(path)
+      if value is None and not optional:
+        raise ImportError(
+            f"{__name__} needs {path}, which jax {jax.__version__} does not "
+            "have; this file is tested with jax 0.4.35 to 0.12.0.1. Install "
+            "one of those releases (pip install -U 'jax==0.12.0.1'), or use "
+            "jax.experimental.custom_partitioning.")
+  return types.SimpleNamespace(**found)
+
+
+def _resolve(path: str):
+  """The object at dotted ``path`` (modules imported on the way), or None."""
+  parts = path.split(".")
+  value = importlib.import_module(parts[0])
+  for i, part in enumerate(parts[1:], 2):
+    if not hasattr(value, part):
+      try:
+        importlib.import_module(".".join(parts[:i]))
+      except ImportError:
+        return None
+    value = getattr(value, part, None)
+    if value is None:
+      return None
+  return value
+
+
+_jax = _look_up(_NAMES)
+_JAXLIB_VERSION = tuple(_jax.version)[:3]
 
 
 # --------------------------------------------------------------------------
@@ -177,7 +245,7 @@ class custom_partitioning:
   0.7+, ``jax.set_mesh``) ``partition`` is asked while tracing and the op
   becomes ``lower_fn`` under ``jax.shard_map`` between two reshards
   (section 6). Lowered inside another primitive's lowering rule
-  (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
+  (``_jax.lower_fun(op)``), the op takes its devices from the mesh set
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
@@ -219,7 +287,7 @@ class custom_partitioning:
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
-  __getattr__: Any = custom_api_util.forward_attr
+  __getattr__: Any = _jax.forward_attr
   partition = infer_sharding_from_operands = sharding_rule = None
   propagate_user_sharding, decode_shardings, check_vma = None, True, True
 
@@ -353,7 +421,7 @@ class custom_partitioning:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    eager = core.trace_state_clean() and not _config.disable_jit.value
+    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
     if (not kwargs and len(args) == self._signature.plain and
         not (self.static_argnums or self.static_argnums == 0)):
       args = _CallArgs((), (), (), args)  # the common case, kept fast
@@ -376,9 +444,9 @@ class custom_partitioning:
       if i % len(args) not in positions:
         positions.append(i % len(args))
     for i in positions:
-      if any(isinstance(leaf, core.Tracer)
+      if any(isinstance(leaf, _jax.Tracer)
              for leaf in jax.tree_util.tree_leaves(args[i])):
-        raise _errors.UnexpectedTracerError(
+        raise _jax.UnexpectedTracerError(
             f"custom_partitioning function {self._name} got a traced value "
             f"as argument {i}, which static_argnums marks static. Static "
             "arguments must be concrete Python values.")
@@ -402,7 +470,7 @@ class custom_partitioning:
     # Under Explicit axes the operands' (concrete) mesh is the op's.
     mesh = next((x.sharding.mesh for x in leaves if isinstance(
         getattr(x, "sharding", None), jax.sharding.NamedSharding) and
-        isinstance(x.sharding.mesh, mesh_lib.Mesh)), None) if sharded else None
+        isinstance(x.sharding.mesh, _jax.Mesh)), None) if sharded else None
     key = (self, self._generation, args.static_args,
            _positions(args.defaults), sharded, mesh)
     fn = _eager.get(key)
@@ -430,7 +498,7 @@ class custom_partitioning:
       # positions of unpassed defaults; blind, as jax.jit, to fun's globals.
       key = (args.static_args, tuple(i for i, _ in args.defaults),
              flat.in_tree, flat.in_avals, _SHARDY.value,
-             _config.trace_context())
+             _jax.trace_context())
     traced = None if key is None else self._traces.get(key)
     if traced is None:  # get and put: no closure built on the hot path
       traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
@@ -443,7 +511,7 @@ class custom_partitioning:
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     call, out_tree, _ = self._traced(args, flat)
     return jax.tree_util.tree_unflatten(
-        out_tree, core.jaxpr_as_fun(call)(*leaves))
+        out_tree, _jax.jaxpr_as_fun(call)(*leaves))
 
   def _bind(self, args: _CallArgs, eager_mesh=None):
     if (_SHARDY.value and self.sharding_rule is None and
@@ -493,8 +561,8 @@ class custom_partitioning:
     except _ShardingTypeError as e:
       raise type(e)(_REFUSALS["untypable_body"].format(
           name=self._name, e=e)) from e
-    if any(isinstance(c, core.Tracer) for c in call.consts):
-      raise _errors.UnexpectedTracerError(
+    if any(isinstance(c, _jax.Tracer) for c in call.consts):
+      raise _jax.UnexpectedTracerError(
           _REFUSALS["closes_over_tracer"].format(name=self._name))
     return call, out_tree()
 
@@ -570,7 +638,7 @@ def _any_sharded(xs) -> bool:
   NamedSharding names a mesh axis (even of size 1: jit types it sharded)."""
   for x in xs:
     if ((type(x) is _ArrayImpl or
-         isinstance(x, jax.Array) and not isinstance(x, core.Tracer)) and
+         isinstance(x, jax.Array) and not isinstance(x, _jax.Tracer)) and
         (not x.sharding.is_fully_replicated or
          isinstance(x.sharding, jax.sharding.NamedSharding) and
          any(map(_entry_axes, x.sharding.spec)))):
@@ -619,7 +687,7 @@ class _Unhashable:
 # several devices it is one custom call carrying its ``_Op``'s key.
 # --------------------------------------------------------------------------
 
-custom_partitioning_p = core.Primitive("custom_partitioning")
+custom_partitioning_p = _jax.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
 
 
@@ -636,16 +704,16 @@ def _impl(*args, **params):
   # the operands' types and shardings itself.
   call = params["call"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
-    return core.jaxpr_as_fun(call)(*args)
+    return _jax.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
   key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
   fn = _eager.cached(key, lambda: jax.jit(
       functools.partial(custom_partitioning_p.bind, **params) if sharded
-      else core.jaxpr_as_fun(call)))
+      else _jax.jaxpr_as_fun(call)))
   return fn(*args)
 
 
-def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
+def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps)
   if place is None:  # seam: nothing to partition
@@ -673,7 +741,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *values, **params):
   # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
       "sdy.sharding_rule": rule_attr}
-  return mlir.custom_call(
+  return _jax.custom_call(
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
       operands=list(values), backend_config=_register(ctx, op, params),
       extra_attributes=rule_attr).results
@@ -691,7 +759,7 @@ def _partitioned_placement(ctx, steps):
   am = getattr(axis_context, "abstract_mesh", None)
   if am is None or am.empty:
     am = _ambient_mesh("get_abstract_mesh")
-  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+  if isinstance(axis_context, _jax.SPMDAxisContext):
     place = _shard_map_placement(axis_context)  # seam: inside a shard_map
     if place is None:
       return None, ("inside a shard_map manual over every mesh axis (one "
@@ -705,7 +773,7 @@ def _partitioned_placement(ctx, steps):
         am.size == len(devices)):
       mesh = _mesh_from_abstract(devices, am)
     place = _Placement(mesh if mesh is not None else
-                       mesh_lib.thread_resources.env.physical_mesh, devices)
+                       _jax.thread_resources.env.physical_mesh, devices)
   if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
     return None, "the program runs on one device"
@@ -718,7 +786,7 @@ def _partitioned_placement(ctx, steps):
 def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
   """The first mesh the caller gave that ``fits`` (every path's order):
   ``with mesh:`` (if ``with_block``), ``jax.set_mesh``, an eager call's."""
-  with_mesh = mesh_lib.thread_resources.env.physical_mesh  # `with mesh:`
+  with_mesh = _jax.thread_resources.env.physical_mesh  # `with mesh:`
   sources = ((with_mesh,) if with_block else ()) + (
       _ambient_mesh("get_concrete_mesh"), eager_mesh)
   return next((m for m in sources
@@ -816,8 +884,8 @@ class _Op:
 def _register(ctx, op: _Op, params) -> str:
   """Registers ``op`` under its key, which must tell apart ops that
   answer differently; returns the key."""
-  if (_config.compilation_cache_dir.value and  # seam: content keys (D)
-      _config.enable_compilation_cache.value):
+  if (_jax.compilation_cache_dir.value and  # seam: content keys (D)
+      _jax.enable_compilation_cache.value):
     key = _content_key(ctx, op, params["call"])
   else:
     # In one lowering the config is one: equal parameters in one placement
@@ -891,11 +959,11 @@ def _park(error: BaseException, where: str) -> str:
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
 
 
-def _drop_pending(event=dispatch.BACKEND_COMPILE_EVENT, *_, **__) -> None:
+def _drop_pending(event=_jax.BACKEND_COMPILE_EVENT, *_, **__) -> None:
   """jax's event listener: after a backend compile, failed or not, kept
   infer/propagate errors go. Called on the caller's thread, it may drop
   one another thread's compile kept (which goes on as if it was None)."""
-  if event != dispatch.BACKEND_COMPILE_EVENT:  # another of jax's events
+  if event != _jax.BACKEND_COMPILE_EVENT:  # another of jax's events
     return
   with _weak_lock:
     _pending.clear()
@@ -1018,13 +1086,13 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   if not callable(lower_fn):
     raise TypeError(_REFUSALS["lower_fn"].format(
         name=op.name, got=type(lower_fn).__name__))
-  if not isinstance(mesh, (mesh_lib.Mesh, mesh_lib.AbstractMesh)):
+  if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
     raise TypeError(_REFUSALS["mesh"].format(name=op.name,
                                              got=type(mesh).__name__))
   devices = op.place.devices
   # Inside a shard_map its mesh is used anyway; an empty one is the op's.
   if op.place.auto is None and not mesh.empty:
-    if isinstance(mesh, mesh_lib.Mesh):
+    if isinstance(mesh, _jax.Mesh):
       if set(mesh.devices.flat) != set(devices):
         raise ValueError(_REFUSALS["mesh_devices"].format(
             name=op.name, got=sorted(d.id for d in mesh.devices.flat),
@@ -1032,7 +1100,7 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
     elif mesh.size != len(devices):
       raise ValueError(_REFUSALS["mesh_size"].format(
           name=op.name, got=mesh.size, want=len(devices)))
-  if isinstance(mesh, mesh_lib.AbstractMesh):
+  if isinstance(mesh, _jax.AbstractMesh):
     mesh = _concrete(op, mesh)
   if op.place.auto is not None:
     # Collectives must name devices of the whole program.
@@ -1059,7 +1127,7 @@ class _Answer(NamedTuple):
   results: list
 
 
-def _concrete(op: _Op, mesh: mesh_lib.AbstractMesh):
+def _concrete(op: _Op, mesh: _jax.AbstractMesh):
   """An AbstractMesh made concrete on the op's devices (as upstream)."""
   if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
     return op.mesh
@@ -1088,7 +1156,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
       raise TypeError(_REFUSALS["sharding"].format(
           where=where, got=type(sharding).__name__))
     if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-        sharding.mesh, mesh_lib.AbstractMesh):
+        sharding.mesh, _jax.AbstractMesh):
       sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
                                             sharding.spec)
     if sharding.device_set != set(op.place.devices):
@@ -1122,7 +1190,7 @@ def _structs(op: _Op, tree, values, on=None):
       sharding = jax.sharding.NamedSharding(
           op.mesh, jax.sharding.PartitionSpec(*v.spec))
     else:
-      sharding = sharding_impls.GSPMDSharding(
+      sharding = _jax.GSPMDSharding(
           op.place.devices if on is op.mesh else tuple(on.devices.flat),
           _hlo_of(v, on))
     structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
@@ -1130,7 +1198,7 @@ def _structs(op: _Op, tree, values, on=None):
 
 
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
-                    results: list) -> tuple[core.ClosedJaxpr, bool]:
+                    results: list) -> tuple[_jax.ClosedJaxpr, bool]:
   """``lower_fn`` traced on local shapes, checked (section 8): its jaxpr
   and whether every replicated result was proved equal along its axes."""
   lower_fn, on = answer.lower_fn, answer.on
@@ -1173,10 +1241,10 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
 
 
-def _calls_host(jaxpr: core.Jaxpr) -> bool:
+def _calls_host(jaxpr: _jax.Jaxpr) -> bool:
   """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
   return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
-      any(_calls_host(sub) for sub in core.subjaxprs(jaxpr)))
+      any(_calls_host(sub) for sub in _jax.subjaxprs(jaxpr)))
 
 
 def _host_callback_error(op: _Op) -> NotImplementedError:
@@ -1190,7 +1258,7 @@ def _host_callback_error(op: _Op) -> NotImplementedError:
 class _PerShard(NamedTuple):
   """The per-shard program on ``mesh`` and the shardings it takes, gives."""
   mesh: Any
-  jaxpr: core.ClosedJaxpr
+  jaxpr: _jax.ClosedJaxpr
   args: list
   results: list
 
@@ -1199,14 +1267,14 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
   # Host callbacks cannot work: XLA finds them by index in the compiled
   # program's list, fixed before this ran (upstream segfaults).
   mesh = shard.mesh
-  with core.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
+  with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
     module, host_callbacks = _lower_per_shard(
         shard.jaxpr, platforms=op.platforms, backend=op.backend,
-        axis_context=sharding_impls.SPMDAxisContext(
+        axis_context=_jax.SPMDAxisContext(
             mesh, frozenset(mesh.axis_names)))
   if host_callbacks:
     raise _host_callback_error(op)
-  return mlir.module_to_bytecode(module)
+  return _jax.module_to_bytecode(module)
 
 
 def _ask_infer(op: _Op, operands: list, results: list):
@@ -1242,12 +1310,12 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
 # defined by their rule alone.
 # --------------------------------------------------------------------------
 
-def _lowered_body(ctx, call: core.ClosedJaxpr, why: str, values):
+def _lowered_body(ctx, call: _jax.ClosedJaxpr, why: str, values):
   if _log.isEnabledFor(logging.DEBUG):
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
         ctx.module_context.axis_context, "mesh", None),
            why=f"fun is compiled as it is: {why}")
-  return mlir.lower_fun(core.jaxpr_as_fun(call),
+  return _jax.lower_fun(_jax.jaxpr_as_fun(call),
                         multiple_results=True)(ctx, *values)
 
 
@@ -1271,14 +1339,14 @@ def _placement_without_devices(axis_context, am, avals) -> _Placement:
   mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
       dict(am.shape) == dict(m.shape) for am in abstract))
   if mesh is None:
-    return _Placement(mesh_lib.thread_resources.env.physical_mesh, None)
+    return _Placement(_jax.thread_resources.env.physical_mesh, None)
   return _Placement(mesh, tuple(mesh.devices.flat))
 
 
 def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
   """What a callable ``sharding_rule`` answers about the author's op."""
   operand_types, result_types = (
-      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+      _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
       for side in (author.operands, author.results))
   static = params["static_args"]
   produced = params["sharding_rule"](
@@ -1357,8 +1425,8 @@ def _partition_from_rule(op: _Op, operands: list, results: list):
   """What a ``partition`` written from the op's rule would return."""
   lower_fn = op.partition.lower_fn(op.static_args)
   if op.mesh.empty:  # no axis to name: replicated is right for every op
-    replicated = sharding_impls.GSPMDSharding(op.place.devices,
-                                              xc.HloSharding.replicate())
+    replicated = _jax.GSPMDSharding(op.place.devices,
+                                              _jax.HloSharding.replicate())
     in_shardings = [replicated] * len(operands)
     out_shardings = [replicated] * len(results)
   else:
@@ -1406,7 +1474,7 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
     return None
   # All that fun's trace and the callbacks are given (see _traced).
   key = ((args.static_args, _positions(args.defaults), flat.in_tree,
-          flat.in_avals, mesh, _config.trace_context())
+          flat.in_avals, mesh, _jax.trace_context())
          if _is_hashable(args.static_args) else None)
   hit = None if key is None else user_op._programs.get(key)
   if hit is not None and _log.isEnabledFor(logging.DEBUG):
@@ -1669,18 +1737,18 @@ def _jvp(primals, tangents, **params):
   with a non-float result is differentiated through its body."""
   call = params["call"]
   out = custom_partitioning_p.bind(*primals, **params)
-  mask = tuple(type(t) is not ad.Zero and
+  mask = tuple(type(t) is not _jax.Zero and
                jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
                for p, t in zip(primals, tangents))
   if not any(mask):
-    return out, [ad.Zero(a.to_tangent_aval()) for a in call.out_avals]
+    return out, [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals]
   if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
              for a in call.out_avals):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return out, jax.jvp(core.jaxpr_as_fun(call), list(primals), tangents)[1]
+    tangents = [_jax.instantiate_zeros(t) for t in tangents]
+    return out, jax.jvp(_jax.jaxpr_as_fun(call), list(primals), tangents)[1]
   operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
   return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
-      core.jaxpr_as_fun(call)), params.get("transform", ()) + (_Jvp(mask),))
+      _jax.jaxpr_as_fun(call)), params.get("transform", ()) + (_Jvp(mask),))
 
 
 def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
@@ -1690,7 +1758,7 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
   # (with the shardings the results inherit) and jax's trace context.
   call = params["call"]
   in_avals = tuple(_typeof(x) for x in operands)
-  key = (call, tag, in_avals, _config.trace_context())
+  key = (call, tag, in_avals, _jax.trace_context())
   derived = _derived.cached(key, lambda: _trace_to_jaxpr(
       fun, in_avals, jax.tree_util.tree_structure(in_avals), in_avals,
       f"{tag[0]} of {_fun_name(call)}")[0])
@@ -1705,7 +1773,7 @@ def _transpose(cts, *args, **params):
           default=None)
   call = params["call"]
   if k is None or not isinstance(steps[k], _Jvp) or any(
-      ad.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
+      _jax.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
     raise NotImplementedError(_REFUSALS["transpose"].format(
         name=_fun_name(call)))
   mask = steps[k].mask
@@ -1714,10 +1782,10 @@ def _transpose(cts, *args, **params):
   def body(*xs):
     # A linear function's vjp is its transpose at any point, and keeps the
     # tangents' varying manual axes (jax.linear_transpose drops them).
-    linear = functools.partial(core.jaxpr_as_fun(call), *xs[:n])
+    linear = functools.partial(_jax.jaxpr_as_fun(call), *xs[:n])
     _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
     return list(pullback(list(xs[n:])))
-  operands = [*args[:n], *map(ad.instantiate_zeros, cts)]
+  operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
   return [None] * n + list(_bind_derived(
       operands, params, ("transpose",), body,
       steps[:k] + (_Vjp(mask),) + steps[k + 1:]))
@@ -1729,7 +1797,7 @@ def _batch(args, dims, **params):
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   call = params["call"]
   if size == 0:  # nothing to partition (and no item to unbatch below)
-    outs = jax.vmap(core.jaxpr_as_fun(call), in_axes=list(dims))(*args)
+    outs = jax.vmap(_jax.jaxpr_as_fun(call), in_axes=list(dims))(*args)
     return outs, [0] * len(outs)
   args = [jax.lax.broadcast(x, (size,)) if d is None
           else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
@@ -1738,7 +1806,7 @@ def _batch(args, dims, **params):
   def body(*xs):
     # Broadcast operands unbatched again: under Explicit axes, vmap wants
     # all batch dimensions sharded alike.
-    return jax.vmap(core.jaxpr_as_fun(call),
+    return jax.vmap(_jax.jaxpr_as_fun(call),
                     in_axes=[0 if b else None for b in batched])(
                         *[x if b else x[0] for x, b in zip(xs, batched)])
   outs = _bind_derived(args, params, ("vmap", batched), body,
@@ -1913,7 +1981,7 @@ def _partition_derived(op: _Op, operands: list, results: list,
   answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
   levels = _specs_up(levels, answer, closed)
   # lower_fn transformed by each step (given batch dimensions above it).
-  fn = core.jaxpr_as_fun(closed)
+  fn = _jax.jaxpr_as_fun(closed)
   for i in range(1, len(levels)):
     fn = levels[i].step.lower(fn, op, answer, levels[i - 1], _axes_in(
         [[level.entry] for level in levels[i + 1:]]))
@@ -1941,7 +2009,7 @@ def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
 
 
 def _specs_up(levels: list, answer: _Answer,
-              closed: core.ClosedJaxpr) -> list[_Level]:
+              closed: _jax.ClosedJaxpr) -> list[_Level]:
   """``levels`` as partitioned: the author's answer walked up the steps (a
   batch dimension keeps its axes unless shardings or collectives below use
   them)."""
@@ -1958,11 +2026,11 @@ def _specs_up(levels: list, answer: _Answer,
   return out
 
 
-def _collective_axes(jaxpr: core.Jaxpr, names: set, also=()) -> set:
+def _collective_axes(jaxpr: _jax.Jaxpr, names: set, also=()) -> set:
   """The axes among ``names`` that ``jaxpr``'s collectives run over, and
   ``also``."""
   return set(also) | names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
-      _collective_axes(sub, names) for sub in core.subjaxprs(jaxpr)))
+      _collective_axes(sub, names) for sub in _jax.subjaxprs(jaxpr)))
 
 
 def _eqn_axes(eqn) -> set:
@@ -2070,7 +2138,7 @@ def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
             "the global size), pass check_vma=False to def_partition.")
 
 
-def _check_replicated_results(name: str, jaxpr: core.Jaxpr, in_specs: list,
+def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
                               out_specs: list, axes) -> bool:
   """Raises if a result replicated over one of ``axes`` (no size-1 axes)
   may vary over it; returns whether every such result was proven equal.
@@ -2098,13 +2166,13 @@ _VARYING_OVER_AXES = frozenset({"reduce_scatter", "all_to_all", "ppermute",
 _SAME_VALUES = frozenset({"pvary", "pbroadcast"})  # only retype a value
 
 
-def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
+def _varying(jaxpr: _jax.Jaxpr, in_varying: list) -> list:
   """Per output of ``jaxpr``: the mesh axes it may vary over (a frozenset),
   or None where that is unknown; ``in_varying`` likewise per input."""
   env: dict = dict(zip(jaxpr.invars, in_varying))
 
   def read(v):
-    return frozenset() if isinstance(v, core.Literal) else env.get(
+    return frozenset() if isinstance(v, _jax.Literal) else env.get(
         v, frozenset())  # constants are equal everywhere
 
   for eqn in jaxpr.eqns:
@@ -2125,12 +2193,12 @@ def _varying(jaxpr: core.Jaxpr, in_varying: list) -> list:
               else ins[0].union(*per_out) for per_out in zip(*branches)]
     elif name in ("scan", "while"):
       outs = _loop_varying(eqn, ins)
-    elif name not in _SAME_VALUES and any(True for _ in core.jaxprs_in_params(
+    elif name not in _SAME_VALUES and any(True for _ in _jax.jaxprs_in_params(
         eqn.params)):
       # Followed only into one jaxpr called with the operands one to one
       # (jit, checkpoint, custom_jvp/vjp calls).
       subs = [getattr(v, "jaxpr", v) for v in eqn.params.values()
-              if isinstance(v, (core.Jaxpr, core.ClosedJaxpr))]
+              if isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr))]
       outs = (_varying(subs[0], ins) if len(subs) == 1 and (
           len(subs[0].invars), len(subs[0].outvars)) == (len(ins), len(outs))
               else [None] * len(outs))
@@ -2669,14 +2737,14 @@ class _Value(NamedTuple):
   shape: tuple
   dtype: Any
   spec: tuple | None = None
-  hlo: xc.HloSharding | None = None
+  hlo: _jax.HloSharding | None = None
   varying: frozenset | None = None
 
   def known(self) -> bool:
     return self.spec is not None or self.hlo is not None
 
 
-def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
+def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
   if not shape.is_tuple():
     return [shape], [sharding]
   shapes = list(shape.tuple_shapes())
@@ -2684,8 +2752,8 @@ def _hlo_parts(shape: xc.Shape, sharding: xc.HloSharding | None):
                   else [None] * len(shapes))
 
 
-def _pack_hlo(shape: xc.Shape, shardings: list[xc.HloSharding]):
-  return (xc.HloSharding.tuple_sharding(shape, shardings)
+def _pack_hlo(shape: _jax.Shape, shardings: list[_jax.HloSharding]):
+  return (_jax.HloSharding.tuple_sharding(shape, shardings)
           if shape.is_tuple() else shardings[0])
 
 
@@ -2697,7 +2765,7 @@ def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
                              list(varying) or [None] * len(shapes))]
 
 
-def _hlo_of(v: _Value, on) -> xc.HloSharding:
+def _hlo_of(v: _Value, on) -> _jax.HloSharding:
   return v.hlo if v.hlo is not None else jax.sharding.NamedSharding(
       on, jax.sharding.PartitionSpec(*v.spec))._to_xla_hlo_sharding(
           len(v.shape))
@@ -2729,7 +2797,7 @@ def _as_xla_spec(spec, mesh) -> tuple:
 def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
   """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
   if v.spec is None:
-    tile = v.hlo.tile(xc.Shape.array_shape(np.dtype(v.dtype), v.shape))
+    tile = v.hlo.tile(_jax.Shape.array_shape(np.dtype(v.dtype), v.shape))
     return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
   spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
   return jax.ShapeDtypeStruct(
@@ -3091,8 +3159,8 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
           for d, factors in enumerate(value_dims) if factor in factors))
     parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
     part_sizes += split
-  tensors = [sdy.TensorMappingAttr.get(dim_mappings=[
-      sdy.DimMappingAttr.get(factor_indices=[i for f in factors
+  tensors = [_jax.TensorMappingAttr.get(dim_mappings=[
+      _jax.DimMappingAttr.get(factor_indices=[i for f in factors
                                              for i in parts[f]])
       for factors in value_dims]) for value_dims in dims]
   special = [[i for f in factors for i in parts[f]]
@@ -3102,26 +3170,26 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
 
 
 def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
-                              operand_types: list[ir.Type],
-                              result_types: list[ir.Type]) -> ir.Attribute:
+                              operand_types: list[_jax.Type],
+                              result_types: list[_jax.Type]) -> _jax.Attribute:
   """Checks ``rule`` against the op's MLIR types (``operand_types``,
   ``result_types``: ranked tensor types of the custom call) and returns its
-  ``sdy.OpShardingRuleAttr``.
+  ``_jax.OpShardingRuleAttr``.
 
   Raises:
     ValueError: operand/result counts or ranks do not match the rule, or
       factor sizes are inconsistent.
-    TypeError: a type is not an ``ir.Type`` (counts are checked first).
+    TypeError: a type is not an ``_jax.Type`` (counts are checked first).
   """
   types_ = [*operand_types, *result_types]
-  typed = all(isinstance(t, ir.Type) for t in types_)
+  typed = all(isinstance(t, _jax.Type) for t in types_)
   if not typed and (len(operand_types), len(result_types)) == (
       len(rule.operand_mappings), len(rule.result_mappings)):
     raise TypeError("operand_types and result_types must be lists of "
                     f"ir.Type; got {operand_types} and {result_types}.")
   # Mismatched counts (upstream checks them before the types) raise here.
   sizes, dims = _resolve_rule(
-      rule, [ir.ShapedType(t).shape if typed else () for t in types_],
+      rule, [_jax.ShapedType(t).shape if typed else () for t in types_],
       len(operand_types))
   return _rule_attr_from_dims(sizes, dims, len(operand_types), *(
       getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
@@ -3345,7 +3413,7 @@ _SKIPPED_CLASS_ATTRS = frozenset(
     " __dataclass_fields__ __dataclass_params__ __match_args__".split())
 
 
-def _content_key(ctx, op: _Op, call: core.ClosedJaxpr) -> str:
+def _content_key(ctx, op: _Op, call: _jax.ClosedJaxpr) -> str:
   # What the cache loads runs per-shard code no one lowered in this process.
   _ensure_lapack(op.platforms, call.jaxpr)
   # The keep-alive list lives as long as the lowering and its executables.
@@ -3428,16 +3496,16 @@ class _Describer:
       out.append("empty mesh" if obj.empty else
                  f"mesh {obj.axis_names} {obj.devices.shape} "
                  f"{[d.id for d in obj.devices.flat]} {_axis_types(obj)}")
-    elif isinstance(obj, mesh_lib.AbstractMesh):  # its repr is its value
+    elif isinstance(obj, _jax.AbstractMesh):  # its repr is its value
       out.append(f"abstract mesh {obj!r}")
     elif isinstance(obj, jax.Device):
       out.append(f"device {obj.platform} {obj.id}")
-    elif isinstance(obj, xc.Client):  # one per platform in a process
+    elif isinstance(obj, _jax.Client):  # one per platform in a process
       out.append(f"backend {obj.platform} {obj.platform_version}")
     elif isinstance(obj, jax.sharding.NamedSharding):
       out.append(f"named sharding {obj.spec} {obj.memory_kind}")
       self.add(obj.mesh)
-    elif isinstance(obj, sharding_impls.GSPMDSharding):
+    elif isinstance(obj, _jax.GSPMDSharding):
       out.append(f"gspmd sharding {_gspmd_hlo(obj)} "
                  f"{[d.id for d in _sharding_devices(obj)]}")
     elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
@@ -3667,8 +3735,8 @@ def _store_sizes(op=None) -> dict[str, int]:
 # shardings cannot type the manual subgroup XLA needs (it aborts without).
 _MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
 # jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
-_ShardingTypeError = getattr(core, "ShardingTypeError", type(
-    "_NeverRaised", (Exception,), {}))
+_ShardingTypeError = _jax.ShardingTypeError or type(
+    "_NeverRaised", (Exception,), {})
 # The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
 # check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
 _EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
@@ -3684,16 +3752,16 @@ _VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
 # body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
 _TRACING_OPTIONS = frozenset({"check_vma"})
 # jax's array class (C++): ``type(x) is`` it costs a tenth of isinstance.
-_ArrayImpl = xc.ArrayImpl
+_ArrayImpl = _jax.ArrayImpl
 _lapack_ready = False  # see _ensure_lapack
 
 
-def _typeof(x) -> core.AbstractValue:
-  if hasattr(core, "typeof"):  # jax 0.5.3 added it; 0.10.0 removed get_aval
-    return core.typeof(x)
+def _typeof(x) -> _jax.AbstractValue:
+  if _jax.typeof is not None:  # jax 0.5.3 added it; 0.10.0 removed get_aval
+    return _jax.typeof(x)
   # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
-  aval = core.get_aval(x)
-  return core.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
+  aval = _jax.get_aval(x)
+  return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
 
 
 def _fun_name(call) -> str:
@@ -3707,19 +3775,19 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
   fixed) traced at ``in_avals``, the others' leaves by ``in_tree``; the
   body of function ``name`` (``_fun_name``)."""
-  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
-  # api_util.debug_info); before it, we trace without debug info.
-  wrapped = lu.wrap_init(fun) if _JAX_VERSION < (0, 5, 1) else lu.wrap_init(
-      fun, debug_info=api_util.debug_info(
+  # jax 0.5.1 made debug info an argument of _jax.wrap_init (and changed
+  # _jax.debug_info); before it, we trace without debug info.
+  wrapped = _jax.wrap_init(fun) if _JAX_VERSION < (0, 5, 1) else _jax.wrap_init(
+      fun, debug_info=_jax.debug_info(
           "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
   if static_argnums:
-    wrapped, _ = api_util.argnums_partial(
+    wrapped, _ = _jax.argnums_partial(
         wrapped, [i for i in range(len(args)) if i not in static_argnums],
         args, require_static_args_hashable=False)
-  flat_fun, out_tree = api_util.flatten_fun_nokwargs(wrapped, in_tree)
+  flat_fun, out_tree = _jax.flatten_fun_nokwargs(wrapped, in_tree)
   # jax 0.7.0 dropped the fourth result (attrs).
-  jaxpr, _, consts, *_ = pe.trace_to_jaxpr_dynamic(flat_fun, in_avals)
-  call = core.ClosedJaxpr(jaxpr, consts)
+  jaxpr, _, consts, *_ = _jax.trace_to_jaxpr_dynamic(flat_fun, in_avals)
+  call = _jax.ClosedJaxpr(jaxpr, consts)
   # jax 0.5.1 added DebugInfo.func_name; before it, and for derived bodies,
   # names are kept in the weak table ``_call_names``.
   with _weak_lock:
@@ -3727,13 +3795,13 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   return call, out_tree
 
 
-def _ir_types(ctx: mlir.LoweringRuleContext, avals) -> list[ir.Type]:
+def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
   # jax 0.10.1 made aval_to_ir_types take the module context first.
   first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
-  return [t for aval in avals for t in mlir.aval_to_ir_types(*first, aval)]
+  return [t for aval in avals for t in _jax.aval_to_ir_types(*first, aval)]
 
 
-def _module_backend(ctx: mlir.LoweringRuleContext):
+def _module_backend(ctx: _jax.LoweringRuleContext):
   # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
   return (ctx.module_context.backend if _JAX_VERSION >= (0, 5, 0)
           else ctx.module_context.backend_or_name)
@@ -3744,43 +3812,43 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
       "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
   params: dict[str, Any] = {}
   if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
-    kwargs["name_stack"] = source_info_util.new_name_stack()
+    kwargs["name_stack"] = _jax.new_name_stack()
   if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
     kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
     params["hoist_constants_as_args"] = False
   if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
     kwargs["out_avals"] = closed_jaxpr.out_avals
-  result = mlir.lower_jaxpr_to_module(
+  result = _jax.lower_jaxpr_to_module(
       "custom_partitioning_shard", closed_jaxpr, ordered_effects=[],
       donated_args=[False] * len(closed_jaxpr.in_avals),
       axis_context=axis_context, platforms=platforms,
-      lowering_parameters=mlir.LoweringParameters(**params), **kwargs)
+      lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
   return result.module, result.host_callbacks
 
 
-def _ensure_lapack(platforms, jaxpr: core.Jaxpr) -> None:
+def _ensure_lapack(platforms, jaxpr: _jax.Jaxpr) -> None:
   """Registers jaxlib's LAPACK kernels (tenths of a second, once) if ``jaxpr``
   uses one on CPU, as jax.export does for a loaded module: jax does so only
   when it lowers one, and XLA segfaults if cached per-shard code calls one."""
   global _lapack_ready
   if _lapack_ready or "cpu" not in platforms:
     return
-  linear_algebra = {p for p in vars(linalg).values()
-                    if isinstance(p, core.Primitive)}
+  linear_algebra = {p for p in vars(_jax.linalg).values()
+                    if isinstance(p, _jax.Primitive)}
   jaxprs = [jaxpr]
   while jaxprs and not _lapack_ready:
     jaxpr = jaxprs.pop()
     if any(eqn.primitive in linear_algebra for eqn in jaxpr.eqns):
-      lapack._lapack.initialize()
+      _jax.lapack._lapack.initialize()
       _lapack_ready = True
-    jaxprs.extend(core.subjaxprs(jaxpr))
+    jaxprs.extend(_jax.subjaxprs(jaxpr))
 
 
 def _ambient_mesh(getter: str):
-  """``mesh_lib.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
+  """``jax._src.mesh.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
   # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh (``tuple``
   # stands in before it); until 0.5.1 they return () when no mesh is set.
-  mesh = getattr(mesh_lib, getter, tuple)()
+  mesh = (getattr(_jax, getter) or tuple)()
   return None if isinstance(mesh, tuple) else mesh
 
 
@@ -3790,21 +3858,21 @@ def _aval_mesh(aval):
   return None if mesh is None or mesh.empty else mesh
 
 
-def _mesh_from_abstract(devices, am) -> mesh_lib.Mesh:
+def _mesh_from_abstract(devices, am) -> _jax.Mesh:
   # jax 0.4.36 added mesh axis types; before it, meshes have none.
   kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
-  return mesh_lib.Mesh(np.array(devices).reshape(am.axis_sizes),
+  return _jax.Mesh(np.array(devices).reshape(am.axis_sizes),
                        am.axis_names, **kwargs)
 
 
-def _decode_spec(hlo_sharding: xc.HloSharding, mesh, ndim: int):
+def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
   """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
   if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
     # Also "replicated within a manual subgroup", which jax cannot parse.
     if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
       return (None,) * ndim
   try:
-    spec = sharding_impls.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
+    spec = _jax.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
     # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
     spec = tuple(spec.get_partition_spec() if _JAX_VERSION < (0, 5, 3)
                  else spec)
@@ -3826,7 +3894,7 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
         jaxlib=".".join(map(str, _JAXLIB_VERSION))))
   if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
     kwargs["is_custom"] = True
-  return sdy.OpShardingRuleAttr.get(
+  return _jax.OpShardingRuleAttr.get(
       factor_sizes=factor_sizes, operand_mappings=operand_mappings,
       result_mappings=result_mappings, **kwargs)
 
@@ -3841,7 +3909,7 @@ def _with_manual_axes(mesh, manual_axes):
     return mesh
   types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
                  for name, t in zip(mesh.axis_names, mesh.axis_types))
-  return mesh_lib.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
+  return _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
 
 
 def _auto_submesh(mesh, manual_axes):
@@ -3850,16 +3918,16 @@ def _auto_submesh(mesh, manual_axes):
   index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
   kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
             if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
-  return mesh_lib.Mesh(mesh.devices[index],
+  return _jax.Mesh(mesh.devices[index],
                        tuple(mesh.axis_names[i] for i in keep), **kwargs)
 
 
 def _no_ambient_mesh():
   """Clears the ambient mesh for lower_fn: under an Explicit one, jax 0.5.3
   to 0.8.x give the per-shard module constraints XLA cannot export or run."""
-  if not hasattr(mesh_lib, "use_abstract_mesh"):
+  if _jax.use_abstract_mesh is None:
     return contextlib.nullcontext()
-  return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
+  return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
 
 
 def _manual_scope(mesh):
@@ -3869,7 +3937,7 @@ def _manual_scope(mesh):
   if not _VARYING_TYPES or mesh.empty:
     return _no_ambient_mesh()
   am = mesh.abstract_mesh
-  return mesh_lib.use_abstract_mesh(am.update_axis_types(
+  return _jax.use_abstract_mesh(am.update_axis_types(
       {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
 
 
@@ -3886,7 +3954,7 @@ def _sharding_devices(sharding) -> tuple:
   return tuple(sharding._device_assignment)
 
 
-def _gspmd_hlo(sharding) -> xc.HloSharding:
+def _gspmd_hlo(sharding) -> _jax.HloSharding:
   return sharding._hlo_sharding
 
 
@@ -3954,7 +4022,7 @@ def _arguable(result: jax.Array, mesh) -> jax.sharding.Sharding:
   takes it for an argument: jax 0.4.35 to 0.5.3 with Shardy give a padded
   result a GSPMDSharding, which their jit refuses for an argument."""
   sharding = result.sharding
-  if mesh is None or not isinstance(sharding, sharding_impls.GSPMDSharding):
+  if mesh is None or not isinstance(sharding, _jax.GSPMDSharding):
     return sharding
   spec = _decode_spec(_gspmd_hlo(sharding), mesh, result.ndim)
   return jax.sharding.NamedSharding(mesh,
@@ -3964,7 +4032,7 @@ def _arguable(result: jax.Array, mesh) -> jax.sharding.Sharding:
 def _unsharded(aval):
   """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
   # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
-  return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+  return _jax.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _vmapped_over_mesh_axis(x) -> bool:
@@ -3972,8 +4040,8 @@ def _vmapped_over_mesh_axis(x) -> bool:
   is sharded over a mesh axis in its type: jax's vmap of shard_map moves it
   to no mesh axis (an all-gather, jax 0.10.2; a size-1 axis is then unbound
   in lower_fn), so such calls keep the custom call."""
-  while isinstance(x, (batching.BatchTracer, ad.JVPTracer)):
-    dim, x = ((None, x.primal) if isinstance(x, ad.JVPTracer)
+  while isinstance(x, (_jax.BatchTracer, _jax.JVPTracer)):
+    dim, x = ((None, x.primal) if isinstance(x, _jax.JVPTracer)
               else (x.batch_dim, x.val))
     spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
     if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
@@ -3982,11 +4050,11 @@ def _vmapped_over_mesh_axis(x) -> bool:
 
 
 # ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
-_SHARDY = _config.use_shardy_partitioner
+_SHARDY = _jax.use_shardy_partitioner
 
 
 def _jit_disabled() -> bool:
-  return bool(_config.disable_jit.value)
+  return bool(_jax.disable_jit.value)
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -3998,8 +4066,8 @@ def _config_values() -> tuple:
   """Every jax option's value on this thread, context managers included, as
   ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
   return tuple((name, holder.value)
-               for name, holder in _config.config._value_holders.items()
-               if isinstance(holder, _config.State) and
+               for name, holder in _jax.config._value_holders.items()
+               if isinstance(holder, _jax.State) and
                name not in _TRACING_OPTIONS)
 
 
@@ -4008,7 +4076,7 @@ def _config_entered(values: tuple):
   """Runs the block on this thread under ``values`` (``_config_values``),
   each option that differs set by its (thread-local) context manager, as
   the user's ``with`` did."""
-  holders = _config.config._value_holders
+  holders = _jax.config._value_holders
   with contextlib.ExitStack() as stack:
     for name, value in values:
       if holders[name].value != value:
@@ -4020,15 +4088,15 @@ def _trace_context_by_value() -> tuple:
   """jax's trace context (the configuration its tracing caches key on),
   each entry described by value: equal in every process for equal ones."""
   # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
-  # a core.AxisEnv, whose repr is its address; the rest describe by value.
-  axis_env = getattr(core, "AxisEnv", ())  # a class, or no class
+  # a _jax.AxisEnv, whose repr is its address; the rest describe by value.
+  axis_env = _jax.AxisEnv or ()  # a class, or no class
   return tuple(
       ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
        getattr(v, "explicit_mesh_axis_names", None))
-      if isinstance(v, axis_env) else v for v in _config.trace_context())
+      if isinstance(v, axis_env) else v for v in _jax.trace_context())
 
 
-@_jax_util.cache(max_size=1, trace_context_in_key=False)
+@_jax.cache(max_size=1, trace_context_in_key=False)
 def _cache_epoch() -> object:
   """A token that changes when ``jax.clear_caches()`` is called."""
   # jax's util.cache is cleared by jax.clear_caches() on every release
@@ -4040,12 +4108,12 @@ def _cache_epoch() -> object:
 def _register_partitioner(name: str, prop_user_sharding, partition,
                           infer_sharding_from_operands) -> None:
   register = functools.partial(
-      xc.register_custom_call_partitioner, name=name,
+      _jax.register_custom_call_partitioner, name=name,
       prop_user_sharding=prop_user_sharding, partition=partition,
       infer_sharding_from_operands=infer_sharding_from_operands,
       can_side_effecting_have_replicated_sharding=True)
   register()
-  xla_bridge.register_plugin_callbacks(register)
+  _jax.register_plugin_callbacks(register)
 
 
 # --------------------------------------------------------------------------
@@ -4092,7 +4160,7 @@ _REFUSALS = {
     "no_devices": (
       "custom_partitioning op {name} is lowered for several devices, but jax "
       "did not say which: this happens when the op is lowered inside another "
-      "primitive's lowering rule (e.g. through mlir.lower_fun), where jax "
+      "primitive's lowering rule (e.g. through _jax.lower_fun), where jax "
       "cannot see it. Set the mesh around the call, with jax.set_mesh(mesh) "
       "or `with mesh:`, so the op can find its devices, or call the op "
       "outside that primitive."),
@@ -4236,23 +4304,23 @@ def _demo() -> None:
 # Wiring: all that this module registers with jax and XLA, at import
 # --------------------------------------------------------------------------
 
-custom_api_util.register_custom_decorator_type(custom_partitioning)
+_jax.register_custom_decorator_type(custom_partitioning)
 custom_partitioning_p.def_abstract_eval(_abstract_eval)
 custom_partitioning_p.def_impl(_impl)
-mlir.register_lowering(custom_partitioning_p, _lowering)
-ad.primitive_jvps[custom_partitioning_p] = _jvp
-ad.primitive_transposes[custom_partitioning_p] = _transpose
-batching.primitive_batchers[custom_partitioning_p] = _batch
+_jax.register_lowering(custom_partitioning_p, _lowering)
+_jax.primitive_jvps[custom_partitioning_p] = _jvp
+_jax.primitive_transposes[custom_partitioning_p] = _transpose
+_jax.primitive_batchers[custom_partitioning_p] = _batch
 # Lowering needs the concrete devices (to pick the mesh and key the op).
-dispatch.prim_requires_devices_during_lowering.add(custom_partitioning_p)
+_jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 _register_partitioner(
     _TARGET, _xla_callback(_answer_propagate, _users_sharding),
     _xla_callback(_answer_partition),
     _xla_callback(_answer_infer, lambda op, *_: None))
-_compiler.register_xla_runtime_error_handler(_reraise_callback_error)
-# jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
+_jax.register_xla_runtime_error_handler(_reraise_callback_error)
+# jax reports _jax.BACKEND_COMPILE_EVENT (with its duration) after each
 # backend compile that succeeds, 0.4.35 to 0.11.
-_monitoring.register_event_duration_secs_listener(_drop_pending)
+_jax.register_event_duration_secs_listener(_drop_pending)
 # How the content key describes this module's objects (appendix D): an op
 # by every field that is not state (a field added to _Op is in the key
 # unless it is marked as state).

@@ -245,7 +245,7 @@ class custom_partitioning:
   0.7+, ``jax.set_mesh``) ``partition`` is asked while tracing and the op
   becomes ``lower_fn`` under ``jax.shard_map`` between two reshards
   (section 6). Lowered inside another primitive's lowering rule
-  (``_jax.lower_fun(op)``), the op takes its devices from the mesh set
+  (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
@@ -711,6 +711,18 @@ def _impl(*args, **params):
       functools.partial(custom_partitioning_p.bind, **params) if sharded
       else _jax.jaxpr_as_fun(call)))
   return fn(*args)
+
+
+def _to_lojax(*args, call, **params):
+  """Binds the op anew on its body with hijax primitives expanded, as jax
+  0.12 asks of a primitive whose parameters hold a high jaxpr."""
+  high = [a for a in (*call.in_avals, *call.out_avals) if a.is_high]
+  if high:
+    raise NotImplementedError(
+        f"custom_partitioning of {_fun_name(call)}: operands and results "
+        f"must be arrays, not hijax types ({high[0]}); hijax primitives "
+        "inside fun and lower_fn are supported.")
+  return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
 
 
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
@@ -1213,6 +1225,7 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
       closed, out_shape = jax.make_jaxpr(
           lower_fn, axis_env=list(answer.mesh.shape.items()),
           return_shape=True)(*op.in_tree.unflatten(local_args))
+      closed = _lojax(closed, answer.mesh)
   except NameError as e:  # an unbound axis name
     if not answer.mesh.empty:
       raise
@@ -3174,12 +3187,12 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
                               result_types: list[_jax.Type]) -> _jax.Attribute:
   """Checks ``rule`` against the op's MLIR types (``operand_types``,
   ``result_types``: ranked tensor types of the custom call) and returns its
-  ``_jax.OpShardingRuleAttr``.
+  ``sdy.OpShardingRuleAttr``.
 
   Raises:
     ValueError: operand/result counts or ranks do not match the rule, or
       factor sizes are inconsistent.
-    TypeError: a type is not an ``_jax.Type`` (counts are checked first).
+    TypeError: a type is not an ``ir.Type`` (counts are checked first).
   """
   types_ = [*operand_types, *result_types]
   typed = all(isinstance(t, _jax.Type) for t in types_)
@@ -3775,8 +3788,8 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
   fixed) traced at ``in_avals``, the others' leaves by ``in_tree``; the
   body of function ``name`` (``_fun_name``)."""
-  # jax 0.5.1 made debug info an argument of _jax.wrap_init (and changed
-  # _jax.debug_info); before it, we trace without debug info.
+  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
+  # api_util.debug_info); before it, we trace without debug info.
   wrapped = _jax.wrap_init(fun) if _JAX_VERSION < (0, 5, 1) else _jax.wrap_init(
       fun, debug_info=_jax.debug_info(
           "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
@@ -3793,6 +3806,15 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   with _weak_lock:
     _call_names[call] = name
   return call, out_tree
+
+
+def _lojax(closed, mesh=None):
+  """``closed`` with its hijax primitives expanded (jax 0.11.2 added them;
+  jax lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
+  if not getattr(closed, "is_high", False):
+    return closed
+  with _jax.extend_axis_env_nd(list(mesh.shape.items()) if mesh else []):
+    return _jax.lower_jaxpr2(closed)
 
 
 def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
@@ -3885,13 +3907,18 @@ def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
 def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
                    reduction, need_replication, permutation):
   kwargs: dict[str, Any] = {}
-  if _JAXLIB_VERSION >= (0, 5, 0):  # jaxlib 0.5.0 added these factor kinds
+  # jaxlib 0.5.0 added reduction and need_replication factors, 0.5.1
+  # permutation factors.
+  if _JAXLIB_VERSION >= (0, 5, 0):
     kwargs.update(reduction_factors=reduction,
-                  need_replication_factors=need_replication,
-                  permutation_factors=permutation)
-  elif reduction or need_replication or permutation:
+                  need_replication_factors=need_replication)
+  if _JAXLIB_VERSION >= (0, 5, 1):
+    kwargs["permutation_factors"] = permutation
+  elif permutation or len(kwargs) < 2 and (reduction or need_replication):
+    kinds, need = (("permutation", "0.5.1") if kwargs else
+                   ("reduction, need_replication or permutation", "0.5.0"))
     raise NotImplementedError(_REFUSALS["special_factors"].format(
-        jaxlib=".".join(map(str, _JAXLIB_VERSION))))
+        kinds=kinds, need=need, jaxlib=".".join(map(str, _JAXLIB_VERSION))))
   if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
     kwargs["is_custom"] = True
   return _jax.OpShardingRuleAttr.get(
@@ -4088,7 +4115,7 @@ def _trace_context_by_value() -> tuple:
   """jax's trace context (the configuration its tracing caches key on),
   each entry described by value: equal in every process for equal ones."""
   # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
-  # a _jax.AxisEnv, whose repr is its address; the rest describe by value.
+  # a core.AxisEnv, whose repr is its address; the rest describe by value.
   axis_env = _jax.AxisEnv or ()  # a class, or no class
   return tuple(
       ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
@@ -4126,10 +4153,9 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
 
 _REFUSALS = {
     "special_factors": (
-        "Shardy sharding rules with reduction, need_replication or "
-        "permutation factors need jax/jaxlib 0.5.0 or newer; found jaxlib "
-        "{jaxlib}. Upgrade, use GSPMD, or drop the special factors from the "
-        "rule."),
+        "Shardy sharding rules with {kinds} factors need jax/jaxlib {need} "
+        "or newer; found jaxlib {jaxlib}. Upgrade, use GSPMD, or drop the "
+        "special factors from the rule."),
     "factor_too_big": (
         "{where} has size {size}, which is not a product of factors of at "
         "most {limit} (2**31 - 1), the largest factor size a Shardy sharding "
@@ -4307,6 +4333,7 @@ def _demo() -> None:
 _jax.register_custom_decorator_type(custom_partitioning)
 custom_partitioning_p.def_abstract_eval(_abstract_eval)
 custom_partitioning_p.def_impl(_impl)
+custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 _jax.register_lowering(custom_partitioning_p, _lowering)
 _jax.primitive_jvps[custom_partitioning_p] = _jvp
 _jax.primitive_transposes[custom_partitioning_p] = _transpose
@@ -4318,7 +4345,7 @@ _register_partitioner(
     _xla_callback(_answer_partition),
     _xla_callback(_answer_infer, lambda op, *_: None))
 _jax.register_xla_runtime_error_handler(_reraise_callback_error)
-# jax reports _jax.BACKEND_COMPILE_EVENT (with its duration) after each
+# jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
 # backend compile that succeeds, 0.4.35 to 0.11.
 _jax.register_event_duration_secs_listener(_drop_pending)
 # How the content key describes this module's objects (appendix D): an op

@@ -46,6 +46,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import unittest
 import warnings
 
@@ -104,6 +105,8 @@ def _takes(fn, name):
 
 
 HAS_ORACLE = (_up_rules is not None and
+              # jax 0.4.36's rule module has no str_to_sdy_sharding_rule
+              hasattr(_up_rules, "str_to_sdy_sharding_rule") and
               _takes(_up_rules.str_to_sdy_sharding_rule, "reduction_factors")
               and _takes(_up_cp.custom_partitioning.def_partition,
                          "reduction_factors"))
@@ -4297,6 +4300,139 @@ class LowerFunInPrimitiveTest(CPTestCase):
 
 both_partitioners(LowerFunInPrimitiveTest)
 del LowerFunInPrimitiveTest
+
+
+# --------------------------------------------------------------------------
+# hijax primitives (jax.experimental.hijax.HiPrim) in fun and lower_fn
+# --------------------------------------------------------------------------
+
+try:  # jax 0.11.2 added hijax; upstream's op runs it from 0.12.0
+  from jax.experimental.hijax import HiPrim as _HiPrim
+except ImportError:
+  _HiPrim = None
+NO_HIJAX = None if _HiPrim is not None else f"{JAX}: no hijax (jax 0.11.2)"
+
+if _HiPrim is not None:
+  class _Square(_HiPrim):
+    """x * x as a hijax primitive: jax expands it before lowering."""
+
+    def __init__(self, aval):
+      self.in_avals = (aval,)
+      self.out_aval = aval
+      self.params = {}
+      super().__init__()
+
+    def expand(self, x):
+      return x * x
+
+
+def _hi_square(x):
+  return _Square(jax.typeof(x))(x)
+
+
+@unittest.skipIf(NO_HIJAX, NO_HIJAX)
+class HijaxTest(CPTestCase):
+  """A hijax primitive in ``fun`` or ``lower_fn``: right values, eagerly and
+  under jit, on Auto and Explicit axes, with no gather (as upstream 0.12)."""
+
+  def _op(self, where):
+    hi = lambda x: _hi_square(x) + 1.0
+    lo = lambda x: x * x + 1.0
+    return _same_sharding_op(hi if where == "fun" else lo,
+                             lower_fn=hi if where == "lower_fn" else lo)
+
+  def _check(self, axis_type):
+    from jax.sharding import AxisType
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(AxisType, axis_type),))
+    xh = _data((16, 4))
+    want = xh * xh + 1.0
+    ctx = mesh_context(mesh) if axis_type == "Explicit" else contextlib.nullcontext()
+    for where in ("fun", "lower_fn"):
+      op = self._op(where)
+      with self.subTest(where=where), ctx:
+        x = jax.device_put(xh, NamedSharding(mesh, P("x")))
+        np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-6)
+        np.testing.assert_allclose(op(x), want, rtol=1e-6)
+        self.assertCollectives(self.hlo(jax.jit(op), x),
+                               absent=("all-gather", "all-reduce"))
+        np.testing.assert_allclose(op(xh), want, rtol=1e-6)  # one device
+
+  def test_auto_axes(self):
+    self._check("Auto")
+
+  def test_explicit_axes(self):
+    self._check("Explicit")
+
+  def test_hijax_operands_are_refused_by_name(self):
+    class HiAval:  # stands in for a hijax type: jax asks only is_high
+      is_high = True
+
+      def __repr__(self):
+        return "HiAval()"
+
+    class Call:
+      in_avals, out_avals = (HiAval(),), ()
+      jaxpr = types.SimpleNamespace(debug_info=None)
+
+    self.assertRaisesNaming(
+        NotImplementedError, ["operands and results must be arrays, not "
+                              "hijax types (HiAval())"],
+        cp._to_lojax, call=Call())
+
+  @unittest.skipIf(JAX_VERSION < (0, 12, 0), f"{JAX}: upstream's op runs "
+                   "hijax primitives from jax 0.12")
+  def test_upstream_runs_the_same_programs(self):
+    # The parity claim: upstream 0.12 runs these too (Auto axes, under jit).
+    mesh = self.mesh()
+    xh = _data((16, 4))
+    x = jax.device_put(xh, NamedSharding(mesh, P("x")))
+    hi = lambda x: _hi_square(x) + 1.0
+    for where in ("fun", "lower_fn"):
+      op = _up_cp.custom_partitioning(hi if where == "fun" else
+                                      (lambda x: x * x + 1.0))
+
+      def partition(mesh, arg_shapes, result_shape, where=where):
+        s = arg_shapes[0].sharding
+        return mesh, hi if where == "lower_fn" else (lambda x: x * x + 1.0), s, (s,)
+
+      op.def_partition(partition=partition,
+                       infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                       sharding_rule="i j -> i j")
+      with self.subTest(where=where):
+        np.testing.assert_allclose(jax.jit(op)(x), xh * xh + 1.0, rtol=1e-6)
+
+
+both_partitioners(HijaxTest)
+del HijaxTest
+
+
+class ImportTest(unittest.TestCase):
+  """jax's names are looked up at import: a release without one fails
+  there, naming it, the running jax and the tested range."""
+
+  def test_a_missing_name_fails_the_import_by_name(self):
+    for module, name in (("jax._src.core", "subjaxprs"),
+                         ("jax.interpreters.mlir", "lower_fun")):
+      script = textwrap.dedent(f"""
+          import sys, importlib
+          sys.path.insert(0, {HERE!r})
+          import custom_partitioning  # every module it reads is loaded
+          del sys.modules["custom_partitioning"]
+          delattr(importlib.import_module({module!r}), {name!r})
+          try:
+            import custom_partitioning
+          except ImportError as e:
+            print("ImportError:", e)
+          """)
+      proc = subprocess.run([sys.executable, "-c", script], text=True,
+                            capture_output=True, timeout=120,
+                            env=_child_env(1))
+      with self.subTest(name=name):
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+        self.assertIn(f"ImportError: custom_partitioning needs "
+                      f"{module}.{name}, which jax {jax.__version__} does "
+                      "not have; this file is tested with jax 0.4.35 to "
+                      "0.12.0.1.", proc.stdout)
 
 
 # --------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def factors_unsupported(text):
   if not SPECIAL_FACTORS and "factors" in text:
     return "jaxlib 0.5.0"
   if JAXLIB_VERSION < (0, 5, 1) and re.search(
-      r"permutation_factors.: \(.", text):
+      r"permutation_factors.: \([^)]", text):
     return "jaxlib 0.5.1"
   return None
 

@@ -52,12 +52,18 @@ jax option and no environment variable.
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 through 0.11.0. CI (``.ci/run``) tests every change on
-0.4.35, 0.4.38, 0.5.3, 0.6.2, 0.7.2, 0.8.3, 0.9.2 and 0.10.2 on Python 3.11,
-and on 0.10.2 and 0.11.0 on Python 3.12 (0.11 needs it), each with the
-Shardy and the GSPMD partitioner. Older releases raise ``ImportError``;
-newer ones are not refused, but untested. Every ``jax._src`` import sits
-below, every version difference in appendix F.
+jax/jaxlib 0.4.35 through 0.12.0.1, each with the Shardy and the GSPMD
+partitioner; CI (``.ci/run``) tests every change. The whole suite runs on
+0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 and 0.12.0.1 (Python
+3.12, which 0.11 needs; 0.12.0.1 on 3.13 too), and on the newest release
+the registry offers. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1,
+0.6.0, 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0,
+0.9.0.1, 0.9.1, 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1 and 0.12.0 (also jax
+0.12.0 on jaxlib 0.11.2): core test classes, the README quickstart and the
+self-demo. Older releases raise ``ImportError``, and so does any release that
+lacks a jax name this module reads: every one is looked up at import in the
+table below the imports (``_NAMES``), naming what is missing. A newer
+release is not refused; CI's newest-release run says whether it works.
 
 Reading order
 -------------

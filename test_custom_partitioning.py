@@ -8103,13 +8103,19 @@ class ReadmeTest(unittest.TestCase):
           lines += f.read().count("\n")
       self.assertEqual(lines, upstream)
     imported = sorted(_jax_src_imports(source))
-    count = int(re.search(r"imports (\d+) private `jax._src` modules",
-                          readme).group(1))
-    self.assertEqual(count, len(imported))
-    listed = re.search(r"file uses them: `jax._src.` (.*?); and",
+    self.assertEqual(imported, [])  # every jax name is in the table
+    private = {m: names.split() for m, names in cp._NAMES.items()
+               if m.startswith("jax._src.")}
+    names, modules = (int(n) for n in re.search(
+        r"reads (\d+) names from (\d+) private `jax._src` modules",
+        readme).groups())
+    self.assertEqual((names, modules),
+                     (sum(map(len, private.values())), len(private)))
+    listed = re.search(r"else from these\s+`jax._src.` modules: (.*?); and",
                        readme, re.S).group(1)
     self.assertEqual(sorted("jax._src." + n for n in
-                            re.findall(r"`([\w.]+)`", listed)), imported)
+                            re.findall(r"`([\w.]+)`", listed)),
+                     sorted(private))
 
 
 def _code_lines(source):

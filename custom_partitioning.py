@@ -2236,8 +2236,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       ``meshes`` holds a non-mesh.
     ValueError: ``max_combinations`` is less than 1, or no example argument.
     AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand (and cotangent) shardings as
-      ``PartitionSpec``s, which result or gradient, and the largest error.
+      function, the mesh, the operand (and cotangent, requested result)
+      shardings as ``PartitionSpec``s, which result or gradient, largest error.
     Exception: an error compiling or running a placement, or on one
       device, is re-raised with its type, chained to the original, the
       message naming the mesh and shardings (or the device).
@@ -2453,9 +2453,9 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
 
 
 def _cotangent_specs(shapes: list, mesh, extra: int = 0) -> list[tuple]:
-  """For every k from 1 (to the most options, + ``extra``), each cotangent
-  (or result asked for) in its k-th one-axis sharding, cyclically (a shape
-  None: none); on Explicit axes none, a value typed as its result."""
+  """For k in 1 .. n-1+extra (n > 1: the most one-axis shardings of a
+  shape), each cotangent or asked-for result in its k-th, cyclically (a
+  shape None: none); none on Explicit axes, a value typed as its result."""
   if _any_explicit(mesh):
     return []
   options = [[()] if shape is None else [

@@ -2284,7 +2284,9 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   each argument sharded alone, all sharded at once, then the rest). Each
   one's jitted results (with ``grad``, also its VJP's gradients) are
   compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
-  runs its own ``fun`` (no callback).
+  runs its own ``fun`` (no callback); results also with each result asked
+  for (as by a consumer) in its one-axis shardings in turn, then replicated,
+  the arguments placed in turn (none on Explicit axes; max_combinations).
 
   Args:
     fn: a ``custom_partitioning`` op or a function of arrays built from
@@ -2309,7 +2311,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       ``rtol`` 1e-9 for 64-bit floats (and complex128), 1e-4 for 32-bit,
       5e-3 for float16, 3e-2 for bfloat16, 2 epsilon for float8 types,
       ``atol`` that times the reference's largest magnitude (at least 1);
-      integers and booleans exact.
+      integers and booleans exact; inf and NaN exact (same sign) always.
     max_combinations: the bound per mesh.
 
   Returns:
@@ -2321,15 +2323,15 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       ``meshes`` holds a non-mesh.
     ValueError: ``max_combinations`` is less than 1, or no example argument.
     AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand (and cotangent) shardings as
-      ``PartitionSpec``s, which result or gradient, and the largest error.
+      function, the mesh, the operand (and cotangent, requested result)
+      shardings as ``PartitionSpec``s, which result or gradient, largest error.
     Exception: an error compiling or running a placement, or on one
       device, is re-raised with its type, chained to the original, the
       message naming the mesh and shardings (or the device).
   """
   name, arg_names, hosts, in_tree, flat, meshes = _checked_examples(
       fn, example_args, meshes, max_combinations)
-  run, ct_shapes = _runner(fn, name, in_tree, hosts, arg_names, grad)
+  run, outs, ct_shapes = _runner(fn, name, in_tree, hosts, arg_names, grad)
   device = jax.devices()[0]
   try:
     want = run([jax.device_put(h, device) for h in hosts])
@@ -2337,22 +2339,24 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     raise _renamed(e, f"check_partitioning({name}): on one device "
                       f"({device})") from e
 
-  def check(mesh, specs, ct_specs=None):
+  def check(mesh, specs, ct_specs=None, out_specs=None):
     where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
              f"operand shardings {_specs_text(specs, arg_names, flat)}")
-    if ct_specs is not None:
-      where += f" and cotangent shardings {_specs_text(ct_specs, [], True)}"
+    for kind, given in (("cotangent", ct_specs),
+                        ("requested result", out_specs)):
+      if given is not None:
+        where += f" and {kind} shardings {_specs_text(given, [], True)}"
     placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
     try:
       with _set_mesh_scope(mesh):
         got = run([x for x, _ in placed], tuple(c for _, c in placed),
-                  ct_specs, mesh)
+                  ct_specs, mesh, out_specs)
     except Exception as e:
       raise _renamed(e, where) from e
     for (what, g), (_, w) in zip(got, want):
       _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} on "
                "one device")
-  per_mesh, cotangents = [], 0
+  per_mesh, cotangents, requested = [], 0, 0
   offered, tried = [set() for _ in hosts], [set() for _ in hosts]
   for mesh in meshes:
     options = [_shardings_of(h.shape, mesh) for h in hosts]
@@ -2362,6 +2366,10 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     for ct_specs in _cotangent_specs(ct_shapes, mesh):
       check(mesh, [()] * len(hosts), ct_specs)
       cotangents += 1
+    for k, out_specs in enumerate(_cotangent_specs(
+        [s.shape for s in outs], mesh, 1)[:max_combinations]):
+      check(mesh, [o[k % len(o)] for o in options], out_specs=out_specs)
+      requested += 1
     for i, h in enumerate(hosts):
       offered[i] |= {_placement_class(s, h.shape, mesh) for s in options[i]}
       tried[i] |= {_placement_class(c[i], h.shape, mesh) for c in chosen}
@@ -2370,6 +2378,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   return PartitioningReport(
       name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
       max_combinations=max_combinations, cotangent_placements=cotangents,
+      result_requests=requested,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
@@ -2418,22 +2427,25 @@ def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
 
 
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
-            grad: bool) -> tuple[Callable, list]:
-  """``(run, cotangent shapes)``, None for a non-float result. ``run(leaves,
-  constraints=None, ct_specs=None, mesh=None)``: ``[(what, array)]`` of the
-  jitted results and, with ``grad``, the jitted VJP's gradients."""
+            grad: bool) -> tuple[Callable, list, list]:
+  """``(run, results' ShapeDtypeStructs, cotangent shapes)`` (None: not a
+  float). ``run(leaves, constraints=None, ct_specs=None, mesh=None,
+  out_specs=None)``: ``[(what, array)]`` of the jitted results (constrained
+  to ``out_specs``) and, with ``grad``, not ``out_specs``, the gradients."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
 
-  def forward(leaves, constraints):
-    return fn(*args_of(leaves, constraints))
+  def forward(leaves, constraints, out_constraints):
+    outs, tree = jax.tree_util.tree_flatten(fn(*args_of(leaves, constraints)))
+    return tree.unflatten(_constrained(outs, out_constraints))
   forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
-  jitted_forward = jax.jit(forward, static_argnums=1)
+  jitted_forward = jax.jit(forward, static_argnums=(1, 2))
   # Cotangents: seed 0; None for a non-float result (its float0 is built
   # while tracing); floats as jax types them (bfloat16: not numpy's).
   rng, cts = np.random.default_rng(0), []
-  for s in jax.tree_util.tree_leaves(jax.eval_shape(
-      fn, *in_tree.unflatten(hosts))) if grad else []:
+  shapes = jax.tree_util.tree_leaves(jax.eval_shape(
+      fn, *in_tree.unflatten(hosts)))
+  for s in shapes if grad else []:
     ct = None
     if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
       ct = rng.standard_normal(s.shape)
@@ -2453,13 +2465,14 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
       f"check_partitioning_{name}_vjp")
   jitted_pullback = jax.jit(pullback, static_argnums=(2, 3))
 
-  def run(leaves, constraints=None, ct_specs=None, mesh=None):
-    constraints = constraints or (None,) * len(leaves)
-    out = jitted_forward(leaves, constraints)
+  def run(leaves, constraints=None, ct_specs=None, mesh=None, out_specs=None):
+    out = jitted_forward(leaves, constraints, out_specs and tuple(
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s))
+        for s in out_specs))
     found = [(f"result {jax.tree_util.keystr(tuple(path))}" if path else
               "the result", leaf)
              for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]]
-    if grad:
+    if grad and out_specs is None:
       placed = [(None, None) if c is None else
                 (jax.device_put(c, _arguable(o, mesh)), None) if spec is None
                 else _placed(c, mesh, spec) for c, o, spec in zip(
@@ -2471,12 +2484,12 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
                 in zip(arg_names, jax.tree_util.tree_leaves(grads))
                 if g.dtype != jax.dtypes.float0]
     return [(what, np.asarray(leaf)) for what, leaf in found]
-  return run, [None if c is None else c.shape for c in cts]
+  return run, shapes, [None if c is None else c.shape for c in cts]
 
 
-def _constrained(xs: list, shardings) -> list:
+def _constrained(xs: list, shardings) -> list:  # shardings None: none
   return [x if s is None else jax.lax.with_sharding_constraint(x, s)
-          for x, s in zip(xs, shardings)]
+          for x, s in zip(xs, shardings or [None] * len(xs))]
 
 
 def _placed(host, mesh, spec: tuple) -> tuple:
@@ -2526,9 +2539,10 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
   return _SEVERAL if len(entries) > 1 else _ONE_AXIS
 
 
-def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
-  """For every k, each cotangent in its k-th one-axis sharding (a shape
-  None: none); on Explicit axes none, a cotangent typed as its result."""
+def _cotangent_specs(shapes: list, mesh, extra: int = 0) -> list[tuple]:
+  """For k in 1 .. n-1+extra (n > 1: the most one-axis shardings of a
+  shape), each cotangent or asked-for result in its k-th, cyclically (a
+  shape None: none); none on Explicit axes, a value typed as its result."""
   if _any_explicit(mesh):
     return []
   options = [[()] if shape is None else [
@@ -2536,7 +2550,8 @@ def _cotangent_specs(shapes: list, mesh) -> list[tuple]:
       if _placement_class(s, shape, mesh) in (None, _ONE_AXIS)]
              for shape in shapes]
   longest = max(map(len, options), default=1)
-  return [tuple(o[k % len(o)] for o in options) for k in range(1, longest)]
+  return [tuple(o[k % len(o)] for o in options)
+          for k in range(1, longest + (longest > 1 and extra))]
 
 
 def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
@@ -2643,7 +2658,8 @@ def _renamed(error: Exception, where: str) -> Exception:
 
 def _compare(got, want, rtol, atol, what: str) -> None:
   """Raises AssertionError (message after ``what``) unless ``got`` equals
-  ``want`` within the tolerances (None: by dtype)."""
+  ``want`` within the tolerances (None: by dtype) where ``want`` is finite,
+  and exactly (inf of its sign, NaN) where not."""
   got, want = np.asarray(got), np.asarray(want)
   if got.shape != want.shape or got.dtype != want.dtype:
     raise AssertionError(
@@ -2658,7 +2674,7 @@ def _compare(got, want, rtol, atol, what: str) -> None:
   with np.errstate(invalid="ignore"):
     error = np.abs(g - w)
     same = (g == w) | (np.isnan(g) & np.isnan(w))
-    bad = ~same & ~(error <= atol + rtol * np.abs(w))
+    bad = ~same & (~np.isfinite(w) | ~(error <= atol + rtol * np.abs(w)))
   if not bad.any():
     return
   error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
@@ -2705,6 +2721,8 @@ class PartitioningReport:
       them and why (e.g. no mesh axis divides it, or the bound).
     cotangent_placements: with ``grad``, how many cotangent placements
       other than their results' were checked (operands replicated).
+    result_requests: how many combinations were checked with each result
+      requested in a sharding (a sharding constraint, as by a consumer).
   """
   name: str
   checked: int
@@ -2715,11 +2733,12 @@ class PartitioningReport:
   placements: tuple = ()
   untried: tuple = ()
   cotangent_placements: int = 0
+  result_requests: int = 0
 
   def __str__(self) -> str:
     what = "results and gradients" if self.grad else "results"
-    n, left = self.cotangent_placements, sum(
-        total - k for _, k, total in self.meshes)
+    n, left, r = self.cotangent_placements, sum(
+        total - k for _, k, total in self.meshes), self.result_requests
     per_mesh = "; ".join(f"{text}: {k} of {total}"
                          for text, k, total in self.meshes)
     return "".join(part for part in (
@@ -2734,7 +2753,10 @@ class PartitioningReport:
         self.untried and f" Not tried {'; '.join(self.untried)}.",
         left and f" {left} combinations left unchecked (max_combinations="
         f"{self.max_combinations} per mesh): raise max_combinations, or pass "
-        "meshes=, to check them.") if part)
+        "meshes=, to check them.",
+        r and f" Results also checked in {r} combination{'s' * (r > 1)} "
+        "with their shardings requested (a sharding constraint on each, as "
+        "a consumer's).") if part)
 
 
 def _short_repr(value, limit: int = 60) -> str:

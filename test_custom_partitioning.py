@@ -7518,7 +7518,11 @@ class CheckPartitioningTest(CPTestCase):
         "one dimension over one axis, several dimensions over one axis "
         "each, one dimension over a tuple of axes. Not tried on argument 0 "
         "(shape (8, 16)): padded (every mesh axis divides each of its "
-        "dimensions).")
+        "dimensions)."
+        # Each result requested in its one-axis shardings: P('x'),
+        # P(None, 'x'), P() on ('x': 8); four and P() on (2, 4).
+        " Results also checked in 8 combinations with their shardings "
+        "requested (a sharding constraint on each, as a consumer's).")
 
   def test_fft_keeping_the_transformed_axis_sharded_fails(self):
     error = self.assertRaisesNaming(
@@ -7791,8 +7795,10 @@ class CheckPartitioningTest(CPTestCase):
     self.assertIn("results and gradients equal to _batched_fft_op.<locals>."
                   "fft on one device (Mesh('x': 8, axis_types=(Explicit,)): "
                   "3 of 3)", str(report))
-    # A cotangent takes its result's type there: none placed otherwise.
+    # A cotangent takes its result's type there: none placed otherwise;
+    # nor a result (a constraint there reshards the typed result).
     self.assertEqual(report.cotangent_placements, 0)
+    self.assertEqual(report.result_requests, 0)
     self.assertIn("padded (jax types no uneven sharding on Explicit mesh "
                   "axes)", str(report))
     self.assertRaisesNaming(
@@ -7915,6 +7921,118 @@ class CheckPartitioningTest(CPTestCase):
     self.assertEqual(report.cotangent_placements, 1)  # result (8, 3): P('x')
     self.assertIn("Cotangents also checked in 1 sharding other than their "
                   "results' (the operands replicated).", str(report))
+
+  def test_non_finite_entries_must_match_exactly(self):
+    """inf and NaN in the reference are matched exactly: a finite value or
+    an inf of the other sign fails (found by a breaker: inf <= atol +
+    rtol * inf passed them); equal ones pass."""
+    want = np.float32([np.inf, -np.inf, np.nan, 1.0])
+    cp._compare(want.copy(), want, None, None, "r")
+    cp._compare(want.copy(), want, 0.5, 1e30, "r")  # whatever the tolerance
+    for got, at in (([3e38, -np.inf, np.nan, 1.0], "index (0,) got 3e+38, "
+                     "expected inf"),
+                    ([np.inf, np.inf, np.nan, 1.0], "index (1,) got inf, "
+                     "expected -inf"),
+                    ([np.inf, -np.inf, 0.0, 1.0], "index (2,) got 0, "
+                     "expected nan"),
+                    ([np.inf, -np.inf, np.nan, np.inf], "index (3,) got inf, "
+                     "expected 1")):
+      with self.subTest(got=got):
+        self.assertRaisesNaming(AssertionError, [at], cp._compare,
+                                np.float32(got), want, 0.5, 1e30, "r")
+    z = np.complex64([complex(np.inf, 1.0), 1.0])
+    cp._compare(z.copy(), z, None, None, "r")
+    self.assertRaisesNaming(AssertionError, ["index (0,)"], cp._compare,
+                            np.complex64([complex(np.inf, 2.0), 1.0]), z,
+                            None, None, "r")
+    # Ops: 1 / x with x holding +0 and -0. A lower_fn that makes every
+    # zero +0 (sign lost) or clips the infs is caught (on the mesh, P()
+    # runs it too); the right one passes.
+    x = _data((8, 4))
+    x[1, 2], x[5, 1] = 0.0, -0.0
+
+    def reciprocal(x):
+      return 1 / x
+    right = _same_sharding_op(reciprocal)
+    report = cp.check_partitioning(right, x, meshes=_mesh1d())
+    self.assertEqual(report.checked, 3 if cp._returns_padded() else 2)
+    rows = jax.device_put(x, NamedSharding(_mesh1d(), P("x")))
+    want = np.asarray(jax.jit(reciprocal)(x))
+    self.assertEqual((want[1, 2], want[5, 1]), (np.inf, -np.inf))
+    for lower_fn, got in (
+        (lambda x: 1 / jnp.where(x == 0, 0.0, x), "inf, expected -inf"),
+        (lambda x: jnp.nan_to_num(1 / x), "got 3.40282e+38, expected inf")):
+      with self.subTest(got=got):
+        wrong = _same_sharding_op(reciprocal, lower_fn=lower_fn)
+        out = np.asarray(jax.jit(wrong)(rows))
+        self.assertFalse(np.array_equal(out, want))  # the bug is real
+        np.testing.assert_array_equal(out[np.isfinite(want)],
+                                      want[np.isfinite(want)])
+        self.assertRaisesNaming(
+            AssertionError,
+            ["on Mesh('x': 8) with operand shardings (PartitionSpec(),): "
+             "the result differs from ", f"at index (5, 1) got {got}"
+             if "-inf" in got else f"at index (1, 2) {got}"],
+            cp.check_partitioning, wrong, x, meshes=_mesh1d())
+
+  def test_requested_result_shardings(self):
+    """An op whose partition adopts the requested result sharding (for its
+    operand too) but offsets rows by the operand's own sharding: right as
+    long as a result comes out as its operand went in, wrong once a
+    consumer asks for another sharding. Each result is requested in its
+    one-axis shardings, the operands placed in turn beside."""
+    body = lambda x: x + jnp.arange(x.shape[0], dtype=x.dtype)[:, None]
+    mesh = _mesh1d()
+    x = _data((8, 8))
+
+    def op_offsetting_rows_by_the_operand():
+      op = custom_partitioning(body)
+
+      def partition(mesh, arg_shapes, result_shape):
+        axis = _rows_axis(arg_shapes[0])
+        s = result_shape.sharding
+
+        def lower_fn(x):
+          first = 0 if axis is None else jax.lax.axis_index(axis) * len(x)
+          return x + (first + jnp.arange(len(x), dtype=x.dtype))[:, None]
+        return mesh, lower_fn, s, (s,)
+      op.def_partition(partition, sharding_rule="i j -> i j",
+                       infer_sharding_from_operands=lambda m, a, r:
+                       a[0].sharding)
+      return op
+    wrong = op_offsetting_rows_by_the_operand()
+    want = np.asarray(body(x))
+    for spec in (P(), P("x"), P(None, "x")):  # as it comes out: right
+      placed = jax.device_put(x, NamedSharding(mesh, spec))
+      np.testing.assert_array_equal(jax.jit(wrong)(placed), want)
+    asked = jax.jit(wrong, out_shardings=NamedSharding(mesh, P("x")))
+    whole = jax.device_put(x, NamedSharding(mesh, P()))
+    self.assertGreater(np.abs(np.asarray(asked(whole)) - want).max(), 1.0)
+    # The first request: operands replicated, the result's rows over 'x'.
+    error = self.assertRaisesNaming(
+        AssertionError,
+        [".<locals>.<lambda>) on Mesh('x': 8) with operand shardings "
+         "(PartitionSpec(),) and requested result shardings "
+         "(PartitionSpec('x'),): the result differs from ", "on one device: "
+         "largest error 7 (56 of 64 elements off; "],
+        cp.check_partitioning, wrong, x, meshes=mesh)
+    self.assertIsNone(error.__cause__)
+    # A right op passes; per mesh, each of the result's one-axis shardings
+    # (then P() once more) is asked for: 3 on ('x': 8), 5 on (2, 4).
+    report = cp.check_partitioning(elementwise_op(), x)
+    self.assertEqual((report.checked, report.result_requests), (14, 8))
+    self.assertTrue(str(report).endswith(
+        " Results also checked in 8 combinations with their shardings "
+        "requested (a sharding constraint on each, as a consumer's)."))
+    # Results only, with grad too; none for a scalar result, which has no
+    # sharding but replicated.
+    report = cp.check_partitioning(_global_mean(), x, grad=True,
+                                   meshes=mesh)
+    self.assertEqual(report.result_requests, 0)
+    self.assertNotIn("Results also checked", str(report))
+    self.assertEqual(cp._cotangent_specs([(8,), ()], mesh, 1),
+                     [(("x",), ()), ((), ())])
+    self.assertEqual(cp._cotangent_specs([()], mesh, 1), [])
 
 
 both_partitioners(CheckPartitioningTest)

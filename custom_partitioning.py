@@ -593,11 +593,11 @@ def _static_key(value):
   (unlike ``==``: ``0.0``/``-0.0``, ``2``/``2.0``, ``0.5``/``np.float32(0.5)``):
   by type and value, floats by their bits, tuples and frozensets by item."""
   kind = type(value)
+  if isinstance(value, (float, complex)):
+    return kind, struct.pack("<dd", value.real, value.imag)
   if isinstance(value, (tuple, frozenset)):
     return kind, (frozenset if isinstance(value, frozenset) else tuple)(
         map(_static_key, value))
-  if isinstance(value, (float, complex)):
-    return kind, struct.pack("<dd", value.real, value.imag)
   if isinstance(value, np.generic):
     return kind, value.dtype, value.tobytes()
   return kind, value

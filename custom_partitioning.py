@@ -96,6 +96,7 @@ import itertools
 import logging
 import math
 import os
+import struct
 import threading
 import types
 from typing import Any, NamedTuple
@@ -255,14 +256,15 @@ class custom_partitioning:
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
-  arguments, operand pytree and avals, jax's config); ``jax.clear_caches()``
-  empties every cache of this module (``fun`` is retraced). A lowering
-  asks the callbacks once per distinct question (upstream: per custom
-  call), a new lowering anew; where jax's persistent compilation cache is
-  on, a custom call's key digests the op (code, values its callbacks read,
-  static arguments, mesh, config), so the cache hits across processes and
-  equal ops share answers. As with ``jax.jit``, callbacks must not depend
-  on state no argument shows (environment variables, files).
+  arguments, yet ``-0.0`` apart from ``0.0``; operand pytree and avals;
+  jax's config); ``jax.clear_caches()`` empties every cache of this module
+  (``fun`` is retraced). A lowering asks the callbacks once per distinct
+  question (upstream: per custom call), a new lowering anew; where jax's
+  persistent compilation cache is on, a custom call's key digests the op
+  (code, values its callbacks read, static arguments, mesh, config), so the
+  cache hits across processes and equal ops share answers. As with
+  ``jax.jit``, callbacks must not depend on state no argument shows
+  (environment variables, files).
 
   Args:
     fun: the function. Keyword arguments are bound to positions by
@@ -270,8 +272,9 @@ class custom_partitioning:
       defaults. An unpassed default stays a Python value, as under
       ``jax.jit`` (so ``custom_partitioning(jnp.fft.fft)`` works), unless
       it is an array (then an operand) or static (then callbacks get it).
-    static_argnums: int or ints: positions of non-array arguments, passed
-      first to every callback; unhashable ones only skip the trace cache.
+    static_argnums: int or ints: positions of non-array arguments (negative
+      from the end, as in ``jax.jit``), passed first to every callback;
+      unhashable ones only skip the trace cache.
 
   Raises (when called):
     ValueError: ``def_partition`` was never called.
@@ -433,7 +436,7 @@ class custom_partitioning:
       args = _CallArgs((), (), (), args)  # the common case, kept fast
     else:
       args = self._split(args, kwargs)
-    if eager and _is_hashable(args.static_args):
+    if eager and args.key is not None:
       return self._eager_call(args)
     return self._bind(args)
 
@@ -460,9 +463,9 @@ class custom_partitioning:
     defaults = tuple((i, args[i]) for i in unpassed
                      if i not in positions and not _is_array(args[i]))
     fixed = set(positions) | {i for i, _ in defaults}
-    return _CallArgs(tuple(positions), tuple(args[i] for i in positions),
-                     defaults,
-                     tuple(a for i, a in enumerate(args) if i not in fixed))
+    static = tuple(args[i] for i in positions)
+    return _CallArgs(tuple(positions), static, defaults, tuple(
+        a for i, a in enumerate(args) if i not in fixed), _key_of(static))
 
   def _eager_call(self, args: _CallArgs):
     """A call outside any transformation, compiled; cached on all the jitted
@@ -477,8 +480,8 @@ class custom_partitioning:
     mesh = next((x.sharding.mesh for x in leaves if isinstance(
         getattr(x, "sharding", None), jax.sharding.NamedSharding) and
         isinstance(x.sharding.mesh, _jax.Mesh)), None) if sharded else None
-    key = (self, self._generation, args.static_args,
-           _positions(args.defaults), sharded, mesh)
+    key = (self, self._generation, args.key, _positions(args.defaults),
+           sharded, mesh)
     fn = _eager.get(key)
     if fn is None:  # only on a miss: no closure built per hit
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
@@ -496,26 +499,24 @@ class custom_partitioning:
     return fn(*args.dyn_args)
 
   def _traced(self, args: _CallArgs, flat: _FlatArgs):
-    """``(call, out_tree, key)``: ``fun`` traced for ``args``, cached where
-    the static arguments hash (else ``key`` is None)."""
-    key = None
-    if not args.static_args or _is_hashable(args.static_args):
-      # jax.jit's trace key (its trace context holds the config), plus the
-      # positions of unpassed defaults; blind, as jax.jit, to fun's globals.
-      key = (args.static_args, tuple(i for i, _ in args.defaults),
-             flat.in_tree, flat.in_avals, _SHARDY.value,
-             _jax.trace_context())
+    """``(call, out_tree)``: ``fun`` traced for ``args``, cached where the
+    static arguments hash."""
+    # jax.jit's trace key (its trace context holds the config), statics by
+    # _key_of, unpassed defaults' positions; blind to fun's globals.
+    key = None if args.key is None else (
+        args.key, _positions(args.defaults), flat.in_tree, flat.in_avals,
+        _SHARDY.value, _jax.trace_context())
     traced = None if key is None else self._traces.get(key)
     if traced is None:  # get and put: no closure built on the hot path
       traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
       if key is not None:
         self._traces.put(key, traced)
-    return (*traced, key)
+    return traced
 
   def _run_body(self, args: _CallArgs):
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
-    call, out_tree, _ = self._traced(args, flat)
+    call, out_tree = self._traced(args, flat)
     return jax.tree_util.tree_unflatten(
         out_tree, _jax.jaxpr_as_fun(call)(*leaves))
 
@@ -531,14 +532,12 @@ class custom_partitioning:
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
-    call, out_tree, key = self._traced(args, flat)
+    call, out_tree = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
-        *flat.leaves, **self._params(args, flat, call, out_tree,
-                                     key is not None))
+        *flat.leaves, **self._params(args, flat, call, out_tree))
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
-  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree,
-              hashable: bool) -> dict:
+  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree) -> dict:
     """A call's equation parameters (the shard_map path's too): upstream's,
     plus ``check_vma`` and ``transform`` (a derived op's steps)."""
     return dict(
@@ -551,8 +550,8 @@ class custom_partitioning:
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
         sharding_rule=self.sharding_rule,
-        static_args=(args.static_args if hashable
-                     else _Unhashable(args.static_args)),
+        static_args=(args.static_args and
+                     _Statics(args.static_args, args.key)),
         check_vma=self.check_vma, transform=())
 
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
@@ -626,6 +625,7 @@ class _CallArgs(NamedTuple):
   static_args: tuple     # their values, passed first to every callback
   defaults: tuple        # (position, value) of unpassed Python defaults
   dyn_args: tuple        # the rest: the operands (pytrees of arrays)
+  key: Any = ()          # static_args' _key_of, for every cache
 
 
 def _in_call_order(fixed: dict, operands) -> tuple:
@@ -662,26 +662,55 @@ class _FlatArgs(NamedTuple):
   in_avals: tuple
 
 
-def _is_hashable(value) -> bool:
+def _static_key(value):
+  """A static argument as every cache keys it, alike only where a trace is
+  (unlike ``==``: ``0.0``/``-0.0``, ``2``/``2.0``, ``0.5``/``np.float32(0.5)``):
+  by type and value, floats by their bits, tuples and frozensets by item."""
+  kind = type(value)
+  if isinstance(value, (float, complex)):
+    return kind, struct.pack("<dd", value.real, value.imag)
+  if isinstance(value, (tuple, frozenset)):
+    return kind, (frozenset if isinstance(value, frozenset) else tuple)(
+        map(_static_key, value))
+  if isinstance(value, np.generic):
+    return kind, value.dtype, value.tobytes()
+  return kind, value
+
+
+def _key_of(static_args: tuple):
+  """Static arguments' key (``_static_key``); None if one is unhashable."""
+  key = tuple(map(_static_key, static_args))
   try:
-    hash(value)
+    hash(key)
   except TypeError:
-    return False
-  return True
+    return None
+  return key
 
 
-class _Unhashable:
-  """Unhashable static arguments as an equation parameter (by identity)."""
-  __slots__ = ("value",)
+class _Statics:
+  """Static arguments as an equation parameter, equal by ``_key_of`` where
+  jax or this module keys on parameters (unhashable ones: by identity)."""
+  __slots__ = ("value", "key")
 
-  def __init__(self, value):
-    self.value = value
+  def __init__(self, value: tuple, key):
+    self.value, self.key = value, (id(value),) if key is None else key
 
   def __hash__(self):
-    return id(self.value)
+    return hash(self.key)
 
   def __eq__(self, other):
-    return isinstance(other, _Unhashable) and other.value is self.value
+    return isinstance(other, _Statics) and other.key == self.key
+
+  def __repr__(self):  # printed jaxprs (a content key's) show the values
+    return repr(self.value)
+
+
+def _params_key(params: dict) -> tuple:
+  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
+  static = params["static_args"]
+  if not isinstance(static, _Statics):
+    params = dict(params, static_args=_Statics(static, _key_of(static)))
+  return tuple(sorted(params.items(), key=lambda item: item[0]))
 
 
 # --------------------------------------------------------------------------
@@ -706,13 +735,13 @@ def _impl(*args, **params):
   """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
   compiled, and partitioned only if some operand is sharded (upstream
   never asks the callbacks here; ``partition`` must not see host data)."""
-  # Cache key: the params hold the body and every callback; jax.jit keys on
-  # the operands' types and shardings itself.
+  # Cache key: the params hold the body, every callback and the statics
+  # (by _static_key); jax.jit keys on the operands' types and shardings.
   call = params["call"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
     return _jax.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
-  key = (tuple(sorted(params.items(), key=lambda item: item[0])), sharded)
+  key = (_params_key(params), sharded)
   fn = _eager.cached(key, lambda: jax.jit(
       functools.partial(custom_partitioning_p.bind, **params) if sharded
       else _jax.jaxpr_as_fun(call)))
@@ -840,15 +869,14 @@ def _ask_rule(ctx, params, mesh, steps):
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
   """The one builder of an ``_Op``: from its equation's parameters, where
   it runs, its rule (asked by now) and what its lowering knows."""
-  static = params["static_args"]
+  static = params["static_args"]  # _Statics, or upstream's tuple
   return _Op(name=_fun_name(params["call"]), partition=params["partition"],
              infer_sharding_from_operands=params[
                  "infer_sharding_from_operands"],
              propagate_user_sharding=params["propagate_user_sharding"],
              sharding_rule=rule, decode_shardings=params["decode_shardings"],
              check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=(static.value if isinstance(static, _Unhashable)
-                          else static),
+             static_args=getattr(static, "value", static),
              in_tree=params["in_tree"], out_tree=params["out_tree"],
              steps=params.get("transform", ()), place=place, mesh=place.mesh,
              lowered=_LRU(256), **lowered)
@@ -908,7 +936,7 @@ def _register(ctx, op: _Op, params) -> str:
   else:
     # In one lowering the config is one: equal parameters in one placement
     # are one op. A new lowering asks anew.
-    ident = (tuple(sorted(params.items())), op.place, op.varying,
+    ident = (_params_key(params), op.place, op.varying,
              op.platforms, op.backend, _SHARDY.value)
     keepalives = ctx.module_context.keepalives
     with _weak_lock:
@@ -1369,8 +1397,7 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
       for side in (author.operands, author.results))
   static = params["static_args"]
   produced = params["sharding_rule"](
-      *(static.value if isinstance(static, _Unhashable) else static), mesh,
-      operand_types, result_types)
+      *getattr(static, "value", static), mesh, operand_types, result_types)
   kwargs: dict = {}
   if isinstance(produced, (tuple, list)) and len(produced) == 2:
     produced, kwargs = produced
@@ -1492,9 +1519,9 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
              why=f"not run as shard_map under Explicit axes: {why_not}")
     return None
   # All that fun's trace and the callbacks are given (see _traced).
-  key = ((args.static_args, _positions(args.defaults), flat.in_tree,
+  key = ((args.key, _positions(args.defaults), flat.in_tree,
           flat.in_avals, mesh, _jax.trace_context())
-         if _is_hashable(args.static_args) else None)
+         if args.key is not None else None)
   hit = None if key is None else user_op._programs.get(key)
   if hit is not None and _log.isEnabledFor(logging.DEBUG):
     _debug(user_op._name, "partition", mesh=mesh, cached=True,
@@ -1593,8 +1620,7 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                       mesh) -> _Program:
   """Plans one call signature: ``partition`` asked, checked, compiled."""
   call, out_tree, type_error = _typed_trace(user_op, args, flat)
-  params = user_op._params(args, flat, call, out_tree,
-                           _is_hashable(args.static_args))
+  params = user_op._params(args, flat, call, out_tree)
   rule = params["sharding_rule"]
   op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
               None if callable(rule) else rule)
@@ -3486,7 +3512,7 @@ class _Describer:
     if len(out) > _MAX_DESCRIPTION:
       raise RecursionError
     if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
-      out.append(f"{type(obj).__name__} {obj!r}")
+      out.append(str(_static_key(obj)))  # not repr: it loses a NaN's sign
       return
     if id(obj) in self.seen:  # shared or cyclic
       out.append(f"same as #{self.seen[id(obj)][0]}")
@@ -4384,7 +4410,7 @@ _DESCRIBED_BY.update({
                           for f in dataclasses.fields(op)
                           if not f.metadata.get("state")),
     _Step: dataclasses.astuple,  # by class and fields: jvp and vjp differ
-    _Unhashable: lambda obj: obj.value,
+    _Statics: lambda obj: obj.value,
     _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
     custom_partitioning: lambda obj: (
         obj.fun, obj.static_argnums, obj.partition,

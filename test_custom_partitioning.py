@@ -37,6 +37,7 @@ import functools
 import gc
 import importlib.util
 import inspect
+import itertools
 import json
 import logging
 import shutil
@@ -962,8 +963,189 @@ class StaticArgsTest(CPTestCase):
       jax.jit(lambda x: op(x, 2.0))(self.x)
 
 
+  def test_negative_static_argnums(self):
+    """``static_argnums=-1`` marks the last positional argument, -2 the one
+    before, as in ``jax.jit``: partition gets it, and two calls differing
+    only in it never share a trace, eagerly, under jit or in one jit."""
+    cases = [  # (fun, static_argnums, rule, how it is called: x, static)
+        (lambda x, n: x * n, -1, "i j -> i j", lambda f, x, n: f(x, n)),
+        (lambda x, n: x * n, (-1,), "i j -> i j", lambda f, x, n: f(x, n)),
+        (lambda x, k, y: x * k + y, -2, "i j, i j -> i j",
+         lambda f, x, k: f(x, k, x)),
+    ]
+    for (fun, nums, rule, call), kind, mode in itertools.product(
+        cases, ("partition", "rule"), ("eager", "jit", "one jit")):
+      seen = []
+
+      def partition(n, mesh, arg_shapes, result_shape, fun=fun, seen=seen):
+        seen.append(n)
+        s = arg_shapes[0].sharding
+        return (mesh, lambda x, *rest: fun(x, n, *rest), s,
+                tuple(s for _ in arg_shapes))
+      op = custom_partitioning(fun, static_argnums=nums)
+      op.def_partition(None if kind == "rule" else partition,
+                       sharding_rule=rule)
+      with self.subTest(static_argnums=nums, op=kind, mode=mode):
+        if mode == "eager":
+          outs = [call(op, self.x, n) for n in (2.0, 3.0)]
+        elif mode == "jit":
+          outs = [jax.jit(lambda x, n=n, op=op, call=call: call(op, x, n))(
+              self.x) for n in (2.0, 3.0)]
+        else:
+          outs = jax.jit(lambda x, op=op, call=call: (
+              call(op, x, 2.0), call(op, x, 3.0)))(self.x)
+        for out, n in zip(outs, (2.0, 3.0)):
+          np.testing.assert_allclose(out, call(fun, self.xh, n), rtol=1e-6)
+        if kind == "partition":
+          self.assertEqual(set(seen), {2.0, 3.0})
+
+
 both_partitioners(StaticArgsTest)
 del StaticArgsTest
+
+
+# Static values equal by ``==`` (so alike to a key of ``==`` and hash) that
+# trace apart: (body, operand dtype, first value, second value).
+_EQUAL_STATICS = {
+    "signed zero": (lambda x, n: jnp.copysign(x, n), np.float32, 0.0, -0.0),
+    "int and float": (lambda x, n: x * n, np.int32, 2, 2.0),
+    "weak and strong": (lambda x, s: x * s, jnp.bfloat16, 0.5,
+                        np.float32(0.5)),
+}
+
+
+def _static_op(body, kind):
+  """``body(x, n)`` with ``n`` static: a ``partition`` of its own, or
+  (``kind`` "rule") defined by its sharding rule alone."""
+  op = custom_partitioning(body, static_argnums=(1,))
+  if kind == "rule":
+    op.def_partition(sharding_rule="i -> i")
+    return op
+
+  def partition(n, mesh, arg_shapes, result_shape):
+    s = arg_shapes[0].sharding
+    return mesh, lambda x: body(x, n), s, (s,)
+  op.def_partition(partition,
+                   infer_sharding_from_operands=lambda n, m, a, r: a[0].sharding,
+                   sharding_rule="i -> i")
+  return op
+
+
+class StaticKeyTest(CPTestCase):
+  """Static arguments equal but not alike (``0.0``/``-0.0``, ``2``/``2.0``,
+  ``0.5``/``np.float32(0.5)``) never share a trace, an eager program, an
+  equation's identity or a lowered op: the second call gets what plain jax
+  gives (found by a breaker: every cache keyed statics by ``==``; the
+  second call got the first's sign, or its dtype, and under jit an error
+  blaming lower_fn). A fresh op per case: its first call fills the caches."""
+
+  def setUp(self):
+    super().setUp()
+    self.m = self.mesh()
+
+  @staticmethod
+  def _cases():
+    """``(case, body, xh, a, b, op)``: each pair, each kind of op (fresh)."""
+    return [(f"{pair}, {kind} op", body, np.arange(1, 9).astype(dtype), a, b,
+             _static_op(body, kind))
+            for pair, (body, dtype, a, b) in _EQUAL_STATICS.items()
+            for kind in ("partition", "rule")]
+
+  def assertLikeJax(self, got, body, xh, n):
+    want = body(jnp.asarray(xh), n)
+    self.assertEqual(got.dtype, want.dtype, f"static {n!r}")
+    got, want = (np.asarray(v, np.float32) for v in (got, want))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+  def _sharded(self, xh):
+    return jax.device_put(xh, NamedSharding(self.m, P("x")))
+
+  def test_eager(self):
+    for case, body, xh, a, b, op in self._cases():
+      with self.subTest(case):
+        for n in (a, b):
+          self.assertLikeJax(op(self._sharded(xh), n), body, xh, n)
+
+  def test_eager_on_host_operands(self):
+    """No operand sharded: ``fun`` is compiled as it is."""
+    for case, body, xh, a, b, op in self._cases():
+      with self.subTest(case):
+        for n in (a, b):
+          self.assertLikeJax(op(xh, n), body, xh, n)
+
+  def test_jit(self):
+    for case, body, xh, a, b, op in self._cases():
+      with self.subTest(case):
+        for n in (a, b):
+          self.assertLikeJax(jax.jit(lambda x, n=n: op(x, n))(
+              self._sharded(xh)), body, xh, n)
+
+  def test_both_calls_in_one_jit(self):
+    for case, body, xh, a, b, op in self._cases():
+      with self.subTest(case):
+        out_a, out_b = jax.jit(lambda x, a=a, b=b, op=op: (
+            op(x, a), op(x, b)))(self._sharded(xh))
+        self.assertLikeJax(out_a, body, xh, a)
+        self.assertLikeJax(out_b, body, xh, b)
+
+  def test_eager_grad(self):
+    """An eager ``jax.grad`` evaluates the derived ops' equations one by
+    one: their parameters key the eager programs."""
+    body, _, a, b = _EQUAL_STATICS["signed zero"]
+    xh = np.arange(1, 9).astype(np.float32)
+    for kind in ("partition", "rule"):
+      op = _static_op(body, kind)
+      for n in (a, b):
+        with self.subTest(op=kind, n=n):
+          got = jax.grad(lambda x: op(x, n).sum())(self._sharded(xh))
+          want = jax.grad(lambda x: body(x, n).sum())(xh)
+          np.testing.assert_array_equal(got, want)
+
+  def test_explicit_axes(self):
+    """Under Explicit mesh axes the op runs as shard_map, planned per call
+    signature: eager, under jit and both calls in one jit."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    m = jax.make_mesh((8,), ("x",),
+                      axis_types=(jax.sharding.AxisType.Explicit,))
+    for mode in ("eager", "jit", "one jit"):
+      for case, body, xh, a, b, op in self._cases():
+        with self.subTest(case, mode=mode), jax.set_mesh(m):
+          x = jax.device_put(xh, NamedSharding(m, P("x")))
+          if mode == "one jit":
+            outs = jax.jit(lambda x, a=a, b=b, op=op: (
+                op(x, a), op(x, b)))(x)
+          elif mode == "jit":
+            outs = [jax.jit(lambda x, n=n, op=op: op(x, n))(x)
+                    for n in (a, b)]
+          else:
+            outs = [op(x, n) for n in (a, b)]
+          for out, n in zip(outs, (a, b)):
+            self.assertLikeJax(out, body, xh, n)
+
+  def test_content_keys(self):
+    """With jax's persistent compilation cache on, a custom call's key
+    names its op by content, static arguments by type and bits: unlike ones
+    get keys of their own (found by a breaker: ``nan`` and ``-nan`` had one
+    key, by their repr), alike ones one key across lowerings."""
+    op = _static_op(lambda x, n: jnp.copysign(
+        x, n[0] if isinstance(n, tuple) else n), "partition")
+    x = self._sharded(np.arange(1, 9).astype(np.float32))
+    statics = (0.0, -0.0, float("nan"), -float("nan"), 2, 2.0, 0.5,
+               np.float32(0.5), (0.0,), (-0.0,))
+    with _content_keys():
+      keys = [_custom_call_keys(jax.jit(lambda x, n=n: op(x, n)).lower(
+          x).as_text()) for n in statics]
+      again = _custom_call_keys(jax.jit(lambda x: op(x, -0.0)).lower(
+          x).as_text())
+    self.assertEqual([len(k) for k in keys], [1] * len(statics))
+    self.assertEqual(len({k[0] for k in keys}), len(statics), keys)
+    self.assertEqual(again, keys[1])
+
+
+both_partitioners(StaticKeyTest)
+del StaticKeyTest
 
 
 # --------------------------------------------------------------------------
@@ -6458,6 +6640,7 @@ def partition(k, mesh, arg_shapes, result_shape):
   return mesh, lower_fn, s, (s,)
 
 import inspect
+import itertools
 rule = {"sharding_rule": "i j -> i j"}
 if "sharding_rule" not in inspect.signature(
     custom_partitioning.def_partition).parameters:  # upstream before 0.5.0

@@ -1277,14 +1277,20 @@ def _placement_without_devices(axis_context, am, avals) -> _Placement:
 
 
 def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
-  """What a callable ``sharding_rule`` answers about the author's op."""
-  operand_types, result_types = (
-      _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
-      for side in (author.operands, author.results))
+  """What a callable ``sharding_rule`` answers about the author's op (with
+  ``ctx`` None, while tracing: on types of an MLIR context of its own)."""
   static = params["static_args"]
-  produced = params["sharding_rule"](
-      *(static.value if isinstance(static, _Unhashable) else static), mesh,
-      operand_types, result_types)
+  with contextlib.ExitStack() as scope:
+    if ctx is None:
+      scope.enter_context(mlir.make_ir_context())
+      scope.enter_context(ir.Location.unknown())
+    operand_types, result_types = ([ir.RankedTensorType.get(
+        v.shape, mlir.dtype_to_ir_type(v.dtype)) for v in side] if ctx is None
+        else _ir_types(ctx, [core.ShapedArray(v.shape, v.dtype) for v in side])
+        for side in (author.operands, author.results))
+    produced = params["sharding_rule"](
+        *(static.value if isinstance(static, _Unhashable) else static), mesh,
+        operand_types, result_types)
   kwargs: dict = {}
   if isinstance(produced, (tuple, list)) and len(produced) == 2:
     produced, kwargs = produced
@@ -1512,14 +1518,16 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
   rule = params["sharding_rule"]
   op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
               None if callable(rule) else rule)
-  if op.sharding_rule is not None and (
+  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
+                                              type_error)
+  if rule is not None and (
       _SHARDY.value or op.infer_sharding_from_operands is None):
     # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
     with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      _resolve_rule(rule, [a.shape for a in (*flat.in_avals, *call.out_avals)],
-                    len(flat.in_avals), isinstance(op.partition, _FromRule))
-  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
-                                              type_error)
+      _resolve_rule(_asked_rule(None, params, mesh, _Level(
+          None, operands, results)) if callable(rule) else rule,
+          [v.shape for v in operands + results], len(operands),
+          isinstance(op.partition, _FromRule))
   answer = None
   if isinstance(op.partition, _FromRule) and callable(rule):
     why = (NotImplementedError, "its partition is derived from a callable "
@@ -3123,8 +3131,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
   ``sdy.OpShardingRuleAttr``.
 
   Raises:
-    ValueError: operand/result counts or ranks do not match the rule, or
-      factor sizes are inconsistent.
+    ValueError: operand/result counts or ranks do not match the rule, a
+      factor names two dimensions of one value, or sizes are inconsistent.
     TypeError: a type is not an ``ir.Type`` (counts are checked first).
   """
   types_ = [*operand_types, *result_types]

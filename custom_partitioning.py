@@ -150,13 +150,15 @@ _NAMES = {
     "jax.extend.linear_util": "wrap_init",
     "jax.extend.mlir.dialects.sdy": "DimMappingAttr OpShardingRuleAttr "
                                     "TensorMappingAttr",
-    "jax.extend.mlir.ir": "Attribute ShapedType Type",
+    "jax.extend.mlir.ir": "Attribute Location RankedTensorType ShapedType "
+                          "Type",
     "jax.interpreters.ad": "JVPTracer Zero instantiate_zeros "
                            "is_undefined_primal primitive_jvps "
                            "primitive_transposes",
     "jax.interpreters.batching": "primitive_batchers",
     "jax.interpreters.mlir": "LoweringParameters LoweringRuleContext "
-                             "aval_to_ir_types lower_fun "
+                             "aval_to_ir_types dtype_to_ir_type lower_fun "
+                             "make_ir_context "
                              "lower_jaxpr_to_module module_to_bytecode "
                              "register_lowering",
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
@@ -862,8 +864,9 @@ def _ask_rule(ctx, params, mesh, steps):
             else [_Level(None, *values)])
   if callable(rule):  # seam: a rule asked per call
     rule = _asked_rule(ctx, params, mesh, levels[0])
-  return rule, (_rule_attr(rule, levels) if _SHARDY.value and rule is not None
-                else None)
+  return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
+                                                    _FromRule))
+                if _SHARDY.value and rule is not None else None)
 
 
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
@@ -1391,13 +1394,19 @@ def _placement_without_devices(axis_context, am, avals) -> _Placement:
 
 
 def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
-  """What a callable ``sharding_rule`` answers about the author's op."""
-  operand_types, result_types = (
-      _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
-      for side in (author.operands, author.results))
+  """What a callable ``sharding_rule`` answers about the author's op (with
+  ``ctx`` None, while tracing: on types of an MLIR context of its own)."""
   static = params["static_args"]
-  produced = params["sharding_rule"](
-      *getattr(static, "value", static), mesh, operand_types, result_types)
+  with contextlib.ExitStack() as scope:
+    if ctx is None:
+      scope.enter_context(_jax.make_ir_context())
+      scope.enter_context(_jax.Location.unknown())
+    operand_types, result_types = ([_jax.RankedTensorType.get(
+        v.shape, _jax.dtype_to_ir_type(v.dtype)) for v in side] if ctx is None
+        else _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
+        for side in (author.operands, author.results))
+    produced = params["sharding_rule"](
+        *getattr(static, "value", static), mesh, operand_types, result_types)
   kwargs: dict = {}
   if isinstance(produced, (tuple, list)) and len(produced) == 2:
     produced, kwargs = produced
@@ -1626,6 +1635,14 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
               None if callable(rule) else rule)
   operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
                                               type_error)
+  if rule is not None and (
+      _SHARDY.value or op.infer_sharding_from_operands is None):
+    # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      _resolve_rule(_asked_rule(None, params, mesh, _Level(
+          None, operands, results)) if callable(rule) else rule,
+          [v.shape for v in operands + results], len(operands),
+          isinstance(op.partition, _FromRule))
   answer = None
   if isinstance(op.partition, _FromRule) and callable(rule):
     why = (NotImplementedError, "its partition is derived from a callable "
@@ -2123,12 +2140,12 @@ def _masked(fn: Callable, primals, mask):
   return partial_fn, [p for p, m in zip(primals, mask) if m]
 
 
-def _rule_attr(rule, levels: list):
+def _rule_attr(rule, levels: list, one_size: bool):
   """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
   bottom = levels[0]
   n = len(bottom.operands)
   sizes, dims = _resolve_rule(
-      rule, [v.shape for v in bottom.operands + bottom.results], n)
+      rule, [v.shape for v in bottom.operands + bottom.results], n, one_size)
   ops, res, reduction = dims[:n], dims[n:], list(rule.reduction_factors)
   for level in levels[1:]:
     ops, res, reduction = level.step.rule_up(level, sizes, ops, res, reduction)
@@ -2953,8 +2970,8 @@ class SdyShardingRule:
     **factor_sizes: sizes of factors that only occur inside compound factors.
   Raises:
     ValueError: a size given for an unknown or whole-dimension factor, a
-      missing size, a factor naming two dimensions of one array, or special
-      factors not in a tuple, unknown, repeated or listed in two kinds.
+      missing size, or special factors not in a tuple, unknown, repeated or
+      listed in two kinds.
   """
 
   def __init__(self, operand_mappings: tuple[ArrayMapping, ...],
@@ -2963,6 +2980,13 @@ class SdyShardingRule:
                need_replication_factors: tuple[str, ...] = (),
                permutation_factors: tuple[str, ...] = (),
                **factor_sizes: int):
+    # Set first: a refused rule still prints (in a traceback's locals).
+    specials = (reduction_factors, need_replication_factors,
+                permutation_factors)
+    (self.operand_mappings, self.result_mappings, self.factor_sizes,
+     self.reduction_factors, self.need_replication_factors,
+     self.permutation_factors) = (operand_mappings, result_mappings,
+                                  factor_sizes, *specials)
     # factor -> whether some dimension is exactly it (so its size can be
     # read off the operand) rather than only part of compounds.
     whole_dim: dict[str, bool] = {}
@@ -2981,26 +3005,7 @@ class SdyShardingRule:
       if not whole and factor not in factor_sizes:
         raise ValueError(f"Factor {factor} only occurs in compound factors; "
                          "give its size as a keyword argument.")
-    for i, mapping in enumerate(operand_mappings + result_mappings):
-      factors = [f for dim in mapping for f in (
-          dim if isinstance(dim, CompoundFactor) else (dim,))]
-      twice = sorted({f for f in factors if factors.count(f) > 1})
-      if twice:  # the rule as text, e.g. "(a b) i, ... -> ..."
-        text = " -> ".join(", ".join(" ".join(
-            f"({' '.join(d)})" if isinstance(d, CompoundFactor) else
-            "..." if _is_batching(d) else d for d in m) for m in side)
-            for side in (operand_mappings, result_mappings))
-        raise ValueError(
-            f"Factor {twice[0]} names two dimensions of "
-            f"{_value_name(i, len(operand_mappings))} in the rule "
-            f"{text!r}: a factor "
-            "names one dimension per operand or result (Shardy refuses to "
-            "reuse one for two dimensions of an array). Give each dimension "
-            "a factor of its own (e.g. 'i j -> i') and list those that "
-            "must not be sharded in need_replication_factors.")
     seen: set[str] = set()
-    specials = (reduction_factors, need_replication_factors,
-                permutation_factors)
     for kind, factors in zip(_SPECIAL_FACTOR_KINDS, specials):
       if not isinstance(factors, tuple):
         raise ValueError(f"{kind} must be a tuple of factors; got {factors!r}.")
@@ -3015,10 +3020,6 @@ class SdyShardingRule:
                            "reduction, need replication, or permutation "
                            "factor sets.")
         seen.add(factor)
-    (self.operand_mappings, self.result_mappings, self.factor_sizes,
-     self.reduction_factors, self.need_replication_factors,
-     self.permutation_factors) = (operand_mappings, result_mappings,
-                                  factor_sizes, *specials)
 
   def __str__(self):
     special = "".join(f" {kind}={getattr(self, kind)}"
@@ -3104,12 +3105,14 @@ def _value_name(i: int, num_operands: int) -> str:
 
 
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
-                  num_operands: int):
+                  num_operands: int, one_size: bool = False):
   """Expands ``...`` against ``shapes`` (operands', then results') and
   sizes every factor: ``(sizes, dims)``, ``sizes`` each factor's in order of
   first use, ``dims[v][d]`` the factors of dimension ``d`` of value ``v``.
-  Raises ValueError on a count or rank mismatch, an ellipsis standing for
-  different numbers of dimensions, or sizes that do not fit."""
+  Raises ValueError on a count or rank mismatch, a factor naming two
+  dimensions of one value (Shardy refuses it), an ellipsis standing for
+  different numbers of dimensions, or sizes that do not fit (with
+  ``one_size``, for an op by its rule alone, two sizes of one factor)."""
   for kind, in_rule, in_op in (
       ("operands", len(rule.operand_mappings), num_operands),
       ("results", len(rule.result_mappings), len(shapes) - num_operands)):
@@ -3132,6 +3135,14 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                        f"the operation {name} has rank {len(shape)}.")
     value_dims = [tuple(entry) if isinstance(entry, CompoundFactor)
                   else (entry,) for entry in entries]
+    named = [f for factors in value_dims for f in factors]
+    if len(set(named)) < len(named):
+      raise ValueError(
+          f"Factor {next(f for f in named if named.count(f) > 1)} names two "
+          f"dimensions of {_value_name(i, num_operands)} in the rule "
+          f"{_rule_text(rule)!r}, which Shardy refuses. Give each a factor "
+          "of its own (e.g. 'i j -> i'), those that must not be sharded "
+          "in need_replication_factors.")
     for factors, size in zip(value_dims, shape):
       for factor in factors:  # a compound's parts are sized by the rule
         new = size if len(factors) == 1 else rule.factor_sizes.get(factor)
@@ -3142,11 +3153,24 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
           if factor.startswith(_BATCH_FACTOR_PREFIX):
             raise ValueError(f"Batching dimension {factor[1:]} has two "
                              f"sizes: {old} and {new}.")
+          if one_size:  # its shards, cut by the rule, would not line up
+            raise ValueError(
+                f"Factor {factor} has two sizes, {old} and {new}, in the "
+                f"rule {_rule_text(rule)!r}; an op defined by its rule "
+                "alone needs one per factor (or define a partition).")
           sizes[factor] = min(old, new)  # like jax: the smaller size wins
     dims.append(value_dims)
   if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
     _check_compounds(sizes, dims, shapes, num_operands)  # seam: compounds
   return sizes, dims
+
+
+def _rule_text(rule: SdyShardingRule) -> str:
+  """``rule`` as written: ``"... (a b) i, j -> ... i"``."""
+  return " -> ".join(", ".join(" ".join(
+      f"({' '.join(d)})" if isinstance(d, CompoundFactor) else "..." +
+      d[1:].lstrip("0") if _is_batching(d) else d for d in m) for m in side)
+      for side in (rule.operand_mappings, rule.result_mappings))
 
 
 def _expand_ellipsis(entries: list, rank: int, group_rank: dict) -> list:
@@ -3244,8 +3268,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
   ``sdy.OpShardingRuleAttr``.
 
   Raises:
-    ValueError: operand/result counts or ranks do not match the rule, or
-      factor sizes are inconsistent.
+    ValueError: operand/result counts or ranks do not match the rule, a
+      factor names two dimensions of one value, or sizes are inconsistent.
     TypeError: a type is not an ``ir.Type`` (counts are checked first).
   """
   types_ = [*operand_types, *result_types]
@@ -3321,16 +3345,14 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
   ``shapes``: operands', then results'). A factor keeps the mesh axes the
   operands bring it on, else the results' (slicing a replicated operand
   costs no communication), unless one side brings it on two (a conflict),
-  it is special or reduced, in a compound dimension or seen with two
-  sizes, or an earlier factor (in order of first use) keeps those axes."""
+  it is special or reduced, in a compound dimension, or an earlier factor
+  (in order of first use) keeps those axes."""
   num_operands = len(in_specs)
-  sizes, dims = _resolve_rule(rule, shapes, num_operands)
+  sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
   blocked = _reduced_factors(rule, dims, num_operands).union(
       rule.need_replication_factors, rule.permutation_factors)
-  for value_dims, shape in zip(dims, shapes):
-    for factors, size in zip(value_dims, shape):
-      if len(factors) > 1 or size != sizes[factors[0]]:
-        blocked.update(factors)
+  blocked.update(f for value_dims in dims for factors in value_dims
+                 if len(factors) > 1 for f in factors)
   axes_of: dict[str, tuple] = {}
   for side, specs in ((dims[:num_operands], in_specs),
                       (dims[num_operands:], out_specs)):

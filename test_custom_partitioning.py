@@ -1373,27 +1373,71 @@ class RuleParsingTest(unittest.TestCase):
 
 
 class RepeatedFactorTest(unittest.TestCase):
-  """A factor may name one dimension per operand or result: Shardy refuses
-  a reused one, so the module refuses it where the rule is given."""
+  """A factor may name one dimension per operand or result: Shardy's
+  verifier refuses a reused one ("cannot reuse factors for the same tensor
+  value"), but jax's parser builds such rules. So the module builds them
+  too and refuses them where the rule meets the op's shapes."""
 
-  def test_a_factor_twice_in_one_value_is_refused_by_name(self):
-    for rule, factor, where in (("i i -> i", "i", "operand 0"),
-                                ("i j -> j j", "j", "result 0"),
-                                ("k, (a i) i -> i", "i", "operand 1")):
+  # (rule, factor sizes, operand shapes, result shapes, factor, value)
+  CASES = [
+      ("i i -> i", {}, [(8, 8)], [(8,)], "i", "operand 0"),
+      ("i j -> j j", {}, [(8, 8)], [(8, 8)], "j", "result 0"),
+      ("k, (a i) i -> i", {"a": 2}, [(3,), (8, 4)], [(4,)], "i", "operand 1"),
+      # jax's own parser tests build these two (repr checked there).
+      ("(i j) (j k) i -> j k", {}, [(8, 8, 2)], [(4, 2)], "i", "operand 0"),
+      ("i j k -> (i j) (j k)", {}, [(2, 4, 2)], [(8, 8)], "j", "result 0"),
+      ("...2 i i -> ...2", {}, [(3, 8, 8)], [(3,)], "i", "operand 0"),
+  ]
+
+  def test_rules_with_a_factor_twice_in_one_value_are_built_like_jax(self):
+    for rule, kw, *_ in self.CASES:
       with self.subTest(rule=rule):
-        kw = {"a": 2} if "(a" in rule else {}
-        with self.assertRaises(ValueError) as cm:
-          str_to_sdy_sharding_rule(rule, **kw)
-        for part in (f"Factor {factor} ", where, repr(rule)):
-          self.assertIn(part, str(cm.exception))
+        ours = str_to_sdy_sharding_rule(rule, **kw)
+        if HAS_ORACLE:
+          self.assertEqual(
+              str(ours), str(_up_rules.str_to_sdy_sharding_rule(rule, **kw)))
+    self.assertEqual(
+        str(str_to_sdy_sharding_rule("(i j) (j k) i -> j k")),
+        "SdyShardingRule(((('i', 'j'), ('j', 'k'), 'i'),), (('j', 'k'),), {})")
+    self.assertEqual(
+        str(SdyShardingRule((ArrayMapping("i", "i"),), (ArrayMapping("i"),))),
+        "SdyShardingRule((('i', 'i'),), (('i',),), {})")
     op = custom_partitioning(jnp.diagonal)
-    with self.assertRaises(ValueError) as cm:
-      op.def_partition(sharding_rule="i i -> i")
-    self.assertIn("'i i -> i'", str(cm.exception))
-    with self.assertRaises(ValueError):
-      SdyShardingRule((ArrayMapping("i", "i"),), (ArrayMapping("i"),))
+    op.def_partition(sharding_rule="i i -> i")  # refused when it meets shapes
+
+  def test_refused_by_name_where_the_rule_meets_its_shapes(self):
+    with _jax_mlir.make_ir_context(), _ir.Location.unknown():
+      for rule, kw, ins, outs, factor, where in self.CASES:
+        with self.subTest(rule=rule):
+          types = [[_ir.RankedTensorType.get(list(s), _ir.F32Type.get())
+                    for s in side] for side in (ins, outs)]
+          with self.assertRaises(ValueError) as cm:
+            sdy_sharding_rule_to_mlir(str_to_sdy_sharding_rule(rule, **kw),
+                                      *types)
+          for part in (f"Factor {factor} names two dimensions of {where} ",
+                       repr(rule), "need_replication_factors"):
+            self.assertIn(part, str(cm.exception))
     # One factor in two values stays a rule.
-    str_to_sdy_sharding_rule("i j, j k -> i k")
+    with _jax_mlir.make_ir_context(), _ir.Location.unknown():
+      t = _ir.RankedTensorType.get([8, 8], _ir.F32Type.get())
+      sdy_sharding_rule_to_mlir(str_to_sdy_sharding_rule("i j, j k -> i k"),
+                                [t, t], [t])
+
+  def test_a_refused_rule_object_still_prints(self):
+    # A traceback's locals (pytest --showlocals, debuggers) print the
+    # refused object: each attribute is set before the checks.
+    try:
+      SdyShardingRule((ArrayMapping("i"),), (ArrayMapping("i"),), i=4)
+    except ValueError as e:
+      tb = e.__traceback__
+      while tb.tb_next is not None:
+        tb = tb.tb_next
+      half = tb.tb_frame.f_locals["self"]
+    else:
+      self.fail("a size for a whole-dimension factor was accepted")
+    self.assertEqual(str(half), "SdyShardingRule((('i',),), (('i',),), "
+                     "{'i': 4})")
+    self.assertEqual(repr(half), str(half))
 
 
 class RuleObjectsTest(unittest.TestCase):
@@ -4606,6 +4650,13 @@ class ImportTest(unittest.TestCase):
   """jax's names are looked up at import: a release without one fails
   there, naming it, the running jax and the tested range."""
 
+  def test_every_name_read_is_in_the_table(self):
+    with open(cp.__file__) as f:
+      used = set(re.findall(r"\b_jax\.([A-Za-z_]\w*)", f.read()))
+    listed = {name.rstrip("?") for names in cp._NAMES.values()
+              for name in names.split()}
+    self.assertEqual(used - listed, set())
+
   def test_a_missing_name_fails_the_import_by_name(self):
     for module, name in (("jax._src.core", "subjaxprs"),
                          ("jax.interpreters.mlir", "lower_fun")):
@@ -4804,8 +4855,9 @@ class RuleOnlyTest(CPTestCase):
         specs("b i j, (c d) -> b i j, c d", [(8, 4, 4), (8,), (8, 4, 4), (2, 4)],
               [("x", "y", "z"), ("w",)], permutation_factors=("j",)),
         ([("x", "y", None), (None,)], [("x", "y", None), (None, None)]))
-    self.assertEqual(specs("i -> i", [(8,), (7,)], [("x",)]),  # two sizes
-                     ([(None,)], [(None,)]))
+    with self.assertRaises(ValueError) as cm:  # two sizes (RuleFitTest)
+      specs("i -> i", [(8,), (7,)], [("x",)])
+    self.assertIn("Factor i has two sizes, 8 and 7,", str(cm.exception))
     # n is in result 0 but reduced for result 1 (found by a breaker).
     self.assertEqual(specs("b n -> b n, b", [s, s, (8,)], [("x", "y")]),
                      ([("x", None)], [("x", None), ("x",)]))
@@ -7436,6 +7488,137 @@ class ExplicitPathTest(CPTestCase):
 
 both_partitioners(ExplicitPathTest)
 del ExplicitPathTest
+
+
+class RuleFitTest(CPTestCase):
+  """A sharding rule is checked against the op's operands and results where
+  the op meets them, on Auto and Explicit axes alike, with one message:
+  under Shardy always (upstream refuses a misfit on both), under GSPMD
+  where the rule decides (no infer_sharding_from_operands)."""
+
+  MISFITS = [  # (rule, what the message says), for one (16, 8) operand
+      ("i -> i", "Sharding rule operand 0 has rank 1, but the operation "
+       "operand 0 has rank 2."),
+      ("i j k -> i j k", "Sharding rule operand 0 has rank 3, but the "
+       "operation operand 0 has rank 2."),
+      ("i j, k -> i j", "Sharding rule has 2 operands, but the operation "
+       "has 1 operands."),
+  ]
+
+  def meshes(self):
+    """``(name, mesh, context)``: Auto axes, and Explicit where the
+    shard_map path exists."""
+    out = [("Auto", self.mesh(), contextlib.nullcontext)]
+    if not NO_EXPLICIT_PATH:
+      m = jax.make_mesh((8,), ("x",),
+                        axis_types=(jax.sharding.AxisType.Explicit,))
+      out.append(("Explicit", m, lambda: jax.set_mesh(m)))
+    return out
+
+  def outcome(self, impl, fun, rule, mesh, context, xh, infer=True,
+              rule_only=False):
+    """``("ok", value)`` or ``("error", exception)`` of ``jax.jit(op)`` on
+    ``xh``'s rows over "x": ``fun``
+    as an op of ``impl`` with ``rule``, replicating everything (right for
+    any ``fun``), or defined by its rule alone."""
+    op = impl(fun)
+    if rule_only:
+      op.def_partition(sharding_rule=rule)
+    else:
+      rep = lambda m: NamedSharding(m, P())  # noqa: E731
+      op.def_partition(
+          lambda m, a, r: (m, fun, rep(m), (rep(m),)), sharding_rule=rule,
+          infer_sharding_from_operands=(lambda m, a, r: rep(m)) if infer
+          else None)
+    x = jax.device_put(xh, NamedSharding(mesh, P("x")))
+    try:
+      with context():
+        return "ok", np.asarray(jax.jit(op)(x))
+    except Exception as e:  # noqa: BLE001
+      return "error", e
+
+  def assertSameOnEveryMesh(self, fun, rule, xh, **kw):
+    """The op's outcome on every mesh: one error message (returned), or a
+    value equal to ``fun``'s."""
+    outs = {name: self.outcome(custom_partitioning, fun, rule, m, ctx, xh,
+                               **kw) for name, m, ctx in self.meshes()}
+    kinds = {kind for kind, _ in outs.values()}
+    self.assertEqual(len(kinds), 1, outs)
+    if kinds == {"ok"}:
+      for _, value in outs.values():
+        np.testing.assert_allclose(value, fun(xh), rtol=1e-6)
+      return None
+    errors = [e for _, e in outs.values()]
+    for e in errors:
+      self.assertIs(type(e), ValueError, repr(e))
+    self.assertEqual({str(e) for e in errors}, {str(errors[0])}, outs)
+    return str(errors[0])
+
+  def test_a_misfit_rule_is_refused_on_auto_and_explicit_axes(self):
+    xh = _data((16, 8))
+    double = lambda x: x * 2  # noqa: E731
+    for text, says in self.MISFITS:
+      for rule, infer in [(r, i) for r in (text, lambda m, o, r, t=text: t)
+                          for i in (True, False)]:
+        with self.subTest(rule=text, called=callable(rule), infer=infer):
+          message = self.assertSameOnEveryMesh(double, rule, xh, infer=infer)
+          if not self.shardy and infer:  # the rule decides nothing
+            self.assertIsNone(message)
+            continue
+          self.assertIsNotNone(message, "the misfit rule was accepted")
+          self.assertIn("sharding_rule of custom_partitioning op", message)
+          self.assertIn(says, message)
+          if self.shardy and HAS_ORACLE:  # upstream refuses it too
+            for name, m, ctx in self.meshes():
+              kind, e = self.outcome(_up_cp.custom_partitioning, double,
+                                     rule, m, ctx, xh, infer=infer)
+              self.assertEqual(kind, "error", f"upstream on {name}")
+              self.assertIs(type(e), ValueError, repr(e))
+
+  def test_a_factor_reused_in_one_value_is_refused_where_shardy_would(self):
+    xh = _data((8, 8))
+    diagonal = lambda x: jnp.diagonal(x)  # noqa: E731
+    says = ("Factor i names two dimensions of operand 0 in the rule "
+            "'i i -> i'")
+    for infer in (True, False):
+      with self.subTest(infer=infer):
+        message = self.assertSameOnEveryMesh(diagonal, "i i -> i", xh,
+                                             infer=infer)
+        if not self.shardy and infer:  # GSPMD never reads it: runs
+          self.assertIsNone(message)
+        else:
+          self.assertIn(says, message or "accepted")
+    self.assertIn(says, self.assertSameOnEveryMesh(
+        diagonal, "i i -> i", xh, rule_only=True) or "accepted")
+    if self.shardy and UP_TAKES_RULE:  # upstream builds it; Shardy refuses
+      kind, e = self.outcome(_up_cp.custom_partitioning, diagonal,
+                             "i i -> i", self.mesh(), contextlib.nullcontext,
+                             xh)
+      self.assertEqual(kind, "error")
+      self.assertIn("cannot reuse factors", str(e))
+
+  def test_rule_only_op_refuses_a_factor_of_two_sizes(self):
+    # Before, it ran replicated, silently (a partition may take the
+    # smaller size, as jax does; a rule-only op's shards would not line up).
+    xh = _data((16, 8))
+    double = lambda x: x * 2  # noqa: E731
+    for rule in ("i j -> j i", lambda m, o, r: "i j -> j i"):
+      with self.subTest(called=callable(rule)):
+        message = self.assertSameOnEveryMesh(double, rule, xh,
+                                             rule_only=True)
+        self.assertIsNotNone(message, "the rule was accepted")
+        for part in ("sharding_rule of custom_partitioning op",
+                     "Factor j has two sizes, 8 and 16,", "'i j -> j i'"):
+          self.assertIn(part, message)
+    # With a partition, the rule stands as upstream takes it.
+    self.assertIsNone(self.assertSameOnEveryMesh(double, "i j -> j i", xh))
+    self.assertIsNone(self.assertSameOnEveryMesh(double, "i j -> i j", xh,
+                                                 rule_only=True))
+
+
+both_partitioners(RuleFitTest)
+del RuleFitTest
+
 
 
 # --------------------------------------------------------------------------

@@ -1712,11 +1712,12 @@ def _transpose(cts, *args, **params):
   n = len(mask)
 
   def body(*xs):
-    # A linear function's vjp is its transpose at any point, and keeps the
-    # tangents' varying manual axes (jax.linear_transpose drops them).
+    # Transposed, not linearized again (a custom_vjp's tangent, custom_lin,
+    # has no jvp); the primals, as example tangents, carry their types
+    # (inside a shard_map, the varying manual axes).
     linear = functools.partial(core.jaxpr_as_fun(call), *xs[:n])
-    _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
-    return list(pullback(list(xs[n:])))
+    return list(jax.linear_transpose(linear, *(
+        p for p, m in zip(xs, mask) if m))(list(xs[n:])))
   operands = [*args[:n], *map(ad.instantiate_zeros, cts)]
   return [None] * n + list(_bind_derived(
       operands, params, ("transpose",), body,

@@ -1842,11 +1842,11 @@ def _transpose(cts, *args, **params):
   n = len(mask)
 
   def body(*xs):
-    # A linear function's vjp is its transpose at any point, and keeps the
-    # tangents' varying manual axes (jax.linear_transpose drops them).
+    # Transposed, not linearized again (a custom_vjp's custom_lin has no
+    # jvp), from primals typed as the tangents (shard_map's varying axes).
     linear = functools.partial(_jax.jaxpr_as_fun(call), *xs[:n])
-    _, pullback = jax.vjp(linear, *(p for p, m in zip(xs, mask) if m))
-    return list(pullback(list(xs[n:])))
+    return list(jax.linear_transpose(linear, *(
+        p for p, m in zip(xs, mask) if m))(list(xs[n:])))
   operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
   return [None] * n + list(_bind_derived(
       operands, params, ("transpose",), body,
@@ -2019,14 +2019,17 @@ class _Vjp(_Step):
               for v in below.results]
     psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
-    # The transposition reduces where the forward broadcast: no padding.
-    padded = _padded(below.results, answer.on)
+    # The transposition sums where the forward broadcast, cotangent times
+    # derivative: 0 * inf is NaN, so primals' padding is made real (where
+    # the body is finite), cotangents' zeroed.
+    values = below.operands + below.results
+    padded = _padded(values, answer.on)
 
     def vjp_fn(*xs):
+      xs = [_without_padding(x, v, answer.on, i < n) if padded else x  # seam
+            for i, (x, v) in enumerate(zip(xs, values))]
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      cts = [_without_padding(ct, v, answer.on) if padded else ct  # seam
-             for ct, v in zip(xs[n:], below.results)]
-      cts = [ct if r == 1 else ct / r for ct, r in zip(cts, scales)]
+      cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
       _, pullback = jax.vjp(partial_fn, *chosen)
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(pullback(cts), psum_axes)]
@@ -2118,17 +2121,21 @@ def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
                       a not in value.varying)
 
 
-def _without_padding(x, v: _Value, on):
-  """``x``, a shard of ``v``, zeroed past ``v``'s end (XLA pads last shards
-  with unspecified values)."""
+def _without_padding(x, v: _Value, on, real: bool = False):
+  """``x``, a shard of ``v``, past ``v``'s end (XLA pads last shards with
+  unspecified values) zeroed, or if ``real`` made ``v``'s first slice."""
   if v.spec is None or x.dtype == jax.dtypes.float0:
     return x
   for d, entry in enumerate(v.spec):
     if v.shape[d] % _shard_count(entry, on) == 0:
       continue
-    start = jax.lax.axis_index(_entry_axes(entry)) * x.shape[d]
+    axes, fill = _entry_axes(entry), jax.numpy.zeros_like(x)
+    start = jax.lax.axis_index(axes) * x.shape[d]
     keep = start + jax.lax.broadcasted_iota(np.int32, x.shape, d) < v.shape[d]
-    x = jax.lax.select(keep, x, jax.lax.full_like(x, 0))
+    if real:  # the first device's first slice, sent to all (bools: int32)
+      fill += jax.lax.psum(jax.numpy.where(start == 0, jax.lax.slice_in_dim(
+          x, 0, 1, axis=d), 0), axes).astype(x.dtype)
+    x = jax.lax.select(keep, x, fill)
   return x
 
 

@@ -4494,6 +4494,179 @@ del DerivedOpsTest
 
 
 # --------------------------------------------------------------------------
+# Derived ops: XLA's padding, and custom derivative rules inside fun
+# --------------------------------------------------------------------------
+
+def _padded_grad_ops(body):
+  """``body`` (of ``x`` and a replicated ``w``) as a rule-only op and as an
+  op whose partition keeps ``x``'s sharding and replicates ``w``."""
+  rule = "... d, d -> ... d"
+  op = custom_partitioning(body)
+
+  def partition(mesh, arg_shapes, result_shape):
+    s = arg_shapes[0].sharding
+    return mesh, body, s, (s, NamedSharding(mesh, P()))
+  op.def_partition(partition, sharding_rule=rule,
+                   infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+  return {"rule-only": _rule_only(body, rule), "partition": op}
+
+
+_PADDING_BODIES = {  # each right on real (positive) rows, not on zeros
+    "log": lambda x, w: w * jnp.log(x),
+    "reciprocal": lambda x, w: w / x,
+    "nan on zero": lambda x, w: w * jnp.where(x == 0, jnp.nan, x),
+}
+
+
+class PaddingInGradientsTest(CPTestCase):
+  """Found by a breaker: 10 rows over 8 devices (or over a 4-device axis)
+  are padded with zeros, where ``log``, ``1/x`` are infinite; the cotangent
+  of a replicated operand summed ``0 * inf`` over the rows: NaN. Values
+  are plain jax's on the unpartitioned function."""
+
+  meshes = {"8 devices": ((8,), ("x",)), "(4, 2)": ((4, 2), ("x", "y"))}
+
+  def setUp(self):
+    super().setUp()
+    self.xh = np.abs(_data((10, 4))) + 0.5
+    self.wh = _data((4,)) + 2.0
+
+  def loss(self, f, rows):
+    return lambda x, w: f(jax.lax.with_sharding_constraint(x, rows), w).sum()
+
+  def test_gradients_of_padded_operands_are_plain_jax_s(self):
+    for body_name, body in _PADDING_BODIES.items():
+      want = jax.grad(lambda x, w: body(x, w).sum(), (0, 1))(self.xh, self.wh)
+      for label, op in _padded_grad_ops(body).items():
+        for mesh_name, (shape, names) in self.meshes.items():
+          rows = NamedSharding(self.mesh(shape, names), P("x"))
+          loss = self.loss(op, rows)
+          f = jax.jit(lambda x, w, loss=loss: (
+              jax.grad(loss, (0, 1))(x, w),
+              jax.value_and_grad(loss, (0, 1))(x, w)[1]))
+          with self.subTest(body=body_name, op=label, mesh=mesh_name):
+            grads, value_and_grads = f(self.xh, self.wh)
+            for got in (grads, value_and_grads):
+              for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-5)
+            np.testing.assert_allclose(
+                jax.jit(lambda x, w, op=op, rows=rows: op(
+                    jax.lax.with_sharding_constraint(x, rows), w))(
+                        self.xh, self.wh), body(self.xh, self.wh), rtol=1e-6)
+
+  def test_derived_ops_of_padded_operands_are_plain_jax_s(self):
+    """vmap of grad, grad of vmap, grad of grad, jvp of grad and jvp, on
+    the (4, 2) mesh (rows of 10 over the 4 devices of "x")."""
+    m = self.mesh((4, 2), ("x", "y"))
+    rows, rows_in_batch = NamedSharding(m, P("x")), NamedSharding(
+        m, P(None, "x"))
+    xb, wb = np.stack([self.xh, 2 * self.xh]), np.stack([self.wh, -self.wh])
+
+    def cases(f, c):
+      loss = lambda x, w: f(c(x, rows), w).sum()  # noqa: E731
+      grad_w = jax.grad(loss, 1)
+      return {
+          "vmap(grad)": lambda: jax.vmap(jax.grad(
+              lambda x, w: f(x, w).sum(), (0, 1)))(c(xb, rows_in_batch), wb),
+          "grad(vmap)": lambda: jax.grad(lambda x, w: jax.vmap(f)(
+              c(x, rows_in_batch), w).sum(), (0, 1))(xb, wb),
+          "grad(grad)": lambda: jax.grad(lambda x, w: (
+              grad_w(x, w) ** 2).sum(), (0, 1))(self.xh, self.wh),
+          "jvp(grad)": lambda: jax.jvp(functools.partial(grad_w, self.xh),
+                                       (self.wh,), (self.wh,)),
+          "jvp": lambda: jax.jvp(lambda x, w: f(c(x, rows), w),
+                                 (self.xh, self.wh), (self.xh, self.wh)),
+      }
+    body = _PADDING_BODIES["log"]
+    want = {k: fn() for k, fn in cases(body, lambda x, s: x).items()}
+    for label, op in _padded_grad_ops(body).items():
+      for name, fn in cases(op, jax.lax.with_sharding_constraint).items():
+        with self.subTest(op=label, transform=name):
+          got = jax.jit(fn)()
+          for g, w in zip(jax.tree_util.tree_leaves(got),
+                          jax.tree_util.tree_leaves(want[name])):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+both_partitioners(PaddingInGradientsTest)
+del PaddingInGradientsTest
+
+
+@jax.custom_vjp
+def _clip_st(v):
+  """A straight-through clip: clipped forward, identity backward."""
+  return jnp.clip(v, -1.0, 1.0)
+
+
+_clip_st.defvjp(lambda v: (jnp.clip(v, -1.0, 1.0), None),
+                lambda _, g: (g,))
+
+
+class CustomDerivativesInFunTest(CPTestCase):
+  """Found by a breaker: a ``jax.custom_vjp`` function inside ``fun``
+  (straight-through estimators, gradient clipping) failed under jax.grad
+  with "Differentiation rule for 'custom_lin' not implemented": the
+  transposition linearized the jvp op's body again. The gradient must be
+  plain jax's, the custom rule used; custom_jvp bodies alike."""
+
+  def setUp(self):
+    super().setUp()
+    self.xh = _data((8, 8)) * 2.0  # beyond the clip's [-1, 1]
+    self.weights = jnp.arange(8.0) - 3.0
+
+  def placements(self):
+    """(label, operand, context factory): sharded, on one device and, where
+    jax has the path, on Explicit axes."""
+    m = self.mesh()
+    out = [("8 devices", jax.device_put(self.xh, NamedSharding(m, P("x"))),
+            contextlib.nullcontext), ("one device", self.xh,
+                                      contextlib.nullcontext)]
+    if not NO_EXPLICIT_PATH:
+      e = jax.make_mesh((8,), ("x",),
+                        axis_types=(jax.sharding.AxisType.Explicit,))
+      out.append(("explicit", jax.device_put(self.xh, NamedSharding(
+          e, P("x"))), lambda: jax.set_mesh(e)))
+    return out
+
+  def check(self, fun, rule="i j -> i j"):
+    loss = lambda f: lambda v: (f(v) * self.weights).sum()  # noqa: E731
+    want = jax.grad(loss(fun))(self.xh)
+    ops = {"rule-only": _rule_only(fun, rule),
+           "partition": _same_sharding_op(fun)}
+    for label, op in ops.items():
+      for where, x, ctx in self.placements():
+        for how, grad in (("jit", jax.jit(jax.grad(loss(op)))),
+                          ("eager", jax.grad(loss(op)))):
+          with self.subTest(op=label, placement=where, call=how), ctx():
+            np.testing.assert_allclose(grad(x), want, rtol=1e-6)
+    return want, ops
+
+  def test_custom_vjp_in_fun(self):
+    fun = lambda v: _clip_st(v) * 3.0  # noqa: E731
+    want, ops = self.check(fun)
+    # The custom rule, not the clip's derivative (0 beyond [-1, 1]).
+    self.assertFalse(np.allclose(want, jax.grad(
+        lambda v: (jnp.clip(v, -1, 1) * 3.0 * self.weights).sum())(self.xh)))
+    # Forward mode is refused as plain jax refuses it.
+    with self.assertRaises(TypeError) as plain:
+      jax.jvp(fun, (self.xh,), (self.xh,))
+    for label, op in ops.items():
+      with self.subTest(op=label), self.assertRaises(TypeError) as cm:
+        jax.jit(lambda x, op=op: jax.jvp(op, (x,), (x,))[1])(self.xh)
+      self.assertEqual(str(cm.exception), str(plain.exception))
+
+  def test_custom_jvp_in_fun(self):
+    self.check(lambda v: jax.nn.relu(v) * 2.0)
+    # Each row's j is reduced (replicated), k new: no special factors.
+    self.check(lambda v: jax.nn.logsumexp(v, axis=1, keepdims=True) + v,
+               "i j -> i k")
+
+
+both_partitioners(CustomDerivativesInFunTest)
+del CustomDerivativesInFunTest
+
+
+# --------------------------------------------------------------------------
 # An op inside the lowering rule of the user's own primitive
 # --------------------------------------------------------------------------
 

@@ -132,8 +132,8 @@ HAS_AXIS_TYPE = hasattr(jax.sharding, "AxisType")
 def compiles_padded_results(shardy):
   """Whether jax compiles a jit whose result XLA leaves padded (an uneven
   sharding), which check_partitioning's padded placements need: every
-  release but jax 0.9 under Shardy (0.9.2 raises IndivisibleError; 0.8.3
-  and 0.10.2 compile it)."""
+  release but jax 0.9 under Shardy (0.9.2 raises IndivisibleError). Known
+  here, not asked of the module: its own answer is what is tested."""
   return JAX_VERSION[:2] != (0, 9) or not shardy
 
 
@@ -4730,14 +4730,13 @@ class RuleOnlyTest(CPTestCase):
                                atol=1e-4)
     self.assertCollectives(self.hlo(v, b), absent=_COLLECTIVES)
 
-
   def test_the_operands_decide_before_the_results_conflict(self):
     """``"i j -> i j, i j"`` with x on 'x' and the results asked on 'x'
     and on 'y': the results disagree about i, but the operand placed it on
     'x' first, so i stays there (the op runs on rows split over 'x',
     slicing needs no communication) and each result is resharded after it.
-    Found by a breaker: the results' conflict replicated i, and each shard
-    ran fun on the whole of x."""
+    A bug planted by a breaker went unseen: the results' conflict
+    replicated i, and each shard ran fun on the whole of x."""
     seen = []
 
     def two(x):
@@ -5086,7 +5085,6 @@ class PromisesTest(CPTestCase):
             elif lower_fn is ring_sum:
               np.testing.assert_allclose(jax.jit(op)(x), xh.sum(0),
                                          rtol=1e-5)
-
 
   def _replicated_from(self, lower_fn, check_vma=True):
     """An op (16, 4) -> (4,) whose partition takes rows over 'x' and

@@ -2054,7 +2054,10 @@ def _partition_derived(op: _Op, operands: list, results: list,
   with _no_ambient_mesh():
     closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
         *[_local_struct(v, answer.on) for v in top.operands])
-  return _PerShard(answer.mesh, closed, top.operands, top.results)
+  # Placed by position on answer.on, as lower_fn's axis_index counts them.
+  args, outs = ([v._replace(hlo=_hlo_of(v, answer.on)) for v in side]
+                for side in (top.operands, top.results))
+  return _PerShard(answer.mesh, closed, args, outs)
 
 
 def _infer(op: _Op, levels: list):

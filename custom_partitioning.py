@@ -67,18 +67,21 @@ release is not refused; CI's newest-release run says whether it works.
 
 Reading order
 -------------
-The core first, the path of an ordinary op (Auto axes, no transformation)
-in call order: 1. the decorator and how a call is bound; 2. the primitive
-and its lowering to a custom call; 3. the callbacks XLA calls; 4. the
-partition pipeline, which asks the author's callbacks. Every extra joins
-that path at one line marked ``# seam:`` (grep it: what the core leaves
-out, what a copy may delete), runs only when it applies, and lives after
-the core: 5. extras of the core path; 6. the shard_map path (Explicit mesh
-axes); 7. derived ops (vmap, jvp, transposition); 8. checks of the
-per-shard program; 9. ``check_partitioning``. Appendices: A. shardings; B.
-the Shardy rule parser; C. the DEBUG log; D. keys for the persistent cache;
-E. module state; F. compatibility; G. what each refusal says. Then a
-self-demo and the wiring block, which registers every hook with jax and XLA.
+First jax's names (``_NAMES``, the head of the internals), then three parts
+by owner. Part I, the drop-in core: all a plain op (Auto axes, no
+transformation) runs, in call order, each helper beside its first user:
+I.1 the decorator and how a call is bound; I.2 the primitive and its
+lowering; I.3 the callbacks XLA calls; I.4 the partition callback. Part II,
+one section per extra, entered from lines marked ``# seam:`` that name it
+(a copy drops an extra with its section and seam lines): II.1 placements
+and errors off the plain path; II.2 the shard_map path (Explicit mesh
+axes); II.3 derived ops (vmap, jvp, transposition); II.4 ops by their rule
+alone; II.5 checks of the per-shard program; II.6 keys for the persistent
+cache; II.7 the DEBUG log; II.8 what extras share, and module state. Part
+III, leaves and tools: III.1 the Shardy rule parser; III.2
+``check_partitioning``; III.3 the self-demo; then the wiring block, which
+registers every hook with jax and XLA. Each message stands where it is
+raised; each version branch beside its owner, naming the release.
 """
 
 from __future__ import annotations
@@ -229,12 +232,26 @@ _jax = _look_up(_NAMES)
 _JAXLIB_VERSION = tuple(_jax.version)[:3]
 
 
+# ==========================================================================
+# Part I. The drop-in core
+#
+# What a plain op runs (Auto axes, no transformation), in call order, each
+# helper beside its first user; ``jit(op)(x)`` stays in this part but for
+# the wiring block at the end. Every extra joins it at a line marked
+# ``# seam:`` naming its section of Part II (``grep -n "seam:"``). A version
+# branch stands beside its owner and names the release that forced it
+# (``grep -n "jax 0\."``): Python internals are gated on jax's version, C++
+# bindings (Shardy, XLA) on jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1).
+# Unbranched private names hold from jax 0.4.35 to 0.11.
+# ==========================================================================
+
 # --------------------------------------------------------------------------
-# 1. The public API: custom_partitioning, and how a call is bound
+# I.1 The decorator, and how a call is bound
 #
 # A call's arguments are bound to positions and sorted by role (``_split``);
 # outside any transformation it is compiled (``_eager_call``), else bound
-# (``_bind``: under Explicit mesh axes section 6, else the primitive).
+# (``_bind``: under Explicit mesh axes the shard_map path, II.2, else the
+# primitive). Caches are bounded ``_LRU``s (module state: II.8).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
@@ -247,13 +264,13 @@ class custom_partitioning:
   in a ``shard_map`` manual over every mesh axis and under
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
-  transformed on the same local shards (section 7; upstream supports none
+  transformed on the same local shards (II.3; upstream supports none
   of the three). An eager call is compiled: partitioned if an operand is a
   ``jax.Array`` sharded over several devices, else ``fun`` runs unasked
   (as upstream does for every eager call). Under Explicit mesh axes (jax
   0.7+, ``jax.set_mesh``) ``partition`` is asked while tracing and the op
   becomes ``lower_fn`` under ``jax.shard_map`` between two reshards
-  (section 6). Lowered inside another primitive's lowering rule
+  (II.2). Lowered inside another primitive's lowering rule
   (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
@@ -526,11 +543,15 @@ class custom_partitioning:
     if (_SHARDY.value and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
-      raise NotImplementedError(_REFUSALS["gspmd_only"].format(
+      raise NotImplementedError((
+          "custom_partitioning function {name} is used with the Shardy "
+          "partitioner, but only GSPMD callbacks (infer_sharding_from_operands "
+          "/ propagate_user_sharding) are defined. Add a sharding_rule to "
+          "def_partition, e.g. sharding_rule='i j -> i j'.").format(
           name=self._name))
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
-    if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (6)
+    if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (II.2)
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
@@ -566,12 +587,154 @@ class custom_partitioning:
       call, out_tree = _trace_to_jaxpr(self.fun, all_args, in_tree, in_avals,
                                        self._name, tuple(sorted(fixed)))
     except _ShardingTypeError as e:
-      raise type(e)(_REFUSALS["untypable_body"].format(
+      raise type(e)((
+          "custom_partitioning function {name}: jax cannot type its body with "
+          "these operand shardings ({e}). With every mesh axis Explicit and "
+          "the mesh set by jax.set_mesh(mesh), the op runs as jax.shard_map of "
+          "its lower_fn, which needs no such typing.").format(
           name=self._name, e=e)) from e
     if any(isinstance(c, _jax.Tracer) for c in call.consts):
       raise _jax.UnexpectedTracerError(
-          _REFUSALS["closes_over_tracer"].format(name=self._name))
+          ("custom_partitioning function {name} closes over a traced value "
+           "(e.g. a variable of an enclosing jax.jit or jax.grad). Pass it to "
+           "the function as an argument instead.").format(name=self._name))
     return call, out_tree()
+
+
+def _typeof(x) -> _jax.AbstractValue:
+  if _jax.typeof is not None:  # jax 0.5.3 added it; 0.10.0 removed get_aval
+    return _jax.typeof(x)
+  # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
+  aval = _jax.get_aval(x)
+  return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
+
+
+# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
+# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+
+
+def _explicitly_typed(avals) -> bool:
+  """Whether the shard_map path may apply: an aval sharded (jax 0.5.0+) on
+  a mesh with an Explicit axis. Runs for every bind: calls no helper."""
+  return _EXPLICIT_PATH and any(
+      jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
+          a, "sharding", None), "mesh", None), "axis_types", ())
+      for a in avals)
+
+
+_CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
+
+
+class _LRU:
+  """A thread-safe LRU map, emptied (lazily) by ``jax.clear_caches()``."""
+
+  def __init__(self, size: int = _CACHE_SIZE):
+    self._size = size
+    self._data: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self._epoch = None
+
+  def _current(self) -> collections.OrderedDict:
+    """The entries of this cache epoch; call with the lock held."""
+    epoch = _cache_epoch()
+    if epoch is not self._epoch:
+      self._data.clear()
+      self._epoch = epoch
+    return self._data
+
+  def get(self, key):
+    # Every eager call hits this: acquire/release costs less than ``with``,
+    # and one lookup that may raise less than a get and then a move.
+    self._lock.acquire()
+    try:
+      data = self._current()
+      data.move_to_end(key)  # a hit is now the most recent entry
+      return data[key]
+    except KeyError:  # a miss
+      return None
+    finally:
+      self._lock.release()
+
+  def cached(self, key, build: Callable[[], Any]):
+    """The value under ``key``, else ``build()``, kept (key None: neither)."""
+    value = None if key is None else self.get(key)
+    if value is None:
+      value = build()
+      if key is not None:
+        self.put(key, value)
+    return value
+
+  def pop(self, key):
+    with self._lock:
+      return self._current().pop(key, None)
+
+  def put(self, key, value) -> None:
+    with self._lock:
+      self._current()[key] = value
+      self._data.move_to_end(key)
+      while len(self._data) > self._size:
+        self._data.popitem(last=False)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._data.clear()
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._current())
+
+
+@_jax.cache(max_size=1, trace_context_in_key=False)
+def _cache_epoch() -> object:
+  """A token that changes when ``jax.clear_caches()`` is called."""
+  # jax's util.cache is cleared by jax.clear_caches() on every release
+  # (through a set of clear functions up to 0.4.x, util.register_cache
+  # since). With jax_check_tracer_leaks on it does not memoize at all.
+  return object()
+
+
+_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_weak_lock = threading.Lock()
+
+
+def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
+                    name: str, static_argnums: tuple = ()):
+  """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
+  fixed) traced at ``in_avals``, the others' leaves by ``in_tree``; the
+  body of function ``name`` (``_fun_name``)."""
+  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
+  # api_util.debug_info); before it, we trace without debug info.
+  wrapped = _jax.wrap_init(fun) if _JAX_VERSION < (0, 5, 1) else _jax.wrap_init(
+      fun, debug_info=_jax.debug_info(
+          "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
+  if static_argnums:
+    wrapped, _ = _jax.argnums_partial(
+        wrapped, [i for i in range(len(args)) if i not in static_argnums],
+        args, require_static_args_hashable=False)
+  flat_fun, out_tree = _jax.flatten_fun_nokwargs(wrapped, in_tree)
+  # jax 0.7.0 dropped the fourth result (attrs).
+  jaxpr, _, consts, *_ = _jax.trace_to_jaxpr_dynamic(flat_fun, in_avals)
+  call = _jax.ClosedJaxpr(jaxpr, consts)
+  # jax 0.5.1 added DebugInfo.func_name; before it, and for derived bodies,
+  # names are kept in the weak table ``_call_names``.
+  with _weak_lock:
+    _call_names[call] = name
+  return call, out_tree
+
+
+def _fun_name(call) -> str:
+  with _weak_lock:
+    name = _call_names.get(call)
+  return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
+
+
+# jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
+_ShardingTypeError = _jax.ShardingTypeError or type(
+    "_NeverRaised", (Exception,), {})
 
 
 class _Signature:
@@ -641,29 +804,6 @@ def _is_array(value) -> bool:
   return isinstance(value, (np.ndarray, np.generic, jax.Array))
 
 
-def _any_sharded(xs) -> bool:
-  """Whether some ``x`` is a concrete array on several devices or whose
-  NamedSharding names a mesh axis (even of size 1: jit types it sharded)."""
-  for x in xs:
-    if ((type(x) is _ArrayImpl or
-         isinstance(x, jax.Array) and not isinstance(x, _jax.Tracer)) and
-        (not x.sharding.is_fully_replicated or
-         isinstance(x.sharding, jax.sharding.NamedSharding) and
-         any(map(_entry_axes, x.sharding.spec)))):
-      return True
-  return False
-
-
-def _positions(defaults: tuple) -> tuple:
-  return tuple(i for i, _ in defaults) if defaults else ()
-
-
-class _FlatArgs(NamedTuple):
-  leaves: list
-  in_tree: Any
-  in_avals: tuple
-
-
 def _static_key(value):
   """A static argument as every cache keys it, alike only where a trace is
   (unlike ``==``: ``0.0``/``-0.0``, ``2``/``2.0``, ``0.5``/``np.float32(0.5)``):
@@ -687,6 +827,33 @@ def _key_of(static_args: tuple):
   except TypeError:
     return None
   return key
+
+
+# jax's array class (C++): ``type(x) is`` it costs a tenth of isinstance.
+_ArrayImpl = _jax.ArrayImpl
+
+
+def _any_sharded(xs) -> bool:
+  """Whether some ``x`` is a concrete array on several devices or whose
+  NamedSharding names a mesh axis (even of size 1: jit types it sharded)."""
+  for x in xs:
+    if ((type(x) is _ArrayImpl or
+         isinstance(x, jax.Array) and not isinstance(x, _jax.Tracer)) and
+        (not x.sharding.is_fully_replicated or
+         isinstance(x.sharding, jax.sharding.NamedSharding) and
+         any(map(_entry_axes, x.sharding.spec)))):
+      return True
+  return False
+
+
+def _positions(defaults: tuple) -> tuple:
+  return tuple(i for i, _ in defaults) if defaults else ()
+
+
+class _FlatArgs(NamedTuple):
+  leaves: list
+  in_tree: Any
+  in_avals: tuple
 
 
 class _Statics:
@@ -715,13 +882,17 @@ def _params_key(params: dict) -> tuple:
   return tuple(sorted(params.items(), key=lambda item: item[0]))
 
 
+_eager = _LRU()
+
+
 # --------------------------------------------------------------------------
-# 2. The primitive and its lowering
+# I.2 The primitive and its lowering
 #
-# ``custom_partitioning_p`` carries upstream's parameters plus
-# ``transform`` (a derived op's steps, section 7) and ``check_vma``, both
-# read with a default, so binding upstream's alone works. Lowered on
-# several devices it is one custom call carrying its ``_Op``'s key.
+# ``custom_partitioning_p`` carries upstream's parameters plus ``transform``
+# (a derived op's steps, II.3) and ``check_vma``, both read with a default,
+# so binding upstream's alone works. Lowered on several devices it is one
+# custom call carrying its ``_Op``'s key. A compile that ends drops what its
+# callbacks kept (``_drop_pending``).
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
@@ -733,47 +904,48 @@ def _abstract_eval(*avals, call, **_):
   return call.out_avals
 
 
-def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
-  compiled, and partitioned only if some operand is sharded (upstream
-  never asks the callbacks here; ``partition`` must not see host data)."""
-  # Cache key: the params hold the body, every callback and the statics
-  # (by _static_key); jax.jit keys on the operands' types and shardings.
-  call = params["call"]
-  if _jit_disabled():  # jax.jit would call straight back into this impl
-    return _jax.jaxpr_as_fun(call)(*args)
-  sharded = _any_sharded(args)
-  key = (_params_key(params), sharded)
-  fn = _eager.cached(key, lambda: jax.jit(
-      functools.partial(custom_partitioning_p.bind, **params) if sharded
-      else _jax.jaxpr_as_fun(call)))
-  return fn(*args)
+_pending: dict[int, tuple[str, BaseException]] = {}
 
 
-def _to_lojax(*args, call, **params):
-  """Binds the op anew on its body with hijax primitives expanded, as jax
-  0.12 asks of a primitive whose parameters hold a high jaxpr."""
-  high = [a for a in (*call.in_avals, *call.out_avals) if a.is_high]
-  if high:
-    raise NotImplementedError(
-        f"custom_partitioning of {_fun_name(call)}: operands and results "
-        f"must be arrays, not hijax types ({high[0]}); hijax primitives "
-        "inside fun and lower_fn are supported.")
-  return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
+def _drop_pending(event=_jax.BACKEND_COMPILE_EVENT, *_, **__) -> None:
+  """jax's event listener: after a backend compile, failed or not, kept
+  infer/propagate errors go. Called on the caller's thread, it may drop
+  one another thread's compile kept (which goes on as if it was None)."""
+  if event != _jax.BACKEND_COMPILE_EVENT:  # another of jax's events
+    return
+  with _weak_lock:
+    _pending.clear()
+
+
+# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
+_SHARDY = _jax.use_shardy_partitioner
+
+_TARGET = f"CustomSPMDPartitioning.{__name__}"
 
 
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps)
-  if place is None:  # seam: nothing to partition
+  if place is None:  # seam: nothing to partition (II.1)
     return _lowered_body(ctx, call, why, values)
   name = _fun_name(call)
   if ctx.module_context.lowering_parameters.for_export:
-    raise NotImplementedError(_REFUSALS["export"].format(name=name))
+    raise NotImplementedError((
+        "jax.export cannot serialize the custom_partitioning op {name}: its "
+        "partitioning callbacks are Python functions that XLA calls while "
+        "compiling, and they cannot be stored in a serialized artifact. Export "
+        "on a single device, or export the per-shard code (e.g. with "
+        "jax.shard_map) instead.").format(name=name))
   if place.devices is None:
-    raise ValueError(_REFUSALS["no_devices"].format(name=name))
+    raise ValueError((
+        "custom_partitioning op {name} is lowered for several devices, but jax "
+        "did not say which: this happens when the op is lowered inside another "
+        "primitive's lowering rule (e.g. through _jax.lower_fun), where jax "
+        "cannot see it. Set the mesh around the call, with jax.set_mesh(mesh) "
+        "or `with mesh:`, so the op can find its devices, or call the op "
+        "outside that primitive.").format(name=name))
   if params["partition"] is None:
-    raise ValueError(_REFUSALS["no_partition"].format(
+    raise ValueError(_NO_PARTITION.format(
         name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None
   if callable(rule) or (_SHARDY.value and rule is not None):  # seam: rules
@@ -796,6 +968,17 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
       extra_attributes=rule_attr).results
 
 
+class _Placement(NamedTuple):
+  """Where a lowered op runs. ``mesh``: what the callbacks see (inside a
+  partly manual shard_map, the manual axes typed Manual); XLA then asks on
+  ``auto``, the auto axes' mesh, and the per-shard code runs on ``whole``,
+  the shard_map's mesh."""
+  mesh: Any
+  devices: tuple | None
+  auto: Any = None
+  whole: Any = None
+
+
 def _partitioned_placement(ctx, steps):
   """``(placement, why)``: where the op runs, or None and why its body is
   inlined. The mesh is the first known of: the enclosing shard_map's
@@ -809,11 +992,11 @@ def _partitioned_placement(ctx, steps):
   if am is None or am.empty:
     am = _ambient_mesh("get_abstract_mesh")
   if isinstance(axis_context, _jax.SPMDAxisContext):
-    place = _shard_map_placement(axis_context)  # seam: inside a shard_map
+    place = _shard_map_placement(axis_context)  # seam: in a shard_map (II.1)
     if place is None:
       return None, ("inside a shard_map manual over every mesh axis (one "
                     "shard's code)")
-  elif devices is None:  # seam: jax did not say the devices
+  elif devices is None:  # seam: jax did not say the devices (II.1)
     place = _placement_without_devices(axis_context, am, ctx.avals_in)
   else:
     devices = tuple(devices)
@@ -842,6 +1025,21 @@ def _caller_mesh(fits: Callable, eager_mesh=None, with_block: bool = True):
                if m is not None and not m.empty and fits(m)), None)
 
 
+def _ambient_mesh(getter: str):
+  """``jax._src.mesh.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
+  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh (``tuple``
+  # stands in before it); until 0.5.1 they return () when no mesh is set.
+  mesh = (getattr(_jax, getter) or tuple)()
+  return None if isinstance(mesh, tuple) else mesh
+
+
+def _mesh_from_abstract(devices, am) -> _jax.Mesh:
+  # jax 0.4.36 added mesh axis types; before it, meshes have none.
+  kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
+  return _jax.Mesh(np.array(devices).reshape(am.axis_sizes),
+                       am.axis_names, **kwargs)
+
+
 @contextlib.contextmanager
 def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
   """Re-raises a plain ValueError or TypeError with ``prefix`` and
@@ -855,45 +1053,61 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
     raise type(e)(f"{prefix}{e}{after}") from e
 
 
+class _Level(NamedTuple):
+  """An op from the author's (``step`` None) up to the one XLA asks about:
+  its values as asked or as partitioned, and its batch dimension's entry."""
+  step: _Step | None
+  operands: list
+  results: list
+  entry: Any = None
+
+
 def _ask_rule(ctx, params, mesh, steps):
   """The op's rule (a callable one asked) and, under Shardy, its attribute."""
   call, rule = params["call"], params["sharding_rule"]
   values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
             [_Value(a.shape, a.dtype) for a in call.out_avals])
-  levels = (_levels(steps, *values) if steps  # section 7
+  levels = (_levels(steps, *values) if steps  # II.3
             else [_Level(None, *values)])
-  if callable(rule):  # seam: a rule asked per call
+  if callable(rule):  # seam: a rule asked per call (II.1)
     rule = _asked_rule(ctx, params, mesh, levels[0])
   return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
                                                     _FromRule))
                 if _SHARDY.value and rule is not None else None)
 
 
-def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
-  """The one builder of an ``_Op``: from its equation's parameters, where
-  it runs, its rule (asked by now) and what its lowering knows."""
-  static = params["static_args"]  # _Statics, or upstream's tuple
-  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
-             infer_sharding_from_operands=params[
-                 "infer_sharding_from_operands"],
-             propagate_user_sharding=params["propagate_user_sharding"],
-             sharding_rule=rule, decode_shardings=params["decode_shardings"],
-             check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=getattr(static, "value", static),
-             in_tree=params["in_tree"], out_tree=params["out_tree"],
-             steps=params.get("transform", ()), place=place, mesh=place.mesh,
-             lowered=_LRU(256), **lowered)
+def _rule_attr(rule, levels: list, one_size: bool):
+  """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
+  bottom = levels[0]
+  n = len(bottom.operands)
+  sizes, dims = _resolve_rule(
+      rule, [v.shape for v in bottom.operands + bottom.results], n, one_size)
+  ops, res, reduction = dims[:n], dims[n:], list(rule.reduction_factors)
+  for level in levels[1:]:
+    ops, res, reduction = level.step.rule_up(level, sizes, ops, res, reduction)
+  return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
+                              rule.need_replication_factors,
+                              rule.permutation_factors)
 
 
-class _Placement(NamedTuple):
-  """Where a lowered op runs. ``mesh``: what the callbacks see (inside a
-  partly manual shard_map, the manual axes typed Manual); XLA then asks on
-  ``auto``, the auto axes' mesh, and the per-shard code runs on ``whole``,
-  the shard_map's mesh."""
-  mesh: Any
-  devices: tuple | None
-  auto: Any = None
-  whole: Any = None
+def _module_backend(ctx: _jax.LoweringRuleContext):
+  # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
+  return (ctx.module_context.backend if _JAX_VERSION >= (0, 5, 0)
+          else ctx.module_context.backend_or_name)
+
+
+# Options jax sets while tracing, not users (check_vma in a jax.shard_map's
+# body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
+_TRACING_OPTIONS = frozenset({"check_vma"})
+
+
+def _config_values() -> tuple:
+  """Every jax option's value on this thread, context managers included, as
+  ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
+  return tuple((name, holder.value)
+               for name, holder in _jax.config._value_holders.items()
+               if isinstance(holder, _jax.State) and
+               name not in _TRACING_OPTIONS)
 
 
 _STATE = {"state": True}  # marks the fields of an _Op that are not its key
@@ -930,10 +1144,41 @@ class _Op:
   mesh: Any = None  # place.mesh, what the callbacks see
 
 
+def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
+  """The one builder of an ``_Op``: from its equation's parameters, where
+  it runs, its rule (asked by now) and what its lowering knows."""
+  static = params["static_args"]  # _Statics, or upstream's tuple
+  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
+             infer_sharding_from_operands=params[
+                 "infer_sharding_from_operands"],
+             propagate_user_sharding=params["propagate_user_sharding"],
+             sharding_rule=rule, decode_shardings=params["decode_shardings"],
+             check_vma=params.get("check_vma", True),  # upstream has none
+             static_args=getattr(static, "value", static),
+             in_tree=params["in_tree"], out_tree=params["out_tree"],
+             steps=params.get("transform", ()), place=place, mesh=place.mesh,
+             lowered=_LRU(256), **lowered)
+
+
+def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
+  # jax 0.10.1 made aval_to_ir_types take the module context first.
+  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
+  return [t for aval in avals for t in _jax.aval_to_ir_types(*first, aval)]
+
+
+class _OpTable(dict):
+  """One lowering's ops by parameters (weakly referable, unlike a dict)."""
+
+
+_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Kept alive by the lowering's keep-alive list, whose id is the key.
+_lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def _register(ctx, op: _Op, params) -> str:
   """Registers ``op`` under its key, which must tell apart ops that
   answer differently; returns the key."""
-  if (_jax.compilation_cache_dir.value and  # seam: content keys (D)
+  if (_jax.compilation_cache_dir.value and  # seam: content keys (II.6)
       _jax.enable_compilation_cache.value):
     key = _content_key(ctx, op, params["call"])
   else:
@@ -956,18 +1201,61 @@ def _register(ctx, op: _Op, params) -> str:
   return key
 
 
+def _varying_axes(aval) -> frozenset | None:
+  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
+  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
+  mat = getattr(aval, "manual_axis_type", None)
+  return getattr(aval, "vma", None) if mat is None else mat.varying
+
+
+def _jit_disabled() -> bool:
+  return bool(_jax.disable_jit.value)
+
+
+def _impl(*args, **params):
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
+  compiled, and partitioned only if some operand is sharded (upstream
+  never asks the callbacks here; ``partition`` must not see host data)."""
+  # Cache key: the params hold the body, every callback and the statics
+  # (by _static_key); jax.jit keys on the operands' types and shardings.
+  call = params["call"]
+  if _jit_disabled():  # jax.jit would call straight back into this impl
+    return _jax.jaxpr_as_fun(call)(*args)
+  sharded = _any_sharded(args)
+  key = (_params_key(params), sharded)
+  fn = _eager.cached(key, lambda: jax.jit(
+      functools.partial(custom_partitioning_p.bind, **params) if sharded
+      else _jax.jaxpr_as_fun(call)))
+  return fn(*args)
+
+
+def _to_lojax(*args, call, **params):
+  """Binds the op anew on its body with hijax primitives expanded, as jax
+  0.12 asks of a primitive whose parameters hold a high jaxpr."""
+  high = [a for a in (*call.in_avals, *call.out_avals) if a.is_high]
+  if high:
+    raise NotImplementedError(
+        f"custom_partitioning of {_fun_name(call)}: operands and results "
+        f"must be arrays, not hijax types ({high[0]}); hijax primitives "
+        "inside fun and lower_fn are supported.")
+  return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
+
+
 # --------------------------------------------------------------------------
-# 3. The callbacks XLA calls
+# I.3 The callbacks XLA calls: infer and propagate
 #
 # The callbacks find the op by the custom call's key (``_xla_callback``).
 # An exception never reaches XLA raw (under GSPMD that aborts): it is parked
 # under a tag in XLA's message, by which ``_reraise_callback_error`` gives
 # jax the original. One from infer or propagate waits in ``_pending`` for
 # the thread's partition callback (XLA compiles one program at a time on a
-# thread, and partitions last).
+# thread, and partitions last). XLA talks in HloShardings on flat lists of
+# shapes, the callbacks in jax shardings on pytrees; in between, each operand
+# and result is a ``_Value``. A question goes XLA (or II.2) -> ``_<q>`` (a
+# derived op's steps, II.3) -> ``_ask_<q>``, the only caller of that
+# author's callback.
 # --------------------------------------------------------------------------
 
-_TARGET = f"CustomSPMDPartitioning.{__name__}"
 _ERROR_TAG = f"[{_TARGET} error #"
 
 
@@ -986,8 +1274,10 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
       return leave_to_xla(op, *xla_args)
     if leave_to_xla is None:
       if op is None:
-        raise RuntimeError(_REFUSALS["unknown_key"].format(key=key))
-      if _pending:  # seam: an infer/propagate error kept (on some thread)
+        raise RuntimeError((
+            _TARGET + ": no custom_partitioning op is registered under key "
+            "{key!r}; was its lowering dropped?").format(key=key))
+      if _pending:  # seam: an infer/propagate error kept (II.1)
         _raise_pending()
     try:
       return answer(op, *xla_args)
@@ -1001,21 +1291,25 @@ def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
   return callback
 
 
+# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
+# shardings cannot type the manual subgroup XLA needs (it aborts without).
+_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
+
+
+def _inexpressible(place) -> bool:
+  """Whether the op is in a partly manual shard_map before jax 0.5.3."""
+  return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
+
+
+_parked_errors = _LRU()
+_parked_counter = itertools.count()
+
+
 def _park(error: BaseException, where: str) -> str:
   """Parks ``error``; returns a message naming it for the handler."""
   tag = next(_parked_counter)
   _parked_errors.put(tag, error)  # bounded: old compiles that never failed
   return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
-
-
-def _drop_pending(event=_jax.BACKEND_COMPILE_EVENT, *_, **__) -> None:
-  """jax's event listener: after a backend compile, failed or not, kept
-  infer/propagate errors go. Called on the caller's thread, it may drop
-  one another thread's compile kept (which goes on as if it was None)."""
-  if event != _jax.BACKEND_COMPILE_EVENT:  # another of jax's events
-    return
-  with _weak_lock:
-    _pending.clear()
 
 
 def _reraise_callback_error(xla_error: Exception):
@@ -1033,7 +1327,7 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   """The result sharding XLA gets from the operands', or None."""
   results = _from_xla(*_hlo_parts(result_shape, None), op.mesh)
   operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
-  if op.steps:  # seam: a derived op (section 7)
+  if op.steps:  # seam: a derived op (II.3)
     inferred = _infer(op, _levels(op.steps, operands, results))
   else:
     inferred = _ask_infer(op, operands, results)
@@ -1042,6 +1336,146 @@ def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   if inferred is None:
     return None
   return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
+
+
+class _Value(NamedTuple):
+  """An operand or result. ``spec``: its PartitionSpec entries (None: none
+  or unknown); ``hlo``: the HloSharding as given (None: by ``spec`` alone
+  or unknown); ``varying``: the manual axes it varies over, if tracked."""
+  shape: tuple
+  dtype: Any
+  spec: tuple | None = None
+  hlo: _jax.HloSharding | None = None
+  varying: frozenset | None = None
+
+  def known(self) -> bool:
+    return self.spec is not None or self.hlo is not None
+
+
+def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
+  if not shape.is_tuple():
+    return [shape], [sharding]
+  shapes = list(shape.tuple_shapes())
+  return shapes, (list(sharding.tuple_elements()) if sharding is not None
+                  else [None] * len(shapes))
+
+
+def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
+  return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
+                 None if h is None or on.empty
+                 else _decode_spec(h, on, len(s.dimensions())), h, v)
+          for s, h, v in zip(shapes, hlo_shardings,
+                             list(varying) or [None] * len(shapes))]
+
+
+def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
+  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
+  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
+    # Also "replicated within a manual subgroup", which jax cannot parse.
+    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
+      return (None,) * ndim
+  try:
+    spec = _jax.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
+    # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
+    spec = tuple(spec.get_partition_spec() if _JAX_VERSION < (0, 5, 3)
+                 else spec)
+  except Exception:  # noqa: BLE001 - not expressible on this mesh
+    return None
+  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
+  return spec[:ndim] + (None,) * (ndim - len(spec))
+
+
+def _ask_infer(op: _Op, operands: list, results: list):
+  """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
+  if op.infer_sharding_from_operands is None:  # seam: rule-only (II.4)
+    return _infer_by_rule(op, operands, results)
+  answer = op.infer_sharding_from_operands(
+      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
+      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
+                             for v in results]))
+  if answer is None:
+    return None
+  return _encode(op, op.out_tree, answer, results,
+                 "infer_sharding_from_operands", "result sharding")
+
+
+def _structs(op: _Op, tree, values, on=None):
+  """The callbacks' view of ``values`` (on ``on``): ShapeDtypeStructs with
+  NamedShardings (``decode_shardings``, a spec) or GSPMDShardings, if known."""
+  on = op.mesh if on is None else on
+  structs = []
+  for v in values:
+    if v.spec is None and v.hlo is None:
+      sharding = None
+    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
+      sharding = jax.sharding.NamedSharding(
+          op.mesh, jax.sharding.PartitionSpec(*v.spec))
+    else:
+      sharding = _jax.GSPMDSharding(
+          op.place.devices if on is op.mesh else tuple(on.devices.flat),
+          _hlo_of(v, on))
+    structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
+  return tree.unflatten(structs)
+
+
+def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
+            on=None) -> list[_Value]:
+  """The author's pytree of shardings for ``like``, checked, as
+  ``_Value``s with specs on ``on``."""
+  on = op.mesh if on is None else on
+  leaves = None  # a list where a tuple is expected is fine
+  for value in [answer, tuple(answer)] if isinstance(answer, list) else [
+      answer]:
+    with contextlib.suppress(ValueError, TypeError):
+      leaves = tree.flatten_up_to(value)
+      break
+  if leaves is None:
+    raise ValueError(f"{callback} of {op.name} returned {what}s {answer!r}, "
+                     f"whose structure does not match {tree}.")
+  out = []
+  for i, (sharding, v) in enumerate(zip(leaves, like)):
+    where = f"{callback} of {op.name} returned {what} {i}"
+    ndim = len(v.shape)
+    if not isinstance(sharding, jax.sharding.Sharding):
+      raise TypeError((
+          "{where} as a {got}; expected a jax.sharding.Sharding.").format(
+          where=where, got=type(sharding).__name__))
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, _jax.AbstractMesh):
+      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
+                                            sharding.spec)
+    if sharding.device_set != set(op.place.devices):
+      raise ValueError((
+          "{where} on devices {got}, but the op runs on {want}.").format(
+          where=where, got=sorted(d.id for d in sharding.device_set),
+          want=sorted(d.id for d in op.place.devices)))
+    if isinstance(sharding, jax.sharding.NamedSharding) and (
+        len(sharding.spec) > ndim):
+      raise ValueError((
+          "{where} with spec {spec} for a value of rank {ndim}.").format(
+          where=where, spec=sharding.spec, ndim=ndim))
+    if on is op.place.auto:  # seam: in a partly manual shard_map (II.1)
+      sharding = _onto_auto_axes(op, sharding, where)
+    hlo = sharding._to_xla_hlo_sharding(ndim)
+    spec = None if on.empty else _decode_spec(hlo, on, ndim)
+    if spec is None and op.steps:
+      raise NotImplementedError((
+          "{where}, which has no PartitionSpec on the mesh {mesh}; under "
+          "jax.vmap, jax.jvp and jax.grad, shardings must have one.").format(
+          where=where, mesh=dict(op.mesh.shape)))
+    out.append(v._replace(spec=spec, hlo=hlo))
+  return out
+
+
+def _hlo_of(v: _Value, on) -> _jax.HloSharding:
+  return v.hlo if v.hlo is not None else jax.sharding.NamedSharding(
+      on, jax.sharding.PartitionSpec(*v.spec))._to_xla_hlo_sharding(
+          len(v.shape))
+
+
+def _pack_hlo(shape: _jax.Shape, shardings: list[_jax.HloSharding]):
+  return (_jax.HloSharding.tuple_sharding(shape, shardings)
+          if shape.is_tuple() else shardings[0])
 
 
 def _answer_propagate(op: _Op, user_sharding, shape):
@@ -1064,6 +1498,45 @@ def _users_sharding(op: _Op | None, user_sharding, shape):
   return user_sharding
 
 
+def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+  """``propagate_user_sharding``'s answer, else the user's ``results``."""
+  if op.propagate_user_sharding is None:
+    return results
+  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
+                                      _structs(op, op.out_tree, results))
+  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
+                 "result sharding")
+
+
+def _register_partitioner(name: str, prop_user_sharding, partition,
+                          infer_sharding_from_operands) -> None:
+  register = functools.partial(
+      _jax.register_custom_call_partitioner, name=name,
+      prop_user_sharding=prop_user_sharding, partition=partition,
+      infer_sharding_from_operands=infer_sharding_from_operands,
+      can_side_effecting_have_replicated_sharding=True)
+  register()
+  _jax.register_plugin_callbacks(register)
+
+
+# --------------------------------------------------------------------------
+# I.4 The partition callback: asking partition, lowering lower_fn
+#
+# ``op.mesh`` is what the callbacks see; ``on`` names the mesh of a value's
+# spec and HloSharding: ``op.mesh``, inside a partly manual shard_map
+# ``op.place.auto``, or the mesh ``partition`` returned (``_Answer.on``).
+# ``lower_fn`` is traced on per-shard shapes, checked (II.5) and lowered
+# to the module XLA inlines.
+# --------------------------------------------------------------------------
+
+class _PerShard(NamedTuple):
+  """The per-shard program on ``mesh`` and the shardings it takes, gives."""
+  mesh: Any
+  jaxpr: _jax.ClosedJaxpr
+  args: list
+  results: list
+
+
 def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
                       result_sharding):
   """``(per-shard module, operand shardings, result sharding)``, cached."""
@@ -1083,7 +1556,7 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
   operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
   results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
   with _config_entered(op.config):
-    if op.steps:  # seam: a derived op (section 7)
+    if op.steps:  # seam: a derived op (II.3)
       shard = _partition_derived(op, operands, results, on)
     else:
       answer, closed = _partition(op, operands, results, on)
@@ -1095,15 +1568,18 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
   return answer
 
 
-# --------------------------------------------------------------------------
-# 4. Asking the author: the partition pipeline
-#
-# A question goes XLA (or section 6) -> ``_<q>`` (a derived op's steps,
-# section 7) -> ``_ask_<q>``, the only caller of that author's callback.
-# ``op.mesh`` is what the callbacks see; ``on`` names the mesh of a value's
-# spec and HloSharding: ``op.mesh``, inside a partly manual shard_map
-# ``op.place.auto``, or the mesh ``partition`` returned (``_Answer.on``).
-# --------------------------------------------------------------------------
+@contextlib.contextmanager
+def _config_entered(values: tuple):
+  """Runs the block on this thread under ``values`` (``_config_values``),
+  each option that differs set by its (thread-local) context manager, as
+  the user's ``with`` did."""
+  holders = _jax.config._value_holders
+  with contextlib.ExitStack() as stack:
+    for name, value in values:
+      if holders[name].value != value:
+        stack.enter_context(holders[name](value))
+    yield
+
 
 def _partition(op: _Op, operands: list, results: list, on):
   """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
@@ -1116,12 +1592,18 @@ def _partition(op: _Op, operands: list, results: list, on):
   return answer, closed
 
 
+_NO_PARTITION = (
+    "custom_partitioning op {name} runs on {n} devices, but its def_partition "
+    "was given partition=None and no sharding_rule to derive a partition from: "
+    "give either.")
+
+
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   """``partition`` asked about values on ``on``, its answer checked."""
   if op.partition is None:
-    raise ValueError(_REFUSALS["no_partition"].format(
+    raise ValueError(_NO_PARTITION.format(
         name=op.name, n=len(op.place.devices)))
-  if isinstance(op.partition, _FromRule):  # seam: an op by its rule alone
+  if isinstance(op.partition, _FromRule):  # seam: rule-only op (II.4)
     answer = _partition_from_rule(op, operands, results)
   else:
     answer = op.partition(*op.static_args, op.mesh,
@@ -1130,24 +1612,32 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   if not isinstance(answer, (tuple, list)) or len(answer) != 4:
     got = (f"a sequence of length {len(answer)}"
            if isinstance(answer, (tuple, list)) else type(answer).__name__)
-    raise TypeError(_REFUSALS["answer"].format(name=op.name, got=got))
+    raise TypeError((
+        "partition of {name} must return (mesh, lower_fn, result_shardings, "
+        "arg_shardings); got {got}.").format(name=op.name, got=got))
   mesh, lower_fn, out_shardings, in_shardings = answer
   if not callable(lower_fn):
-    raise TypeError(_REFUSALS["lower_fn"].format(
-        name=op.name, got=type(lower_fn).__name__))
+    raise TypeError((
+        "partition of {name} returned a lower_fn of type {got}, which is not "
+        "callable.").format(name=op.name, got=type(lower_fn).__name__))
   if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
-    raise TypeError(_REFUSALS["mesh"].format(name=op.name,
-                                             got=type(mesh).__name__))
+    raise TypeError((
+        "partition of {name} returned a mesh of type {got}; expected a "
+        "jax.sharding.Mesh.").format(name=op.name, got=type(mesh).__name__))
   devices = op.place.devices
   # Inside a shard_map its mesh is used anyway; an empty one is the op's.
   if op.place.auto is None and not mesh.empty:
     if isinstance(mesh, _jax.Mesh):
       if set(mesh.devices.flat) != set(devices):
-        raise ValueError(_REFUSALS["mesh_devices"].format(
+        raise ValueError((
+            "partition of {name} returned a mesh on devices {got}, but the op "
+            "runs on {want}.").format(
             name=op.name, got=sorted(d.id for d in mesh.devices.flat),
             want=sorted(d.id for d in devices)))
     elif mesh.size != len(devices):
-      raise ValueError(_REFUSALS["mesh_size"].format(
+      raise ValueError((
+          "partition of {name} returned a mesh of {got} devices, but the op "
+          "runs on {want}.").format(
           name=op.name, got=mesh.size, want=len(devices)))
   if isinstance(mesh, _jax.AbstractMesh):
     mesh = _concrete(op, mesh)
@@ -1156,7 +1646,10 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
     mesh = op.place.whole
   else:
     if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
-      raise NotImplementedError(_REFUSALS["derived_mesh"].format(
+      raise NotImplementedError((
+          "partition of {name} returned a mesh with axes {got}, but the op's "
+          "mesh has {want}; under jax.vmap, jax.jvp and jax.grad they must be "
+          "the same.").format(
           name=op.name, got=dict(mesh.shape), want=dict(op.mesh.shape)))
     on = mesh  # lower_fn runs on it: its axis names may differ from the op's
   return _Answer(mesh, on, lower_fn,
@@ -1183,75 +1676,12 @@ def _concrete(op: _Op, mesh: _jax.AbstractMesh):
   return _mesh_from_abstract(op.place.devices, mesh)
 
 
-def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
-            on=None) -> list[_Value]:
-  """The author's pytree of shardings for ``like``, checked, as
-  ``_Value``s with specs on ``on``."""
-  on = op.mesh if on is None else on
-  leaves = None  # a list where a tuple is expected is fine
-  for value in [answer, tuple(answer)] if isinstance(answer, list) else [
-      answer]:
-    with contextlib.suppress(ValueError, TypeError):
-      leaves = tree.flatten_up_to(value)
-      break
-  if leaves is None:
-    raise ValueError(f"{callback} of {op.name} returned {what}s {answer!r}, "
-                     f"whose structure does not match {tree}.")
-  out = []
-  for i, (sharding, v) in enumerate(zip(leaves, like)):
-    where = f"{callback} of {op.name} returned {what} {i}"
-    ndim = len(v.shape)
-    if not isinstance(sharding, jax.sharding.Sharding):
-      raise TypeError(_REFUSALS["sharding"].format(
-          where=where, got=type(sharding).__name__))
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-        sharding.mesh, _jax.AbstractMesh):
-      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
-                                            sharding.spec)
-    if sharding.device_set != set(op.place.devices):
-      raise ValueError(_REFUSALS["sharding_devices"].format(
-          where=where, got=sorted(d.id for d in sharding.device_set),
-          want=sorted(d.id for d in op.place.devices)))
-    if isinstance(sharding, jax.sharding.NamedSharding) and (
-        len(sharding.spec) > ndim):
-      raise ValueError(_REFUSALS["spec_rank"].format(
-          where=where, spec=sharding.spec, ndim=ndim))
-    if on is op.place.auto:  # seam: inside a partly manual shard_map
-      sharding = _onto_auto_axes(op, sharding, where)
-    hlo = sharding._to_xla_hlo_sharding(ndim)
-    spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and op.steps:
-      raise NotImplementedError(_REFUSALS["derived_spec"].format(
-          where=where, mesh=dict(op.mesh.shape)))
-    out.append(v._replace(spec=spec, hlo=hlo))
-  return out
-
-
-def _structs(op: _Op, tree, values, on=None):
-  """The callbacks' view of ``values`` (on ``on``): ShapeDtypeStructs with
-  NamedShardings (``decode_shardings``, a spec) or GSPMDShardings, if known."""
-  on = op.mesh if on is None else on
-  structs = []
-  for v in values:
-    if v.spec is None and v.hlo is None:
-      sharding = None
-    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
-      sharding = jax.sharding.NamedSharding(
-          op.mesh, jax.sharding.PartitionSpec(*v.spec))
-    else:
-      sharding = _jax.GSPMDSharding(
-          op.place.devices if on is op.mesh else tuple(on.devices.flat),
-          _hlo_of(v, on))
-    structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
-  return tree.unflatten(structs)
-
-
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
                     results: list) -> tuple[_jax.ClosedJaxpr, bool]:
-  """``lower_fn`` traced on local shapes, checked (section 8): its jaxpr
+  """``lower_fn`` traced on local shapes, checked (II.5): its jaxpr
   and whether every replicated result was proved equal along its axes."""
   lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None and any(  # seam: padded
+  if op.check_vma and op.sharding_rule is not None and any(  # seam: II.5 pads
       size % _shard_count(entry, on)
       for v in answer.args for size, entry in zip(v.shape, v.spec or ())):
     _check_even_reductions(op, operands + results, answer.args, on)
@@ -1266,26 +1696,79 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   except NameError as e:  # an unbound axis name
     if not answer.mesh.empty:
       raise
-    raise ValueError(_REFUSALS["unbound_axis"].format(name=op.name,
-                                                      e=e)) from e
+    raise ValueError((
+        "lower_fn of {name} names a mesh axis ({e}), but partition returned "
+        "the empty mesh: the op's mesh could not be recovered (the program's "
+        "shardings are not NamedShardings and no mesh is set). Return a mesh "
+        "over the op's devices, or use NamedSharding inputs, jax.set_mesh or "
+        "`with mesh:`.").format(name=op.name, e=e)) from e
   got = jax.tree_util.tree_leaves(out_shape)
   if len(got) != len(local_results):
-    raise ValueError(_REFUSALS["result_count"].format(
+    raise ValueError((
+        "lower_fn of {name} returned {got} outputs; the op has {want} "
+        "({tree}).").format(
         name=op.name, got=len(got), want=len(local_results),
         tree=op.out_tree))
   for i, (g, want) in enumerate(zip(got, local_results)):
     if g.shape != want.shape or g.dtype != want.dtype:
-      raise ValueError(_REFUSALS["result_shape"].format(
+      raise ValueError((
+          "lower_fn of {name} returned result {i} with local shape {got}, but "
+          "its result sharding needs {want}.").format(
           name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
           want=f"{want.dtype}{list(want.shape)}"))
   specs = [v.spec for v in answer.results]
-  if op.check_vma and not all(  # seam: a result replicated over an axis
+  if op.check_vma and not all(  # seam: a result replicated over an axis (II.5)
       spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
       on.size for spec in specs):
     return closed, _check_replicated_results(
         op.name, closed.jaxpr, [v.spec for v in answer.args], specs,
         _real_axes(on))
   return closed, op.check_vma  # every result is sharded over every axis
+
+
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
+
+
+def _entry_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  return (() if entry is None else
+          tuple(entry) if isinstance(entry, tuple) else (entry,))
+
+
+def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
+  """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
+  if v.spec is None:
+    tile = v.hlo.tile(_jax.Shape.array_shape(np.dtype(v.dtype), v.shape))
+    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
+  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
+  return jax.ShapeDtypeStruct(
+      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
+      v.dtype)
+
+
+_VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
+
+
+def _manual_scope(mesh):
+  """Where lower_fn is traced: ``mesh`` with every axis Manual, as in
+  jax.shard_map, so that jax.lax.pcast/pvary can mark a loop carry varying
+  (no equation outside check_vma); no mesh where jax has no varying types."""
+  if not _VARYING_TYPES or mesh.empty:
+    return _no_ambient_mesh()
+  am = mesh.abstract_mesh
+  return _jax.use_abstract_mesh(am.update_axis_types(
+      {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
+
+
+def _lojax(closed, mesh=None):
+  """``closed`` with its hijax primitives expanded (jax 0.11.2 added them;
+  jax lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
+  if not getattr(closed, "is_high", False):
+    return closed
+  with _jax.extend_axis_env_nd(list(mesh.shape.items()) if mesh else []):
+    return _jax.lower_jaxpr2(closed)
 
 
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
@@ -1305,14 +1788,6 @@ def _host_callback_error(op: _Op) -> NotImplementedError:
       "of lower_fn, before or after the op.")
 
 
-class _PerShard(NamedTuple):
-  """The per-shard program on ``mesh`` and the shardings it takes, gives."""
-  mesh: Any
-  jaxpr: _jax.ClosedJaxpr
-  args: list
-  results: list
-
-
 def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
   # Host callbacks cannot work: XLA finds them by index in the compiled
   # program's list, fixed before this ran (upstream segfaults).
@@ -1327,37 +1802,47 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
   return _jax.module_to_bytecode(module)
 
 
-def _ask_infer(op: _Op, operands: list, results: list):
-  """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
-  if op.infer_sharding_from_operands is None:  # seam: inferred from the rule
-    return _infer_by_rule(op, operands, results)
-  answer = op.infer_sharding_from_operands(
-      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
-      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
-                             for v in results]))
-  if answer is None:
-    return None
-  return _encode(op, op.out_tree, answer, results,
-                 "infer_sharding_from_operands", "result sharding")
+def _no_ambient_mesh():
+  """Clears the ambient mesh for lower_fn: under an Explicit one, jax 0.5.3
+  to 0.8.x give the per-shard module constraints XLA cannot export or run."""
+  if _jax.use_abstract_mesh is None:
+    return contextlib.nullcontext()
+  return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
 
 
-def _ask_propagate(op: _Op, results: list) -> list[_Value]:
-  """``propagate_user_sharding``'s answer, else the user's ``results``."""
-  if op.propagate_user_sharding is None:
-    return results
-  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
-                                      _structs(op, op.out_tree, results))
-  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
-                 "result sharding")
+def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
+  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
+      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
+  params: dict[str, Any] = {}
+  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
+    kwargs["name_stack"] = _jax.new_name_stack()
+  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
+    kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
+    params["hoist_constants_as_args"] = False
+  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
+    kwargs["out_avals"] = closed_jaxpr.out_avals
+  result = _jax.lower_jaxpr_to_module(
+      "custom_partitioning_shard", closed_jaxpr, ordered_effects=[],
+      donated_args=[False] * len(closed_jaxpr.in_avals),
+      axis_context=axis_context, platforms=platforms,
+      lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
+  return result.module, result.host_callbacks
 
+
+# ==========================================================================
+# Part II. The extras, one section each
+#
+# Each extra joins the core at its ``# seam:`` lines, runs only when it
+# applies, and holds what it owns (helpers, stores, version branches).
+# Deleting an extra is deleting its section and its seam lines.
+# ==========================================================================
 
 # --------------------------------------------------------------------------
-# 5. Extras of the core path
+# II.1 Placements and errors off the plain path
 #
-# What sections 1 to 4 leave out, each entered from a ``# seam:`` line: a
-# body with nothing to partition, placements inside a shard_map or without
-# devices, a callable sharding rule, a kept infer/propagate error, and ops
-# defined by their rule alone.
+# A body with nothing to partition, placements inside a shard_map or without
+# devices, a callable sharding rule, an infer/propagate error kept for the
+# partition callback.
 # --------------------------------------------------------------------------
 
 def _lowered_body(ctx, call: _jax.ClosedJaxpr, why: str, values):
@@ -1378,6 +1863,24 @@ def _shard_map_placement(axis_context) -> _Placement | None:
     return _Placement(whole, tuple(whole.devices.flat))
   return _Placement(_with_manual_axes(whole, manual), tuple(whole.devices.flat),
                     _auto_submesh(whole, manual), whole)
+
+
+def _with_manual_axes(mesh, manual_axes):
+  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
+    return mesh
+  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
+                 for name, t in zip(mesh.axis_names, mesh.axis_types))
+  return _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
+
+
+def _auto_submesh(mesh, manual_axes):
+  """The sub-mesh over the non-manual axes (devices of one manual group)."""
+  keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
+  index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
+  kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
+            if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
+  return _jax.Mesh(mesh.devices[index],
+                       tuple(mesh.axis_names[i] for i in keep), **kwargs)
 
 
 def _placement_without_devices(axis_context, am, avals) -> _Placement:
@@ -1429,73 +1932,6 @@ def _raise_pending() -> None:
                        ) from error
 
 
-class _FromRule:
-  """The ``partition`` of an op defined by its rule alone: each shard runs
-  ``fun`` with the call's static arguments and unpassed defaults."""
-  __slots__ = ("fun", "static_argnums", "defaults", "_parts")
-
-  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
-    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
-                                                    defaults)
-    # Defaults, fun's own objects, need not hash: compared by identity.
-    self._parts = (fun, static_argnums, tuple((i, id(value))
-                                              for i, value in defaults))
-
-  def __hash__(self):
-    return hash(self._parts)
-
-  def __eq__(self, other):
-    return isinstance(other, _FromRule) and other._parts == self._parts
-
-  def lower_fn(self, static_args: tuple) -> Callable:
-    """``fun`` as a function of the operands, ``static_args`` bound."""
-    fixed = dict([*zip(self.static_argnums, static_args), *self.defaults])
-    fun = self.fun
-
-    def lower_fn(*operands):
-      return fun(*_in_call_order(fixed, operands))
-    name = getattr(fun, "__name__", "")
-    lower_fn.__name__ = name if name.isidentifier() else "fun"
-    return lower_fn
-
-
-def _infer_by_rule(op: _Op, operands: list, results: list):
-  """The result shardings the op's rule implies, or None (GSPMD); it needs
-  every placed operand's PartitionSpec."""
-  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
-      v.spec is None and v.hlo is not None for v in operands):
-    return None
-  shapes = [v.shape for v in operands + results]
-  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-    if isinstance(op.partition, _FromRule):  # as the partition will answer
-      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
-                          [None] * len(results))[1]
-    else:
-      specs = _infer_from_rule(op.sharding_rule, shapes,
-                               [v.spec for v in operands])
-  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
-
-
-def _partition_from_rule(op: _Op, operands: list, results: list):
-  """What a ``partition`` written from the op's rule would return."""
-  lower_fn = op.partition.lower_fn(op.static_args)
-  if op.mesh.empty:  # no axis to name: replicated is right for every op
-    replicated = _jax.GSPMDSharding(op.place.devices,
-                                              _jax.HloSharding.replicate())
-    in_shardings = [replicated] * len(operands)
-    out_shardings = [replicated] * len(results)
-  else:
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      in_specs, out_specs = _rule_specs(
-          op.sharding_rule, [v.shape for v in operands + results],
-          [v.spec for v in operands], [v.spec for v in results])
-    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
-        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
-        for specs in (in_specs, out_specs))
-  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
-          op.in_tree.unflatten(in_shardings))
-
-
 def _onto_auto_axes(op: _Op, sharding, where: str):
   """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
   if not isinstance(sharding, jax.sharding.NamedSharding):
@@ -1511,7 +1947,7 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
 
 
 # --------------------------------------------------------------------------
-# 6. The shard_map path (Explicit mesh axes): partitioning while tracing
+# II.2 The shard_map path (Explicit mesh axes)
 #
 # Where every operand's sharding is in its type, ``partition`` is asked
 # while tracing and the op becomes reshard -> ``jax.shard_map(lower_fn)``
@@ -1601,6 +2037,26 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   return mesh, None
 
 
+def _all_explicit(am) -> bool:
+  types_ = _axis_types(am)
+  return bool(am.axis_names) and types_ is not None and all(
+      t == jax.sharding.AxisType.Explicit for t in types_)
+
+
+def _vmapped_over_mesh_axis(x) -> bool:
+  """Whether ``x`` is (the primal of) a jax.vmap tracer whose batch dimension
+  is sharded over a mesh axis in its type: jax's vmap of shard_map moves it
+  to no mesh axis (an all-gather, jax 0.10.2; a size-1 axis is then unbound
+  in lower_fn), so such calls keep the custom call."""
+  while isinstance(x, (_jax.BatchTracer, _jax.JVPTracer)):
+    dim, x = ((None, x.primal) if isinstance(x, _jax.JVPTracer)
+              else (x.batch_dim, x.val))
+    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
+    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
+      return True
+  return False
+
+
 class _Program(NamedTuple):
   """A call signature's plan; ``run`` None: the custom call, for ``why``."""
   run: Callable | None  # jitted reshard -> shard_map -> reshard
@@ -1608,6 +2064,12 @@ class _Program(NamedTuple):
   why: str = ""
   untyped: Callable | None = None  # check_vma off (None: off already)
   proven: bool = False  # the module's check proved replicated results equal
+
+
+# jax 0.6.0 added the cast to varying types jax.lax.pvary, 0.8.2 pcast(x,
+# axes, to="varying"), 0.10.0 removed pvary; advice names the one it has.
+_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
+                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
 
 
 def _shard_map_advice(error: Exception) -> str:
@@ -1690,6 +2152,12 @@ def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
         raise e from None  # a ValueError of the body itself
 
 
+def _unsharded(aval):
+  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
+  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
+  return _jax.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
 def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
   """``(operands, results, typed)``: the values asked about, specs as the
   custom call's (no size-1 axes), and the program's result types (None:
@@ -1714,6 +2182,14 @@ def _spec_of(aval) -> tuple:
   """The PartitionSpec entries of an abstract value's type, one per axis."""
   spec = tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
   return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+def _as_xla_spec(spec, mesh) -> tuple:
+  """``spec`` without its size-1 axes, as a round trip through XLA reads."""
+  def entry_of(entry):
+    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  return tuple(map(entry_of, spec))
 
 
 def _unrunnable(answer: _Answer, mesh):
@@ -1785,7 +2261,7 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 
 
 # --------------------------------------------------------------------------
-# 7. Derived ops: vmap, jvp and transposition
+# II.3 Derived ops: vmap, jvp and transposition
 #
 # ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
 # *derived* op: the same callbacks, ``transform`` listing the steps from the
@@ -1813,6 +2289,9 @@ def _jvp(primals, tangents, **params):
       _jax.jaxpr_as_fun(call)), params.get("transform", ()) + (_Jvp(mask),))
 
 
+_derived = _LRU()
+
+
 def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
   """Binds the op derived by ``transform``, its body ``fun`` (``call``
   transformed as ``tag`` says) traced for ``operands``."""
@@ -1828,6 +2307,14 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
       params, call=derived, transform=transform))
 
 
+def _masked(fn: Callable, primals, mask):
+  """``fn`` as a function of the primals marked in ``mask`` alone."""
+  def partial_fn(*chosen):
+    it = iter(chosen)
+    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
+  return partial_fn, [p for p, m in zip(primals, mask) if m]
+
+
 def _transpose(cts, *args, **params):
   """Transposes a jvp op (linear in its tangents) into a vjp op."""
   steps = params.get("transform", ())
@@ -1836,8 +2323,9 @@ def _transpose(cts, *args, **params):
   call = params["call"]
   if k is None or not isinstance(steps[k], _Jvp) or any(
       _jax.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
-    raise NotImplementedError(_REFUSALS["transpose"].format(
-        name=_fun_name(call)))
+    raise NotImplementedError((
+        "{name}: a custom_partitioning op can be transposed only in its "
+        "tangents, as jax.grad does.").format(name=_fun_name(call)))
   mask = steps[k].mask
   n = len(mask)
 
@@ -1895,15 +2383,6 @@ class _Step:
   def entry(self, values, used, mesh):
     """The spec entry a batch dimension gets (``used()``: the op below's)."""
     return None
-
-
-class _Level(NamedTuple):
-  """An op from the author's (``step`` None) up to the one XLA asks about:
-  its values as asked or as partitioned, and its batch dimension's entry."""
-  step: _Step | None
-  operands: list
-  results: list
-  entry: Any = None
 
 
 def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
@@ -2040,7 +2519,10 @@ def _partition_derived(op: _Op, operands: list, results: list,
                        on) -> _PerShard:
   """The author's answer about the op below, walked up ``op.steps``."""
   if op.mesh.empty:
-    raise NotImplementedError(_REFUSALS["derived_without_mesh"].format(
+    raise NotImplementedError((
+        "{name} is lowered for several devices without a mesh; jax.vmap, "
+        "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
+        "NamedSharding arguments, jax.set_mesh or `with mesh:`).").format(
         name=op.name))
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
@@ -2074,6 +2556,11 @@ def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
     return _ask_propagate(op, results)
   return steps[-1].propagate(
       op, results, lambda below: _propagate(op, steps[:-1], below))
+
+
+def _axes_in(specs) -> set:
+  return {a for spec in specs for entry in spec or ()
+          for a in _entry_axes(entry)}
 
 
 def _specs_up(levels: list, answer: _Answer,
@@ -2124,6 +2611,18 @@ def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
                       a not in value.varying)
 
 
+def _real_axes(mesh) -> tuple:
+  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
+  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _padded(values: list, mesh) -> bool:
+  """Whether a value is sharded over mesh axes that do not divide its
+  dimension (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
+
+
 def _without_padding(x, v: _Value, on, real: bool = False):
   """``x``, a shard of ``v``, past ``v``'s end (XLA pads last shards with
   unspecified values) zeroed, or if ``real`` made ``v``'s first slice."""
@@ -2142,30 +2641,168 @@ def _without_padding(x, v: _Value, on, real: bool = False):
   return x
 
 
-def _masked(fn: Callable, primals, mask):
-  """``fn`` as a function of the primals marked in ``mask`` alone."""
-  def partial_fn(*chosen):
-    it = iter(chosen)
-    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
-  return partial_fn, [p for p, m in zip(primals, mask) if m]
+# --------------------------------------------------------------------------
+# II.4 Ops defined by their sharding rule alone
+#
+# ``def_partition(sharding_rule=...)`` without ``partition`` (or without
+# ``infer_sharding_from_operands``): both are derived from the rule.
+# --------------------------------------------------------------------------
+
+class _FromRule:
+  """The ``partition`` of an op defined by its rule alone: each shard runs
+  ``fun`` with the call's static arguments and unpassed defaults."""
+  __slots__ = ("fun", "static_argnums", "defaults", "_parts")
+
+  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
+    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
+                                                    defaults)
+    # Defaults, fun's own objects, need not hash: compared by identity.
+    self._parts = (fun, static_argnums, tuple((i, id(value))
+                                              for i, value in defaults))
+
+  def __hash__(self):
+    return hash(self._parts)
+
+  def __eq__(self, other):
+    return isinstance(other, _FromRule) and other._parts == self._parts
+
+  def lower_fn(self, static_args: tuple) -> Callable:
+    """``fun`` as a function of the operands, ``static_args`` bound."""
+    fixed = dict([*zip(self.static_argnums, static_args), *self.defaults])
+    fun = self.fun
+
+    def lower_fn(*operands):
+      return fun(*_in_call_order(fixed, operands))
+    name = getattr(fun, "__name__", "")
+    lower_fn.__name__ = name if name.isidentifier() else "fun"
+    return lower_fn
 
 
-def _rule_attr(rule, levels: list, one_size: bool):
-  """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
-  bottom = levels[0]
-  n = len(bottom.operands)
-  sizes, dims = _resolve_rule(
-      rule, [v.shape for v in bottom.operands + bottom.results], n, one_size)
-  ops, res, reduction = dims[:n], dims[n:], list(rule.reduction_factors)
-  for level in levels[1:]:
-    ops, res, reduction = level.step.rule_up(level, sizes, ops, res, reduction)
-  return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
-                              rule.need_replication_factors,
-                              rule.permutation_factors)
+def _infer_by_rule(op: _Op, operands: list, results: list):
+  """The result shardings the op's rule implies, or None (GSPMD); it needs
+  every placed operand's PartitionSpec."""
+  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
+      v.spec is None and v.hlo is not None for v in operands):
+    return None
+  shapes = [v.shape for v in operands + results]
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if isinstance(op.partition, _FromRule):  # as the partition will answer
+      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
+                          [None] * len(results))[1]
+    else:
+      specs = _infer_from_rule(op.sharding_rule, shapes,
+                               [v.spec for v in operands])
+  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
+
+
+def _infer_from_rule(rule: SdyShardingRule, shapes: list,
+                     in_specs: list) -> list:
+  """GSPMD inference from a Shardy rule: each result's PartitionSpec entries
+  from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
+  operands', then results'): the mesh axes of the first operand dimension
+  with the same single, passthrough factor, unless another dimension of
+  that result has them already."""
+  _, dims = _resolve_rule(rule, shapes, len(in_specs))
+  blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
+  axes_of: dict[str, Any] = {}
+  for value_dims, spec in zip(dims, in_specs):
+    for factors, axes in zip(value_dims, spec or ()):
+      if len(factors) == 1 and factors[0] not in blocked and axes is not None:
+        axes_of.setdefault(factors[0], axes)
+  out = []
+  for value_dims in dims[len(in_specs):]:
+    used: set = set()
+    spec = []
+    for factors in value_dims:
+      axes = axes_of.get(factors[0]) if len(factors) == 1 else None
+      axes = axes if used.isdisjoint(_entry_axes(axes)) else None
+      used.update(_entry_axes(axes))
+      spec.append(axes)
+    out.append(tuple(spec))
+  return out
+
+
+def _partition_from_rule(op: _Op, operands: list, results: list):
+  """What a ``partition`` written from the op's rule would return."""
+  lower_fn = op.partition.lower_fn(op.static_args)
+  if op.mesh.empty:  # no axis to name: replicated is right for every op
+    replicated = _jax.GSPMDSharding(op.place.devices,
+                                              _jax.HloSharding.replicate())
+    in_shardings = [replicated] * len(operands)
+    out_shardings = [replicated] * len(results)
+  else:
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      in_specs, out_specs = _rule_specs(
+          op.sharding_rule, [v.shape for v in operands + results],
+          [v.spec for v in operands], [v.spec for v in results])
+    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
+        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
+        for specs in (in_specs, out_specs))
+  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
+          op.in_tree.unflatten(in_shardings))
+
+
+def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
+                out_specs: list) -> tuple[list, list]:
+  """The partition of an op by its rule alone (``_partition_from_rule``):
+  ``(operand specs, result specs)`` as PartitionSpec entries, from the
+  ``in_specs`` and ``out_specs`` values arrive with (None: unknown;
+  ``shapes``: operands', then results'). A factor keeps the mesh axes the
+  operands bring it on, else the results' (slicing a replicated operand
+  costs no communication), unless one side brings it on two (a conflict),
+  it is special or reduced, in a compound dimension, or an earlier factor
+  (in order of first use) keeps those axes."""
+  num_operands = len(in_specs)
+  sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
+  blocked = _reduced_factors(rule, dims, num_operands).union(
+      rule.need_replication_factors, rule.permutation_factors)
+  blocked.update(f for value_dims in dims for factors in value_dims
+                 if len(factors) > 1 for f in factors)
+  axes_of: dict[str, tuple] = {}
+  for side, specs in ((dims[:num_operands], in_specs),
+                      (dims[num_operands:], out_specs)):
+    brought: dict[str, set] = {}
+    for value_dims, spec in zip(side, specs):
+      for factors, entry in zip(value_dims, spec or ()):
+        if factors[0] not in blocked and entry is not None:
+          brought.setdefault(factors[0], set()).add(_entry_axes(entry))
+    for factor, axes in brought.items():  # unless the operands decided:
+      if factor not in axes_of and len(axes) > 1:
+        blocked.add(factor)  # a conflict: no side's choice is better
+      elif factor not in axes_of:
+        (axes_of[factor],) = axes
+  used: set = set()
+  kept: dict[str, Any] = {}
+  for factor in sizes:
+    axes = axes_of.get(factor, ())
+    if axes and factor not in blocked and not used & set(axes):
+      used.update(axes)
+      kept[factor] = axes[0] if len(axes) == 1 else axes
+  specs = [tuple(kept.get(factors[0]) if len(factors) == 1 else None
+                 for factors in value_dims) for value_dims in dims]
+  return specs[:num_operands], specs[num_operands:]
+
+
+def _reduced_factors(rule: SdyShardingRule, dims: list,
+                     num_operands: int) -> set:
+  """The factors of a resolved rule no shard can keep (the one definition
+  every check and derivation uses): reduction factors, those of operands or
+  results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
+  result lacks of the operands it shares a factor with (of all operands, if
+  it has no factor), as ``n`` for the second result of ``"b n -> b n, b"``."""
+  factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
+  ins, outs = factors[:num_operands], factors[num_operands:]
+  reduced = set(rule.reduction_factors) | (
+      set().union(*ins) ^ set().union(*outs))
+  for out in outs:
+    for operand in ins:
+      if operand & out or not out:
+        reduced |= operand - out
+  return reduced
 
 
 # --------------------------------------------------------------------------
-# 8. Checks of the per-shard program
+# II.5 Checks of the per-shard program
 #
 # Two silent mistakes in ``lower_fn`` are refused while it is traced (unless
 # ``check_vma=False``): reducing over a dimension the mesh does not divide
@@ -2177,13 +2814,6 @@ def _rule_attr(rule, levels: list, one_size: bool):
 # the union over iterations; an unknown effect (grouped collectives, other
 # subprograms) never raises. Size-1 axes never count.
 # --------------------------------------------------------------------------
-
-def _padded(values: list, mesh) -> bool:
-  """Whether a value is sharded over mesh axes that do not divide its
-  dimension (XLA pads the last shards)."""
-  return any(size % _shard_count(entry, mesh)
-             for v in values for size, entry in zip(v.shape, v.spec or ()))
-
 
 def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
   """Raises if ``args`` pads an operand dimension the rule reduces over."""
@@ -2226,8 +2856,16 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
       continue
     for axis in axes:
       if axis in varying and axis not in _axes_in([spec]):
-        raise ValueError(_REFUSALS["varies"].format(name=name, i=i,
-                                                    axis=axis, spec=spec))
+        raise ValueError((
+            "lower_fn of {name} returns result {i} as replicated over mesh "
+            "axis {axis!r} (its result sharding has spec {spec}), but its "
+            "value differs between the devices along {axis!r}: it is computed "
+            "from an operand sharded over {axis!r} (or from axis_index) and no "
+            "collective over that axis makes it equal. Likely fix: a missing "
+            "jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, or a "
+            "result sharding over {axis!r}. If the value is equal by "
+            "construction, pass check_vma=False to "
+            "def_partition.").format(name=name, i=i, axis=axis, spec=spec))
   return proven
 
 
@@ -2304,394 +2942,300 @@ def _loop_varying(eqn, ins: list) -> list:
     carry = new
 
 
+def _scan_counts(params: dict) -> tuple[int, int]:
+  if "num_consts" in params:  # jax 0.11.0 replaced these with ft_in
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts)), len(list(carry))
+
+
 # --------------------------------------------------------------------------
-# 9. Checking an op's partitioning: check_partitioning
+# II.6 Keys that hit across processes
 #
-# A wrong ``partition`` (an FFT axis kept sharded, a psum forgotten) gives
-# plausible numbers, and one-device tests never run it. Placements:
-# ``_shardings_of`` (one operand), ``_sharding_combinations``,
-# ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
+# With jax's persistent compilation cache on, a custom call's key (part of
+# the program's) names the op by content, alike in every process: a digest
+# of every ``_Op`` field not marked state (body jaxpr and constants; each
+# callback's code and what it reads: closures, globals, user modules'
+# attributes, defaults; static arguments, pytrees, mesh, devices,
+# partitioner, jax's trace context). Plain data (user objects by fields;
+# arrays up to _MAX_HASHED_BYTES, as hashing costs in every lowering), code,
+# meshes, devices and shardings are described faithfully; anything else is
+# *opaque*: named by its identity in one lowering of one process. So a key
+# holds across processes unless the op reads opaque values, and a changed
+# program (even in place: each lowering is described anew) never gets an old
+# key. State read through libraries (environment, files, random numbers) is
+# not seen: as in functions jax.jit traces, callbacks must not read it.
 # --------------------------------------------------------------------------
 
-_ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
-    "one dimension over one axis", "several dimensions over one axis each",
-    "one dimension over a tuple of axes", "padded")
+# Code of these packages is identified by name and version, not by content.
+_LIBRARY_PREFIXES = frozenset(
+    "jax jaxlib numpy builtins functools operator math typing collections abc"
+    " ml_dtypes opt_einsum scipy os sys random time io pathlib".split())
+_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
+_MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
+_MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
+# This module's classes -> what describes their objects (see the wiring).
+_DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
+_SKIPPED_CLASS_ATTRS = frozenset(
+    "__dict__ __weakref__ __doc__ __module__ __qualname__ __annotations__"
+    " __dataclass_fields__ __dataclass_params__ __match_args__".split())
 
 
-def check_partitioning(fn: Callable, *example_args, grad: bool = False,
-                       meshes=None, rtol: float | None = None,
-                       atol: float | None = None,
-                       max_combinations: int = 32) -> PartitioningReport:
-  """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
-  whatever sharding its operands arrive in. For an op author's tests.
-
-  On each mesh, over its axes of more than one device, every example
-  argument is placed replicated or in one of four classes: one dimension
-  over one axis that divides it; several dimensions, one axis each; one
-  dimension over all the axes as a tuple (both orders); padded, one
-  dimension over an axis that does not divide it (XLA pads the last
-  shards, never a global result; not on Explicit axes, where jax types no
-  uneven sharding, nor on jax 0.9 under Shardy, which cannot compile a
-  padded result). Across arguments: all combinations, or
-  ``max_combinations`` per mesh chosen deterministically (all replicated,
-  each argument sharded alone, all sharded at once, then the rest). Each
-  one's jitted results (with ``grad``, also its VJP's gradients) are
-  compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
-  runs its own ``fun`` (no callback); results also with each result asked
-  for (as by a consumer) in its one-axis shardings in turn, then replicated,
-  the arguments placed in turn (none on Explicit axes; max_combinations).
-
-  Args:
-    fn: a ``custom_partitioning`` op or a function of arrays built from
-      ops (e.g. a ``jax.custom_vjp``); bind non-array arguments into it.
-    *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
-      leaf an operand; small, with dimensions the mesh axes divide (2, 4, 8
-      on 8 devices: sharded evenly) and others (padded).
-    grad: also compare the VJP for fixed random cotangents (seed 0; zero
-      for non-float results; no gradient for an integer argument), each
-      placed as its result comes out of the jitted forward, as in a real
-      loss (never padded; two compiles per combination); then, on each
-      mesh without Explicit axes, the operands replicated, each cotangent
-      in the k-th one-axis sharding of its result, for every k (one
-      compile each).
-    meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
-      mesh ``('x',)`` over all devices and, for p the device count's
-      smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
-      ``(p, count // p)``, both with Auto axes (``jax.make_mesh`` gives
-      Explicit ones from jax 0.9). A mesh with an Explicit axis is checked
-      under ``jax.set_mesh``, so that ops take their Explicit-axes path.
-    rtol, atol: as in ``numpy.allclose``; default by dtype as jax types it,
-      ``rtol`` 1e-9 for 64-bit floats (and complex128), 1e-4 for 32-bit,
-      5e-3 for float16, 3e-2 for bfloat16, 2 epsilon for float8 types,
-      ``atol`` that times the reference's largest magnitude (at least 1);
-      integers and booleans exact; inf and NaN exact (same sign) always.
-    max_combinations: the bound per mesh.
-
-  Returns:
-    A ``PartitioningReport``; its ``str`` says what was checked on which
-    meshes, and per argument which classes were not tried and why.
-
-  Raises:
-    TypeError: ``fn`` is not callable, an example leaf is not an array, or
-      ``meshes`` holds a non-mesh.
-    ValueError: ``max_combinations`` is less than 1, or no example argument.
-    AssertionError: a result or gradient differs; the message names the
-      function, the mesh, the operand (and cotangent, requested result)
-      shardings as ``PartitionSpec``s, which result or gradient, largest error.
-    Exception: an error compiling or running a placement, or on one
-      device, is re-raised with its type, chained to the original, the
-      message naming the mesh and shardings (or the device).
-  """
-  name, arg_names, hosts, in_tree, flat, meshes = _checked_examples(
-      fn, example_args, meshes, max_combinations)
-  run, outs, ct_shapes = _runner(fn, name, in_tree, hosts, arg_names, grad)
-  device = jax.devices()[0]
+def _content_key(ctx, op: _Op, call: _jax.ClosedJaxpr) -> str:
+  # What the cache loads runs per-shard code no one lowered in this process.
+  _ensure_lapack(op.platforms, call.jaxpr)
+  # The keep-alive list lives as long as the lowering and its executables.
+  describer = _Describer(
+      f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}")
+  parts = (str(call.jaxpr), call.consts, op, _trace_context_by_value(),
+           _SHARDY.value)
   try:
-    want = run([jax.device_put(h, device) for h in hosts])
-  except Exception as e:
-    raise _renamed(e, f"check_partitioning({name}): on one device "
-                      f"({device})") from e
-
-  def check(mesh, specs, ct_specs=None, out_specs=None):
-    where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
-             f"operand shardings {_specs_text(specs, arg_names, flat)}")
-    for kind, given in (("cotangent", ct_specs),
-                        ("requested result", out_specs)):
-      if given is not None:
-        where += f" and {kind} shardings {_specs_text(given, [], True)}"
-    placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
-    try:
-      with _set_mesh_scope(mesh):
-        got = run([x for x, _ in placed], tuple(c for _, c in placed),
-                  ct_specs, mesh, out_specs)
-    except Exception as e:
-      raise _renamed(e, where) from e
-    for (what, g), (_, w) in zip(got, want):
-      _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} on "
-               "one device")
-  per_mesh, cotangents, requested = [], 0, 0
-  offered, tried = [set() for _ in hosts], [set() for _ in hosts]
-  for mesh in meshes:
-    options = [_shardings_of(h.shape, mesh) for h in hosts]
-    chosen = _sharding_combinations(options, max_combinations)
-    for specs in chosen:
-      check(mesh, specs)
-    for ct_specs in _cotangent_specs(ct_shapes, mesh):
-      check(mesh, [()] * len(hosts), ct_specs)
-      cotangents += 1
-    for k, out_specs in enumerate(_cotangent_specs(
-        [s.shape for s in outs], mesh, 1)[:max_combinations]):
-      check(mesh, [o[k % len(o)] for o in options], out_specs=out_specs)
-      requested += 1
-    for i, h in enumerate(hosts):
-      offered[i] |= {_placement_class(s, h.shape, mesh) for s in options[i]}
-      tried[i] |= {_placement_class(c[i], h.shape, mesh) for c in chosen}
-    per_mesh.append((_mesh_text(mesh), len(chosen),
-                     math.prod(map(len, options))))
-  return PartitioningReport(
-      name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
-      max_combinations=max_combinations, cotangent_placements=cotangents,
-      result_requests=requested,
-      **_coverage(arg_names, hosts, meshes, offered, tried))
+    describer.add((jax.__version__, *parts))
+  except RecursionError:  # too deep, or too big (``add``)
+    describer.out = ["too big to describe"]
+    describer.opaque(parts)
+  digest = hashlib.sha256("\n".join(describer.out).encode()).hexdigest()
+  return f"{_TARGET}:{digest[:40]}"
 
 
-def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
-  """``(name, arg_names, host arrays, in_tree, flat, meshes)``, checked;
-  ``flat``: no argument is a pytree."""
-  if not callable(fn):
-    raise TypeError(
-        "check_partitioning: fn must be callable (a custom_partitioning op "
-        f"or a function built from them); got {type(fn).__name__} "
-        f"{_short_repr(fn)}.")
-  name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
-          else None) or getattr(fn, "__qualname__", None) or getattr(
-              fn, "__name__", None) or _short_repr(fn)
-  if not isinstance(max_combinations, int) or max_combinations < 1:
-    raise ValueError(f"check_partitioning({name}): max_combinations must be "
-                     f"a positive int; got {max_combinations!r}.")
-  paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(example_args)
-  if not paths_leaves:
-    raise ValueError(f"check_partitioning({name}): no example argument "
-                     "(an array) to place.")
-  arg_names = [f"argument {path[0].idx}"
-               f"{jax.tree_util.keystr(tuple(path[1:]))}"
-               for path, _ in paths_leaves]
-  for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
-    if not _is_array(leaf):
-      raise TypeError(
-          f"check_partitioning({name}): example {arg_name} is a "
-          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
-          "numpy or jax arrays; bind other arguments into fn "
-          "(functools.partial or a lambda).")
-  if meshes is None:
-    devices = np.array(jax.devices())
-    n = devices.size
-    factors = [p for p in range(2, n) if n % p == 0]
-    meshes = [jax.sharding.Mesh(devices, ("x",))] + [
-        jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y"))
-        for p in factors[:1]]
-  meshes = [meshes] if isinstance(meshes, jax.sharding.Mesh) else list(meshes)
-  for mesh in meshes:
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise TypeError(f"check_partitioning({name}): meshes must hold "
-                      f"jax.sharding.Mesh objects; got {type(mesh).__name__}.")
-  return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
-          in_tree, all(len(path) == 1 for path, _ in paths_leaves), meshes)
+def _trace_context_by_value() -> tuple:
+  """jax's trace context (the configuration its tracing caches key on),
+  each entry described by value: equal in every process for equal ones."""
+  # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
+  # a core.AxisEnv, whose repr is its address; the rest describe by value.
+  axis_env = _jax.AxisEnv or ()  # a class, or no class
+  return tuple(
+      ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
+       getattr(v, "explicit_mesh_axis_names", None))
+      if isinstance(v, axis_env) else v for v in _jax.trace_context())
 
 
-def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
-            grad: bool) -> tuple[Callable, list, list]:
-  """``(run, results' ShapeDtypeStructs, cotangent shapes)`` (None: not a
-  float). ``run(leaves, constraints=None, ct_specs=None, mesh=None,
-  out_specs=None)``: ``[(what, array)]`` of the jitted results (constrained
-  to ``out_specs``) and, with ``grad``, not ``out_specs``, the gradients."""
-  def args_of(leaves, constraints):
-    return in_tree.unflatten(_constrained(leaves, constraints))
-
-  def forward(leaves, constraints, out_constraints):
-    outs, tree = jax.tree_util.tree_flatten(fn(*args_of(leaves, constraints)))
-    return tree.unflatten(_constrained(outs, out_constraints))
-  forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
-  jitted_forward = jax.jit(forward, static_argnums=(1, 2))
-  # Cotangents: seed 0; None for a non-float result (its float0 is built
-  # while tracing); floats as jax types them (bfloat16: not numpy's).
-  rng, cts = np.random.default_rng(0), []
-  shapes = jax.tree_util.tree_leaves(jax.eval_shape(
-      fn, *in_tree.unflatten(hosts)))
-  for s in shapes if grad else []:
-    ct = None
-    if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
-      ct = rng.standard_normal(s.shape)
-      if jax.numpy.issubdtype(s.dtype, jax.numpy.complexfloating):
-        ct = ct + 1j * rng.standard_normal(s.shape)
-      ct = ct.astype(s.dtype)
-    cts.append(ct)
-
-  def pullback(leaves, cts, constraints, ct_constraints):
-    out, vjp = jax.vjp(fn, *args_of(leaves, constraints))
-    outs, out_tree = jax.tree_util.tree_flatten(out)
-    cts = _constrained(cts, ct_constraints)
-    return vjp(out_tree.unflatten([
-        np.zeros(o.shape, jax.dtypes.float0) if c is None
-        else _typed_like(c, o) for o, c in zip(outs, cts)]))
-  pullback.__name__ = pullback.__qualname__ = (
-      f"check_partitioning_{name}_vjp")
-  jitted_pullback = jax.jit(pullback, static_argnums=(2, 3))
-
-  def run(leaves, constraints=None, ct_specs=None, mesh=None, out_specs=None):
-    out = jitted_forward(leaves, constraints, out_specs and tuple(
-        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s))
-        for s in out_specs))
-    found = [(f"result {jax.tree_util.keystr(tuple(path))}" if path else
-              "the result", leaf)
-             for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]]
-    if grad and out_specs is None:
-      placed = [(None, None) if c is None else
-                (jax.device_put(c, _arguable(o, mesh)), None) if spec is None
-                else _placed(c, mesh, spec) for c, o, spec in zip(
-                    cts, jax.tree_util.tree_leaves(out),
-                    ct_specs or [None] * len(cts))]
-      grads = jitted_pullback(leaves, [c for c, _ in placed], constraints,
-                              tuple(k for _, k in placed))
-      found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
-                in zip(arg_names, jax.tree_util.tree_leaves(grads))
-                if g.dtype != jax.dtypes.float0]
-    return [(what, np.asarray(leaf)) for what, leaf in found]
-  return run, shapes, [None if c is None else c.shape for c in cts]
+_lapack_ready = False  # see _ensure_lapack
 
 
-def _constrained(xs: list, shardings) -> list:  # shardings None: none
-  return [x if s is None else jax.lax.with_sharding_constraint(x, s)
-          for x, s in zip(xs, shardings or [None] * len(xs))]
+def _ensure_lapack(platforms, jaxpr: _jax.Jaxpr) -> None:
+  """Registers jaxlib's LAPACK kernels (tenths of a second, once) if ``jaxpr``
+  uses one on CPU, as jax.export does for a loaded module: jax does so only
+  when it lowers one, and XLA segfaults if cached per-shard code calls one."""
+  global _lapack_ready
+  if _lapack_ready or "cpu" not in platforms:
+    return
+  linear_algebra = {p for p in vars(_jax.linalg).values()
+                    if isinstance(p, _jax.Primitive)}
+  jaxprs = [jaxpr]
+  while jaxprs and not _lapack_ready:
+    jaxpr = jaxprs.pop()
+    if any(eqn.primitive in linear_algebra for eqn in jaxpr.eqns):
+      _jax.lapack._lapack.initialize()
+      _lapack_ready = True
+    jaxprs.extend(_jax.subjaxprs(jaxpr))
 
 
-def _placed(host, mesh, spec: tuple) -> tuple:
-  """``(host put on mesh in spec, None)``; for a padded ``spec``, which
-  ``jax.device_put`` refuses, ``(host replicated, spec's sharding)``, to
-  constrain it to inside ``jit`` as a user's program would."""
-  sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*spec))
-  if _placement_class(spec, host.shape, mesh) != _PADDED:
-    return jax.device_put(host, sharding), None
-  return _placed(host, mesh, ())[0], sharding
+class _Describer:
+  """Writes a description of Python values (a content key's); ``scope`` names
+  one lowering in one process (opaque values are described within it)."""
+
+  def __init__(self, scope: str):
+    self.scope = scope
+    self.out: list[str] = []
+    # id -> (position, object): kept, so no temporary reuses the id.
+    self.seen: dict[int, tuple[int, Any]] = {}
+
+  def add(self, obj) -> None:
+    out = self.out
+    if len(out) > _MAX_DESCRIPTION:
+      raise RecursionError
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+      out.append(str(_static_key(obj)))  # not repr: it loses a NaN's sign
+      return
+    if id(obj) in self.seen:  # shared or cyclic
+      out.append(f"same as #{self.seen[id(obj)][0]}")
+      return
+    self.seen[id(obj)] = (len(self.seen), obj)
+    kind = type(obj)
+    if isinstance(obj, (tuple, list)):  # also PartitionSpec, namedtuples
+      out.append(f"{kind.__module__}.{kind.__qualname__}[{len(obj)}]")
+      for item in obj:
+        self.add(item)
+    elif isinstance(obj, (set, frozenset)):
+      out.append(f"{kind.__name__}[{len(obj)}]")
+      for item in sorted(obj, key=self._alone):
+        self.add(item)
+    elif isinstance(obj, dict):
+      out.append(f"dict[{len(obj)}]")
+      for item in itertools.chain.from_iterable(obj.items()):
+        self.add(item)
+    elif isinstance(obj, (np.ndarray, np.generic, jax.Array)):
+      self._array(obj)
+    elif isinstance(obj, (np.dtype, enum.Enum)):
+      out.append(f"{kind.__qualname__} {obj!r}")
+    elif isinstance(obj, types.ModuleType):
+      out.append(f"module {obj.__name__}")
+    elif isinstance(obj, functools.partial):
+      out.append("partial")
+      self.add((obj.func, obj.args, obj.keywords))
+    elif isinstance(obj, types.MethodType):
+      out.append("method")
+      self.add((obj.__func__, obj.__self__))
+    elif isinstance(obj, types.FunctionType):
+      self._function(obj)
+    elif isinstance(obj, type):
+      self._class(obj)
+    elif isinstance(obj, types.CodeType):
+      self._code(obj)
+    elif isinstance(obj, types.BuiltinFunctionType):
+      out.append(f"builtin {obj.__module__}.{obj.__qualname__}")
+      if not isinstance(obj.__self__, (types.ModuleType, type(None))):
+        self.add(obj.__self__)
+    else:
+      self._object(obj)
+
+  def _object(self, obj) -> None:
+    """Describes jax's objects, this module's, wrappers, user objects."""
+    out, kind = self.out, type(obj)
+    if isinstance(obj, jax.sharding.Mesh):
+      out.append("empty mesh" if obj.empty else
+                 f"mesh {obj.axis_names} {obj.devices.shape} "
+                 f"{[d.id for d in obj.devices.flat]} {_axis_types(obj)}")
+    elif isinstance(obj, _jax.AbstractMesh):  # its repr is its value
+      out.append(f"abstract mesh {obj!r}")
+    elif isinstance(obj, jax.Device):
+      out.append(f"device {obj.platform} {obj.id}")
+    elif isinstance(obj, _jax.Client):  # one per platform in a process
+      out.append(f"backend {obj.platform} {obj.platform_version}")
+    elif isinstance(obj, jax.sharding.NamedSharding):
+      out.append(f"named sharding {obj.spec} {obj.memory_kind}")
+      self.add(obj.mesh)
+    elif isinstance(obj, _jax.GSPMDSharding):
+      out.append(f"gspmd sharding {_gspmd_hlo(obj)} "
+                 f"{[d.id for d in _sharding_devices(obj)]}")
+    elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
+      out.append(f"{kind.__qualname__} {obj}")
+    elif any(t in _DESCRIBED_BY for t in kind.__mro__):
+      out.append(f"{kind.__qualname__}")
+      self.add(next(_DESCRIBED_BY[t] for t in kind.__mro__
+                    if t in _DESCRIBED_BY)(obj))
+    elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
+      out.append(f"wrapper {kind.__qualname__}")
+      self.add(obj.__wrapped__)
+    elif not _is_library(kind.__module__) and hasattr(obj, "__dict__"):
+      out.append("object")  # dataclasses, other user objects: by fields
+      self._class(kind)
+      self.add(vars(obj))
+    else:
+      self.opaque(obj)
+
+  def opaque(self, obj) -> None:
+    kind = type(obj)
+    self.out.append(f"opaque {kind.__module__}.{kind.__qualname__} "
+                    f"{self.scope}:{id(obj)}")
+
+  def _alone(self, obj) -> str:  # to sort set members
+    sub = _Describer(self.scope)
+    sub.add(obj)
+    return "\n".join(sub.out)
+
+  def _array(self, obj) -> None:
+    value = None
+    # Checked before np.asarray, which copies a jax.Array to the host.
+    if getattr(obj, "nbytes", 0) <= _MAX_HASHED_BYTES:
+      with contextlib.suppress(Exception):  # e.g. not addressable from here
+        value = np.asarray(obj)
+    if value is None:
+      return self.opaque(obj)
+    self.out.append(f"array {value.dtype} {value.shape} "
+                    f"{hashlib.sha256(value.tobytes()).hexdigest()}")
+
+  def _function(self, fn: types.FunctionType) -> None:
+    self.out.append(f"def {fn.__module__}.{fn.__qualname__}")
+    if _is_library(fn.__module__):
+      return
+    self.add((fn.__defaults__, fn.__kwdefaults__))
+    self._code(fn.__code__)
+    for cell in fn.__closure__ or ():
+      try:
+        self.add(cell.cell_contents)
+      except ValueError:  # an empty cell
+        self.out.append("empty cell")
+    self._reads("global ", fn.__globals__, _code_names(fn.__code__))
+
+  def _reads(self, prefix: str, namespace, names, depth: int = 0) -> None:
+    """Describes what code using ``names`` may read from ``namespace``, and
+    from user modules in it (``co_names`` holds ``cfg.SCALE``'s too)."""
+    for name in names:
+      if name in namespace:
+        self.out.append(f"{prefix}{name}")
+        self.add(value := namespace[name])
+        if (isinstance(value, types.ModuleType) and depth <= 4 and
+            not _is_library(value.__name__)):
+          self._reads(f"attr {value.__name__}.", vars(value), names,
+                      depth + 1)
+
+  def _class(self, cls: type) -> None:
+    self.out.append(f"class {cls.__module__}.{cls.__qualname__}")
+    if _is_library(cls.__module__):
+      return
+    self.add(cls.__bases__)
+    for attr, value in sorted(vars(cls).items()):
+      if attr not in _SKIPPED_CLASS_ATTRS:
+        self.out.append(attr)
+        self.add(getattr(value, "__func__", value))  # unwrap static/class
+
+  def _code(self, code: types.CodeType) -> None:
+    self.out.append(f"code {code.co_code.hex()} {code.co_names}")
+    for const in code.co_consts:
+      self.add(const)
 
 
-def _shardings_of(shape: tuple, mesh) -> list[tuple]:
-  """One operand's candidates: replicated, then by class (``_CLASSES``);
-  none padded on Explicit axes or if not ``_returns_padded()``."""
-  axes, rank = _real_axes(mesh), len(shape)
-
-  def divides(d: int, names: tuple) -> bool:
-    return shape[d] > 0 and shape[d] % math.prod(
-        mesh.shape[a] for a in names) == 0
-
-  def spec(entries: dict) -> tuple:  # {dimension: entry}
-    return tuple(entries.get(d) for d in range(max(entries) + 1))
-  one = [spec({d: a}) for d in range(rank) for a in axes if divides(d, (a,))]
-  multi = len(axes) > 1
-  several = [spec(dict(zip(dims, axes)))
-             for dims in itertools.permutations(range(rank), len(axes))
-             if multi and all(divides(d, (a,)) for d, a in zip(dims, axes))]
-  tuples = [spec({d: t}) for d in range(rank) for t in (axes, axes[::-1])
-            if multi and divides(d, t)]
-  padded = [] if _any_explicit(mesh) or not _returns_padded() else [
-      spec({d: a}) for d in range(rank) for a in axes
-      if shape[d] % mesh.shape[a]]
-  return [()] + one + several + tuples + padded
+def _is_library(module_name: str | None) -> bool:
+  return (module_name or "").split(".")[0] in _LIBRARY_PREFIXES
 
 
-def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
-  """``spec``'s class of placements (``_CLASSES``); None: replicated."""
-  entries = [(n, e) for n, e in zip(shape, spec) if e is not None]
-  if not entries:
-    return None
-  if any(n % _shard_count(e, mesh) for n, e in entries):
-    return _PADDED
-  if any(isinstance(e, tuple) for _, e in entries):
-    return _TUPLE
-  return _SEVERAL if len(entries) > 1 else _ONE_AXIS
+def _code_names(code: types.CodeType) -> list[str]:
+  """Global and attribute names used by ``code`` and the code nested in it."""
+  nested = (_code_names(const) for const in code.co_consts
+            if isinstance(const, types.CodeType))
+  return sorted(set(code.co_names).union(*nested))
 
 
-def _cotangent_specs(shapes: list, mesh, extra: int = 0) -> list[tuple]:
-  """For k in 1 .. n-1+extra (n > 1: the most one-axis shardings of a
-  shape), each cotangent or asked-for result in its k-th, cyclically (a
-  shape None: none); none on Explicit axes, a value typed as its result."""
-  if _any_explicit(mesh):
-    return []
-  options = [[()] if shape is None else [
-      s for s in _shardings_of(shape, mesh)
-      if _placement_class(s, shape, mesh) in (None, _ONE_AXIS)]
-             for shape in shapes]
-  longest = max(map(len, options), default=1)
-  return [tuple(o[k % len(o)] for o in options)
-          for k in range(1, longest + (longest > 1 and extra))]
+# --------------------------------------------------------------------------
+# II.7 The log of what each op was asked
+#
+# Silent at the default WARNING (README, "Debugging": what a record holds).
+# At DEBUG, a record per question an op is asked (by XLA or, under Explicit
+# axes, while tracing) and per run of ``fun`` instead; a derived op is named
+# as jax made it ("transpose of jvp of f") and answers in its author's
+# callbacks' view. Callers check ``_log.isEnabledFor`` (tracing is hot).
+# --------------------------------------------------------------------------
+
+_log = logging.getLogger(__name__)
+_CUSTOM_CALL = "custom call"
+_SHARD_MAP = "shard_map under Explicit axes"
+_FUN = "fun"
 
 
-def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
-  """At most ``bound`` combinations of the per-operand ``options`` (each
-  replicated first): all if they fit; else all replicated, each operand
-  sharded alone (round-robin), "diagonals" (operand i takes its k-th
-  option, for every k), then the rest in ``itertools.product`` order."""
-  if math.prod(map(len, options)) <= bound:
-    return list(itertools.product(*options))
-  replicated = [o[0] for o in options]
-  ks = range(1, max(map(len, options)))
-  chosen: dict[tuple, None] = {}
-  for combination in itertools.chain(
-      [replicated],
-      (replicated[:i] + [o[k]] + replicated[i + 1:]
-       for k in ks for i, o in enumerate(options) if k < len(o)),
-      ([o[k % len(o)] for o in options] for k in ks),
-      itertools.product(*options)):
-    chosen.setdefault(tuple(combination), None)
-    if len(chosen) == bound:
-      break
-  return list(chosen)
+def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
+           answered: str = "", by: str = "", why: str = "",
+           cached: bool = False) -> None:
+  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
+  axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
+  where = (f"{path}, {'Shardy' if _SHARDY.value else 'GSPMD'}"
+           if path == _CUSTOM_CALL else path)
+  text = "; ".join(filter(None, [
+      f"custom_partitioning op {name}: {question} [{where}] "
+      + (f"on mesh {axes}" if axes else "with no mesh"),
+      asked and f"asked with {asked}",
+      "answered from the cache" + (answered and f": {answered}") if cached
+      else answered and f"{by} answered {answered}", why]))
+  _log.debug(text, extra={"custom_partitioning": dict(
+      op=name, question=question, path=path, mesh=axes, cached=cached,
+      why=why)})
 
 
-def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
-              tried: list) -> dict:
-  """The report's ``replicated_only``, ``placements`` and ``untried``."""
-  replicated_only, untried = [], []
-  for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
-    missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
-              for c in _CLASSES if c not in done]
-    if offer == {None}:
-      replicated_only.append(f"{arg_name} (shape {h.shape})")
-    elif missed:
-      untried.append(f"on {arg_name} (shape {h.shape}): {', '.join(missed)}")
-  return dict(
-      replicated_only=tuple(replicated_only), untried=tuple(untried),
-      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)))
-
-
-def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
-  """Why no placement of class ``cls`` was tried for ``shape``."""
-  if offered:
-    return "left out by max_combinations"
-  axes = [_real_axes(mesh) for mesh in meshes]
-  if not any(axes):
-    return "no mesh has an axis of more than one device"
-  if cls == _PADDED:
-    if not _returns_padded() and any(
-        n % m.shape[a] for m in meshes if not _any_explicit(m)
-        for a in _real_axes(m) for n in shape):
-      return ("jax 0.9 under Shardy cannot compile a program whose result "
-              "is padded")
-    explicit = [_any_explicit(m) for m, a in zip(meshes, axes) if a]
-    if all(explicit):
-      return "jax types no uneven sharding on Explicit mesh axes"
-    if any(explicit):
-      return ("jax types no uneven sharding on Explicit mesh axes, and every "
-              "other mesh axis divides each of its dimensions")
-    return "every mesh axis divides each of its dimensions"
-  if cls == _ONE_AXIS:
-    return "no mesh axis divides any of its dimensions"
-  if cls == _SEVERAL and len(shape) < 2:
-    return "it has fewer than two dimensions"
-  if all(len(a) < 2 for a in axes):
-    return "no mesh has two axes of more than one device"
-  if cls == _SEVERAL:
-    return "no mesh's axes each divide a different one of its dimensions"
-  return "no mesh's axes together divide any of its dimensions"
-
-
-def _mesh_text(mesh) -> str:
-  axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
-  types_ = _axis_types(mesh)
-  if types_ is not None and any(
-      t != jax.sharding.AxisType.Auto for t in types_):
-    names = ", ".join(t.name for t in types_)
-    axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
-  return f"Mesh({axes})"
-
-
-def _specs_text(specs, arg_names: list, flat: bool) -> str:
-  """``(PartitionSpec('x'), PartitionSpec())``; pytree leaves named."""
-  if flat:
-    return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
-  return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
-                         in zip(arg_names, specs)) + "}"
+def _logged_spec(v: _Value) -> str:
+  if v.spec is not None:
+    return _spec_text(v.spec)
+  return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
 
 
 def _spec_text(spec: tuple) -> str:
@@ -2699,208 +3243,142 @@ def _spec_text(spec: tuple) -> str:
   return f"PartitionSpec({', '.join(map(repr, spec))})"
 
 
-def _renamed(error: Exception, where: str) -> Exception:
-  """``error``'s type with ``where`` before its message (else ``error``
-  itself, with ``where`` as a note, for a type that takes no message)."""
-  try:
-    return type(error)(f"{where}: {type(error).__name__}: {error}")
-  except Exception:
-    _add_note(error, where)
-    return error
+def _logged(operands=None, results=None) -> str:
+  return ", ".join(
+      f"{what} [{', '.join(map(_logged_spec, values))}]"
+      for what, values in (("operands", operands), ("results", results))
+      if values is not None)
 
 
-def _compare(got, want, rtol, atol, what: str) -> None:
-  """Raises AssertionError (message after ``what``) unless ``got`` equals
-  ``want`` within the tolerances (None: by dtype) where ``want`` is finite,
-  and exactly (inf of its sign, NaN) where not."""
-  got, want = np.asarray(got), np.asarray(want)
-  if got.shape != want.shape or got.dtype != want.dtype:
-    raise AssertionError(
-        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
-        f"{want.dtype}{list(want.shape)}")
-  wide = np.complex128 if np.iscomplexobj(want) else np.float64
-  g, w = got.astype(wide), want.astype(wide)
-  tol = _default_tolerance(want.dtype)
-  scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))
-  rtol = tol if rtol is None else rtol
-  atol = tol * max(scale, 1.0) if atol is None else atol
-  with np.errstate(invalid="ignore"):
-    error = np.abs(g - w)
-    same = (g == w) | (np.isnan(g) & np.isnan(w))
-    bad = ~same & (~np.isfinite(w) | ~(error <= atol + rtol * np.abs(w)))
-  if not bad.any():
-    return
-  error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
-  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
-                        want.shape)
-  got_at, want_at = (format(v, ".6g") if isinstance(v, (float, complex))
-                     else str(v) for v in (got[at].item(), want[at].item()))
-  raise AssertionError(
-      f"{what}: largest error {float(np.max(error)):.3g} ({int(bad.sum())} "
-      f"of {bad.size} elements off; at index {tuple(map(int, at))} got "
-      f"{got_at}, expected {want_at}; rtol={rtol:.3g}, atol={atol:.3g})")
+def _debug_partition(op: _Op, operands: list, results: list, answer,
+                     path: str, why: str = "") -> None:
+  """Records ``partition`` asked about the author's op (``answer``: _Answer)."""
+  _debug(op.name, "partition", path=path, mesh=op.mesh,
+         asked=_logged(operands, results),
+         answered=_logged(answer.args, answer.results) if answer else "",
+         by=("the sharding rule" if isinstance(op.partition, _FromRule)
+             else "partition"), why=why)
 
 
-def _default_tolerance(dtype) -> float:
-  """The default rtol (see check_partitioning's ``rtol``)."""
-  if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
-    return 0.0
-  info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
-  if info.bits >= 32:
-    return 1e-9 if info.bits >= 64 else 1e-4
-  # Summed in another order, a float8 sum rounds otherwise: a correct psum
-  # of random rows was off by up to 2 epsilon of the largest magnitude.
-  return {"float16": 5e-3, "bfloat16": 3e-2}.get(np.dtype(dtype).name,
-                                                  2 * float(info.eps))
+def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
+                            result_shape, result_sharding, hit) -> None:
+  """Records a repeated ``partition`` question, answered with ``hit``."""
+  on = op.mesh if op.place.auto is None else op.place.auto
+  asked, answered = (
+      _logged(_from_xla(arg_shapes, args, on),
+              _from_xla(*_hlo_parts(result_shape, result), on))
+      for args, result in ((arg_shardings, result_sharding), hit[1:]))
+  _debug(op.name, "partition", path=_CUSTOM_CALL, mesh=op.mesh, cached=True,
+         asked=asked, answered=answered)
 
 
-@dataclasses.dataclass(frozen=True)
-class PartitioningReport:
-  """What ``check_partitioning`` checked; ``str()`` says it in sentences.
-
-  Attributes:
-    name: the checked function's name.
-    checked: placements compiled, run and compared, over all meshes.
-    meshes: per mesh, ``(description, checked, total)``, total before
-      ``max_combinations`` cut it.
-    replicated_only: the example arguments (with shapes) no mesh shards.
-    grad: whether gradients were compared too.
-    max_combinations: the bound per mesh.
-    placements: the classes besides replicated that some argument was
-      checked in: ``"one dimension over one axis"``, ``"several dimensions
-      over one axis each"``, ``"one dimension over a tuple of axes"``,
-      ``"padded"``.
-    untried: per argument with classes not checked, a sentence naming
-      them and why (e.g. no mesh axis divides it, or the bound).
-    cotangent_placements: with ``grad``, how many cotangent placements
-      other than their results' were checked (operands replicated).
-    result_requests: how many combinations were checked with each result
-      requested in a sharding (a sharding constraint, as by a consumer).
-  """
-  name: str
-  checked: int
-  meshes: tuple
-  replicated_only: tuple
-  grad: bool
-  max_combinations: int
-  placements: tuple = ()
-  untried: tuple = ()
-  cotangent_placements: int = 0
-  result_requests: int = 0
-
-  def __str__(self) -> str:
-    what = "results and gradients" if self.grad else "results"
-    n, left, r = self.cotangent_placements, sum(
-        total - k for _, k, total in self.meshes), self.result_requests
-    per_mesh = "; ".join(f"{text}: {k} of {total}"
-                         for text, k, total in self.meshes)
-    return "".join(part for part in (
-        f"check_partitioning({self.name}): {self.checked} combinations of "
-        f"operand shardings checked, {what} equal to {self.name} on one "
-        f"device ({per_mesh}). ",
-        n and f"Cotangents also checked in {n} sharding{'s' * (n > 1)} "
-        "other than their results' (the operands replicated). ",
-        f"Placements checked: {', '.join(['replicated', *self.placements])}.",
-        self.replicated_only and " No mesh axis divides "
-        f"{', '.join(self.replicated_only)}: checked replicated only.",
-        self.untried and f" Not tried {'; '.join(self.untried)}.",
-        left and f" {left} combinations left unchecked (max_combinations="
-        f"{self.max_combinations} per mesh): raise max_combinations, or pass "
-        "meshes=, to check them.",
-        r and f" Results also checked in {r} combination{'s' * (r > 1)} "
-        "with their shardings requested (a sharding constraint on each, as "
-        "a consumer's).") if part)
+def _debug_infer(op: _Op, operands: list, inferred,
+                 path: str = _CUSTOM_CALL) -> None:
+  by = ("infer_sharding_from_operands"
+        if op.infer_sharding_from_operands is not None else
+        "the sharding rule (no infer_sharding_from_operands)"
+        if op.sharding_rule is not None else
+        "nobody (no infer_sharding_from_operands, no sharding_rule)")
+  _debug(op.name, "infer_sharding_from_operands", path=path, mesh=op.mesh,
+         asked=_logged(operands), by=by,
+         answered=(_logged(results=inferred) if inferred is not None else
+                   "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
+                   else "nothing"))
 
 
-def _short_repr(value, limit: int = 60) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
+  """``answer`` None: the user's sharding was kept without asking."""
+  by = ("the module (no propagate_user_sharding: the user's sharding)"
+        if answer is None else "propagate_user_sharding")
+  _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
+         mesh=op.mesh, asked=_logged(results=users), by=by,
+         answered=_logged(results=users if answer is None else answer))
 
 
 # --------------------------------------------------------------------------
-# Appendix A. Shardings
+# II.8 Shared by the extras; module state
 #
-# XLA talks in HloShardings on flat lists of shapes, the callbacks in jax
-# shardings on pytrees; in between, each operand and result is a ``_Value``.
+# jax's mesh and sharding internals that several extras read, and the table
+# of all state this module keeps but the stores on its objects (per op, per
+# lowered op); each store stands beside its owner. Caches are bounded
+# ``_LRU``s, each with its own lock; a hit answers what a fresh computation
+# would (where each is filled, a comment says what its key holds).
+#
+#   store           maps                                    bound   cleared
+#   op._traces      call signature -> traced fun            64/op   C, D
+#   op._programs    call signature -> _Program (II.2)       64/op   C, D
+#   _eager          eager call -> jitted function           64      C
+#   _derived        (body, tag, avals) -> derived body      64      C
+#   _Op.lowered     partition request -> XLA's answer       256/op  C
+#   _pending        thread -> (op, error) of its compile    threads P, F
+#   _registry       custom call key -> _Op (_register)      weak    -
+#   _lowering_ops   lowering -> its ops by parameters       weak    -
+#   _parked_errors  tag -> a callback's exception           64      C, R
+#   _parked_counter the next tag (I.3)                      -       -
+#   _call_names     body -> name of its function            weak    -
+#   _lapack_ready   jaxlib's LAPACK kernels registered      -       never
+#
+# jax's configuration (the trace context its caches key on): op._traces,
+# op._programs and _derived key on it; _registry's content keys (II.6) hold
+# it by value, its other keys name an op of one lowering, which has one (so
+# do _Op.lowered's answers); _eager's jax.jit functions key on it themselves
+# and are built alike under any. _pending is no cache.
+#
+# C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:
+# ``def_partition``; P: popped by the thread's next partition callback; F:
+# emptied when a compile ends (I.2); R: popped when the failed compile
+# re-raises it. Lowerings and executables that may still call back keep
+# their ``_registry`` entries alive. The weak tables and ``_pending`` share
+# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.6), filled at import.
 # --------------------------------------------------------------------------
 
-class _Value(NamedTuple):
-  """An operand or result. ``spec``: its PartitionSpec entries (None: none
-  or unknown); ``hlo``: the HloSharding as given (None: by ``spec`` alone
-  or unknown); ``varying``: the manual axes it varies over, if tracked."""
-  shape: tuple
-  dtype: Any
-  spec: tuple | None = None
-  hlo: _jax.HloSharding | None = None
-  varying: frozenset | None = None
-
-  def known(self) -> bool:
-    return self.spec is not None or self.hlo is not None
+# Private attributes of jax's mesh and sharding classes: one place to change
+# if jax renames them.
+def _sharding_devices(sharding) -> tuple:
+  return tuple(sharding._device_assignment)
 
 
-def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
-  if not shape.is_tuple():
-    return [shape], [sharding]
-  shapes = list(shape.tuple_shapes())
-  return shapes, (list(sharding.tuple_elements()) if sharding is not None
-                  else [None] * len(shapes))
+def _aval_mesh(aval):
+  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
 
 
-def _pack_hlo(shape: _jax.Shape, shardings: list[_jax.HloSharding]):
-  return (_jax.HloSharding.tuple_sharding(shape, shardings)
-          if shape.is_tuple() else shardings[0])
+def _axis_types(mesh) -> tuple | None:
+  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
+  types_ = getattr(mesh, "axis_types", None)
+  return types_ if isinstance(types_, tuple) else None
 
 
-def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
-  return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
-                 None if h is None or on.empty
-                 else _decode_spec(h, on, len(s.dimensions())), h, v)
-          for s, h, v in zip(shapes, hlo_shardings,
-                             list(varying) or [None] * len(shapes))]
+def _any_explicit(mesh) -> bool:
+  types_ = _axis_types(mesh)  # None before jax 0.5.3: no axis is Explicit
+  return types_ is not None and jax.sharding.AxisType.Explicit in types_
 
 
-def _hlo_of(v: _Value, on) -> _jax.HloSharding:
-  return v.hlo if v.hlo is not None else jax.sharding.NamedSharding(
-      on, jax.sharding.PartitionSpec(*v.spec))._to_xla_hlo_sharding(
-          len(v.shape))
+def _gspmd_hlo(sharding) -> _jax.HloSharding:
+  return sharding._hlo_sharding
 
 
-def _axes_in(specs) -> set:
-  return {a for spec in specs for entry in spec or ()
-          for a in _entry_axes(entry)}
+def _store_sizes(op=None) -> dict[str, int]:
+  """Entries per store (II.8) (and ``op``'s own, if given), for tests."""
+  with _weak_lock:
+    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
+  sizes.update(eager=len(_eager), derived=len(_derived),
+               parked_errors=len(_parked_errors))
+  if op is not None:
+    sizes.update(traces=len(op._traces), programs=len(op._programs))
+  return sizes
 
 
-def _shard_count(entry, mesh) -> int:
-  """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
-
-
-def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
-  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-
-
-def _as_xla_spec(spec, mesh) -> tuple:
-  """``spec`` without its size-1 axes, as a round trip through XLA reads."""
-  def entry_of(entry):
-    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-  return tuple(map(entry_of, spec))
-
-
-def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
-  """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
-  if v.spec is None:
-    tile = v.hlo.tile(_jax.Shape.array_shape(np.dtype(v.dtype), v.shape))
-    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
-  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
-  return jax.ShapeDtypeStruct(
-      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
-      v.dtype)
-
+# ==========================================================================
+# Part III. Leaves and tools
+#
+# The Shardy rule parser, check_partitioning, the self-demo, and the wiring
+# block last.
+# ==========================================================================
 
 # --------------------------------------------------------------------------
-# Appendix B. Sharding rules for Shardy
+# III.1 Sharding rules for Shardy
 #
 # A rule names a *factor* for every dimension of every operand and result,
 # einsum-style: "i j, j k -> i k"; dimensions that share a factor are sharded
@@ -3114,6 +3592,14 @@ def _value_name(i: int, num_operands: int) -> str:
   return f"operand {i}" if i < num_operands else f"result {i - num_operands}"
 
 
+def _rule_text(rule: SdyShardingRule) -> str:
+  """``rule`` as written: ``"... (a b) i, j -> ... i"``."""
+  return " -> ".join(", ".join(" ".join(
+      f"({' '.join(d)})" if isinstance(d, CompoundFactor) else "..." +
+      d[1:].lstrip("0") if _is_batching(d) else d for d in m) for m in side)
+      for side in (rule.operand_mappings, rule.result_mappings))
+
+
 def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
                   num_operands: int, one_size: bool = False):
   """Expands ``...`` against ``shapes`` (operands', then results') and
@@ -3175,12 +3661,54 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   return sizes, dims
 
 
-def _rule_text(rule: SdyShardingRule) -> str:
-  """``rule`` as written: ``"... (a b) i, j -> ... i"``."""
-  return " -> ".join(", ".join(" ".join(
-      f"({' '.join(d)})" if isinstance(d, CompoundFactor) else "..." +
-      d[1:].lstrip("0") if _is_batching(d) else d for d in m) for m in side)
-      for side in (rule.operand_mappings, rule.result_mappings))
+def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
+                         reduction, need_replication, permutation):
+  """The attribute of a resolved rule; a factor too big for Shardy's parser
+  becomes a compound of smaller ones (``_split_size``) everywhere."""
+  parts: dict[str, range] = {}  # factor -> the indices of its parts
+  part_sizes: list[int] = []
+  for factor, size in sizes.items():
+    split = [size]
+    if size > _MAX_FACTOR_SIZE:  # seam: too big
+      split = _split_size(size, next(
+          f"{_value_name(i, num_operands)} dimension {d}"
+          for i, value_dims in enumerate(dims)
+          for d, factors in enumerate(value_dims) if factor in factors))
+    parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
+    part_sizes += split
+  tensors = [_jax.TensorMappingAttr.get(dim_mappings=[
+      _jax.DimMappingAttr.get(factor_indices=[i for f in factors
+                                             for i in parts[f]])
+      for factors in value_dims]) for value_dims in dims]
+  special = [[i for f in factors for i in parts[f]]
+             for factors in (reduction, need_replication, permutation)]
+  return _sdy_rule_attr(part_sizes, tensors[:num_operands],
+                        tensors[num_operands:], *special)
+
+
+def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
+                   reduction, need_replication, permutation):
+  kwargs: dict[str, Any] = {}
+  # jaxlib 0.5.0 added reduction and need_replication factors, 0.5.1
+  # permutation factors.
+  if _JAXLIB_VERSION >= (0, 5, 0):
+    kwargs.update(reduction_factors=reduction,
+                  need_replication_factors=need_replication)
+  if _JAXLIB_VERSION >= (0, 5, 1):
+    kwargs["permutation_factors"] = permutation
+  elif permutation or len(kwargs) < 2 and (reduction or need_replication):
+    kinds, need = (("permutation", "0.5.1") if kwargs else
+                   ("reduction, need_replication or permutation", "0.5.0"))
+    raise NotImplementedError((
+        "Shardy sharding rules with {kinds} factors need jax/jaxlib {need} or "
+        "newer; found jaxlib {jaxlib}. Upgrade, use GSPMD, or drop the special "
+        "factors from the rule.").format(
+        kinds=kinds, need=need, jaxlib=".".join(map(str, _JAXLIB_VERSION))))
+  if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
+    kwargs["is_custom"] = True
+  return _jax.OpShardingRuleAttr.get(
+      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
+      result_mappings=result_mappings, **kwargs)
 
 
 def _expand_ellipsis(entries: list, rank: int, group_rank: dict) -> list:
@@ -3232,8 +3760,11 @@ def _split_size(size: int, where: str | None = None) -> list[int] | None:
   if rest > _MAX_FACTOR_SIZE:
     if where is None:
       return None
-    raise ValueError(_REFUSALS["factor_too_big"].format(
-        where=where, size=size, limit=_MAX_FACTOR_SIZE))
+    raise ValueError((
+        "{where} has size {size}, which is not a product of factors of at most "
+        "{limit} (2**31 - 1), the largest factor size a Shardy sharding rule "
+        "can hold. Use the GSPMD partitioner for this op, or reshape the "
+        "dimension.").format(where=where, size=size, limit=_MAX_FACTOR_SIZE))
   parts: list[int] = []
   for p in primes + ([rest] if rest > 1 else []):  # ascending
     for i, part in enumerate(parts):
@@ -3243,31 +3774,6 @@ def _split_size(size: int, where: str | None = None) -> list[int] | None:
     else:
       parts.append(p)
   return parts
-
-
-def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
-                         reduction, need_replication, permutation):
-  """The attribute of a resolved rule; a factor too big for Shardy's parser
-  becomes a compound of smaller ones (``_split_size``) everywhere."""
-  parts: dict[str, range] = {}  # factor -> the indices of its parts
-  part_sizes: list[int] = []
-  for factor, size in sizes.items():
-    split = [size]
-    if size > _MAX_FACTOR_SIZE:  # seam: too big
-      split = _split_size(size, next(
-          f"{_value_name(i, num_operands)} dimension {d}"
-          for i, value_dims in enumerate(dims)
-          for d, factors in enumerate(value_dims) if factor in factors))
-    parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
-    part_sizes += split
-  tensors = [_jax.TensorMappingAttr.get(dim_mappings=[
-      _jax.DimMappingAttr.get(factor_indices=[i for f in factors
-                                             for i in parts[f]])
-      for factors in value_dims]) for value_dims in dims]
-  special = [[i for f in factors for i in parts[f]]
-             for factors in (reduction, need_replication, permutation)]
-  return _sdy_rule_attr(part_sizes, tensors[:num_operands],
-                        tensors[num_operands:], *special)
 
 
 def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
@@ -3296,819 +3802,135 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
       getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
 
 
-def _infer_from_rule(rule: SdyShardingRule, shapes: list,
-                     in_specs: list) -> list:
-  """GSPMD inference from a Shardy rule: each result's PartitionSpec entries
-  from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
-  operands', then results'): the mesh axes of the first operand dimension
-  with the same single, passthrough factor, unless another dimension of
-  that result has them already."""
-  _, dims = _resolve_rule(rule, shapes, len(in_specs))
-  blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
-  axes_of: dict[str, Any] = {}
-  for value_dims, spec in zip(dims, in_specs):
-    for factors, axes in zip(value_dims, spec or ()):
-      if len(factors) == 1 and factors[0] not in blocked and axes is not None:
-        axes_of.setdefault(factors[0], axes)
-  out = []
-  for value_dims in dims[len(in_specs):]:
-    used: set = set()
-    spec = []
-    for factors in value_dims:
-      axes = axes_of.get(factors[0]) if len(factors) == 1 else None
-      axes = axes if used.isdisjoint(_entry_axes(axes)) else None
-      used.update(_entry_axes(axes))
-      spec.append(axes)
-    out.append(tuple(spec))
-  return out
-
-
-def _entry_axes(entry) -> tuple:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  return (() if entry is None else
-          tuple(entry) if isinstance(entry, tuple) else (entry,))
-
-
-def _reduced_factors(rule: SdyShardingRule, dims: list,
-                     num_operands: int) -> set:
-  """The factors of a resolved rule no shard can keep (the one definition
-  every check and derivation uses): reduction factors, those of operands or
-  results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
-  result lacks of the operands it shares a factor with (of all operands, if
-  it has no factor), as ``n`` for the second result of ``"b n -> b n, b"``."""
-  factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
-  ins, outs = factors[:num_operands], factors[num_operands:]
-  reduced = set(rule.reduction_factors) | (
-      set().union(*ins) ^ set().union(*outs))
-  for out in outs:
-    for operand in ins:
-      if operand & out or not out:
-        reduced |= operand - out
-  return reduced
-
-
-def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
-                out_specs: list) -> tuple[list, list]:
-  """The partition of an op by its rule alone (``_partition_from_rule``):
-  ``(operand specs, result specs)`` as PartitionSpec entries, from the
-  ``in_specs`` and ``out_specs`` values arrive with (None: unknown;
-  ``shapes``: operands', then results'). A factor keeps the mesh axes the
-  operands bring it on, else the results' (slicing a replicated operand
-  costs no communication), unless one side brings it on two (a conflict),
-  it is special or reduced, in a compound dimension, or an earlier factor
-  (in order of first use) keeps those axes."""
-  num_operands = len(in_specs)
-  sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
-  blocked = _reduced_factors(rule, dims, num_operands).union(
-      rule.need_replication_factors, rule.permutation_factors)
-  blocked.update(f for value_dims in dims for factors in value_dims
-                 if len(factors) > 1 for f in factors)
-  axes_of: dict[str, tuple] = {}
-  for side, specs in ((dims[:num_operands], in_specs),
-                      (dims[num_operands:], out_specs)):
-    brought: dict[str, set] = {}
-    for value_dims, spec in zip(side, specs):
-      for factors, entry in zip(value_dims, spec or ()):
-        if factors[0] not in blocked and entry is not None:
-          brought.setdefault(factors[0], set()).add(_entry_axes(entry))
-    for factor, axes in brought.items():  # unless the operands decided:
-      if factor not in axes_of and len(axes) > 1:
-        blocked.add(factor)  # a conflict: no side's choice is better
-      elif factor not in axes_of:
-        (axes_of[factor],) = axes
-  used: set = set()
-  kept: dict[str, Any] = {}
-  for factor in sizes:
-    axes = axes_of.get(factor, ())
-    if axes and factor not in blocked and not used & set(axes):
-      used.update(axes)
-      kept[factor] = axes[0] if len(axes) == 1 else axes
-  specs = [tuple(kept.get(factors[0]) if len(factors) == 1 else None
-                 for factors in value_dims) for value_dims in dims]
-  return specs[:num_operands], specs[num_operands:]
-
-
 # --------------------------------------------------------------------------
-# Appendix C. The log of what each op was asked
+# III.2 Checking an op's partitioning: check_partitioning
 #
-# Silent at the default WARNING (README, "Debugging": what a record holds).
-# At DEBUG, a record per question an op is asked (by XLA or, under Explicit
-# axes, while tracing) and per run of ``fun`` instead; a derived op is named
-# as jax made it ("transpose of jvp of f") and answers in its author's
-# callbacks' view. Callers check ``_log.isEnabledFor`` (tracing is hot).
+# A wrong ``partition`` (an FFT axis kept sharded, a psum forgotten) gives
+# plausible numbers, and one-device tests never run it. Placements:
+# ``_shardings_of`` (one operand), ``_sharding_combinations``,
+# ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
-_log = logging.getLogger(__name__)
-_CUSTOM_CALL = "custom call"
-_SHARD_MAP = "shard_map under Explicit axes"
-_FUN = "fun"
+_ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
+    "one dimension over one axis", "several dimensions over one axis each",
+    "one dimension over a tuple of axes", "padded")
 
 
-def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
-           answered: str = "", by: str = "", why: str = "",
-           cached: bool = False) -> None:
-  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
-  axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
-  where = (f"{path}, {'Shardy' if _SHARDY.value else 'GSPMD'}"
-           if path == _CUSTOM_CALL else path)
-  text = "; ".join(filter(None, [
-      f"custom_partitioning op {name}: {question} [{where}] "
-      + (f"on mesh {axes}" if axes else "with no mesh"),
-      asked and f"asked with {asked}",
-      "answered from the cache" + (answered and f": {answered}") if cached
-      else answered and f"{by} answered {answered}", why]))
-  _log.debug(text, extra={"custom_partitioning": dict(
-      op=name, question=question, path=path, mesh=axes, cached=cached,
-      why=why)})
+def check_partitioning(fn: Callable, *example_args, grad: bool = False,
+                       meshes=None, rtol: float | None = None,
+                       atol: float | None = None,
+                       max_combinations: int = 32) -> PartitioningReport:
+  """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
+  whatever sharding its operands arrive in. For an op author's tests.
 
+  On each mesh, over its axes of more than one device, every example
+  argument is placed replicated or in one of four classes: one dimension
+  over one axis that divides it; several dimensions, one axis each; one
+  dimension over all the axes as a tuple (both orders); padded, one
+  dimension over an axis that does not divide it (XLA pads the last
+  shards, never a global result; not on Explicit axes, where jax types no
+  uneven sharding, nor on jax 0.9 under Shardy, which cannot compile a
+  padded result). Across arguments: all combinations, or
+  ``max_combinations`` per mesh chosen deterministically (all replicated,
+  each argument sharded alone, all sharded at once, then the rest). Each
+  one's jitted results (with ``grad``, also its VJP's gradients) are
+  compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
+  runs its own ``fun`` (no callback); results also with each result asked
+  for (as by a consumer) in its one-axis shardings in turn, then replicated,
+  the arguments placed in turn (none on Explicit axes; max_combinations).
 
-def _logged_spec(v: _Value) -> str:
-  if v.spec is not None:
-    return _spec_text(v.spec)
-  return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
+  Args:
+    fn: a ``custom_partitioning`` op or a function of arrays built from
+      ops (e.g. a ``jax.custom_vjp``); bind non-array arguments into it.
+    *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
+      leaf an operand; small, with dimensions the mesh axes divide (2, 4, 8
+      on 8 devices: sharded evenly) and others (padded).
+    grad: also compare the VJP for fixed random cotangents (seed 0; zero
+      for non-float results; no gradient for an integer argument), each
+      placed as its result comes out of the jitted forward, as in a real
+      loss (never padded; two compiles per combination); then, on each
+      mesh without Explicit axes, the operands replicated, each cotangent
+      in the k-th one-axis sharding of its result, for every k (one
+      compile each).
+    meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
+      mesh ``('x',)`` over all devices and, for p the device count's
+      smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
+      ``(p, count // p)``, both with Auto axes (``jax.make_mesh`` gives
+      Explicit ones from jax 0.9). A mesh with an Explicit axis is checked
+      under ``jax.set_mesh``, so that ops take their Explicit-axes path.
+    rtol, atol: as in ``numpy.allclose``; default by dtype as jax types it,
+      ``rtol`` 1e-9 for 64-bit floats (and complex128), 1e-4 for 32-bit,
+      5e-3 for float16, 3e-2 for bfloat16, 2 epsilon for float8 types,
+      ``atol`` that times the reference's largest magnitude (at least 1);
+      integers and booleans exact; inf and NaN exact (same sign) always.
+    max_combinations: the bound per mesh.
 
+  Returns:
+    A ``PartitioningReport``; its ``str`` says what was checked on which
+    meshes, and per argument which classes were not tried and why.
 
-def _logged(operands=None, results=None) -> str:
-  return ", ".join(
-      f"{what} [{', '.join(map(_logged_spec, values))}]"
-      for what, values in (("operands", operands), ("results", results))
-      if values is not None)
-
-
-def _debug_partition(op: _Op, operands: list, results: list, answer,
-                     path: str, why: str = "") -> None:
-  """Records ``partition`` asked about the author's op (``answer``: _Answer)."""
-  _debug(op.name, "partition", path=path, mesh=op.mesh,
-         asked=_logged(operands, results),
-         answered=_logged(answer.args, answer.results) if answer else "",
-         by=("the sharding rule" if isinstance(op.partition, _FromRule)
-             else "partition"), why=why)
-
-
-def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
-                            result_shape, result_sharding, hit) -> None:
-  """Records a repeated ``partition`` question, answered with ``hit``."""
-  on = op.mesh if op.place.auto is None else op.place.auto
-  asked, answered = (
-      _logged(_from_xla(arg_shapes, args, on),
-              _from_xla(*_hlo_parts(result_shape, result), on))
-      for args, result in ((arg_shardings, result_sharding), hit[1:]))
-  _debug(op.name, "partition", path=_CUSTOM_CALL, mesh=op.mesh, cached=True,
-         asked=asked, answered=answered)
-
-
-def _debug_infer(op: _Op, operands: list, inferred,
-                 path: str = _CUSTOM_CALL) -> None:
-  by = ("infer_sharding_from_operands"
-        if op.infer_sharding_from_operands is not None else
-        "the sharding rule (no infer_sharding_from_operands)"
-        if op.sharding_rule is not None else
-        "nobody (no infer_sharding_from_operands, no sharding_rule)")
-  _debug(op.name, "infer_sharding_from_operands", path=path, mesh=op.mesh,
-         asked=_logged(operands), by=by,
-         answered=(_logged(results=inferred) if inferred is not None else
-                   "nothing: XLA propagates on its own" if path == _CUSTOM_CALL
-                   else "nothing"))
-
-
-def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
-  """``answer`` None: the user's sharding was kept without asking."""
-  by = ("the module (no propagate_user_sharding: the user's sharding)"
-        if answer is None else "propagate_user_sharding")
-  _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
-         mesh=op.mesh, asked=_logged(results=users), by=by,
-         answered=_logged(results=users if answer is None else answer))
-
-
-# --------------------------------------------------------------------------
-# Appendix D. Keys that hit across processes
-#
-# With jax's persistent compilation cache on, a custom call's key (part of
-# the program's) names the op by content, alike in every process: a digest
-# of every ``_Op`` field not marked state (body jaxpr and constants; each
-# callback's code and what it reads: closures, globals, user modules'
-# attributes, defaults; static arguments, pytrees, mesh, devices,
-# partitioner, jax's trace context). Plain data (user objects by fields;
-# arrays up to _MAX_HASHED_BYTES, as hashing costs in every lowering), code,
-# meshes, devices and shardings are described faithfully; anything else is
-# *opaque*: named by its identity in one lowering of one process. So a key
-# holds across processes unless the op reads opaque values, and a changed
-# program (even in place: each lowering is described anew) never gets an old
-# key. State read through libraries (environment, files, random numbers) is
-# not seen: as in functions jax.jit traces, callbacks must not read it.
-# --------------------------------------------------------------------------
-
-# Code of these packages is identified by name and version, not by content.
-_LIBRARY_PREFIXES = frozenset(
-    "jax jaxlib numpy builtins functools operator math typing collections abc"
-    " ml_dtypes opt_einsum scipy os sys random time io pathlib".split())
-_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
-_MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
-_MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
-# This module's classes -> what describes their objects (see the wiring).
-_DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
-_SKIPPED_CLASS_ATTRS = frozenset(
-    "__dict__ __weakref__ __doc__ __module__ __qualname__ __annotations__"
-    " __dataclass_fields__ __dataclass_params__ __match_args__".split())
-
-
-def _content_key(ctx, op: _Op, call: _jax.ClosedJaxpr) -> str:
-  # What the cache loads runs per-shard code no one lowered in this process.
-  _ensure_lapack(op.platforms, call.jaxpr)
-  # The keep-alive list lives as long as the lowering and its executables.
-  describer = _Describer(
-      f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}")
-  parts = (str(call.jaxpr), call.consts, op, _trace_context_by_value(),
-           _SHARDY.value)
+  Raises:
+    TypeError: ``fn`` is not callable, an example leaf is not an array, or
+      ``meshes`` holds a non-mesh.
+    ValueError: ``max_combinations`` is less than 1, or no example argument.
+    AssertionError: a result or gradient differs; the message names the
+      function, the mesh, the operand (and cotangent, requested result)
+      shardings as ``PartitionSpec``s, which result or gradient, largest error.
+    Exception: an error compiling or running a placement, or on one
+      device, is re-raised with its type, chained to the original, the
+      message naming the mesh and shardings (or the device).
+  """
+  name, arg_names, hosts, in_tree, flat, meshes = _checked_examples(
+      fn, example_args, meshes, max_combinations)
+  run, outs, ct_shapes = _runner(fn, name, in_tree, hosts, arg_names, grad)
+  device = jax.devices()[0]
   try:
-    describer.add((jax.__version__, *parts))
-  except RecursionError:  # too deep, or too big (``add``)
-    describer.out = ["too big to describe"]
-    describer.opaque(parts)
-  digest = hashlib.sha256("\n".join(describer.out).encode()).hexdigest()
-  return f"{_TARGET}:{digest[:40]}"
+    want = run([jax.device_put(h, device) for h in hosts])
+  except Exception as e:
+    raise _renamed(e, f"check_partitioning({name}): on one device "
+                      f"({device})") from e
 
-
-class _Describer:
-  """Writes a description of Python values (a content key's); ``scope`` names
-  one lowering in one process (opaque values are described within it)."""
-
-  def __init__(self, scope: str):
-    self.scope = scope
-    self.out: list[str] = []
-    # id -> (position, object): kept, so no temporary reuses the id.
-    self.seen: dict[int, tuple[int, Any]] = {}
-
-  def add(self, obj) -> None:
-    out = self.out
-    if len(out) > _MAX_DESCRIPTION:
-      raise RecursionError
-    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
-      out.append(str(_static_key(obj)))  # not repr: it loses a NaN's sign
-      return
-    if id(obj) in self.seen:  # shared or cyclic
-      out.append(f"same as #{self.seen[id(obj)][0]}")
-      return
-    self.seen[id(obj)] = (len(self.seen), obj)
-    kind = type(obj)
-    if isinstance(obj, (tuple, list)):  # also PartitionSpec, namedtuples
-      out.append(f"{kind.__module__}.{kind.__qualname__}[{len(obj)}]")
-      for item in obj:
-        self.add(item)
-    elif isinstance(obj, (set, frozenset)):
-      out.append(f"{kind.__name__}[{len(obj)}]")
-      for item in sorted(obj, key=self._alone):
-        self.add(item)
-    elif isinstance(obj, dict):
-      out.append(f"dict[{len(obj)}]")
-      for item in itertools.chain.from_iterable(obj.items()):
-        self.add(item)
-    elif isinstance(obj, (np.ndarray, np.generic, jax.Array)):
-      self._array(obj)
-    elif isinstance(obj, (np.dtype, enum.Enum)):
-      out.append(f"{kind.__qualname__} {obj!r}")
-    elif isinstance(obj, types.ModuleType):
-      out.append(f"module {obj.__name__}")
-    elif isinstance(obj, functools.partial):
-      out.append("partial")
-      self.add((obj.func, obj.args, obj.keywords))
-    elif isinstance(obj, types.MethodType):
-      out.append("method")
-      self.add((obj.__func__, obj.__self__))
-    elif isinstance(obj, types.FunctionType):
-      self._function(obj)
-    elif isinstance(obj, type):
-      self._class(obj)
-    elif isinstance(obj, types.CodeType):
-      self._code(obj)
-    elif isinstance(obj, types.BuiltinFunctionType):
-      out.append(f"builtin {obj.__module__}.{obj.__qualname__}")
-      if not isinstance(obj.__self__, (types.ModuleType, type(None))):
-        self.add(obj.__self__)
-    else:
-      self._object(obj)
-
-  def _object(self, obj) -> None:
-    """Describes jax's objects, this module's, wrappers, user objects."""
-    out, kind = self.out, type(obj)
-    if isinstance(obj, jax.sharding.Mesh):
-      out.append("empty mesh" if obj.empty else
-                 f"mesh {obj.axis_names} {obj.devices.shape} "
-                 f"{[d.id for d in obj.devices.flat]} {_axis_types(obj)}")
-    elif isinstance(obj, _jax.AbstractMesh):  # its repr is its value
-      out.append(f"abstract mesh {obj!r}")
-    elif isinstance(obj, jax.Device):
-      out.append(f"device {obj.platform} {obj.id}")
-    elif isinstance(obj, _jax.Client):  # one per platform in a process
-      out.append(f"backend {obj.platform} {obj.platform_version}")
-    elif isinstance(obj, jax.sharding.NamedSharding):
-      out.append(f"named sharding {obj.spec} {obj.memory_kind}")
-      self.add(obj.mesh)
-    elif isinstance(obj, _jax.GSPMDSharding):
-      out.append(f"gspmd sharding {_gspmd_hlo(obj)} "
-                 f"{[d.id for d in _sharding_devices(obj)]}")
-    elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
-      out.append(f"{kind.__qualname__} {obj}")
-    elif any(t in _DESCRIBED_BY for t in kind.__mro__):
-      out.append(f"{kind.__qualname__}")
-      self.add(next(_DESCRIBED_BY[t] for t in kind.__mro__
-                    if t in _DESCRIBED_BY)(obj))
-    elif hasattr(obj, "__wrapped__"):  # e.g. a jax.jit-wrapped function
-      out.append(f"wrapper {kind.__qualname__}")
-      self.add(obj.__wrapped__)
-    elif not _is_library(kind.__module__) and hasattr(obj, "__dict__"):
-      out.append("object")  # dataclasses, other user objects: by fields
-      self._class(kind)
-      self.add(vars(obj))
-    else:
-      self.opaque(obj)
-
-  def opaque(self, obj) -> None:
-    kind = type(obj)
-    self.out.append(f"opaque {kind.__module__}.{kind.__qualname__} "
-                    f"{self.scope}:{id(obj)}")
-
-  def _alone(self, obj) -> str:  # to sort set members
-    sub = _Describer(self.scope)
-    sub.add(obj)
-    return "\n".join(sub.out)
-
-  def _array(self, obj) -> None:
-    value = None
-    # Checked before np.asarray, which copies a jax.Array to the host.
-    if getattr(obj, "nbytes", 0) <= _MAX_HASHED_BYTES:
-      with contextlib.suppress(Exception):  # e.g. not addressable from here
-        value = np.asarray(obj)
-    if value is None:
-      return self.opaque(obj)
-    self.out.append(f"array {value.dtype} {value.shape} "
-                    f"{hashlib.sha256(value.tobytes()).hexdigest()}")
-
-  def _function(self, fn: types.FunctionType) -> None:
-    self.out.append(f"def {fn.__module__}.{fn.__qualname__}")
-    if _is_library(fn.__module__):
-      return
-    self.add((fn.__defaults__, fn.__kwdefaults__))
-    self._code(fn.__code__)
-    for cell in fn.__closure__ or ():
-      try:
-        self.add(cell.cell_contents)
-      except ValueError:  # an empty cell
-        self.out.append("empty cell")
-    self._reads("global ", fn.__globals__, _code_names(fn.__code__))
-
-  def _reads(self, prefix: str, namespace, names, depth: int = 0) -> None:
-    """Describes what code using ``names`` may read from ``namespace``, and
-    from user modules in it (``co_names`` holds ``cfg.SCALE``'s too)."""
-    for name in names:
-      if name in namespace:
-        self.out.append(f"{prefix}{name}")
-        self.add(value := namespace[name])
-        if (isinstance(value, types.ModuleType) and depth <= 4 and
-            not _is_library(value.__name__)):
-          self._reads(f"attr {value.__name__}.", vars(value), names,
-                      depth + 1)
-
-  def _class(self, cls: type) -> None:
-    self.out.append(f"class {cls.__module__}.{cls.__qualname__}")
-    if _is_library(cls.__module__):
-      return
-    self.add(cls.__bases__)
-    for attr, value in sorted(vars(cls).items()):
-      if attr not in _SKIPPED_CLASS_ATTRS:
-        self.out.append(attr)
-        self.add(getattr(value, "__func__", value))  # unwrap static/class
-
-  def _code(self, code: types.CodeType) -> None:
-    self.out.append(f"code {code.co_code.hex()} {code.co_names}")
-    for const in code.co_consts:
-      self.add(const)
-
-
-def _is_library(module_name: str | None) -> bool:
-  return (module_name or "").split(".")[0] in _LIBRARY_PREFIXES
-
-
-def _code_names(code: types.CodeType) -> list[str]:
-  """Global and attribute names used by ``code`` and the code nested in it."""
-  nested = (_code_names(const) for const in code.co_consts
-            if isinstance(const, types.CodeType))
-  return sorted(set(code.co_names).union(*nested))
-
-
-# --------------------------------------------------------------------------
-# Appendix E. Module state
-#
-# All state this module keeps but the stores on its objects (per op, per
-# lowered op). Caches are bounded ``_LRU``s, each with its own lock; a hit
-# answers what a fresh computation would (where each is filled, a comment
-# says what its key holds).
-#
-#   store           maps                                    bound   cleared
-#   op._traces      call signature -> traced fun            64/op   C, D
-#   op._programs    call signature -> _Program (6)          64/op   C, D
-#   _eager          eager call -> jitted function           64      C
-#   _derived        (body, tag, avals) -> derived body      64      C
-#   _Op.lowered     partition request -> XLA's answer       256/op  C
-#   _pending        thread -> (op, error) of its compile    threads P, F
-#   _registry       custom call key -> _Op (_register, 2)   weak    -
-#   _lowering_ops   lowering -> its ops by parameters (2)   weak    -
-#   _parked_errors  tag -> a callback's exception           64      C, R
-#   _parked_counter the next tag (section 3)                -       -
-#   _call_names     body -> name of its function            weak    -
-#   _lapack_ready   jaxlib's LAPACK kernels registered (F)  -       never
-#
-# jax's configuration (the trace context its caches key on): op._traces,
-# op._programs and _derived key on it; _registry's content keys (D) hold it
-# by value, its other keys name an op of one lowering, which has one (so do
-# _Op.lowered's answers); _eager's jax.jit functions key on it themselves
-# and are built alike under any. _pending is no cache.
-#
-# C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:
-# ``def_partition``; P: popped by the thread's next partition callback; F:
-# emptied when a compile ends (section 3); R: popped when the failed compile
-# re-raises it. Lowerings and executables that may still call back keep
-# their ``_registry`` entries alive. The weak tables and ``_pending`` share
-# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (D), filled at import.
-# --------------------------------------------------------------------------
-
-_CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
-
-
-class _LRU:
-  """A thread-safe LRU map, emptied (lazily) by ``jax.clear_caches()``."""
-
-  def __init__(self, size: int = _CACHE_SIZE):
-    self._size = size
-    self._data: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
-    self._epoch = None
-
-  def _current(self) -> collections.OrderedDict:
-    """The entries of this cache epoch; call with the lock held."""
-    epoch = _cache_epoch()
-    if epoch is not self._epoch:
-      self._data.clear()
-      self._epoch = epoch
-    return self._data
-
-  def get(self, key):
-    # Every eager call hits this: acquire/release costs less than ``with``,
-    # and one lookup that may raise less than a get and then a move.
-    self._lock.acquire()
+  def check(mesh, specs, ct_specs=None, out_specs=None):
+    where = (f"check_partitioning({name}) on {_mesh_text(mesh)} with "
+             f"operand shardings {_specs_text(specs, arg_names, flat)}")
+    for kind, given in (("cotangent", ct_specs),
+                        ("requested result", out_specs)):
+      if given is not None:
+        where += f" and {kind} shardings {_specs_text(given, [], True)}"
+    placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
     try:
-      data = self._current()
-      data.move_to_end(key)  # a hit is now the most recent entry
-      return data[key]
-    except KeyError:  # a miss
-      return None
-    finally:
-      self._lock.release()
-
-  def cached(self, key, build: Callable[[], Any]):
-    """The value under ``key``, else ``build()``, kept (key None: neither)."""
-    value = None if key is None else self.get(key)
-    if value is None:
-      value = build()
-      if key is not None:
-        self.put(key, value)
-    return value
-
-  def pop(self, key):
-    with self._lock:
-      return self._current().pop(key, None)
-
-  def put(self, key, value) -> None:
-    with self._lock:
-      self._current()[key] = value
-      self._data.move_to_end(key)
-      while len(self._data) > self._size:
-        self._data.popitem(last=False)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._data.clear()
-
-  def __len__(self) -> int:
-    with self._lock:
-      return len(self._current())
-
-
-class _OpTable(dict):
-  """One lowering's ops by parameters (weakly referable, unlike a dict)."""
-
-
-_eager = _LRU()
-_derived = _LRU()
-_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-# Kept alive by the lowering's keep-alive list, whose id is the key.
-_lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_parked_errors = _LRU()
-_parked_counter = itertools.count()
-_pending: dict[int, tuple[str, BaseException]] = {}
-_call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_weak_lock = threading.Lock()
-
-
-def _store_sizes(op=None) -> dict[str, int]:
-  """Entries per store above (and ``op``'s own, if given), for tests."""
-  with _weak_lock:
-    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
-  sizes.update(eager=len(_eager), derived=len(_derived),
-               parked_errors=len(_parked_errors))
-  if op is not None:
-    sizes.update(traces=len(op._traces), programs=len(op._programs))
-  return sizes
-
-
-# --------------------------------------------------------------------------
-# Appendix F. Compatibility
-#
-# Every jax._src import and version difference; each branch names the
-# release that forced it, to delete with it. Python internals are gated on
-# jax's version, C++ bindings (Shardy, XLA) on jaxlib's (jax 0.10.2 may run
-# on jaxlib 0.10.1). Unbranched private names hold from jax 0.4.35 to 0.11.
-# --------------------------------------------------------------------------
-
-# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
-# shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
-# jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
-_ShardingTypeError = _jax.ShardingTypeError or type(
-    "_NeverRaised", (Exception,), {})
-# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
-# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-# jax 0.6.0 added the cast to varying types jax.lax.pvary, 0.8.2 pcast(x,
-# axes, to="varying"), 0.10.0 removed pvary; advice names the one it has.
-_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
-                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
-_VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
-# Options jax sets while tracing, not users (check_vma in a jax.shard_map's
-# body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
-_TRACING_OPTIONS = frozenset({"check_vma"})
-# jax's array class (C++): ``type(x) is`` it costs a tenth of isinstance.
-_ArrayImpl = _jax.ArrayImpl
-_lapack_ready = False  # see _ensure_lapack
-
-
-def _typeof(x) -> _jax.AbstractValue:
-  if _jax.typeof is not None:  # jax 0.5.3 added it; 0.10.0 removed get_aval
-    return _jax.typeof(x)
-  # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
-  aval = _jax.get_aval(x)
-  return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
-
-
-def _fun_name(call) -> str:
-  with _weak_lock:
-    name = _call_names.get(call)
-  return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
-
-
-def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
-                    name: str, static_argnums: tuple = ()):
-  """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
-  fixed) traced at ``in_avals``, the others' leaves by ``in_tree``; the
-  body of function ``name`` (``_fun_name``)."""
-  # jax 0.5.1 made debug info an argument of lu.wrap_init (and changed
-  # api_util.debug_info); before it, we trace without debug info.
-  wrapped = _jax.wrap_init(fun) if _JAX_VERSION < (0, 5, 1) else _jax.wrap_init(
-      fun, debug_info=_jax.debug_info(
-          "custom_partitioning", fun, args, {}, static_argnums=static_argnums))
-  if static_argnums:
-    wrapped, _ = _jax.argnums_partial(
-        wrapped, [i for i in range(len(args)) if i not in static_argnums],
-        args, require_static_args_hashable=False)
-  flat_fun, out_tree = _jax.flatten_fun_nokwargs(wrapped, in_tree)
-  # jax 0.7.0 dropped the fourth result (attrs).
-  jaxpr, _, consts, *_ = _jax.trace_to_jaxpr_dynamic(flat_fun, in_avals)
-  call = _jax.ClosedJaxpr(jaxpr, consts)
-  # jax 0.5.1 added DebugInfo.func_name; before it, and for derived bodies,
-  # names are kept in the weak table ``_call_names``.
-  with _weak_lock:
-    _call_names[call] = name
-  return call, out_tree
-
-
-def _lojax(closed, mesh=None):
-  """``closed`` with its hijax primitives expanded (jax 0.11.2 added them;
-  jax lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
-  if not getattr(closed, "is_high", False):
-    return closed
-  with _jax.extend_axis_env_nd(list(mesh.shape.items()) if mesh else []):
-    return _jax.lower_jaxpr2(closed)
-
-
-def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
-  # jax 0.10.1 made aval_to_ir_types take the module context first.
-  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
-  return [t for aval in avals for t in _jax.aval_to_ir_types(*first, aval)]
-
-
-def _module_backend(ctx: _jax.LoweringRuleContext):
-  # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
-  return (ctx.module_context.backend if _JAX_VERSION >= (0, 5, 0)
-          else ctx.module_context.backend_or_name)
-
-
-def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
-  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
-      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
-  params: dict[str, Any] = {}
-  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
-    kwargs["name_stack"] = _jax.new_name_stack()
-  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
-    kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
-    params["hoist_constants_as_args"] = False
-  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
-    kwargs["out_avals"] = closed_jaxpr.out_avals
-  result = _jax.lower_jaxpr_to_module(
-      "custom_partitioning_shard", closed_jaxpr, ordered_effects=[],
-      donated_args=[False] * len(closed_jaxpr.in_avals),
-      axis_context=axis_context, platforms=platforms,
-      lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
-  return result.module, result.host_callbacks
-
-
-def _ensure_lapack(platforms, jaxpr: _jax.Jaxpr) -> None:
-  """Registers jaxlib's LAPACK kernels (tenths of a second, once) if ``jaxpr``
-  uses one on CPU, as jax.export does for a loaded module: jax does so only
-  when it lowers one, and XLA segfaults if cached per-shard code calls one."""
-  global _lapack_ready
-  if _lapack_ready or "cpu" not in platforms:
-    return
-  linear_algebra = {p for p in vars(_jax.linalg).values()
-                    if isinstance(p, _jax.Primitive)}
-  jaxprs = [jaxpr]
-  while jaxprs and not _lapack_ready:
-    jaxpr = jaxprs.pop()
-    if any(eqn.primitive in linear_algebra for eqn in jaxpr.eqns):
-      _jax.lapack._lapack.initialize()
-      _lapack_ready = True
-    jaxprs.extend(_jax.subjaxprs(jaxpr))
-
-
-def _ambient_mesh(getter: str):
-  """``jax._src.mesh.<getter>()``: the mesh set by ``jax.set_mesh``, or None."""
-  # jax 0.4.36 added get_abstract_mesh and get_concrete_mesh (``tuple``
-  # stands in before it); until 0.5.1 they return () when no mesh is set.
-  mesh = (getattr(_jax, getter) or tuple)()
-  return None if isinstance(mesh, tuple) else mesh
-
-
-def _aval_mesh(aval):
-  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
-  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-  return None if mesh is None or mesh.empty else mesh
-
-
-def _mesh_from_abstract(devices, am) -> _jax.Mesh:
-  # jax 0.4.36 added mesh axis types; before it, meshes have none.
-  kwargs = {"axis_types": am.axis_types} if hasattr(am, "axis_types") else {}
-  return _jax.Mesh(np.array(devices).reshape(am.axis_sizes),
-                       am.axis_names, **kwargs)
-
-
-def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
-  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
-  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
-    # Also "replicated within a manual subgroup", which jax cannot parse.
-    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
-      return (None,) * ndim
-  try:
-    spec = _jax.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
-    # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
-    spec = tuple(spec.get_partition_spec() if _JAX_VERSION < (0, 5, 3)
-                 else spec)
-  except Exception:  # noqa: BLE001 - not expressible on this mesh
-    return None
-  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
-  return spec[:ndim] + (None,) * (ndim - len(spec))
-
-
-def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
-                   reduction, need_replication, permutation):
-  kwargs: dict[str, Any] = {}
-  # jaxlib 0.5.0 added reduction and need_replication factors, 0.5.1
-  # permutation factors.
-  if _JAXLIB_VERSION >= (0, 5, 0):
-    kwargs.update(reduction_factors=reduction,
-                  need_replication_factors=need_replication)
-  if _JAXLIB_VERSION >= (0, 5, 1):
-    kwargs["permutation_factors"] = permutation
-  elif permutation or len(kwargs) < 2 and (reduction or need_replication):
-    kinds, need = (("permutation", "0.5.1") if kwargs else
-                   ("reduction, need_replication or permutation", "0.5.0"))
-    raise NotImplementedError(_REFUSALS["special_factors"].format(
-        kinds=kinds, need=need, jaxlib=".".join(map(str, _JAXLIB_VERSION))))
-  if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
-    kwargs["is_custom"] = True
-  return _jax.OpShardingRuleAttr.get(
-      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
-      result_mappings=result_mappings, **kwargs)
-
-
-def _inexpressible(place) -> bool:
-  """Whether the op is in a partly manual shard_map before jax 0.5.3."""
-  return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
-
-
-def _with_manual_axes(mesh, manual_axes):
-  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
-    return mesh
-  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
-                 for name, t in zip(mesh.axis_names, mesh.axis_types))
-  return _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
-
-
-def _auto_submesh(mesh, manual_axes):
-  """The sub-mesh over the non-manual axes (devices of one manual group)."""
-  keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
-  index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
-  kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
-            if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
-  return _jax.Mesh(mesh.devices[index],
-                       tuple(mesh.axis_names[i] for i in keep), **kwargs)
-
-
-def _no_ambient_mesh():
-  """Clears the ambient mesh for lower_fn: under an Explicit one, jax 0.5.3
-  to 0.8.x give the per-shard module constraints XLA cannot export or run."""
-  if _jax.use_abstract_mesh is None:
-    return contextlib.nullcontext()
-  return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
-
-
-def _manual_scope(mesh):
-  """Where lower_fn is traced: ``mesh`` with every axis Manual, as in
-  jax.shard_map, so that jax.lax.pcast/pvary can mark a loop carry varying
-  (no equation outside check_vma); no mesh where jax has no varying types."""
-  if not _VARYING_TYPES or mesh.empty:
-    return _no_ambient_mesh()
-  am = mesh.abstract_mesh
-  return _jax.use_abstract_mesh(am.update_axis_types(
-      {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
-
-
-def _varying_axes(aval) -> frozenset | None:
-  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
-  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
-  mat = getattr(aval, "manual_axis_type", None)
-  return getattr(aval, "vma", None) if mat is None else mat.varying
-
-
-# Private attributes of jax's mesh and sharding classes: one place to change
-# if jax renames them.
-def _sharding_devices(sharding) -> tuple:
-  return tuple(sharding._device_assignment)
-
-
-def _gspmd_hlo(sharding) -> _jax.HloSharding:
-  return sharding._hlo_sharding
-
-
-def _axis_types(mesh) -> tuple | None:
-  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
-  types_ = getattr(mesh, "axis_types", None)
-  return types_ if isinstance(types_, tuple) else None
-
-
-def _explicitly_typed(avals) -> bool:
-  """Whether the shard_map path may apply: an aval sharded (jax 0.5.0+) on
-  a mesh with an Explicit axis. Runs for every bind: calls no helper."""
-  return _EXPLICIT_PATH and any(
-      jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
-          a, "sharding", None), "mesh", None), "axis_types", ())
-      for a in avals)
-
-
-def _all_explicit(am) -> bool:
-  types_ = _axis_types(am)
-  return bool(am.axis_names) and types_ is not None and all(
-      t == jax.sharding.AxisType.Explicit for t in types_)
-
-
-def _any_explicit(mesh) -> bool:
-  types_ = _axis_types(mesh)  # None before jax 0.5.3: no axis is Explicit
-  return types_ is not None and jax.sharding.AxisType.Explicit in types_
-
-
-def _scan_counts(params: dict) -> tuple[int, int]:
-  if "num_consts" in params:  # jax 0.11.0 replaced these with ft_in
-    return params["num_consts"], params["num_carry"]
-  consts, carry, _ = params["ft_in"].unpack()
-  return len(list(consts)), len(list(carry))
-
-
-def _returns_padded() -> bool:
-  """Whether jax compiles a jit whose result XLA leaves padded, as
-  check_partitioning's padded placements need: not jax 0.9 with Shardy
-  (0.9.2 raises IndivisibleError; 0.8.3, 0.10.2 give another sharding)."""
-  return _JAX_VERSION[:2] != (0, 9) or not _SHARDY.value
+      with _set_mesh_scope(mesh):
+        got = run([x for x, _ in placed], tuple(c for _, c in placed),
+                  ct_specs, mesh, out_specs)
+    except Exception as e:
+      raise _renamed(e, where) from e
+    for (what, g), (_, w) in zip(got, want):
+      _compare(g, w, rtol, atol, f"{where}: {what} differs from {name} on "
+               "one device")
+  per_mesh, cotangents, requested = [], 0, 0
+  offered, tried = [set() for _ in hosts], [set() for _ in hosts]
+  for mesh in meshes:
+    options = [_shardings_of(h.shape, mesh) for h in hosts]
+    chosen = _sharding_combinations(options, max_combinations)
+    for specs in chosen:
+      check(mesh, specs)
+    for ct_specs in _cotangent_specs(ct_shapes, mesh):
+      check(mesh, [()] * len(hosts), ct_specs)
+      cotangents += 1
+    for k, out_specs in enumerate(_cotangent_specs(
+        [s.shape for s in outs], mesh, 1)[:max_combinations]):
+      check(mesh, [o[k % len(o)] for o in options], out_specs=out_specs)
+      requested += 1
+    for i, h in enumerate(hosts):
+      offered[i] |= {_placement_class(s, h.shape, mesh) for s in options[i]}
+      tried[i] |= {_placement_class(c[i], h.shape, mesh) for c in chosen}
+    per_mesh.append((_mesh_text(mesh), len(chosen),
+                     math.prod(map(len, options))))
+  return PartitioningReport(
+      name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
+      max_combinations=max_combinations, cotangent_placements=cotangents,
+      result_requests=requested,
+      **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
 def _set_mesh_scope(mesh):
@@ -4119,6 +3941,116 @@ def _set_mesh_scope(mesh):
   if setter is None or not _any_explicit(mesh):
     return contextlib.nullcontext()
   return setter(mesh)
+
+
+def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
+  """``(name, arg_names, host arrays, in_tree, flat, meshes)``, checked;
+  ``flat``: no argument is a pytree."""
+  if not callable(fn):
+    raise TypeError(
+        "check_partitioning: fn must be callable (a custom_partitioning op "
+        f"or a function built from them); got {type(fn).__name__} "
+        f"{_short_repr(fn)}.")
+  name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
+          else None) or getattr(fn, "__qualname__", None) or getattr(
+              fn, "__name__", None) or _short_repr(fn)
+  if not isinstance(max_combinations, int) or max_combinations < 1:
+    raise ValueError(f"check_partitioning({name}): max_combinations must be "
+                     f"a positive int; got {max_combinations!r}.")
+  paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(example_args)
+  if not paths_leaves:
+    raise ValueError(f"check_partitioning({name}): no example argument "
+                     "(an array) to place.")
+  arg_names = [f"argument {path[0].idx}"
+               f"{jax.tree_util.keystr(tuple(path[1:]))}"
+               for path, _ in paths_leaves]
+  for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
+    if not _is_array(leaf):
+      raise TypeError(
+          f"check_partitioning({name}): example {arg_name} is a "
+          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
+          "numpy or jax arrays; bind other arguments into fn "
+          "(functools.partial or a lambda).")
+  if meshes is None:
+    devices = np.array(jax.devices())
+    n = devices.size
+    factors = [p for p in range(2, n) if n % p == 0]
+    meshes = [jax.sharding.Mesh(devices, ("x",))] + [
+        jax.sharding.Mesh(devices.reshape(p, n // p), ("x", "y"))
+        for p in factors[:1]]
+  meshes = [meshes] if isinstance(meshes, jax.sharding.Mesh) else list(meshes)
+  for mesh in meshes:
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"check_partitioning({name}): meshes must hold "
+                      f"jax.sharding.Mesh objects; got {type(mesh).__name__}.")
+  return (name, arg_names, [np.asarray(leaf) for _, leaf in paths_leaves],
+          in_tree, all(len(path) == 1 for path, _ in paths_leaves), meshes)
+
+
+def _short_repr(value, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
+            grad: bool) -> tuple[Callable, list, list]:
+  """``(run, results' ShapeDtypeStructs, cotangent shapes)`` (None: not a
+  float). ``run(leaves, constraints=None, ct_specs=None, mesh=None,
+  out_specs=None)``: ``[(what, array)]`` of the jitted results (constrained
+  to ``out_specs``) and, with ``grad``, not ``out_specs``, the gradients."""
+  def args_of(leaves, constraints):
+    return in_tree.unflatten(_constrained(leaves, constraints))
+
+  def forward(leaves, constraints, out_constraints):
+    outs, tree = jax.tree_util.tree_flatten(fn(*args_of(leaves, constraints)))
+    return tree.unflatten(_constrained(outs, out_constraints))
+  forward.__name__ = forward.__qualname__ = f"check_partitioning_{name}"
+  jitted_forward = jax.jit(forward, static_argnums=(1, 2))
+  # Cotangents: seed 0; None for a non-float result (its float0 is built
+  # while tracing); floats as jax types them (bfloat16: not numpy's).
+  rng, cts = np.random.default_rng(0), []
+  shapes = jax.tree_util.tree_leaves(jax.eval_shape(
+      fn, *in_tree.unflatten(hosts)))
+  for s in shapes if grad else []:
+    ct = None
+    if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact):
+      ct = rng.standard_normal(s.shape)
+      if jax.numpy.issubdtype(s.dtype, jax.numpy.complexfloating):
+        ct = ct + 1j * rng.standard_normal(s.shape)
+      ct = ct.astype(s.dtype)
+    cts.append(ct)
+
+  def pullback(leaves, cts, constraints, ct_constraints):
+    out, vjp = jax.vjp(fn, *args_of(leaves, constraints))
+    outs, out_tree = jax.tree_util.tree_flatten(out)
+    cts = _constrained(cts, ct_constraints)
+    return vjp(out_tree.unflatten([
+        np.zeros(o.shape, jax.dtypes.float0) if c is None
+        else _typed_like(c, o) for o, c in zip(outs, cts)]))
+  pullback.__name__ = pullback.__qualname__ = (
+      f"check_partitioning_{name}_vjp")
+  jitted_pullback = jax.jit(pullback, static_argnums=(2, 3))
+
+  def run(leaves, constraints=None, ct_specs=None, mesh=None, out_specs=None):
+    out = jitted_forward(leaves, constraints, out_specs and tuple(
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s))
+        for s in out_specs))
+    found = [(f"result {jax.tree_util.keystr(tuple(path))}" if path else
+              "the result", leaf)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]]
+    if grad and out_specs is None:
+      placed = [(None, None) if c is None else
+                (jax.device_put(c, _arguable(o, mesh)), None) if spec is None
+                else _placed(c, mesh, spec) for c, o, spec in zip(
+                    cts, jax.tree_util.tree_leaves(out),
+                    ct_specs or [None] * len(cts))]
+      grads = jitted_pullback(leaves, [c for c, _ in placed], constraints,
+                              tuple(k for _, k in placed))
+      found += [(f"gradient with respect to {arg_name}", g) for arg_name, g
+                in zip(arg_names, jax.tree_util.tree_leaves(grads))
+                if g.dtype != jax.dtypes.float0]
+    return [(what, np.asarray(leaf)) for what, leaf in found]
+  return run, shapes, [None if c is None else c.shape for c in cts]
 
 
 def _typed_like(x, like):
@@ -4142,32 +4074,175 @@ def _arguable(result: jax.Array, mesh) -> jax.sharding.Sharding:
                                     jax.sharding.PartitionSpec(*spec or ()))
 
 
-def _unsharded(aval):
-  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
-  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
-  return _jax.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+def _constrained(xs: list, shardings) -> list:  # shardings None: none
+  return [x if s is None else jax.lax.with_sharding_constraint(x, s)
+          for x, s in zip(xs, shardings or [None] * len(xs))]
 
 
-def _vmapped_over_mesh_axis(x) -> bool:
-  """Whether ``x`` is (the primal of) a jax.vmap tracer whose batch dimension
-  is sharded over a mesh axis in its type: jax's vmap of shard_map moves it
-  to no mesh axis (an all-gather, jax 0.10.2; a size-1 axis is then unbound
-  in lower_fn), so such calls keep the custom call."""
-  while isinstance(x, (_jax.BatchTracer, _jax.JVPTracer)):
-    dim, x = ((None, x.primal) if isinstance(x, _jax.JVPTracer)
-              else (x.batch_dim, x.val))
-    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
-    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
-      return True
-  return False
+def _placed(host, mesh, spec: tuple) -> tuple:
+  """``(host put on mesh in spec, None)``; for a padded ``spec``, which
+  ``jax.device_put`` refuses, ``(host replicated, spec's sharding)``, to
+  constrain it to inside ``jit`` as a user's program would."""
+  sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*spec))
+  if _placement_class(spec, host.shape, mesh) != _PADDED:
+    return jax.device_put(host, sharding), None
+  return _placed(host, mesh, ())[0], sharding
 
 
-# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
-_SHARDY = _jax.use_shardy_partitioner
+def _shardings_of(shape: tuple, mesh) -> list[tuple]:
+  """One operand's candidates: replicated, then by class (``_CLASSES``);
+  none padded on Explicit axes or if not ``_returns_padded()``."""
+  axes, rank = _real_axes(mesh), len(shape)
+
+  def divides(d: int, names: tuple) -> bool:
+    return shape[d] > 0 and shape[d] % math.prod(
+        mesh.shape[a] for a in names) == 0
+
+  def spec(entries: dict) -> tuple:  # {dimension: entry}
+    return tuple(entries.get(d) for d in range(max(entries) + 1))
+  one = [spec({d: a}) for d in range(rank) for a in axes if divides(d, (a,))]
+  multi = len(axes) > 1
+  several = [spec(dict(zip(dims, axes)))
+             for dims in itertools.permutations(range(rank), len(axes))
+             if multi and all(divides(d, (a,)) for d, a in zip(dims, axes))]
+  tuples = [spec({d: t}) for d in range(rank) for t in (axes, axes[::-1])
+            if multi and divides(d, t)]
+  padded = [] if _any_explicit(mesh) or not _returns_padded() else [
+      spec({d: a}) for d in range(rank) for a in axes
+      if shape[d] % mesh.shape[a]]
+  return [()] + one + several + tuples + padded
 
 
-def _jit_disabled() -> bool:
-  return bool(_jax.disable_jit.value)
+def _returns_padded() -> bool:
+  """Whether jax compiles a jit whose result XLA leaves padded, as
+  check_partitioning's padded placements need: not jax 0.9 with Shardy
+  (0.9.2 raises IndivisibleError; 0.8.3, 0.10.2 give another sharding)."""
+  return _JAX_VERSION[:2] != (0, 9) or not _SHARDY.value
+
+
+def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
+  """``spec``'s class of placements (``_CLASSES``); None: replicated."""
+  entries = [(n, e) for n, e in zip(shape, spec) if e is not None]
+  if not entries:
+    return None
+  if any(n % _shard_count(e, mesh) for n, e in entries):
+    return _PADDED
+  if any(isinstance(e, tuple) for _, e in entries):
+    return _TUPLE
+  return _SEVERAL if len(entries) > 1 else _ONE_AXIS
+
+
+def _cotangent_specs(shapes: list, mesh, extra: int = 0) -> list[tuple]:
+  """For k in 1 .. n-1+extra (n > 1: the most one-axis shardings of a
+  shape), each cotangent or asked-for result in its k-th, cyclically (a
+  shape None: none); none on Explicit axes, a value typed as its result."""
+  if _any_explicit(mesh):
+    return []
+  options = [[()] if shape is None else [
+      s for s in _shardings_of(shape, mesh)
+      if _placement_class(s, shape, mesh) in (None, _ONE_AXIS)]
+             for shape in shapes]
+  longest = max(map(len, options), default=1)
+  return [tuple(o[k % len(o)] for o in options)
+          for k in range(1, longest + (longest > 1 and extra))]
+
+
+def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:
+  """At most ``bound`` combinations of the per-operand ``options`` (each
+  replicated first): all if they fit; else all replicated, each operand
+  sharded alone (round-robin), "diagonals" (operand i takes its k-th
+  option, for every k), then the rest in ``itertools.product`` order."""
+  if math.prod(map(len, options)) <= bound:
+    return list(itertools.product(*options))
+  replicated = [o[0] for o in options]
+  ks = range(1, max(map(len, options)))
+  chosen: dict[tuple, None] = {}
+  for combination in itertools.chain(
+      [replicated],
+      (replicated[:i] + [o[k]] + replicated[i + 1:]
+       for k in ks for i, o in enumerate(options) if k < len(o)),
+      ([o[k % len(o)] for o in options] for k in ks),
+      itertools.product(*options)):
+    chosen.setdefault(tuple(combination), None)
+    if len(chosen) == bound:
+      break
+  return list(chosen)
+
+
+def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
+              tried: list) -> dict:
+  """The report's ``replicated_only``, ``placements`` and ``untried``."""
+  replicated_only, untried = [], []
+  for arg_name, h, offer, done in zip(arg_names, hosts, offered, tried):
+    missed = [f"{c} ({_why_not(c, h.shape, meshes, c in offer)})"
+              for c in _CLASSES if c not in done]
+    if offer == {None}:
+      replicated_only.append(f"{arg_name} (shape {h.shape})")
+    elif missed:
+      untried.append(f"on {arg_name} (shape {h.shape}): {', '.join(missed)}")
+  return dict(
+      replicated_only=tuple(replicated_only), untried=tuple(untried),
+      placements=tuple(c for c in _CLASSES if any(c in t for t in tried)))
+
+
+def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
+  """Why no placement of class ``cls`` was tried for ``shape``."""
+  if offered:
+    return "left out by max_combinations"
+  axes = [_real_axes(mesh) for mesh in meshes]
+  if not any(axes):
+    return "no mesh has an axis of more than one device"
+  if cls == _PADDED:
+    if not _returns_padded() and any(
+        n % m.shape[a] for m in meshes if not _any_explicit(m)
+        for a in _real_axes(m) for n in shape):
+      return ("jax 0.9 under Shardy cannot compile a program whose result "
+              "is padded")
+    explicit = [_any_explicit(m) for m, a in zip(meshes, axes) if a]
+    if all(explicit):
+      return "jax types no uneven sharding on Explicit mesh axes"
+    if any(explicit):
+      return ("jax types no uneven sharding on Explicit mesh axes, and every "
+              "other mesh axis divides each of its dimensions")
+    return "every mesh axis divides each of its dimensions"
+  if cls == _ONE_AXIS:
+    return "no mesh axis divides any of its dimensions"
+  if cls == _SEVERAL and len(shape) < 2:
+    return "it has fewer than two dimensions"
+  if all(len(a) < 2 for a in axes):
+    return "no mesh has two axes of more than one device"
+  if cls == _SEVERAL:
+    return "no mesh's axes each divide a different one of its dimensions"
+  return "no mesh's axes together divide any of its dimensions"
+
+
+def _mesh_text(mesh) -> str:
+  axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+  types_ = _axis_types(mesh)
+  if types_ is not None and any(
+      t != jax.sharding.AxisType.Auto for t in types_):
+    names = ", ".join(t.name for t in types_)
+    axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
+  return f"Mesh({axes})"
+
+
+def _specs_text(specs, arg_names: list, flat: bool) -> str:
+  """``(PartitionSpec('x'), PartitionSpec())``; pytree leaves named."""
+  if flat:
+    return f"({', '.join(map(_spec_text, specs))}{',' * (len(specs) == 1)})"
+  return "{" + ", ".join(f"{arg_name}: {_spec_text(spec)}" for arg_name, spec
+                         in zip(arg_names, specs)) + "}"
+
+
+def _renamed(error: Exception, where: str) -> Exception:
+  """``error``'s type with ``where`` before its message (else ``error``
+  itself, with ``where`` as a note, for a type that takes no message)."""
+  try:
+    return type(error)(f"{where}: {type(error).__name__}: {error}")
+  except Exception:
+    _add_note(error, where)
+    return error
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -4175,169 +4250,111 @@ def _add_note(error: BaseException, note: str) -> None:
     error.add_note(note)
 
 
-def _config_values() -> tuple:
-  """Every jax option's value on this thread, context managers included, as
-  ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
-  return tuple((name, holder.value)
-               for name, holder in _jax.config._value_holders.items()
-               if isinstance(holder, _jax.State) and
-               name not in _TRACING_OPTIONS)
+def _compare(got, want, rtol, atol, what: str) -> None:
+  """Raises AssertionError (message after ``what``) unless ``got`` equals
+  ``want`` within the tolerances (None: by dtype) where ``want`` is finite,
+  and exactly (inf of its sign, NaN) where not."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape or got.dtype != want.dtype:
+    raise AssertionError(
+        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
+        f"{want.dtype}{list(want.shape)}")
+  wide = np.complex128 if np.iscomplexobj(want) else np.float64
+  g, w = got.astype(wide), want.astype(wide)
+  tol = _default_tolerance(want.dtype)
+  scale = float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0))
+  rtol = tol if rtol is None else rtol
+  atol = tol * max(scale, 1.0) if atol is None else atol
+  with np.errstate(invalid="ignore"):
+    error = np.abs(g - w)
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    bad = ~same & (~np.isfinite(w) | ~(error <= atol + rtol * np.abs(w)))
+  if not bad.any():
+    return
+  error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
+  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
+                        want.shape)
+  got_at, want_at = (format(v, ".6g") if isinstance(v, (float, complex))
+                     else str(v) for v in (got[at].item(), want[at].item()))
+  raise AssertionError(
+      f"{what}: largest error {float(np.max(error)):.3g} ({int(bad.sum())} "
+      f"of {bad.size} elements off; at index {tuple(map(int, at))} got "
+      f"{got_at}, expected {want_at}; rtol={rtol:.3g}, atol={atol:.3g})")
 
 
-@contextlib.contextmanager
-def _config_entered(values: tuple):
-  """Runs the block on this thread under ``values`` (``_config_values``),
-  each option that differs set by its (thread-local) context manager, as
-  the user's ``with`` did."""
-  holders = _jax.config._value_holders
-  with contextlib.ExitStack() as stack:
-    for name, value in values:
-      if holders[name].value != value:
-        stack.enter_context(holders[name](value))
-    yield
+def _default_tolerance(dtype) -> float:
+  """The default rtol (see check_partitioning's ``rtol``)."""
+  if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+    return 0.0
+  info = jax.numpy.finfo(dtype)  # of the parts, for a complex dtype
+  if info.bits >= 32:
+    return 1e-9 if info.bits >= 64 else 1e-4
+  # Summed in another order, a float8 sum rounds otherwise: a correct psum
+  # of random rows was off by up to 2 epsilon of the largest magnitude.
+  return {"float16": 5e-3, "bfloat16": 3e-2}.get(np.dtype(dtype).name,
+                                                  2 * float(info.eps))
 
 
-def _trace_context_by_value() -> tuple:
-  """jax's trace context (the configuration its tracing caches key on),
-  each entry described by value: equal in every process for equal ones."""
-  # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
-  # a core.AxisEnv, whose repr is its address; the rest describe by value.
-  axis_env = _jax.AxisEnv or ()  # a class, or no class
-  return tuple(
-      ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
-       getattr(v, "explicit_mesh_axis_names", None))
-      if isinstance(v, axis_env) else v for v in _jax.trace_context())
+@dataclasses.dataclass(frozen=True)
+class PartitioningReport:
+  """What ``check_partitioning`` checked; ``str()`` says it in sentences.
 
+  Attributes:
+    name: the checked function's name.
+    checked: placements compiled, run and compared, over all meshes.
+    meshes: per mesh, ``(description, checked, total)``, total before
+      ``max_combinations`` cut it.
+    replicated_only: the example arguments (with shapes) no mesh shards.
+    grad: whether gradients were compared too.
+    max_combinations: the bound per mesh.
+    placements: the classes besides replicated that some argument was
+      checked in: ``"one dimension over one axis"``, ``"several dimensions
+      over one axis each"``, ``"one dimension over a tuple of axes"``,
+      ``"padded"``.
+    untried: per argument with classes not checked, a sentence naming
+      them and why (e.g. no mesh axis divides it, or the bound).
+    cotangent_placements: with ``grad``, how many cotangent placements
+      other than their results' were checked (operands replicated).
+    result_requests: how many combinations were checked with each result
+      requested in a sharding (a sharding constraint, as by a consumer).
+  """
+  name: str
+  checked: int
+  meshes: tuple
+  replicated_only: tuple
+  grad: bool
+  max_combinations: int
+  placements: tuple = ()
+  untried: tuple = ()
+  cotangent_placements: int = 0
+  result_requests: int = 0
 
-@_jax.cache(max_size=1, trace_context_in_key=False)
-def _cache_epoch() -> object:
-  """A token that changes when ``jax.clear_caches()`` is called."""
-  # jax's util.cache is cleared by jax.clear_caches() on every release
-  # (through a set of clear functions up to 0.4.x, util.register_cache
-  # since). With jax_check_tracer_leaks on it does not memoize at all.
-  return object()
-
-
-def _register_partitioner(name: str, prop_user_sharding, partition,
-                          infer_sharding_from_operands) -> None:
-  register = functools.partial(
-      _jax.register_custom_call_partitioner, name=name,
-      prop_user_sharding=prop_user_sharding, partition=partition,
-      infer_sharding_from_operands=infer_sharding_from_operands,
-      can_side_effecting_have_replicated_sharding=True)
-  register()
-  _jax.register_plugin_callbacks(register)
-
-
-# --------------------------------------------------------------------------
-# Appendix G. What a refusal says
-#
-# The messages of the errors the core (sections 1 to 5 and 7) raises, by
-# name, each filled in with ``str.format`` where it is raised. Every one
-# names the op and the culprit, and says what to do instead.
-# --------------------------------------------------------------------------
-
-_REFUSALS = {
-    "special_factors": (
-        "Shardy sharding rules with {kinds} factors need jax/jaxlib {need} "
-        "or newer; found jaxlib {jaxlib}. Upgrade, use GSPMD, or drop the "
-        "special factors from the rule."),
-    "factor_too_big": (
-        "{where} has size {size}, which is not a product of factors of at "
-        "most {limit} (2**31 - 1), the largest factor size a Shardy sharding "
-        "rule can hold. Use the GSPMD partitioner for this op, or reshape the "
-        "dimension."),
-    "transpose": ("{name}: a custom_partitioning op can be transposed only "
-                  "in its tangents, as jax.grad does."),
-    "gspmd_only": (
-      "custom_partitioning function {name} is used with the Shardy "
-      "partitioner, but only GSPMD callbacks (infer_sharding_from_operands "
-      "/ propagate_user_sharding) are defined. Add a sharding_rule to "
-      "def_partition, e.g. sharding_rule='i j -> i j'."),
-    "untypable_body": (
-      "custom_partitioning function {name}: jax cannot type its body with "
-      "these operand shardings ({e}). With every mesh axis Explicit and the "
-      "mesh set by jax.set_mesh(mesh), the op runs as jax.shard_map of its "
-      "lower_fn, which needs no such typing."),
-    "closes_over_tracer": (
-      "custom_partitioning function {name} closes over a traced value (e.g. "
-      "a variable of an enclosing jax.jit or jax.grad). Pass it to the "
-      "function as an argument instead."),
-    "export": (
-      "jax.export cannot serialize the custom_partitioning op {name}: its "
-      "partitioning callbacks are Python functions that XLA calls while "
-      "compiling, and they cannot be stored in a serialized artifact. Export "
-      "on a single device, or export the per-shard code (e.g. with "
-      "jax.shard_map) instead."),
-    "no_devices": (
-      "custom_partitioning op {name} is lowered for several devices, but jax "
-      "did not say which: this happens when the op is lowered inside another "
-      "primitive's lowering rule (e.g. through _jax.lower_fun), where jax "
-      "cannot see it. Set the mesh around the call, with jax.set_mesh(mesh) "
-      "or `with mesh:`, so the op can find its devices, or call the op "
-      "outside that primitive."),
-    "no_partition": (
-      "custom_partitioning op {name} runs on {n} devices, but its "
-      "def_partition was given partition=None and no sharding_rule to derive "
-      "a partition from: give either."),
-    "unknown_key": (
-      _TARGET + ": no custom_partitioning op is registered under key {key!r}; "
-      "was its lowering dropped?"),
-    "derived_without_mesh": (
-      "{name} is lowered for several devices without a mesh; jax.vmap, "
-      "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
-      "NamedSharding arguments, jax.set_mesh or `with mesh:`)."),
-    "derived_mesh": (
-      "partition of {name} returned a mesh with axes {got}, but the op's "
-      "mesh has {want}; under jax.vmap, jax.jvp and jax.grad they must be the "
-      "same."),
-    "answer": (
-      "partition of {name} must return (mesh, lower_fn, result_shardings, "
-      "arg_shardings); got {got}."),
-    "lower_fn": (
-      "partition of {name} returned a lower_fn of type {got}, which is not "
-      "callable."),
-    "mesh": (
-      "partition of {name} returned a mesh of type {got}; expected a "
-      "jax.sharding.Mesh."),
-    "mesh_devices": (
-      "partition of {name} returned a mesh on devices {got}, but the op runs "
-      "on {want}."),
-    "mesh_size": (
-      "partition of {name} returned a mesh of {got} devices, but the op runs "
-      "on {want}."),
-    "sharding": "{where} as a {got}; expected a jax.sharding.Sharding.",
-    "sharding_devices": "{where} on devices {got}, but the op runs on {want}.",
-    "spec_rank": "{where} with spec {spec} for a value of rank {ndim}.",
-    "derived_spec": (
-      "{where}, which has no PartitionSpec on the mesh {mesh}; under "
-      "jax.vmap, jax.jvp and jax.grad, shardings must have one."),
-    "unbound_axis": (
-      "lower_fn of {name} names a mesh axis ({e}), but partition returned "
-      "the empty mesh: the op's mesh could not be recovered (the program's "
-      "shardings are not NamedShardings and no mesh is set). Return a mesh "
-      "over the op's devices, or use NamedSharding inputs, jax.set_mesh or "
-      "`with mesh:`."),
-    "result_count": (
-      "lower_fn of {name} returned {got} outputs; the op has {want} "
-      "({tree})."),
-    "result_shape": (
-      "lower_fn of {name} returned result {i} with local shape {got}, but its "
-      "result sharding needs {want}."),
-    "varies": (
-      "lower_fn of {name} returns result {i} as replicated over mesh axis "
-      "{axis!r} (its result sharding has spec {spec}), but its value differs "
-      "between the devices along {axis!r}: it is computed from an operand "
-      "sharded over {axis!r} (or from axis_index) and no collective over that "
-      "axis makes it equal. Likely fix: a missing jax.lax.psum/pmax/"
-      "all_gather over {axis!r} in lower_fn, or a result sharding over "
-      "{axis!r}. If the value is equal by construction, pass check_vma=False "
-      "to def_partition."),
-}
+  def __str__(self) -> str:
+    what = "results and gradients" if self.grad else "results"
+    n, left, r = self.cotangent_placements, sum(
+        total - k for _, k, total in self.meshes), self.result_requests
+    per_mesh = "; ".join(f"{text}: {k} of {total}"
+                         for text, k, total in self.meshes)
+    return "".join(part for part in (
+        f"check_partitioning({self.name}): {self.checked} combinations of "
+        f"operand shardings checked, {what} equal to {self.name} on one "
+        f"device ({per_mesh}). ",
+        n and f"Cotangents also checked in {n} sharding{'s' * (n > 1)} "
+        "other than their results' (the operands replicated). ",
+        f"Placements checked: {', '.join(['replicated', *self.placements])}.",
+        self.replicated_only and " No mesh axis divides "
+        f"{', '.join(self.replicated_only)}: checked replicated only.",
+        self.untried and f" Not tried {'; '.join(self.untried)}.",
+        left and f" {left} combinations left unchecked (max_combinations="
+        f"{self.max_combinations} per mesh): raise max_combinations, or pass "
+        "meshes=, to check them.",
+        r and f" Results also checked in {r} combination{'s' * (r > 1)} "
+        "with their shardings requested (a sharding constraint on each, as "
+        "a consumer's).") if part)
 
 
 # --------------------------------------------------------------------------
-# Self-demo: python custom_partitioning.py
+# III.3 Self-demo: python custom_partitioning.py
 # --------------------------------------------------------------------------
 
 def _batched_fft_op() -> custom_partitioning:
@@ -4434,7 +4451,7 @@ _jax.register_xla_runtime_error_handler(_reraise_callback_error)
 # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
 # backend compile that succeeds, 0.4.35 to 0.11.
 _jax.register_event_duration_secs_listener(_drop_pending)
-# How the content key describes this module's objects (appendix D): an op
+# How the content key describes this module's objects (II.6): an op
 # by every field that is not state (a field added to _Op is in the key
 # unless it is marked as state).
 _DESCRIBED_BY.update({

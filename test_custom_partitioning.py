@@ -133,6 +133,13 @@ NO_SPECIAL_FACTORS = (f"jaxlib {'.'.join(map(str, JAXLIB_VERSION))}: Shardy "
 HAS_AXIS_TYPE = hasattr(jax.sharding, "AxisType")
 
 
+# XLA:CPU aborts the process on jax.lax.axis_index inside a while loop's
+# condition ("Legacy XLA:CPU runtime does not support collective
+# execution"), seen with jaxlib 0.5.3, 0.6.2 and 0.7.2 (0.5.0 and 0.10.2 run
+# it). jax.shard_map of the same loop raises UNIMPLEMENTED there instead.
+AXIS_INDEX_IN_WHILE_ABORTS = (0, 5, 1) <= JAXLIB_VERSION < (0, 10, 0)
+
+
 def factors_unsupported(text):
   """What the special factors named in ``text`` (a rule's repr) need, where
   this jaxlib lacks it: jaxlib 0.5.0 added reduction and need_replication
@@ -5670,11 +5677,15 @@ class PromisesTest(CPTestCase):
                                   lambda x, c: c[0] < 8),
         "axis_index in the predicate": counts(
             zero, lambda x, c: c[0] < 8 - jax.lax.axis_index("x")),
+    }
+    if AXIS_INDEX_IN_WHILE_ABORTS:
+      del cases["axis_index in the predicate"]
+    cases.update({
         # Shard d of x starts with 8d / 7 - 1.5 (_data): d read from it.
         "per-device data in the predicate": counts(
             zero, lambda x, c: c[0] < 8 - jnp.round(
                 (x[0, 0] + 1.5) * 7 / 8).astype(jnp.int32)),
-    }
+    })
     xh = _data((16, 4))
     for label, m, ctx in self.meshes():
       x = jax.device_put(xh, NamedSharding(m, P("x")))

@@ -961,6 +961,29 @@ class StaticArgsTest(CPTestCase):
     np.testing.assert_allclose(op([4.0], self.x), self.xh * 4, rtol=1e-6)
     np.testing.assert_allclose(op([5.0], self.xh), self.xh * 5, rtol=1e-6)
 
+  def test_two_unhashable_statics_in_one_program(self):
+    """Two calls whose unhashable static arguments differ, in one jit and
+    in one eager grad (whose equations jax evaluates one by one): each
+    keeps its own, though neither has a key by value."""
+    op = custom_partitioning(lambda lst, x: x * lst[0], static_argnums=(0,))
+
+    def partition(lst, mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * lst[0], s, (s,)
+
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda l, m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    both = lambda x: (op([4.0], x), op([5.0], x))  # noqa: E731
+    for got in (jax.jit(both)(self.x), both(self.x)):
+      np.testing.assert_allclose(got[0], self.xh * 4, rtol=1e-6)
+      np.testing.assert_allclose(got[1], self.xh * 5, rtol=1e-6)
+    loss = lambda x: (op([4.0], x) ** 2 + op([5.0], x)).sum()  # noqa: E731
+    want = 32 * self.xh + 5
+    np.testing.assert_allclose(jax.grad(loss)(self.x), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(self.x), want,
+                               rtol=1e-6)
+
   def test_tracer_in_static_position(self):
     op = _same_sharding_op(lambda n, x: x * n, static_argnums=(0,),
                            lower_fn=lambda x: x * 2.0)
@@ -1033,6 +1056,11 @@ _EQUAL_STATICS = {
     "int and float": (lambda x, n: x * n, np.int32, 2, 2.0),
     "weak and strong": (lambda x, s: x * s, jnp.bfloat16, 0.5,
                         np.float32(0.5)),
+    # Equal and of one hash too: only a key by item, or by bits, parts them.
+    "signed zero in a tuple": (lambda x, n: jnp.copysign(x, n[0]),
+                               np.float32, (0.0,), (-0.0,)),
+    "numpy signed zero": (lambda x, n: jnp.copysign(x, n), np.float32,
+                          np.float32(0.0), np.float32(-0.0)),
 }
 
 
@@ -4681,6 +4709,43 @@ class PaddingInGradientsTest(CPTestCase):
                     jax.lax.with_sharding_constraint(x, rows), w))(
                         self.xh, self.wh), body(self.xh, self.wh), rtol=1e-6)
 
+  def test_padding_takes_a_real_row_that_the_body_admits(self):
+    """``log(1 - x)`` is finite below 1 only: the padding of ``x`` must be
+    one of its real rows (here each below 0.5), not a sum or a made-up one,
+    or the replicated ``w``'s cotangent is NaN."""
+    xh = np.linspace(0.3, 0.45, 40, dtype=np.float32).reshape(10, 4)
+    body = lambda x, w: w * jnp.log(1 - x)  # noqa: E731
+    want = jax.grad(lambda x, w: body(x, w).sum(), (0, 1))(xh, self.wh)
+    for label, op in _padded_grad_ops(body).items():
+      for mesh_name, (shape, names) in self.meshes.items():
+        rows = NamedSharding(self.mesh(shape, names), P("x"))
+        with self.subTest(op=label, mesh=mesh_name):
+          got = jax.jit(jax.grad(self.loss(op, rows), (0, 1)))(xh, self.wh)
+          for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5)
+
+  def test_the_cotangent_of_a_padded_result_is_zero_past_its_end(self):
+    """Only the result is padded (7 rows over 8 devices; the operand's 8
+    divide). XLA computes ``exp`` on the padding too, so the cotangent's
+    padding is not zero: it must not reach the operand's last row, which
+    no result depends on."""
+    op = custom_partitioning(lambda x: x[:7] * 2)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = NamedSharding(mesh, P("x"))
+      return mesh, lambda x: x * 2, s, (s,)
+    op.def_partition(partition, sharding_rule="i j -> i j",
+                     infer_sharding_from_operands=lambda m, a, r: (
+                         NamedSharding(m, P("x"))))
+    xh = _data((8, 4))
+    x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+    for loss in (lambda f, x: jnp.exp(f(x)).sum(),
+                 lambda f, x: (f(x) * f(x)).sum() + jnp.cos(f(x)).sum()):
+      want = jax.grad(functools.partial(loss, lambda x: x[:7] * 2))(xh)
+      np.testing.assert_array_equal(want[7], 0)
+      np.testing.assert_allclose(
+          jax.jit(jax.grad(functools.partial(loss, op)))(x), want, rtol=1e-5)
+
   def test_derived_ops_of_padded_operands_are_plain_jax_s(self):
     """vmap of grad, grad of vmap, grad of grad, jvp of grad and jvp, on
     the (4, 2) mesh (rows of 10 over the 4 devices of "x")."""
@@ -4866,6 +4931,20 @@ if _HiPrim is not None:
       return x * x
 
 
+  class _PlusBlock(_HiPrim):
+    """x + its block's index along mesh axis "x" (a collective inside a
+    hijax primitive: it meets the mesh only when expanded)."""
+
+    def __init__(self, aval):
+      self.in_avals = (aval,)
+      self.out_aval = aval
+      self.params = {}
+      super().__init__()
+
+    def expand(self, x):
+      return x + jax.lax.axis_index("x").astype(x.dtype)
+
+
 def _hi_square(x):
   return _Square(jax.typeof(x))(x)
 
@@ -4903,6 +4982,24 @@ class HijaxTest(CPTestCase):
   def test_explicit_axes(self):
     self._check("Explicit")
 
+  def test_a_collective_beside_a_hijax_primitive_in_lower_fn(self):
+    """``lower_fn``'s hijax primitives are expanded under the mesh's axes:
+    one binds axis_index (beside a psum outside it)."""
+    m = self.mesh((4, 2), ("x", "y"))
+    xh = _data((16, 4))
+    block = np.repeat(np.arange(4.0, dtype=np.float32), 4)[:, None]
+    want = xh * xh + xh.sum() + block  # each block of 4 rows: its index
+
+    def lower_fn(x):
+      return _PlusBlock(jax.typeof(x))(
+          _hi_square(x) + jax.lax.psum(x.sum(), "x"))
+    op = _same_sharding_op(
+        lambda x: x * x + x.sum() + block,
+        lower_fn=lower_fn)
+    x = jax.device_put(xh, NamedSharding(m, P("x")))
+    np.testing.assert_allclose(jax.jit(op)(x), want, rtol=1e-5)
+    np.testing.assert_allclose(op(x), want, rtol=1e-5)
+
   def test_hijax_operands_are_refused_by_name(self):
     class HiAval:  # stands in for a hijax type: jax asks only is_high
       is_high = True
@@ -4910,14 +5007,17 @@ class HijaxTest(CPTestCase):
       def __repr__(self):
         return "HiAval()"
 
-    class Call:
-      in_avals, out_avals = (HiAval(),), ()
-      jaxpr = types.SimpleNamespace(debug_info=None)
+    for side in ("operand", "result"):
+      class Call:
+        in_avals, out_avals = ((HiAval(),), ()) if side == "operand" else (
+            (), (HiAval(),))
+        jaxpr = types.SimpleNamespace(debug_info=None)
 
-    self.assertRaisesNaming(
-        NotImplementedError, ["operands and results must be arrays, not "
-                              "hijax types (HiAval())"],
-        cp._to_lojax, call=Call())
+      with self.subTest(side):
+        self.assertRaisesNaming(
+            NotImplementedError, ["operands and results must be arrays, not "
+                                  "hijax types (HiAval())"],
+            cp._to_lojax, call=Call())
 
   @unittest.skipIf(JAX_VERSION < (0, 12, 0), f"{JAX}: upstream's op runs "
                    "hijax primitives from jax 0.12")

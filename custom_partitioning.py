@@ -499,8 +499,8 @@ class custom_partitioning:
     mesh = next((x.sharding.mesh for x in leaves if isinstance(
         getattr(x, "sharding", None), jax.sharding.NamedSharding) and
         isinstance(x.sharding.mesh, _jax.Mesh)), None) if sharded else None
-    key = (self, self._generation, args.key, _positions(args.defaults),
-           sharded, mesh)
+    key = (self, self._generation, args.key,
+           args.defaults and tuple(i for i, _ in args.defaults), sharded, mesh)
     fn = _eager.get(key)
     if fn is None:  # only on a miss: no closure built per hit
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
@@ -523,8 +523,8 @@ class custom_partitioning:
     # jax.jit's trace key (its trace context holds the config), statics by
     # _key_of, unpassed defaults' positions; blind to fun's globals.
     key = None if args.key is None else (
-        args.key, _positions(args.defaults), flat.in_tree, flat.in_avals,
-        _SHARDY.value, _jax.trace_context())
+        args.key, args.defaults and tuple(i for i, _ in args.defaults),
+        flat.in_tree, flat.in_avals, _SHARDY.value, _jax.trace_context())
     traced = None if key is None else self._traces.get(key)
     if traced is None:  # get and put: no closure built on the hot path
       traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
@@ -551,7 +551,11 @@ class custom_partitioning:
           name=self._name))
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
-    if _explicitly_typed(flat.in_avals):  # seam: the shard_map path (II.2)
+    # Whether an aval is sharded (jax 0.5.0+) on a mesh with an Explicit axis.
+    if _EXPLICIT_PATH and any(  # seam: the shard_map path (II.2)
+        jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
+            a, "sharding", None), "mesh", None), "axis_types", ())
+        for a in flat.in_avals):
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
@@ -601,12 +605,14 @@ class custom_partitioning:
     return call, out_tree()
 
 
-def _typeof(x) -> _jax.AbstractValue:
-  if _jax.typeof is not None:  # jax 0.5.3 added it; 0.10.0 removed get_aval
-    return _jax.typeof(x)
+def _typeof_before_053(x) -> _jax.AbstractValue:
   # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
   aval = _jax.get_aval(x)
   return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
+
+
+# jax 0.5.3 added jax.typeof; 0.10.0 removed get_aval.
+_typeof = _jax.typeof or _typeof_before_053
 
 
 # The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
@@ -615,15 +621,6 @@ _EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
                   hasattr(jax, "shard_map") and
                   hasattr(jax.sharding, "reshard") and
                   "check_vma" in inspect.signature(jax.shard_map).parameters)
-
-
-def _explicitly_typed(avals) -> bool:
-  """Whether the shard_map path may apply: an aval sharded (jax 0.5.0+) on
-  a mesh with an Explicit axis. Runs for every bind: calls no helper."""
-  return _EXPLICIT_PATH and any(
-      jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
-          a, "sharding", None), "mesh", None), "axis_types", ())
-      for a in avals)
 
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
@@ -846,10 +843,6 @@ def _any_sharded(xs) -> bool:
   return False
 
 
-def _positions(defaults: tuple) -> tuple:
-  return tuple(i for i, _ in defaults) if defaults else ()
-
-
 class _FlatArgs(NamedTuple):
   leaves: list
   in_tree: Any
@@ -877,9 +870,9 @@ class _Statics:
 def _params_key(params: dict) -> tuple:
   """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
   static = params["static_args"]
-  if not isinstance(static, _Statics):
+  if static and not isinstance(static, _Statics):
     params = dict(params, static_args=_Statics(static, _key_of(static)))
-  return tuple(sorted(params.items(), key=lambda item: item[0]))
+  return tuple(sorted(params.items()))  # names unique: values never compared
 
 
 _eager = _LRU()
@@ -955,9 +948,10 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
       for avals in (ctx.avals_in, ctx.avals_out))
-  op = _op_of(params, place, rule, varying=varying,
-              platforms=ctx.module_context.platforms,
-              backend=_module_backend(ctx), config=_config_values())
+  mc = ctx.module_context  # jax 0.5.0 renamed its backend_or_name backend
+  op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
+              backend=mc.backend if _JAX_VERSION >= (0, 5, 0)
+              else mc.backend_or_name, config=_config_values())
   # Shardy's verifier refuses a rule on an op without operands (where it
   # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
@@ -1009,7 +1003,7 @@ def _partitioned_placement(ctx, steps):
   if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
     return None, "the program runs on one device"
-  if steps and _inexpressible(place):
+  if steps and place.auto is not None and not _MESH_TYPES_MANUAL_AXES:
     return None, ("a derived op inside a partly manual shard_map before jax "
                   "0.5.3, whose shardings cannot be expressed")
   return place, None
@@ -1088,12 +1082,6 @@ def _rule_attr(rule, levels: list, one_size: bool):
   return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
                               rule.need_replication_factors,
                               rule.permutation_factors)
-
-
-def _module_backend(ctx: _jax.LoweringRuleContext):
-  # jax 0.5.0 renamed ModuleContext.backend_or_name to backend.
-  return (ctx.module_context.backend if _JAX_VERSION >= (0, 5, 0)
-          else ctx.module_context.backend_or_name)
 
 
 # Options jax sets while tracing, not users (check_vma in a jax.shard_map's
@@ -1244,7 +1232,7 @@ def _to_lojax(*args, call, **params):
 # --------------------------------------------------------------------------
 # I.3 The callbacks XLA calls: infer and propagate
 #
-# The callbacks find the op by the custom call's key (``_xla_callback``).
+# The callbacks find the op by the custom call's key (``_question``).
 # An exception never reaches XLA raw (under GSPMD that aborts): it is parked
 # under a tag in XLA's message, by which ``_reraise_callback_error`` gives
 # jax the original. One from infer or propagate waits in ``_pending`` for
@@ -1259,46 +1247,51 @@ def _to_lojax(*args, call, **params):
 _ERROR_TAG = f"[{_TARGET} error #"
 
 
-def _xla_callback(answer: Callable, leave_to_xla: Callable | None = None):
-  """One of XLA's callbacks, ``(*xla_args, key) -> answer(op, *xla_args)``;
-  errors reach XLA as a ``RuntimeError`` naming the parked original.
-  ``leave_to_xla(op, *xla_args)`` (infer, propagate): XLA's own answer,
-  given where the op leaves the question to XLA and where ``answer``
-  raises, the error kept for the partition callback, which raises it."""
-  def callback(*args):
+def _question(answer: Callable, default: Callable):
+  """XLA's infer or propagate callback, ``(*xla_args, key) -> answer(op,
+  *xla_args)``, or ``default(op, *xla_args)``, XLA's own answer, where the
+  op leaves the question to XLA; and where ``answer`` raises, the error kept
+  for the partition callback (which raises it: XLA aborts on one here)."""
+  def question(*args):
     *xla_args, key = args
     with _weak_lock:
       op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if leave_to_xla is not None and (op is None or _inexpressible(op.place) or (
-        op.steps and op.mesh.empty)):
-      return leave_to_xla(op, *xla_args)
-    if leave_to_xla is None:
-      if op is None:
-        raise RuntimeError((
-            _TARGET + ": no custom_partitioning op is registered under key "
-            "{key!r}; was its lowering dropped?").format(key=key))
-      if _pending:  # seam: an infer/propagate error kept (II.1)
-        _raise_pending()
+    if op is None or (op.place.auto is not None and  # seam: II.1
+                      not _MESH_TYPES_MANUAL_AXES) or (
+        op.steps and op.mesh.empty):
+      return default(op, *xla_args)
     try:
       return answer(op, *xla_args)
     except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
-      if leave_to_xla is None:
-        raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")
-                           ) from e
       with _weak_lock:  # the first error of this compile
         _pending.setdefault(threading.get_ident(), (op.name, e))
-      return leave_to_xla(None, *xla_args)
-  return callback
+      return default(None, *xla_args)
+  return question
+
+
+def _partitioner(answer: Callable):
+  """XLA's partition callback, ``(*xla_args, key) -> answer(op,
+  *xla_args)``; an error reaches XLA as a ``RuntimeError`` naming the
+  parked original (``_park``), by which jax is given it back."""
+  def partition(*args):
+    *xla_args, key = args
+    with _weak_lock:
+      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
+    if op is None:
+      raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
+                         f"under key {key!r}; was its lowering dropped?")
+    if _pending:  # seam: an infer/propagate error kept (II.1)
+      _raise_pending()
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
+  return partition
 
 
 # jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
 # shardings cannot type the manual subgroup XLA needs (it aborts without).
 _MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
-
-
-def _inexpressible(place) -> bool:
-  """Whether the op is in a partly manual shard_map before jax 0.5.3."""
-  return place.auto is not None and not _MESH_TYPES_MANUAL_AXES
 
 
 _parked_errors = _LRU()
@@ -1609,54 +1602,53 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
     answer = op.partition(*op.static_args, op.mesh,
                           _structs(op, op.in_tree, operands, on),
                           _structs(op, op.out_tree, results, on))
-  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
-    got = (f"a sequence of length {len(answer)}"
-           if isinstance(answer, (tuple, list)) else type(answer).__name__)
-    raise TypeError((
-        "partition of {name} must return (mesh, lower_fn, result_shardings, "
-        "arg_shardings); got {got}.").format(name=op.name, got=got))
-  mesh, lower_fn, out_shardings, in_shardings = answer
-  if not callable(lower_fn):
-    raise TypeError((
-        "partition of {name} returned a lower_fn of type {got}, which is not "
-        "callable.").format(name=op.name, got=type(lower_fn).__name__))
-  if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
-    raise TypeError((
-        "partition of {name} returned a mesh of type {got}; expected a "
-        "jax.sharding.Mesh.").format(name=op.name, got=type(mesh).__name__))
-  devices = op.place.devices
-  # Inside a shard_map its mesh is used anyway; an empty one is the op's.
-  if op.place.auto is None and not mesh.empty:
-    if isinstance(mesh, _jax.Mesh):
-      if set(mesh.devices.flat) != set(devices):
-        raise ValueError((
-            "partition of {name} returned a mesh on devices {got}, but the op "
-            "runs on {want}.").format(
-            name=op.name, got=sorted(d.id for d in mesh.devices.flat),
-            want=sorted(d.id for d in devices)))
-    elif mesh.size != len(devices):
-      raise ValueError((
-          "partition of {name} returned a mesh of {got} devices, but the op "
-          "runs on {want}.").format(
-          name=op.name, got=mesh.size, want=len(devices)))
-  if isinstance(mesh, _jax.AbstractMesh):
-    mesh = _concrete(op, mesh)
-  if op.place.auto is not None:
-    # Collectives must name devices of the whole program.
-    mesh = op.place.whole
-  else:
-    if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
-      raise NotImplementedError((
-          "partition of {name} returned a mesh with axes {got}, but the op's "
-          "mesh has {want}; under jax.vmap, jax.jvp and jax.grad they must be "
-          "the same.").format(
-          name=op.name, got=dict(mesh.shape), want=dict(op.mesh.shape)))
+  mesh, lower_fn, out_shardings, in_shardings = _checked_answer(op, answer)
+  if op.place.auto is None:
     on = mesh  # lower_fn runs on it: its axis names may differ from the op's
   return _Answer(mesh, on, lower_fn,
                  _encode(op, op.in_tree, in_shardings, operands, "partition",
                          "arg sharding", on),
                  _encode(op, op.out_tree, out_shardings, results,
                          "partition", "result sharding", on))
+
+
+def _checked_answer(op: _Op, answer) -> tuple:
+  """``partition``'s answer, ``(mesh, lower_fn, result shardings, arg
+  shardings)``, checked, its mesh concrete (in a shard_map: the whole)."""
+  where, devices = f"partition of {op.name}", op.place.devices
+  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+    got = (f"a sequence of length {len(answer)}"
+           if isinstance(answer, (tuple, list)) else type(answer).__name__)
+    raise TypeError(f"{where} must return (mesh, lower_fn, result_shardings, "
+                    f"arg_shardings); got {got}.")
+  mesh, lower_fn, out_shardings, in_shardings = answer
+  if not callable(lower_fn):
+    raise TypeError(f"{where} returned a lower_fn of type "
+                    f"{type(lower_fn).__name__}, which is not callable.")
+  if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
+    raise TypeError(f"{where} returned a mesh of type {type(mesh).__name__}; "
+                    "expected a jax.sharding.Mesh.")
+  if op.place.auto is not None:  # collectives name the whole program's devices
+    return op.place.whole, lower_fn, out_shardings, in_shardings
+  real = not mesh.empty  # an empty mesh is the op's
+  if real and isinstance(mesh, _jax.Mesh) and set(mesh.devices.flat) != set(
+      devices):
+    raise ValueError(
+        f"{where} returned a mesh on devices "
+        f"{sorted(d.id for d in mesh.devices.flat)}, but the op runs on "
+        f"{sorted(d.id for d in devices)}.")
+  if real and isinstance(mesh, _jax.AbstractMesh) and mesh.size != len(
+      devices):
+    raise ValueError(f"{where} returned a mesh of {mesh.size} devices, but "
+                     f"the op runs on {len(devices)}.")
+  if isinstance(mesh, _jax.AbstractMesh):
+    mesh = _concrete(op, mesh)
+  if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
+    raise NotImplementedError(
+        f"{where} returned a mesh with axes {dict(mesh.shape)}, but the op's "
+        f"mesh has {dict(op.mesh.shape)}; under jax.vmap, jax.jvp and "
+        "jax.grad they must be the same.")
+  return mesh, lower_fn, out_shardings, in_shardings
 
 
 class _Answer(NamedTuple):
@@ -1692,7 +1684,8 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
       closed, out_shape = jax.make_jaxpr(
           lower_fn, axis_env=list(answer.mesh.shape.items()),
           return_shape=True)(*op.in_tree.unflatten(local_args))
-      closed = _lojax(closed, answer.mesh)
+      if getattr(closed, "is_high", False):  # jax 0.11.2 added hijax
+        closed = _lojax(closed, answer.mesh)
   except NameError as e:  # an unbound axis name
     if not answer.mesh.empty:
       raise
@@ -1763,10 +1756,8 @@ def _manual_scope(mesh):
 
 
 def _lojax(closed, mesh=None):
-  """``closed`` with its hijax primitives expanded (jax 0.11.2 added them;
-  jax lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
-  if not getattr(closed, "is_high", False):
-    return closed
+  """``closed``, a high jaxpr, with its hijax primitives expanded (jax
+  lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
   with _jax.extend_axis_env_nd(list(mesh.shape.items()) if mesh else []):
     return _jax.lower_jaxpr2(closed)
 
@@ -1964,7 +1955,7 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
              why=f"not run as shard_map under Explicit axes: {why_not}")
     return None
   # All that fun's trace and the callbacks are given (see _traced).
-  key = ((args.key, _positions(args.defaults), flat.in_tree,
+  key = ((args.key, tuple(i for i, _ in args.defaults), flat.in_tree,
           flat.in_avals, mesh, _jax.trace_context())
          if args.key is not None else None)
   hit = None if key is None else user_op._programs.get(key)
@@ -4444,9 +4435,9 @@ _jax.primitive_batchers[custom_partitioning_p] = _batch
 # Lowering needs the concrete devices (to pick the mesh and key the op).
 _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 _register_partitioner(
-    _TARGET, _xla_callback(_answer_propagate, _users_sharding),
-    _xla_callback(_answer_partition),
-    _xla_callback(_answer_infer, lambda op, *_: None))
+    _TARGET, _question(_answer_propagate, _users_sharding),
+    _partitioner(_answer_partition),
+    _question(_answer_infer, lambda op, *_: None))
 _jax.register_xla_runtime_error_handler(_reraise_callback_error)
 # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
 # backend compile that succeeds, 0.4.35 to 0.11.

@@ -1084,6 +1084,117 @@ def _rule_attr(rule, levels: list, one_size: bool):
                               rule.permutation_factors)
 
 
+def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
+                  num_operands: int, one_size: bool = False):
+  """Expands ``...`` against ``shapes`` (operands', then results') and
+  sizes every factor: ``(sizes, dims)``, ``sizes`` each factor's in order of
+  first use, ``dims[v][d]`` the factors of dimension ``d`` of value ``v``.
+  Raises ValueError on a count or rank mismatch, a factor naming two
+  dimensions of one value (Shardy refuses it), an ellipsis standing for
+  different numbers of dimensions, or sizes that do not fit (with
+  ``one_size``, for an op by its rule alone, two sizes of one factor)."""
+  for kind, in_rule, in_op in (
+      ("operands", len(rule.operand_mappings), num_operands),
+      ("results", len(rule.result_mappings), len(shapes) - num_operands)):
+    if in_rule != in_op:
+      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
+                       f"operation has {in_op} {kind}.")
+  sizes: dict[str, Any] = {}  # None while only compounds have shown it
+  group_rank: dict[str, int] = {}
+  dims: list[list[tuple[str, ...]]] = []
+  mappings = (*rule.operand_mappings, *rule.result_mappings)
+  for i, (mapping, shape) in enumerate(zip(mappings, shapes)):
+    entries = list(mapping)
+    head = entries[0] if entries else None  # _is_batching(head), inlined:
+    if (isinstance(head, str) and head[:1] == BATCHING and
+        (head[1:] or "0").isdigit()):  # seam: an ellipsis
+      entries = _expand_ellipsis(entries, len(shape), group_rank)
+    if len(entries) != len(shape):
+      name = _value_name(i, num_operands)
+      raise ValueError(f"Sharding rule {name} has rank {len(entries)}, but "
+                       f"the operation {name} has rank {len(shape)}.")
+    value_dims = [tuple(entry) if isinstance(entry, CompoundFactor)
+                  else (entry,) for entry in entries]
+    named = [f for factors in value_dims for f in factors]
+    if len(set(named)) < len(named):
+      raise ValueError(
+          f"Factor {next(f for f in named if named.count(f) > 1)} names two "
+          f"dimensions of {_value_name(i, num_operands)} in the rule "
+          f"{_rule_text(rule)!r}, which Shardy refuses. Give each a factor "
+          "of its own (e.g. 'i j -> i'), those that must not be sharded "
+          "in need_replication_factors.")
+    for factors, size in zip(value_dims, shape):
+      for factor in factors:  # a compound's parts are sized by the rule
+        new = size if len(factors) == 1 else rule.factor_sizes.get(factor)
+        old = sizes.get(factor)
+        if old is None:
+          sizes[factor] = new
+        elif new is not None and new != old:
+          if factor.startswith(_BATCH_FACTOR_PREFIX):
+            raise ValueError(f"Batching dimension {factor[1:]} has two "
+                             f"sizes: {old} and {new}.")
+          if one_size:  # its shards, cut by the rule, would not line up
+            raise ValueError(
+                f"Factor {factor} has two sizes, {old} and {new}, in the "
+                f"rule {_rule_text(rule)!r}; an op defined by its rule "
+                "alone needs one per factor (or define a partition).")
+          sizes[factor] = min(old, new)  # like jax: the smaller size wins
+    dims.append(value_dims)
+  if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
+    _check_compounds(sizes, dims, shapes, num_operands)  # seam: compounds
+  return sizes, dims
+
+
+def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
+                         reduction, need_replication, permutation):
+  """The attribute of a resolved rule; a factor too big for Shardy's parser
+  becomes a compound of smaller ones (``_split_size``) everywhere."""
+  parts: dict[str, range] = {}  # factor -> the indices of its parts
+  part_sizes: list[int] = []
+  for factor, size in sizes.items():
+    split = [size]
+    if size > _MAX_FACTOR_SIZE:  # seam: too big
+      split = _split_size(size, next(
+          f"{_value_name(i, num_operands)} dimension {d}"
+          for i, value_dims in enumerate(dims)
+          for d, factors in enumerate(value_dims) if factor in factors))
+    parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
+    part_sizes += split
+  tensors = [_jax.TensorMappingAttr.get(dim_mappings=[
+      _jax.DimMappingAttr.get(factor_indices=[i for f in factors
+                                             for i in parts[f]])
+      for factors in value_dims]) for value_dims in dims]
+  special = [[i for f in factors for i in parts[f]]
+             for factors in (reduction, need_replication, permutation)]
+  return _sdy_rule_attr(part_sizes, tensors[:num_operands],
+                        tensors[num_operands:], *special)
+
+
+def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
+                   reduction, need_replication, permutation):
+  kwargs: dict[str, Any] = {}
+  # jaxlib 0.5.0 added reduction and need_replication factors, 0.5.1
+  # permutation factors.
+  if _JAXLIB_VERSION >= (0, 5, 0):
+    kwargs.update(reduction_factors=reduction,
+                  need_replication_factors=need_replication)
+  if _JAXLIB_VERSION >= (0, 5, 1):
+    kwargs["permutation_factors"] = permutation
+  elif permutation or len(kwargs) < 2 and (reduction or need_replication):
+    kinds, need = (("permutation", "0.5.1") if kwargs else
+                   ("reduction, need_replication or permutation", "0.5.0"))
+    raise NotImplementedError((
+        "Shardy sharding rules with {kinds} factors need jax/jaxlib {need} or "
+        "newer; found jaxlib {jaxlib}. Upgrade, use GSPMD, or drop the special "
+        "factors from the rule.").format(
+        kinds=kinds, need=need, jaxlib=".".join(map(str, _JAXLIB_VERSION))))
+  if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
+    kwargs["is_custom"] = True
+  return _jax.OpShardingRuleAttr.get(
+      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
+      result_mappings=result_mappings, **kwargs)
+
+
 # Options jax sets while tracing, not users (check_vma in a jax.shard_map's
 # body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
 _TRACING_OPTIONS = frozenset({"check_vma"})
@@ -1405,7 +1516,7 @@ def _structs(op: _Op, tree, values, on=None):
           op.mesh, jax.sharding.PartitionSpec(*v.spec))
     else:
       sharding = _jax.GSPMDSharding(
-          op.place.devices if on is op.mesh else tuple(on.devices.flat),
+          op.place.devices if on == op.mesh else tuple(on.devices.flat),
           _hlo_of(v, on))
     structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
   return tree.unflatten(structs)
@@ -1447,7 +1558,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
       raise ValueError((
           "{where} with spec {spec} for a value of rank {ndim}.").format(
           where=where, spec=sharding.spec, ndim=ndim))
-    if on is op.place.auto:  # seam: in a partly manual shard_map (II.1)
+    if on == op.place.auto:  # seam: in a partly manual shard_map (II.1)
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
@@ -3589,117 +3700,6 @@ def _rule_text(rule: SdyShardingRule) -> str:
       f"({' '.join(d)})" if isinstance(d, CompoundFactor) else "..." +
       d[1:].lstrip("0") if _is_batching(d) else d for d in m) for m in side)
       for side in (rule.operand_mappings, rule.result_mappings))
-
-
-def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
-                  num_operands: int, one_size: bool = False):
-  """Expands ``...`` against ``shapes`` (operands', then results') and
-  sizes every factor: ``(sizes, dims)``, ``sizes`` each factor's in order of
-  first use, ``dims[v][d]`` the factors of dimension ``d`` of value ``v``.
-  Raises ValueError on a count or rank mismatch, a factor naming two
-  dimensions of one value (Shardy refuses it), an ellipsis standing for
-  different numbers of dimensions, or sizes that do not fit (with
-  ``one_size``, for an op by its rule alone, two sizes of one factor)."""
-  for kind, in_rule, in_op in (
-      ("operands", len(rule.operand_mappings), num_operands),
-      ("results", len(rule.result_mappings), len(shapes) - num_operands)):
-    if in_rule != in_op:
-      raise ValueError(f"Sharding rule has {in_rule} {kind}, but the "
-                       f"operation has {in_op} {kind}.")
-  sizes: dict[str, Any] = {}  # None while only compounds have shown it
-  group_rank: dict[str, int] = {}
-  dims: list[list[tuple[str, ...]]] = []
-  mappings = (*rule.operand_mappings, *rule.result_mappings)
-  for i, (mapping, shape) in enumerate(zip(mappings, shapes)):
-    entries = list(mapping)
-    head = entries[0] if entries else None  # _is_batching(head), inlined:
-    if (isinstance(head, str) and head[:1] == BATCHING and
-        (head[1:] or "0").isdigit()):  # seam: an ellipsis
-      entries = _expand_ellipsis(entries, len(shape), group_rank)
-    if len(entries) != len(shape):
-      name = _value_name(i, num_operands)
-      raise ValueError(f"Sharding rule {name} has rank {len(entries)}, but "
-                       f"the operation {name} has rank {len(shape)}.")
-    value_dims = [tuple(entry) if isinstance(entry, CompoundFactor)
-                  else (entry,) for entry in entries]
-    named = [f for factors in value_dims for f in factors]
-    if len(set(named)) < len(named):
-      raise ValueError(
-          f"Factor {next(f for f in named if named.count(f) > 1)} names two "
-          f"dimensions of {_value_name(i, num_operands)} in the rule "
-          f"{_rule_text(rule)!r}, which Shardy refuses. Give each a factor "
-          "of its own (e.g. 'i j -> i'), those that must not be sharded "
-          "in need_replication_factors.")
-    for factors, size in zip(value_dims, shape):
-      for factor in factors:  # a compound's parts are sized by the rule
-        new = size if len(factors) == 1 else rule.factor_sizes.get(factor)
-        old = sizes.get(factor)
-        if old is None:
-          sizes[factor] = new
-        elif new is not None and new != old:
-          if factor.startswith(_BATCH_FACTOR_PREFIX):
-            raise ValueError(f"Batching dimension {factor[1:]} has two "
-                             f"sizes: {old} and {new}.")
-          if one_size:  # its shards, cut by the rule, would not line up
-            raise ValueError(
-                f"Factor {factor} has two sizes, {old} and {new}, in the "
-                f"rule {_rule_text(rule)!r}; an op defined by its rule "
-                "alone needs one per factor (or define a partition).")
-          sizes[factor] = min(old, new)  # like jax: the smaller size wins
-    dims.append(value_dims)
-  if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
-    _check_compounds(sizes, dims, shapes, num_operands)  # seam: compounds
-  return sizes, dims
-
-
-def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
-                         reduction, need_replication, permutation):
-  """The attribute of a resolved rule; a factor too big for Shardy's parser
-  becomes a compound of smaller ones (``_split_size``) everywhere."""
-  parts: dict[str, range] = {}  # factor -> the indices of its parts
-  part_sizes: list[int] = []
-  for factor, size in sizes.items():
-    split = [size]
-    if size > _MAX_FACTOR_SIZE:  # seam: too big
-      split = _split_size(size, next(
-          f"{_value_name(i, num_operands)} dimension {d}"
-          for i, value_dims in enumerate(dims)
-          for d, factors in enumerate(value_dims) if factor in factors))
-    parts[factor] = range(len(part_sizes), len(part_sizes) + len(split))
-    part_sizes += split
-  tensors = [_jax.TensorMappingAttr.get(dim_mappings=[
-      _jax.DimMappingAttr.get(factor_indices=[i for f in factors
-                                             for i in parts[f]])
-      for factors in value_dims]) for value_dims in dims]
-  special = [[i for f in factors for i in parts[f]]
-             for factors in (reduction, need_replication, permutation)]
-  return _sdy_rule_attr(part_sizes, tensors[:num_operands],
-                        tensors[num_operands:], *special)
-
-
-def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
-                   reduction, need_replication, permutation):
-  kwargs: dict[str, Any] = {}
-  # jaxlib 0.5.0 added reduction and need_replication factors, 0.5.1
-  # permutation factors.
-  if _JAXLIB_VERSION >= (0, 5, 0):
-    kwargs.update(reduction_factors=reduction,
-                  need_replication_factors=need_replication)
-  if _JAXLIB_VERSION >= (0, 5, 1):
-    kwargs["permutation_factors"] = permutation
-  elif permutation or len(kwargs) < 2 and (reduction or need_replication):
-    kinds, need = (("permutation", "0.5.1") if kwargs else
-                   ("reduction, need_replication or permutation", "0.5.0"))
-    raise NotImplementedError((
-        "Shardy sharding rules with {kinds} factors need jax/jaxlib {need} or "
-        "newer; found jaxlib {jaxlib}. Upgrade, use GSPMD, or drop the special "
-        "factors from the rule.").format(
-        kinds=kinds, need=need, jaxlib=".".join(map(str, _JAXLIB_VERSION))))
-  if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
-    kwargs["is_custom"] = True
-  return _jax.OpShardingRuleAttr.get(
-      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
-      result_mappings=result_mappings, **kwargs)
 
 
 def _expand_ellipsis(entries: list, rank: int, group_rank: dict) -> list:

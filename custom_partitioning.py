@@ -543,12 +543,11 @@ class custom_partitioning:
     if (_SHARDY.value and self.sharding_rule is None and
         (self.infer_sharding_from_operands is not None or
          self.propagate_user_sharding is not None)):
-      raise NotImplementedError((
-          "custom_partitioning function {name} is used with the Shardy "
+      raise NotImplementedError(
+          f"custom_partitioning function {self._name} is used with the Shardy "
           "partitioner, but only GSPMD callbacks (infer_sharding_from_operands "
           "/ propagate_user_sharding) are defined. Add a sharding_rule to "
-          "def_partition, e.g. sharding_rule='i j -> i j'.").format(
-          name=self._name))
+          "def_partition, e.g. sharding_rule='i j -> i j'.")
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     # Whether an aval is sharded (jax 0.5.0+) on a mesh with an Explicit axis.
@@ -591,17 +590,16 @@ class custom_partitioning:
       call, out_tree = _trace_to_jaxpr(self.fun, all_args, in_tree, in_avals,
                                        self._name, tuple(sorted(fixed)))
     except _ShardingTypeError as e:
-      raise type(e)((
-          "custom_partitioning function {name}: jax cannot type its body with "
-          "these operand shardings ({e}). With every mesh axis Explicit and "
-          "the mesh set by jax.set_mesh(mesh), the op runs as jax.shard_map of "
-          "its lower_fn, which needs no such typing.").format(
-          name=self._name, e=e)) from e
+      raise type(e)(
+          f"custom_partitioning function {self._name}: jax cannot type its "
+          f"body with these operand shardings ({e}). With every mesh axis "
+          "Explicit and the mesh set by jax.set_mesh(mesh), the op runs as "
+          "jax.shard_map of its lower_fn, which needs no such typing.") from e
     if any(isinstance(c, _jax.Tracer) for c in call.consts):
       raise _jax.UnexpectedTracerError(
-          ("custom_partitioning function {name} closes over a traced value "
-           "(e.g. a variable of an enclosing jax.jit or jax.grad). Pass it to "
-           "the function as an argument instead.").format(name=self._name))
+          f"custom_partitioning function {self._name} closes over a traced "
+          "value (e.g. a variable of an enclosing jax.jit or jax.grad). Pass "
+          "it to the function as an argument instead.")
     return call, out_tree()
 
 
@@ -923,20 +921,20 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     return _lowered_body(ctx, call, why, values)
   name = _fun_name(call)
   if ctx.module_context.lowering_parameters.for_export:
-    raise NotImplementedError((
-        "jax.export cannot serialize the custom_partitioning op {name}: its "
+    raise NotImplementedError(
+        f"jax.export cannot serialize the custom_partitioning op {name}: its "
         "partitioning callbacks are Python functions that XLA calls while "
         "compiling, and they cannot be stored in a serialized artifact. Export "
         "on a single device, or export the per-shard code (e.g. with "
-        "jax.shard_map) instead.").format(name=name))
+        "jax.shard_map) instead.")
   if place.devices is None:
-    raise ValueError((
-        "custom_partitioning op {name} is lowered for several devices, but jax "
-        "did not say which: this happens when the op is lowered inside another "
-        "primitive's lowering rule (e.g. through _jax.lower_fun), where jax "
-        "cannot see it. Set the mesh around the call, with jax.set_mesh(mesh) "
-        "or `with mesh:`, so the op can find its devices, or call the op "
-        "outside that primitive.").format(name=name))
+    raise ValueError(
+        f"custom_partitioning op {name} is lowered for several devices, but "
+        "jax did not say which: this happens when the op is lowered inside "
+        "another primitive's lowering rule (e.g. through _jax.lower_fun), "
+        "where jax cannot see it. Set the mesh around the call, with "
+        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its devices, "
+        "or call the op outside that primitive.")
   if params["partition"] is None:
     raise ValueError(_NO_PARTITION.format(
         name=name, n=len(place.devices)))
@@ -1183,11 +1181,10 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
   elif permutation or len(kwargs) < 2 and (reduction or need_replication):
     kinds, need = (("permutation", "0.5.1") if kwargs else
                    ("reduction, need_replication or permutation", "0.5.0"))
-    raise NotImplementedError((
-        "Shardy sharding rules with {kinds} factors need jax/jaxlib {need} or "
-        "newer; found jaxlib {jaxlib}. Upgrade, use GSPMD, or drop the special "
-        "factors from the rule.").format(
-        kinds=kinds, need=need, jaxlib=".".join(map(str, _JAXLIB_VERSION))))
+    raise NotImplementedError(
+        f"Shardy sharding rules with {kinds} factors need jax/jaxlib {need} "
+        f"or newer; found jaxlib {'.'.join(map(str, _JAXLIB_VERSION))}. "
+        "Upgrade, use GSPMD, or drop the special factors from the rule.")
   if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
     kwargs["is_custom"] = True
   return _jax.OpShardingRuleAttr.get(
@@ -1541,32 +1538,29 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
     where = f"{callback} of {op.name} returned {what} {i}"
     ndim = len(v.shape)
     if not isinstance(sharding, jax.sharding.Sharding):
-      raise TypeError((
-          "{where} as a {got}; expected a jax.sharding.Sharding.").format(
-          where=where, got=type(sharding).__name__))
+      raise TypeError(f"{where} as a {type(sharding).__name__}; expected a "
+                      "jax.sharding.Sharding.")
     if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
         sharding.mesh, _jax.AbstractMesh):
       sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
                                             sharding.spec)
     if sharding.device_set != set(op.place.devices):
-      raise ValueError((
-          "{where} on devices {got}, but the op runs on {want}.").format(
-          where=where, got=sorted(d.id for d in sharding.device_set),
-          want=sorted(d.id for d in op.place.devices)))
+      raise ValueError(
+          f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
+          f"but the op runs on {sorted(d.id for d in op.place.devices)}.")
     if isinstance(sharding, jax.sharding.NamedSharding) and (
         len(sharding.spec) > ndim):
-      raise ValueError((
-          "{where} with spec {spec} for a value of rank {ndim}.").format(
-          where=where, spec=sharding.spec, ndim=ndim))
+      raise ValueError(
+          f"{where} with spec {sharding.spec} for a value of rank {ndim}.")
     if on == op.place.auto:  # seam: in a partly manual shard_map (II.1)
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
     if spec is None and op.steps:
-      raise NotImplementedError((
-          "{where}, which has no PartitionSpec on the mesh {mesh}; under "
-          "jax.vmap, jax.jvp and jax.grad, shardings must have one.").format(
-          where=where, mesh=dict(op.mesh.shape)))
+      raise NotImplementedError(
+          f"{where}, which has no PartitionSpec on the mesh "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
+          "shardings must have one.")
     out.append(v._replace(spec=spec, hlo=hlo))
   return out
 
@@ -1800,26 +1794,23 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
   except NameError as e:  # an unbound axis name
     if not answer.mesh.empty:
       raise
-    raise ValueError((
-        "lower_fn of {name} names a mesh axis ({e}), but partition returned "
-        "the empty mesh: the op's mesh could not be recovered (the program's "
-        "shardings are not NamedShardings and no mesh is set). Return a mesh "
-        "over the op's devices, or use NamedSharding inputs, jax.set_mesh or "
-        "`with mesh:`.").format(name=op.name, e=e)) from e
+    raise ValueError(
+        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
+        "returned the empty mesh: the op's mesh could not be recovered (the "
+        "program's shardings are not NamedShardings and no mesh is set). "
+        "Return a mesh over the op's devices, or use NamedSharding inputs, "
+        "jax.set_mesh or `with mesh:`.") from e
   got = jax.tree_util.tree_leaves(out_shape)
   if len(got) != len(local_results):
-    raise ValueError((
-        "lower_fn of {name} returned {got} outputs; the op has {want} "
-        "({tree}).").format(
-        name=op.name, got=len(got), want=len(local_results),
-        tree=op.out_tree))
+    raise ValueError(
+        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
+        f"{len(local_results)} ({op.out_tree}).")
   for i, (g, want) in enumerate(zip(got, local_results)):
     if g.shape != want.shape or g.dtype != want.dtype:
-      raise ValueError((
-          "lower_fn of {name} returned result {i} with local shape {got}, but "
-          "its result sharding needs {want}.").format(
-          name=op.name, i=i, got=f"{g.dtype}{list(g.shape)}",
-          want=f"{want.dtype}{list(want.shape)}"))
+      raise ValueError(
+          f"lower_fn of {op.name} returned result {i} with local shape "
+          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
+          f"{want.dtype}{list(want.shape)}.")
   specs = [v.spec for v in answer.results]
   if op.check_vma and not all(  # seam: a result replicated over an axis (II.5)
       spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
@@ -2420,15 +2411,15 @@ def _masked(fn: Callable, primals, mask):
 def _transpose(cts, *args, **params):
   """Transposes a jvp op (linear in its tangents) into a vjp op."""
   steps = params.get("transform", ())
-  k = max((i for i, s in enumerate(steps) if not isinstance(s, _Batch)),
+  k = max((i for i, s in enumerate(steps) if not s.transposed_below),
           default=None)
-  call = params["call"]
-  if k is None or not isinstance(steps[k], _Jvp) or any(
-      _jax.is_undefined_primal(p) for p in args[:len(steps[k].mask)]):
-    raise NotImplementedError((
-        "{name}: a custom_partitioning op can be transposed only in its "
-        "tangents, as jax.grad does.").format(name=_fun_name(call)))
-  mask = steps[k].mask
+  call, vjp = params["call"], None if k is None else steps[k].transposed()
+  if vjp is None or any(
+      _jax.is_undefined_primal(p) for p in args[:len(vjp.mask)]):
+    raise NotImplementedError(
+        f"{_fun_name(call)}: a custom_partitioning op can be transposed only "
+        "in its tangents, as jax.grad does.")
+  mask = vjp.mask
   n = len(mask)
 
   def body(*xs):
@@ -2440,7 +2431,7 @@ def _transpose(cts, *args, **params):
   operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
   return [None] * n + list(_bind_derived(
       operands, params, ("transpose",), body,
-      steps[:k] + (_Vjp(mask),) + steps[k + 1:]))
+      steps[:k] + (vjp,) + steps[k + 1:]))
 
 
 def _batch(args, dims, **params):
@@ -2486,6 +2477,14 @@ class _Step:
     """The spec entry a batch dimension gets (``used()``: the op below's)."""
     return None
 
+  # jax.grad transposes the top step that is not ``transposed_below`` (a
+  # batch dimension leaves linearity as it is) into ``transposed()``, or
+  # cannot (None: the op is not linear in some operands).
+  transposed_below = False
+
+  def transposed(self):
+    return None
+
 
 def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
   """The ops from the author's to the top one, whose values are given."""
@@ -2510,6 +2509,7 @@ def _with_specs(values: list, specs) -> list[_Value]:
 @dataclasses.dataclass(frozen=True)
 class _Batch(_Step):
   """``jax.vmap``: every operand and result gains a leading dimension."""
+  transposed_below = True
 
   def down(self, operands, results):
     return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
@@ -2561,6 +2561,9 @@ class _Jvp(_Step):
 
   def up(self, operands, results, batch_item=None):
     return operands + [v for v, m in zip(operands, self.mask) if m], results
+
+  def transposed(self):
+    return _Vjp(self.mask)
 
   def lower(self, fn, *_):
     def jvp_fn(*xs):

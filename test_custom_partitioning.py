@@ -4182,6 +4182,21 @@ class DerivedOpsTest(CPTestCase):
   def complex_data(self, shape):
     return (_data(shape) + 1j * _data(shape)[::-1]).astype(np.complex64)
 
+  def test_transposing_an_op_but_in_its_tangents_is_refused(self):
+    """jax transposes only a jvp op, in its tangents (as jax.grad does): a
+    linear op transposed as it is, or batched, is refused by name (upstream
+    has no transposition at all: NotImplementedError too)."""
+    op = _same_sharding_op(lambda x: x * 2.0)
+    xh = _data((8, 4))
+    for name, f in (("the op", op), ("its vmap", jax.vmap(op))):
+      with self.subTest(name), self.assertRaises(NotImplementedError) as cm:
+        jax.linear_transpose(f, xh)(xh)
+      self.assertIn(": a custom_partitioning op can be transposed only in "
+                    "its tangents, as jax.grad does.", str(cm.exception))
+    # jax.grad of the same op, through its jvp, transposes.
+    np.testing.assert_allclose(jax.grad(lambda x: op(x).sum())(
+        self.put(xh, "x")), np.full((8, 4), 2.0))
+
   # -- vmap ---------------------------------------------------------------
 
   def test_vmap_keeps_the_batch_sharded(self):

@@ -882,8 +882,9 @@ _eager = _LRU()
 # ``custom_partitioning_p`` carries upstream's parameters plus ``transform``
 # (a derived op's steps, II.3) and ``check_vma``, both read with a default,
 # so binding upstream's alone works. Lowered on several devices it is one
-# custom call carrying its ``_Op``'s key. A compile that ends drops what its
-# callbacks kept (``_drop_pending``).
+# custom call carrying its ``_Op``'s key; under Shardy it carries the rule,
+# resolved against the op's shapes here (III.1 parses it). A compile that
+# ends drops what its callbacks kept (``_drop_pending``).
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")

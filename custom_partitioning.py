@@ -1106,7 +1106,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
     entries = list(mapping)
     head = entries[0] if entries else None  # _is_batching(head), inlined:
     if (isinstance(head, str) and head[:1] == BATCHING and
-        (head[1:] or "0").isdigit()):  # seam: an ellipsis
+        (head[1:] or "0").isdigit()):  # seam: an ellipsis (III.1)
       entries = _expand_ellipsis(entries, len(shape), group_rank)
     if len(entries) != len(shape):
       name = _value_name(i, num_operands)
@@ -1140,7 +1140,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
           sizes[factor] = min(old, new)  # like jax: the smaller size wins
     dims.append(value_dims)
   if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
-    _check_compounds(sizes, dims, shapes, num_operands)  # seam: compounds
+    _check_compounds(sizes, dims, shapes, num_operands)  # seam: III.1
   return sizes, dims
 
 
@@ -1152,7 +1152,7 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
   part_sizes: list[int] = []
   for factor, size in sizes.items():
     split = [size]
-    if size > _MAX_FACTOR_SIZE:  # seam: too big
+    if size > _MAX_FACTOR_SIZE:  # seam: too big for Shardy (III.1)
       split = _split_size(size, next(
           f"{_value_name(i, num_operands)} dimension {d}"
           for i, value_dims in enumerate(dims)
@@ -1365,7 +1365,7 @@ def _question(answer: Callable, default: Callable):
     *xla_args, key = args
     with _weak_lock:
       op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if op is None or (op.place.auto is not None and  # seam: II.1
+    if op is None or (op.place.auto is not None and  # seam: manual (II.1)
                       not _MESH_TYPES_MANUAL_AXES) or (
         op.steps and op.mesh.empty):
       return default(op, *xla_args)

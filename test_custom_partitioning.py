@@ -136,7 +136,8 @@ HAS_AXIS_TYPE = hasattr(jax.sharding, "AxisType")
 # XLA:CPU aborts the process on jax.lax.axis_index inside a while loop's
 # condition ("Legacy XLA:CPU runtime does not support collective
 # execution"), seen with jaxlib 0.5.3, 0.6.2 and 0.7.2 (0.5.0 and 0.10.2 run
-# it). jax.shard_map of the same loop raises UNIMPLEMENTED there instead.
+# it). jax.shard_map of the same loop aborts too on 0.7.2 ("LLVM ERROR:
+# Program used external function '__xla_cpu_runtime_PartitionId'").
 AXIS_INDEX_IN_WHILE_ABORTS = (0, 5, 1) <= JAXLIB_VERSION < (0, 10, 0)
 
 

@@ -1841,8 +1841,7 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
 # II.1 Placements and errors off the plain path
 #
 # A body with nothing to partition, placements inside a shard_map or without
-# devices, a callable sharding rule, an infer/propagate error kept for the
-# partition callback.
+# devices, a callable sharding rule, infer/propagate errors kept for partition.
 # --------------------------------------------------------------------------
 
 def _lowered_body(ctx, call: _jax.ClosedJaxpr, why: str, values):
@@ -1954,8 +1953,7 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
 # -> reshard, with no custom call (README: "Explicit mesh axes: two paths").
 # --------------------------------------------------------------------------
 
-def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
-                   eager_mesh=None):
+def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
   """The op's results, via shard_map; None where it keeps the custom call."""
   mesh, why_not = _explicit_mesh(flat, eager_mesh)
   if mesh is None:
@@ -2142,20 +2140,15 @@ def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
     # Some ops raise a plain ValueError instead of ShardingTypeError (rfft
     # of a sharded axis, jax 0.10.2).
     with _no_ambient_mesh():
+      # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
+      unsharded = [_jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+                   for a in flat.in_avals]
       try:
-        return (*user_op._trace_fun(args, flat.in_tree,
-                                    [_unsharded(a) for a in flat.in_avals]),
-                e)
+        return (*user_op._trace_fun(args, flat.in_tree, unsharded), e)
       except Exception:
         if isinstance(e, _ShardingTypeError):
           raise
         raise e from None  # a ValueError of the body itself
-
-
-def _unsharded(aval):
-  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
-  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
-  return _jax.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
@@ -2342,8 +2335,7 @@ def _transpose(cts, *args, **params):
 
 
 def _batch(args, dims, **params):
-  """Batches the op: every operand gets the batch dimension in front (an
-  unbatched one has dimension None)."""
+  """Batches the op: every operand gets the batch dimension in front."""
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   call = params["call"]
   if size == 0:  # nothing to partition (and no item to unbatch below)
@@ -2515,15 +2507,13 @@ class _Vjp(_Step):
     return vjp_fn
 
 
-def _partition_derived(op: _Op, operands: list, results: list,
-                       on) -> _PerShard:
+def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:
   """The author's answer about the op below, walked up ``op.steps``."""
   if op.mesh.empty:
-    raise NotImplementedError((
-        "{name} is lowered for several devices without a mesh; jax.vmap, "
+    raise NotImplementedError(
+        f"{op.name} is lowered for several devices without a mesh; jax.vmap, "
         "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
-        "NamedSharding arguments, jax.set_mesh or `with mesh:`).").format(
-        name=op.name))
+        "NamedSharding arguments, jax.set_mesh or `with mesh:`).")
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
   levels = _specs_up(levels, answer, closed)
@@ -2565,9 +2555,8 @@ def _axes_in(specs) -> set:
 
 def _specs_up(levels: list, answer: _Answer,
               closed: _jax.ClosedJaxpr) -> list[_Level]:
-  """``levels`` as partitioned: the author's answer walked up the steps (a
-  batch dimension keeps its axes unless shardings or collectives below use
-  them)."""
+  """``levels`` as partitioned: the author's answer walked up (a batch
+  dimension keeps its axes unless shardings or collectives below use them)."""
   out = [levels[0]._replace(operands=answer.args, results=answer.results)]
   for level in levels[1:]:
     args, outs = ([v.spec for v in side]
@@ -2582,8 +2571,7 @@ def _specs_up(levels: list, answer: _Answer,
 
 
 def _collective_axes(jaxpr: _jax.Jaxpr, names: set, also=()) -> set:
-  """The axes among ``names`` that ``jaxpr``'s collectives run over, and
-  ``also``."""
+  """``also``, and those of ``names`` that ``jaxpr``'s collectives run over."""
   return set(also) | names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
       _collective_axes(sub, names) for sub in _jax.subjaxprs(jaxpr)))
 
@@ -2617,8 +2605,7 @@ def _real_axes(mesh) -> tuple:
 
 
 def _padded(values: list, mesh) -> bool:
-  """Whether a value is sharded over mesh axes that do not divide its
-  dimension (XLA pads the last shards)."""
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
   return any(size % _shard_count(entry, mesh)
              for v in values for size, entry in zip(v.shape, v.spec or ()))
 
@@ -2697,11 +2684,10 @@ def _infer_by_rule(op: _Op, operands: list, results: list):
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
-  """GSPMD inference from a Shardy rule: each result's PartitionSpec entries
-  from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
-  operands', then results'): the mesh axes of the first operand dimension
-  with the same single, passthrough factor, unless another dimension of
-  that result has them already."""
+  """GSPMD inference from a Shardy rule: each result dimension's spec entry is
+  the mesh axes of the first operand dimension (``in_specs``; None: unplaced)
+  of its single, passthrough factor, unless the result has them already
+  (``shapes``: operands', then results')."""
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
@@ -2711,8 +2697,7 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
         axes_of.setdefault(factors[0], axes)
   out = []
   for value_dims in dims[len(in_specs):]:
-    used: set = set()
-    spec = []
+    used, spec = set(), []
     for factors in value_dims:
       axes = axes_of.get(factors[0]) if len(factors) == 1 else None
       axes = axes if used.isdisjoint(_entry_axes(axes)) else None
@@ -2744,14 +2729,13 @@ def _partition_from_rule(op: _Op, operands: list, results: list):
 
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
-  """The partition of an op by its rule alone (``_partition_from_rule``):
-  ``(operand specs, result specs)`` as PartitionSpec entries, from the
-  ``in_specs`` and ``out_specs`` values arrive with (None: unknown;
-  ``shapes``: operands', then results'). A factor keeps the mesh axes the
-  operands bring it on, else the results' (slicing a replicated operand
-  costs no communication), unless one side brings it on two (a conflict),
-  it is special or reduced, in a compound dimension, or an earlier factor
-  (in order of first use) keeps those axes."""
+  """``(operand specs, result specs)``, as PartitionSpec entries, of an op
+  partitioned by its rule alone, from the specs values arrive with (None:
+  unknown; ``shapes``: operands', then results'). A factor keeps the mesh
+  axes the operands bring it on, else the results' (slicing a replicated
+  operand costs no communication), unless one side brings it on two (a
+  conflict), it is special or reduced, in a compound dimension, or an earlier
+  factor (in order of first use) keeps those axes."""
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
   blocked = _reduced_factors(rule, dims, num_operands).union(
@@ -2771,8 +2755,7 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
         blocked.add(factor)  # a conflict: no side's choice is better
       elif factor not in axes_of:
         (axes_of[factor],) = axes
-  used: set = set()
-  kept: dict[str, Any] = {}
+  used, kept = set(), {}
   for factor in sizes:
     axes = axes_of.get(factor, ())
     if axes and factor not in blocked and not used & set(axes):
@@ -2856,16 +2839,15 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
       continue
     for axis in axes:
       if axis in varying and axis not in _axes_in([spec]):
-        raise ValueError((
-            "lower_fn of {name} returns result {i} as replicated over mesh "
-            "axis {axis!r} (its result sharding has spec {spec}), but its "
-            "value differs between the devices along {axis!r}: it is computed "
-            "from an operand sharded over {axis!r} (or from axis_index) and no "
-            "collective over that axis makes it equal. Likely fix: a missing "
-            "jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, or a "
-            "result sharding over {axis!r}. If the value is equal by "
-            "construction, pass check_vma=False to "
-            "def_partition.").format(name=name, i=i, axis=axis, spec=spec))
+        raise ValueError(
+            f"lower_fn of {name} returns result {i} as replicated over mesh "
+            f"axis {axis!r} (its result sharding has spec {spec}), but its "
+            f"value differs between the devices along {axis!r}: it is computed "
+            f"from an operand sharded over {axis!r} (or from axis_index) and "
+            "no collective over that axis makes it equal. Likely fix: a "
+            f"missing jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, "
+            f"or a result sharding over {axis!r}. If the value is equal by "
+            "construction, pass check_vma=False to def_partition.")
   return proven
 
 
@@ -2924,14 +2906,13 @@ def _loop_varying(eqn, ins: list) -> list:
   p = eqn.params
   if eqn.primitive.name == "scan":
     n, k = _scan_counts(p)
-    body, consts, carry, xs = p["jaxpr"].jaxpr, ins[:n], ins[n:n + k], ins[
-        n + k:]
-    cond, cond_consts = None, []
+    body, cond, cond_consts = p["jaxpr"].jaxpr, None, []
+    consts, carry, xs = ins[:n], ins[n:n + k], ins[n + k:]
   else:
     n, m = p["cond_nconsts"], p["body_nconsts"]
-    body, consts, carry, xs = p["body_jaxpr"].jaxpr, ins[n:n + m], ins[
-        n + m:], []
-    cond, cond_consts, k = p["cond_jaxpr"].jaxpr, ins[:n], len(carry)
+    body, cond = p["body_jaxpr"].jaxpr, p["cond_jaxpr"].jaxpr
+    cond_consts, consts, carry, xs = ins[:n], ins[n:n + m], ins[n + m:], []
+    k = len(carry)
   while True:
     outs = _varying(body, consts + carry + xs)
     stop = [] if cond is None else _varying(cond, cond_consts + carry)
@@ -3581,11 +3562,10 @@ def str_to_sdy_sharding_rule(rule: str, *,
   if len(sides) != 2:  # the first message is upstream's
     raise ValueError(f"There is no -> in rule: {rule!r}." if len(sides) == 1
                      else f"A rule has exactly one '->'; got {rule!r}.")
-  return SdyShardingRule(*map(_parse_side, sides),
-                         reduction_factors=reduction_factors,
-                         need_replication_factors=need_replication_factors,
-                         permutation_factors=permutation_factors,
-                         **factor_sizes)
+  return SdyShardingRule(
+      *map(_parse_side, sides), reduction_factors=reduction_factors,
+      need_replication_factors=need_replication_factors,
+      permutation_factors=permutation_factors, **factor_sizes)
 
 
 def _value_name(i: int, num_operands: int) -> str:
@@ -4027,8 +4007,7 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
     return vjp(out_tree.unflatten([
         np.zeros(o.shape, jax.dtypes.float0) if c is None
         else _typed_like(c, o) for o, c in zip(outs, cts)]))
-  pullback.__name__ = pullback.__qualname__ = (
-      f"check_partitioning_{name}_vjp")
+  pullback.__name__ = pullback.__qualname__ = f"check_partitioning_{name}_vjp"
   jitted_pullback = jax.jit(pullback, static_argnums=(2, 3))
 
   def run(leaves, constraints=None, ct_specs=None, mesh=None, out_specs=None):
@@ -4241,13 +4220,9 @@ def _renamed(error: Exception, where: str) -> Exception:
   try:
     return type(error)(f"{where}: {type(error).__name__}: {error}")
   except Exception:
-    _add_note(error, where)
+    if hasattr(error, "add_note"):  # Python 3.11 added it
+      error.add_note(where)
     return error
-
-
-def _add_note(error: BaseException, note: str) -> None:
-  if hasattr(error, "add_note"):  # Python 3.11 added it
-    error.add_note(note)
 
 
 def _compare(got, want, rtol, atol, what: str) -> None:

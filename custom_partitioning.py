@@ -2008,8 +2008,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
-  (for the log, where the operands' mesh is all Explicit) why not. Asks no
-  callback."""
+  (for the log, if the operands' mesh is all Explicit) why not; no callback."""
   if not _EXPLICIT_PATH or _jit_disabled():
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
@@ -2358,10 +2357,9 @@ def _batch(args, dims, **params):
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-  """One step from an op to the op derived from it: the values below it
-  (``down``), per-value items above it (``up``: spec entries or a rule's
-  dimensions), its part of each question (by default, keeping shardings).
-  Hashable, as cache keys need."""
+  """A step from an op to one derived from it: the values below it (``down``),
+  per-value items above it (``up``: spec entries or a rule's dimensions), its
+  part of each question (default: keep shardings); hashable, for cache keys."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -2389,8 +2387,7 @@ def _unbatched(v: _Value) -> _Value:
   """``v`` without its batch dimension; a sharding with no PartitionSpec
   reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
   spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
-  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
-                v.varying)
+  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None, v.varying)
 
 
 def _with_specs(values: list, specs) -> list[_Value]:
@@ -2576,8 +2573,7 @@ def _collective_axes(jaxpr: _jax.Jaxpr, names: set, also=()) -> set:
       _collective_axes(sub, names) for sub in _jax.subjaxprs(jaxpr)))
 
 
-def _eqn_axes(eqn) -> set:
-  """The mesh axis names an equation's collective runs over."""
+def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
   values = [eqn.params.get(param) for param in ("axes", "axis_name")]
   return {axis for v in values
           for axis in (v if isinstance(v, (tuple, list)) else (v,))
@@ -2641,11 +2637,9 @@ class _FromRule:
   __slots__ = ("fun", "static_argnums", "defaults", "_parts")
 
   def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
-    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
-                                                    defaults)
+    self.fun, self.static_argnums, self.defaults = fun, static_argnums, defaults
     # Defaults, fun's own objects, need not hash: compared by identity.
-    self._parts = (fun, static_argnums, tuple((i, id(value))
-                                              for i, value in defaults))
+    self._parts = (fun, static_argnums, tuple((i, id(v)) for i, v in defaults))
 
   def __hash__(self):
     return hash(self._parts)
@@ -3149,8 +3143,7 @@ class _Describer:
         self.add(value := namespace[name])
         if (isinstance(value, types.ModuleType) and depth <= 4 and
             not _is_library(value.__name__)):
-          self._reads(f"attr {value.__name__}.", vars(value), names,
-                      depth + 1)
+          self._reads(f"attr {value.__name__}.", vars(value), names, depth + 1)
 
   def _class(self, cls: type) -> None:
     self.out.append(f"class {cls.__module__}.{cls.__qualname__}")
@@ -3313,8 +3306,7 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 # ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.6), filled at import.
 # --------------------------------------------------------------------------
 
-# Private attributes of jax's mesh and sharding classes: one place to change
-# if jax renames them.
+# jax's mesh and sharding internals, one place to change if jax renames them.
 def _sharding_devices(sharding) -> tuple:
   return tuple(sharding._device_assignment)
 
@@ -3388,8 +3380,7 @@ def _is_batching(dim) -> bool:
 
 class CompoundFactor(tuple):
   """A dimension made of two or more factors, e.g. ``CompoundFactor('b', 'c')``.
-  Raises ValueError for fewer than two factors, a non-string factor, or a
-  batching marker inside."""
+  Raises ValueError for fewer than two factors, a non-str factor or BATCHING."""
 
   def __new__(cls, *factors):
     if len(factors) < 2:
@@ -3410,8 +3401,7 @@ class ArrayMapping(tuple):
   """The factors of one operand or result, one entry per dimension: a factor
   name or a ``CompoundFactor``, or first ``BATCHING`` (leading batch
   dimensions), e.g. ``ArrayMapping(BATCHING, CompoundFactor('b', 'c'), 'd')``.
-  Raises ValueError for an entry of another type, a bad factor name, or
-  ``BATCHING`` anywhere but first."""
+  Raises ValueError for another type, a bad name, or ``BATCHING`` not first."""
 
   def __new__(cls, *dims):
     for i, dim in enumerate(dims):
@@ -3503,8 +3493,7 @@ def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
   """One side of a rule string (``"i j, (a b) k"``) as mappings."""
   side = " ".join(text.split())
   text = text.translate({ord(char): f" {char} " for char in "(),"})
-  values: list[ArrayMapping] = []
-  dims: list = []
+  values, dims = [], []
   compound: list[str] | None = None  # factors of an open "(...)"
   for token in text.replace(BATCHING, f" {BATCHING}").split():
     if token == "(":
@@ -3803,21 +3792,20 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
   whatever sharding its operands arrive in. For an op author's tests.
 
-  On each mesh, over its axes of more than one device, every example
-  argument is placed replicated or in one of four classes: one dimension
-  over one axis that divides it; several dimensions, one axis each; one
-  dimension over all the axes as a tuple (both orders); padded, one
-  dimension over an axis that does not divide it (XLA pads the last
-  shards, never a global result; not on Explicit axes, where jax types no
-  uneven sharding, nor on jax 0.9 under Shardy, which cannot compile a
-  padded result). Across arguments: all combinations, or
-  ``max_combinations`` per mesh chosen deterministically (all replicated,
-  each argument sharded alone, all sharded at once, then the rest). Each
-  one's jitted results (with ``grad``, also its VJP's gradients) are
-  compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
-  runs its own ``fun`` (no callback); results also with each result asked
-  for (as by a consumer) in its one-axis shardings in turn, then replicated,
-  the arguments placed in turn (none on Explicit axes; max_combinations).
+  On each mesh, over its axes of more than one device, every example argument is
+  placed replicated or in one of four classes: one dimension over one axis that
+  divides it; several dimensions, one axis each; one dimension over all the axes
+  as a tuple (both orders); padded, one dimension over an axis that does not
+  divide it (XLA pads the last shards, never a global result; not on Explicit
+  axes, where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
+  cannot compile a padded result). Across arguments: all combinations, or
+  ``max_combinations`` per mesh chosen deterministically (all replicated, each
+  argument sharded alone, all sharded at once, then the rest). Each one's jitted
+  results (with ``grad``, also its VJP's gradients) are compared with
+  ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op runs its own ``fun``
+  (no callback); results also with each result asked for (as by a consumer) in
+  its one-axis shardings in turn, then replicated, the arguments placed in turn
+  (none on Explicit axes; max_combinations).
 
   Args:
     fn: a ``custom_partitioning`` op or a function of arrays built from
@@ -3825,13 +3813,12 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
       leaf an operand; small, with dimensions the mesh axes divide (2, 4, 8
       on 8 devices: sharded evenly) and others (padded).
-    grad: also compare the VJP for fixed random cotangents (seed 0; zero
-      for non-float results; no gradient for an integer argument), each
-      placed as its result comes out of the jitted forward, as in a real
-      loss (never padded; two compiles per combination); then, on each
-      mesh without Explicit axes, the operands replicated, each cotangent
-      in the k-th one-axis sharding of its result, for every k (one
-      compile each).
+    grad: also compare the VJP for fixed random cotangents (seed 0; zero for
+      non-float results; no gradient for an integer argument), each placed as
+      its result comes out of the jitted forward, as in a real loss (never
+      padded; two compiles per combination); then, on each mesh without Explicit
+      axes, the operands replicated, each cotangent in the k-th one-axis
+      sharding of its result, for every k (one compile each).
     meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
       mesh ``('x',)`` over all devices and, for p the device count's
       smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
@@ -3913,8 +3900,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
-def _set_mesh_scope(mesh):
-  """Sets ``mesh`` as jax's ambient mesh if it has an Explicit axis."""
+def _set_mesh_scope(mesh):  # jax's ambient mesh if it has an Explicit axis
   # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)
@@ -3975,8 +3961,7 @@ def _short_repr(value, limit: int = 60) -> str:
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
             grad: bool) -> tuple[Callable, list, list]:
   """``(run, results' ShapeDtypeStructs, cotangent shapes)`` (None: not a
-  float). ``run(leaves, constraints=None, ct_specs=None, mesh=None,
-  out_specs=None)``: ``[(what, array)]`` of the jitted results (constrained
+  float); ``run`` gives ``[(what, array)]`` of the jitted results (constrained
   to ``out_specs``) and, with ``grad``, not ``out_specs``, the gradients."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
@@ -4062,8 +4047,7 @@ def _placed(host, mesh, spec: tuple) -> tuple:
   """``(host put on mesh in spec, None)``; for a padded ``spec``, which
   ``jax.device_put`` refuses, ``(host replicated, spec's sharding)``, to
   constrain it to inside ``jit`` as a user's program would."""
-  sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*spec))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   if _placement_class(spec, host.shape, mesh) != _PADDED:
     return jax.device_put(host, sharding), None
   return _placed(host, mesh, ())[0], sharding
@@ -4166,7 +4150,6 @@ def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
 
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
-  """Why no placement of class ``cls`` was tried for ``shape``."""
   if offered:
     return "left out by max_combinations"
   axes = [_real_axes(mesh) for mesh in meshes]
@@ -4247,8 +4230,7 @@ def _compare(got, want, rtol, atol, what: str) -> None:
   if not bad.any():
     return
   error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
-  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
-                        want.shape)
+  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))), want.shape)
   got_at, want_at = (format(v, ".6g") if isinstance(v, (float, complex))
                      else str(v) for v in (got[at].item(), want[at].item()))
   raise AssertionError(
@@ -4282,10 +4264,9 @@ class PartitioningReport:
     replicated_only: the example arguments (with shapes) no mesh shards.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.
-    placements: the classes besides replicated that some argument was
-      checked in: ``"one dimension over one axis"``, ``"several dimensions
-      over one axis each"``, ``"one dimension over a tuple of axes"``,
-      ``"padded"``.
+    placements: the classes besides replicated that some argument was checked
+      in: ``"one dimension over one axis"``, ``"several dimensions over one
+      axis each"``, ``"one dimension over a tuple of axes"``, ``"padded"``.
     untried: per argument with classes not checked, a sentence naming
       them and why (e.g. no mesh axis divides it, or the bound).
     cotangent_placements: with ``grad``, how many cotangent placements
@@ -4379,8 +4360,7 @@ def _demo() -> None:
         f"input {host.shape} {host.dtype} sharded over rows")
   # The gradient is partitioned by the same callbacks: still no collective.
   # Parseval: the gradient of sum |fft(x)|^2 is 2 * n * x.
-  grad = jax.grad(
-      lambda x: jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2))
+  grad = jax.grad(lambda x: jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2))
   spectrum = np.fft.fft(host)
   for label, fn, x, want, limit in (
       ("custom_partitioning fft", fft, host, spectrum, 1e-2),

@@ -2821,8 +2821,7 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
                               out_specs: list, axes) -> bool:
   """Raises if a result replicated over one of ``axes`` (no size-1 axes)
   may vary over it; returns whether every such result was proven equal.
-  ``in_specs``/``out_specs``: spec entries per operand and result of
-  ``lower_fn`` (None: unknown, which never raises)."""
+  ``in_specs``/``out_specs``: lower_fn's (None: unknown, which never raises)."""
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -3345,9 +3344,6 @@ def _store_sizes(op=None) -> dict[str, int]:
 
 # ==========================================================================
 # Part III. Leaves and tools
-#
-# The Shardy rule parser, check_partitioning, the self-demo, and the wiring
-# block last.
 # ==========================================================================
 
 # --------------------------------------------------------------------------
@@ -3529,14 +3525,12 @@ def str_to_sdy_sharding_rule(rule: str, *,
                              permutation_factors: tuple[str, ...] = (),
                              **factor_sizes: int) -> SdyShardingRule:
   """Parses an einsum-like rule such as ``"... i j, j k -> ... i k"`` into an
-  ``SdyShardingRule``. Factor names start with a letter and hold letters,
-  digits and ``_``; operands (and results) are separated by ``,``; an empty
-  side is a scalar.
+  ``SdyShardingRule``. Factor names start with a letter and hold letters, digits
+  and ``_``; values are separated by ``,``; an empty one is a scalar.
 
   Raises:
     TypeError: ``rule`` is not a str, or a factor size is not an int.
-    ValueError: the rule cannot be parsed, or is inconsistent (see
-      ``SdyShardingRule``).
+    ValueError: the rule is malformed or inconsistent (see ``SdyShardingRule``).
   """
   if not isinstance(rule, str):
     raise TypeError(f"rule must be a str; got {type(rule)}.")
@@ -3686,9 +3680,8 @@ def _expand_ellipsis(entries: list, rank: int, group_rank: dict) -> list:
   group = entries[0][1:] or "0"
   num_batch = max(rank - len(entries) + 1, 0)
   if group_rank.setdefault(group, num_batch) != num_batch:
-    raise ValueError(
-        "Ellipsis represents different numbers of leading dimensions: "
-        f"{group_rank[group]} and {num_batch}.")
+    raise ValueError("Ellipsis represents different numbers of leading "
+                     f"dimensions: {group_rank[group]} and {num_batch}.")
   return [f"{_BATCH_FACTOR_PREFIX}{group}_{d}"
           for d in range(num_batch)] + entries[1:]
 
@@ -3764,9 +3757,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
     raise TypeError("operand_types and result_types must be lists of "
                     f"ir.Type; got {operand_types} and {result_types}.")
   # Mismatched counts (upstream checks them before the types) raise here.
-  sizes, dims = _resolve_rule(
-      rule, [_jax.ShapedType(t).shape if typed else () for t in types_],
-      len(operand_types))
+  shapes = [_jax.ShapedType(t).shape if typed else () for t in types_]
+  sizes, dims = _resolve_rule(rule, shapes, len(operand_types))
   return _rule_attr_from_dims(sizes, dims, len(operand_types), *(
       getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
 
@@ -3775,9 +3767,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
 # III.2 Checking an op's partitioning: check_partitioning
 #
 # A wrong ``partition`` (an FFT axis kept sharded, a psum forgotten) gives
-# plausible numbers, and one-device tests never run it. Placements:
-# ``_shardings_of`` (one operand), ``_sharding_combinations``,
-# ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
+# plausible numbers, and one-device tests never run it. Deterministic but for
+# the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
 _ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
@@ -3913,10 +3904,9 @@ def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
   """``(name, arg_names, host arrays, in_tree, flat, meshes)``, checked;
   ``flat``: no argument is a pytree."""
   if not callable(fn):
-    raise TypeError(
-        "check_partitioning: fn must be callable (a custom_partitioning op "
-        f"or a function built from them); got {type(fn).__name__} "
-        f"{_short_repr(fn)}.")
+    raise TypeError("check_partitioning: fn must be callable (a "
+                    "custom_partitioning op or a function built from them); "
+                    f"got {type(fn).__name__} {_short_repr(fn)}.")
   name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
           else None) or getattr(fn, "__qualname__", None) or getattr(
               fn, "__name__", None) or _short_repr(fn)
@@ -3932,11 +3922,10 @@ def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
                for path, _ in paths_leaves]
   for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
     if not _is_array(leaf):
-      raise TypeError(
-          f"check_partitioning({name}): example {arg_name} is a "
-          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
-          "numpy or jax arrays; bind other arguments into fn "
-          "(functools.partial or a lambda).")
+      raise TypeError(f"check_partitioning({name}): example {arg_name} is a "
+                      f"{type(leaf).__name__} ({_short_repr(leaf)}), not an "
+                      "array. Pass numpy or jax arrays; bind other arguments "
+                      "into fn (functools.partial or a lambda).")
   if meshes is None:
     devices = np.array(jax.devices())
     n = devices.size
@@ -4209,14 +4198,12 @@ def _renamed(error: Exception, where: str) -> Exception:
 
 
 def _compare(got, want, rtol, atol, what: str) -> None:
-  """Raises AssertionError (message after ``what``) unless ``got`` equals
-  ``want`` within the tolerances (None: by dtype) where ``want`` is finite,
-  and exactly (inf of its sign, NaN) where not."""
+  """Raises AssertionError (message after ``what``) unless ``got`` is ``want``
+  within rtol/atol (None: by dtype) if finite, else exact (signed inf, NaN)."""
   got, want = np.asarray(got), np.asarray(want)
   if got.shape != want.shape or got.dtype != want.dtype:
-    raise AssertionError(
-        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
-        f"{want.dtype}{list(want.shape)}")
+    raise AssertionError(f"{what}: got {got.dtype}{list(got.shape)}, on one "
+                         f"device {want.dtype}{list(want.shape)}")
   wide = np.complex128 if np.iscomplexobj(want) else np.float64
   g, w = got.astype(wide), want.astype(wide)
   tol = _default_tolerance(want.dtype)

@@ -1926,9 +1926,8 @@ def _raise_pending() -> None:
   with _weak_lock:
     pending = _pending.pop(threading.get_ident(), None)
   if pending is not None:
-    name, error = pending
-    raise RuntimeError(_park(error, f"custom_partitioning op {name}")
-                       ) from error
+    name, e = pending
+    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
 
 
 def _onto_auto_axes(op: _Op, sharding, where: str):
@@ -2546,8 +2545,7 @@ def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
 
 
 def _axes_in(specs) -> set:
-  return {a for spec in specs for entry in spec or ()
-          for a in _entry_axes(entry)}
+  return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
 
 
 def _specs_up(levels: list, answer: _Answer,
@@ -3190,7 +3188,6 @@ _FUN = "fun"
 def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
            answered: str = "", by: str = "", why: str = "",
            cached: bool = False) -> None:
-  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
   axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
   where = (f"{path}, {'Shardy' if _SHARDY.value else 'GSPMD'}"
            if path == _CUSTOM_CALL else path)
@@ -3891,7 +3888,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
-def _set_mesh_scope(mesh):  # jax's ambient mesh if it has an Explicit axis
+def _set_mesh_scope(mesh):  # ``mesh`` made ambient if it has an Explicit axis
   # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)
@@ -4171,8 +4168,7 @@ def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
 def _mesh_text(mesh) -> str:
   axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
   types_ = _axis_types(mesh)
-  if types_ is not None and any(
-      t != jax.sharding.AxisType.Auto for t in types_):
+  if any(t != jax.sharding.AxisType.Auto for t in types_ or ()):
     names = ", ".join(t.name for t in types_)
     axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
   return f"Mesh({axes})"
@@ -4246,8 +4242,7 @@ class PartitioningReport:
   Attributes:
     name: the checked function's name.
     checked: placements compiled, run and compared, over all meshes.
-    meshes: per mesh, ``(description, checked, total)``, total before
-      ``max_combinations`` cut it.
+    meshes: ``(description, checked, total)`` per mesh, total before the bound.
     replicated_only: the example arguments (with shapes) no mesh shards.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.

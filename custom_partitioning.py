@@ -2157,8 +2157,7 @@ def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
               for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
   if type_error is None:
-    typed = [v._replace(spec=_spec_of(a))
-             for v, a in zip(results, call.out_avals)]
+    typed = [_Value(a.shape, a.dtype, _spec_of(a)) for a in call.out_avals]
     return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
                       for v in typed], typed
   inferred = _ask_infer(op, operands, results)
@@ -2885,8 +2884,7 @@ def _varying(jaxpr: _jax.Jaxpr, in_varying: list) -> list:
       outs = (_varying(subs[0], ins) if len(subs) == 1 and (
           len(subs[0].invars), len(subs[0].outvars)) == (len(ins), len(outs))
               else [None] * len(outs))
-    for v, out in zip(eqn.outvars, outs):
-      env[v] = out
+    env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
 

@@ -1994,8 +1994,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
     why = e.__cause__ or e
   with _naming(prefix):
     out = program.untyped(*flat.leaves)
-  # A fresh plan would be refused alike: keep the untyped program.
-  if key is not None:
+  if key is not None:  # a fresh plan would be refused alike: keep this one
     user_op._programs.put(key, program._replace(run=program.untyped,
                                                 untyped=None))
   if _log.isEnabledFor(logging.DEBUG):
@@ -2220,8 +2219,7 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
   # type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying over 'y'.
   arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
                for t, v in zip(map(_spec_of, in_avals), answer.args)]
-  # No devices: jax.jit reuses its traces for every mesh of an abstract one.
-  am = mesh.abstract_mesh
+  am = mesh.abstract_mesh  # no devices: one jit trace serves every mesh like it
   mapped = jax.shard_map(
       per_shard, mesh=am, check_vma=check_vma,
       in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),

@@ -1935,8 +1935,7 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
 # II.1 Placements and errors off the plain path
 #
 # A body with nothing to partition, placements inside a shard_map or without
-# devices, a callable sharding rule, an infer/propagate error kept for the
-# partition callback.
+# devices, a callable sharding rule, infer/propagate errors kept for partition.
 # --------------------------------------------------------------------------
 
 def _lowered_body(ctx, call: _jax.ClosedJaxpr, why: str, values):
@@ -2021,9 +2020,8 @@ def _raise_pending() -> None:
   with _weak_lock:
     pending = _pending.pop(threading.get_ident(), None)
   if pending is not None:
-    name, error = pending
-    raise RuntimeError(_park(error, f"custom_partitioning op {name}")
-                       ) from error
+    name, e = pending
+    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
 
 
 def _onto_auto_axes(op: _Op, sharding, where: str):
@@ -2048,8 +2046,7 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
 # -> reshard, with no custom call (README: "Explicit mesh axes: two paths").
 # --------------------------------------------------------------------------
 
-def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs,
-                   eager_mesh=None):
+def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
   """The op's results, via shard_map; None where it keeps the custom call."""
   mesh, why_not = _explicit_mesh(flat, eager_mesh)
   if mesh is None:
@@ -2091,8 +2088,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
     why = e.__cause__ or e
   with _naming(prefix):
     out = program.untyped(*flat.leaves)
-  # A fresh plan would be refused alike: keep the untyped program.
-  if key is not None:
+  if key is not None:  # a fresh plan would be refused alike: keep this one
     user_op._programs.put(key, program._replace(run=program.untyped,
                                                 untyped=None))
   if _log.isEnabledFor(logging.DEBUG):
@@ -2104,8 +2100,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
-  (for the log, where the operands' mesh is all Explicit) why not. Asks no
-  callback."""
+  (for the log, if the operands' mesh is all Explicit) why not; no callback."""
   if not _EXPLICIT_PATH or _jit_disabled():
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
@@ -2236,20 +2231,15 @@ def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
     # Some ops raise a plain ValueError instead of ShardingTypeError (rfft
     # of a sharded axis, jax 0.10.2).
     with _no_ambient_mesh():
+      # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
+      unsharded = [_jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+                   for a in flat.in_avals]
       try:
-        return (*user_op._trace_fun(args, flat.in_tree,
-                                    [_unsharded(a) for a in flat.in_avals]),
-                e)
+        return (*user_op._trace_fun(args, flat.in_tree, unsharded), e)
       except Exception:
         if isinstance(e, _ShardingTypeError):
           raise
         raise e from None  # a ValueError of the body itself
-
-
-def _unsharded(aval):
-  """``aval`` without a sharding; call under ``_no_ambient_mesh()``."""
-  # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
-  return _jax.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
@@ -2260,8 +2250,7 @@ def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
               for a in in_avals]
   results = [_Value(a.shape, a.dtype) for a in call.out_avals]
   if type_error is None:
-    typed = [v._replace(spec=_spec_of(a))
-             for v, a in zip(results, call.out_avals)]
+    typed = [_Value(a.shape, a.dtype, _spec_of(a)) for a in call.out_avals]
     return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
                       for v in typed], typed
   inferred = _ask_infer(op, operands, results)
@@ -2324,8 +2313,7 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
   # type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying over 'y'.
   arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
                for t, v in zip(map(_spec_of, in_avals), answer.args)]
-  # No devices: jax.jit reuses its traces for every mesh of an abstract one.
-  am = mesh.abstract_mesh
+  am = mesh.abstract_mesh  # no devices: one jit trace serves every mesh like it
   mapped = jax.shard_map(
       per_shard, mesh=am, check_vma=check_vma,
       in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
@@ -2436,8 +2424,7 @@ def _transpose(cts, *args, **params):
 
 
 def _batch(args, dims, **params):
-  """Batches the op: every operand gets the batch dimension in front (an
-  unbatched one has dimension None)."""
+  """Batches the op: every operand gets the batch dimension in front."""
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   call = params["call"]
   if size == 0:  # nothing to partition (and no item to unbatch below)
@@ -2460,10 +2447,9 @@ def _batch(args, dims, **params):
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-  """One step from an op to the op derived from it: the values below it
-  (``down``), per-value items above it (``up``: spec entries or a rule's
-  dimensions), its part of each question (by default, keeping shardings).
-  Hashable, as cache keys need."""
+  """A step from an op to one derived from it: the values below it (``down``),
+  per-value items above it (``up``: spec entries or a rule's dimensions), its
+  part of each question (default: keep shardings); hashable, for cache keys."""
 
   def infer(self, op, level, below, inner):
     return inner()
@@ -2499,8 +2485,7 @@ def _unbatched(v: _Value) -> _Value:
   """``v`` without its batch dimension; a sharding with no PartitionSpec
   reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
   spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
-  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None,
-                v.varying)
+  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None, v.varying)
 
 
 def _with_specs(values: list, specs) -> list[_Value]:
@@ -2621,15 +2606,13 @@ class _Vjp(_Step):
     return vjp_fn
 
 
-def _partition_derived(op: _Op, operands: list, results: list,
-                       on) -> _PerShard:
+def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:
   """The author's answer about the op below, walked up ``op.steps``."""
   if op.mesh.empty:
-    raise NotImplementedError((
-        "{name} is lowered for several devices without a mesh; jax.vmap, "
+    raise NotImplementedError(
+        f"{op.name} is lowered for several devices without a mesh; jax.vmap, "
         "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
-        "NamedSharding arguments, jax.set_mesh or `with mesh:`).").format(
-        name=op.name))
+        "NamedSharding arguments, jax.set_mesh or `with mesh:`).")
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
   levels = _specs_up(levels, answer, closed)
@@ -2665,15 +2648,13 @@ def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
 
 
 def _axes_in(specs) -> set:
-  return {a for spec in specs for entry in spec or ()
-          for a in _entry_axes(entry)}
+  return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
 
 
 def _specs_up(levels: list, answer: _Answer,
               closed: _jax.ClosedJaxpr) -> list[_Level]:
-  """``levels`` as partitioned: the author's answer walked up the steps (a
-  batch dimension keeps its axes unless shardings or collectives below use
-  them)."""
+  """``levels`` as partitioned: the author's answer walked up (a batch
+  dimension keeps its axes unless shardings or collectives below use them)."""
   out = [levels[0]._replace(operands=answer.args, results=answer.results)]
   for level in levels[1:]:
     args, outs = ([v.spec for v in side]
@@ -2688,14 +2669,12 @@ def _specs_up(levels: list, answer: _Answer,
 
 
 def _collective_axes(jaxpr: _jax.Jaxpr, names: set, also=()) -> set:
-  """The axes among ``names`` that ``jaxpr``'s collectives run over, and
-  ``also``."""
+  """``also``, and those of ``names`` that ``jaxpr``'s collectives run over."""
   return set(also) | names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
       _collective_axes(sub, names) for sub in _jax.subjaxprs(jaxpr)))
 
 
-def _eqn_axes(eqn) -> set:
-  """The mesh axis names an equation's collective runs over."""
+def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
   values = [eqn.params.get(param) for param in ("axes", "axis_name")]
   return {axis for v in values
           for axis in (v if isinstance(v, (tuple, list)) else (v,))
@@ -2723,8 +2702,7 @@ def _real_axes(mesh) -> tuple:
 
 
 def _padded(values: list, mesh) -> bool:
-  """Whether a value is sharded over mesh axes that do not divide its
-  dimension (XLA pads the last shards)."""
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
   return any(size % _shard_count(entry, mesh)
              for v in values for size, entry in zip(v.shape, v.spec or ()))
 
@@ -2760,11 +2738,9 @@ class _FromRule:
   __slots__ = ("fun", "static_argnums", "defaults", "_parts")
 
   def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
-    self.fun, self.static_argnums, self.defaults = (fun, static_argnums,
-                                                    defaults)
+    self.fun, self.static_argnums, self.defaults = fun, static_argnums, defaults
     # Defaults, fun's own objects, need not hash: compared by identity.
-    self._parts = (fun, static_argnums, tuple((i, id(value))
-                                              for i, value in defaults))
+    self._parts = (fun, static_argnums, tuple((i, id(v)) for i, v in defaults))
 
   def __hash__(self):
     return hash(self._parts)
@@ -2803,11 +2779,10 @@ def _infer_by_rule(op: _Op, operands: list, results: list):
 
 def _infer_from_rule(rule: SdyShardingRule, shapes: list,
                      in_specs: list) -> list:
-  """GSPMD inference from a Shardy rule: each result's PartitionSpec entries
-  from the operands' ``in_specs`` (None: not placed yet; ``shapes``:
-  operands', then results'): the mesh axes of the first operand dimension
-  with the same single, passthrough factor, unless another dimension of
-  that result has them already."""
+  """GSPMD inference from a Shardy rule: each result dimension's spec entry is
+  the mesh axes of the first operand dimension (``in_specs``; None: unplaced)
+  of its single, passthrough factor, unless the result has them already
+  (``shapes``: operands', then results')."""
   _, dims = _resolve_rule(rule, shapes, len(in_specs))
   blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
   axes_of: dict[str, Any] = {}
@@ -2817,8 +2792,7 @@ def _infer_from_rule(rule: SdyShardingRule, shapes: list,
         axes_of.setdefault(factors[0], axes)
   out = []
   for value_dims in dims[len(in_specs):]:
-    used: set = set()
-    spec = []
+    used, spec = set(), []
     for factors in value_dims:
       axes = axes_of.get(factors[0]) if len(factors) == 1 else None
       axes = axes if used.isdisjoint(_entry_axes(axes)) else None
@@ -2850,14 +2824,13 @@ def _partition_from_rule(op: _Op, operands: list, results: list):
 
 def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
                 out_specs: list) -> tuple[list, list]:
-  """The partition of an op by its rule alone (``_partition_from_rule``):
-  ``(operand specs, result specs)`` as PartitionSpec entries, from the
-  ``in_specs`` and ``out_specs`` values arrive with (None: unknown;
-  ``shapes``: operands', then results'). A factor keeps the mesh axes the
-  operands bring it on, else the results' (slicing a replicated operand
-  costs no communication), unless one side brings it on two (a conflict),
-  it is special or reduced, in a compound dimension, or an earlier factor
-  (in order of first use) keeps those axes."""
+  """``(operand specs, result specs)``, as PartitionSpec entries, of an op
+  partitioned by its rule alone, from the specs values arrive with (None:
+  unknown; ``shapes``: operands', then results'). A factor keeps the mesh
+  axes the operands bring it on, else the results' (slicing a replicated
+  operand costs no communication), unless one side brings it on two (a
+  conflict), it is special or reduced, in a compound dimension, or an earlier
+  factor (in order of first use) keeps those axes."""
   num_operands = len(in_specs)
   sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
   blocked = _reduced_factors(rule, dims, num_operands).union(
@@ -2877,8 +2850,7 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
         blocked.add(factor)  # a conflict: no side's choice is better
       elif factor not in axes_of:
         (axes_of[factor],) = axes
-  used: set = set()
-  kept: dict[str, Any] = {}
+  used, kept = set(), {}
   for factor in sizes:
     axes = axes_of.get(factor, ())
     if axes and factor not in blocked and not used & set(axes):
@@ -2950,8 +2922,7 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
                               out_specs: list, axes) -> bool:
   """Raises if a result replicated over one of ``axes`` (no size-1 axes)
   may vary over it; returns whether every such result was proven equal.
-  ``in_specs``/``out_specs``: spec entries per operand and result of
-  ``lower_fn`` (None: unknown, which never raises)."""
+  ``in_specs``/``out_specs``: lower_fn's (None: unknown, which never raises)."""
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -2962,16 +2933,15 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
       continue
     for axis in axes:
       if axis in varying and axis not in _axes_in([spec]):
-        raise ValueError((
-            "lower_fn of {name} returns result {i} as replicated over mesh "
-            "axis {axis!r} (its result sharding has spec {spec}), but its "
-            "value differs between the devices along {axis!r}: it is computed "
-            "from an operand sharded over {axis!r} (or from axis_index) and no "
-            "collective over that axis makes it equal. Likely fix: a missing "
-            "jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, or a "
-            "result sharding over {axis!r}. If the value is equal by "
-            "construction, pass check_vma=False to "
-            "def_partition.").format(name=name, i=i, axis=axis, spec=spec))
+        raise ValueError(
+            f"lower_fn of {name} returns result {i} as replicated over mesh "
+            f"axis {axis!r} (its result sharding has spec {spec}), but its "
+            f"value differs between the devices along {axis!r}: it is computed "
+            f"from an operand sharded over {axis!r} (or from axis_index) and "
+            "no collective over that axis makes it equal. Likely fix: a "
+            f"missing jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, "
+            f"or a result sharding over {axis!r}. If the value is equal by "
+            "construction, pass check_vma=False to def_partition.")
   return proven
 
 
@@ -3018,8 +2988,7 @@ def _varying(jaxpr: _jax.Jaxpr, in_varying: list) -> list:
       outs = (_varying(subs[0], ins) if len(subs) == 1 and (
           len(subs[0].invars), len(subs[0].outvars)) == (len(ins), len(outs))
               else [None] * len(outs))
-    for v, out in zip(eqn.outvars, outs):
-      env[v] = out
+    env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
 
@@ -3030,14 +2999,13 @@ def _loop_varying(eqn, ins: list) -> list:
   p = eqn.params
   if eqn.primitive.name == "scan":
     n, k = _scan_counts(p)
-    body, consts, carry, xs = p["jaxpr"].jaxpr, ins[:n], ins[n:n + k], ins[
-        n + k:]
-    cond, cond_consts = None, []
+    body, cond, cond_consts = p["jaxpr"].jaxpr, None, []
+    consts, carry, xs = ins[:n], ins[n:n + k], ins[n + k:]
   else:
     n, m = p["cond_nconsts"], p["body_nconsts"]
-    body, consts, carry, xs = p["body_jaxpr"].jaxpr, ins[n:n + m], ins[
-        n + m:], []
-    cond, cond_consts, k = p["cond_jaxpr"].jaxpr, ins[:n], len(carry)
+    body, cond = p["body_jaxpr"].jaxpr, p["cond_jaxpr"].jaxpr
+    cond_consts, consts, carry, xs = ins[:n], ins[n:n + m], ins[n + m:], []
+    k = len(carry)
   while True:
     outs = _varying(body, consts + carry + xs)
     stop = [] if cond is None else _varying(cond, cond_consts + carry)
@@ -3274,8 +3242,7 @@ class _Describer:
         self.add(value := namespace[name])
         if (isinstance(value, types.ModuleType) and depth <= 4 and
             not _is_library(value.__name__)):
-          self._reads(f"attr {value.__name__}.", vars(value), names,
-                      depth + 1)
+          self._reads(f"attr {value.__name__}.", vars(value), names, depth + 1)
 
   def _class(self, cls: type) -> None:
     self.out.append(f"class {cls.__module__}.{cls.__qualname__}")
@@ -3323,7 +3290,6 @@ _FUN = "fun"
 def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",
            answered: str = "", by: str = "", why: str = "",
            cached: bool = False) -> None:
-  """Logs one record at DEBUG (call under ``_log.isEnabledFor``)."""
   axes = {} if mesh is None or mesh.empty else dict(mesh.shape)
   where = (f"{path}, {'Shardy' if _SHARDY.value else 'GSPMD'}"
            if path == _CUSTOM_CALL else path)
@@ -3438,8 +3404,7 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 # ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.6), filled at import.
 # --------------------------------------------------------------------------
 
-# Private attributes of jax's mesh and sharding classes: one place to change
-# if jax renames them.
+# jax's mesh and sharding internals, one place to change if jax renames them.
 def _sharding_devices(sharding) -> tuple:
   return tuple(sharding._device_assignment)
 
@@ -3478,9 +3443,6 @@ def _store_sizes(op=None) -> dict[str, int]:
 
 # ==========================================================================
 # Part III. Leaves and tools
-#
-# The Shardy rule parser, check_partitioning, the self-demo, and the wiring
-# block last.
 # ==========================================================================
 
 # --------------------------------------------------------------------------
@@ -3513,8 +3475,7 @@ def _is_batching(dim) -> bool:
 
 class CompoundFactor(tuple):
   """A dimension made of two or more factors, e.g. ``CompoundFactor('b', 'c')``.
-  Raises ValueError for fewer than two factors, a non-string factor, or a
-  batching marker inside."""
+  Raises ValueError for fewer than two factors, a non-str factor or BATCHING."""
 
   def __new__(cls, *factors):
     if len(factors) < 2:
@@ -3535,8 +3496,7 @@ class ArrayMapping(tuple):
   """The factors of one operand or result, one entry per dimension: a factor
   name or a ``CompoundFactor``, or first ``BATCHING`` (leading batch
   dimensions), e.g. ``ArrayMapping(BATCHING, CompoundFactor('b', 'c'), 'd')``.
-  Raises ValueError for an entry of another type, a bad factor name, or
-  ``BATCHING`` anywhere but first."""
+  Raises ValueError for another type, a bad name, or ``BATCHING`` not first."""
 
   def __new__(cls, *dims):
     for i, dim in enumerate(dims):
@@ -3628,8 +3588,7 @@ def _parse_side(text: str) -> tuple[ArrayMapping, ...]:
   """One side of a rule string (``"i j, (a b) k"``) as mappings."""
   side = " ".join(text.split())
   text = text.translate({ord(char): f" {char} " for char in "(),"})
-  values: list[ArrayMapping] = []
-  dims: list = []
+  values, dims = [], []
   compound: list[str] | None = None  # factors of an open "(...)"
   for token in text.replace(BATCHING, f" {BATCHING}").split():
     if token == "(":
@@ -3665,14 +3624,12 @@ def str_to_sdy_sharding_rule(rule: str, *,
                              permutation_factors: tuple[str, ...] = (),
                              **factor_sizes: int) -> SdyShardingRule:
   """Parses an einsum-like rule such as ``"... i j, j k -> ... i k"`` into an
-  ``SdyShardingRule``. Factor names start with a letter and hold letters,
-  digits and ``_``; operands (and results) are separated by ``,``; an empty
-  side is a scalar.
+  ``SdyShardingRule``. Factor names start with a letter and hold letters, digits
+  and ``_``; values are separated by ``,``; an empty one is a scalar.
 
   Raises:
     TypeError: ``rule`` is not a str, or a factor size is not an int.
-    ValueError: the rule cannot be parsed, or is inconsistent (see
-      ``SdyShardingRule``).
+    ValueError: the rule is malformed or inconsistent (see ``SdyShardingRule``).
   """
   if not isinstance(rule, str):
     raise TypeError(f"rule must be a str; got {type(rule)}.")
@@ -3687,11 +3644,10 @@ def str_to_sdy_sharding_rule(rule: str, *,
   if len(sides) != 2:  # the first message is upstream's
     raise ValueError(f"There is no -> in rule: {rule!r}." if len(sides) == 1
                      else f"A rule has exactly one '->'; got {rule!r}.")
-  return SdyShardingRule(*map(_parse_side, sides),
-                         reduction_factors=reduction_factors,
-                         need_replication_factors=need_replication_factors,
-                         permutation_factors=permutation_factors,
-                         **factor_sizes)
+  return SdyShardingRule(
+      *map(_parse_side, sides), reduction_factors=reduction_factors,
+      need_replication_factors=need_replication_factors,
+      permutation_factors=permutation_factors, **factor_sizes)
 
 
 def _value_name(i: int, num_operands: int) -> str:
@@ -3712,9 +3668,8 @@ def _expand_ellipsis(entries: list, rank: int, group_rank: dict) -> list:
   group = entries[0][1:] or "0"
   num_batch = max(rank - len(entries) + 1, 0)
   if group_rank.setdefault(group, num_batch) != num_batch:
-    raise ValueError(
-        "Ellipsis represents different numbers of leading dimensions: "
-        f"{group_rank[group]} and {num_batch}.")
+    raise ValueError("Ellipsis represents different numbers of leading "
+                     f"dimensions: {group_rank[group]} and {num_batch}.")
   return [f"{_BATCH_FACTOR_PREFIX}{group}_{d}"
           for d in range(num_batch)] + entries[1:]
 
@@ -3790,9 +3745,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
     raise TypeError("operand_types and result_types must be lists of "
                     f"ir.Type; got {operand_types} and {result_types}.")
   # Mismatched counts (upstream checks them before the types) raise here.
-  sizes, dims = _resolve_rule(
-      rule, [_jax.ShapedType(t).shape if typed else () for t in types_],
-      len(operand_types))
+  shapes = [_jax.ShapedType(t).shape if typed else () for t in types_]
+  sizes, dims = _resolve_rule(rule, shapes, len(operand_types))
   return _rule_attr_from_dims(sizes, dims, len(operand_types), *(
       getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
 
@@ -3801,9 +3755,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
 # III.2 Checking an op's partitioning: check_partitioning
 #
 # A wrong ``partition`` (an FFT axis kept sharded, a psum forgotten) gives
-# plausible numbers, and one-device tests never run it. Placements:
-# ``_shardings_of`` (one operand), ``_sharding_combinations``,
-# ``_cotangent_specs``. Deterministic but for the cotangents' fixed seed.
+# plausible numbers, and one-device tests never run it. Deterministic but for
+# the cotangents' fixed seed.
 # --------------------------------------------------------------------------
 
 _ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
@@ -3818,21 +3771,20 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   """Checks that ``jax.jit(fn)`` computes what ``fn`` on one device does,
   whatever sharding its operands arrive in. For an op author's tests.
 
-  On each mesh, over its axes of more than one device, every example
-  argument is placed replicated or in one of four classes: one dimension
-  over one axis that divides it; several dimensions, one axis each; one
-  dimension over all the axes as a tuple (both orders); padded, one
-  dimension over an axis that does not divide it (XLA pads the last
-  shards, never a global result; not on Explicit axes, where jax types no
-  uneven sharding, nor on jax 0.9 under Shardy, which cannot compile a
-  padded result). Across arguments: all combinations, or
-  ``max_combinations`` per mesh chosen deterministically (all replicated,
-  each argument sharded alone, all sharded at once, then the rest). Each
-  one's jitted results (with ``grad``, also its VJP's gradients) are
-  compared with ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op
-  runs its own ``fun`` (no callback); results also with each result asked
-  for (as by a consumer) in its one-axis shardings in turn, then replicated,
-  the arguments placed in turn (none on Explicit axes; max_combinations).
+  On each mesh, over its axes of more than one device, every example argument is
+  placed replicated or in one of four classes: one dimension over one axis that
+  divides it; several dimensions, one axis each; one dimension over all the axes
+  as a tuple (both orders); padded, one dimension over an axis that does not
+  divide it (XLA pads the last shards, never a global result; not on Explicit
+  axes, where jax types no uneven sharding, nor on jax 0.9 under Shardy, which
+  cannot compile a padded result). Across arguments: all combinations, or
+  ``max_combinations`` per mesh chosen deterministically (all replicated, each
+  argument sharded alone, all sharded at once, then the rest). Each one's jitted
+  results (with ``grad``, also its VJP's gradients) are compared with
+  ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op runs its own ``fun``
+  (no callback); results also with each result asked for (as by a consumer) in
+  its one-axis shardings in turn, then replicated, the arguments placed in turn
+  (none on Explicit axes; max_combinations).
 
   Args:
     fn: a ``custom_partitioning`` op or a function of arrays built from
@@ -3840,13 +3792,12 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
     *example_args: arrays (``numpy`` or ``jax``) or pytrees of them, each
       leaf an operand; small, with dimensions the mesh axes divide (2, 4, 8
       on 8 devices: sharded evenly) and others (padded).
-    grad: also compare the VJP for fixed random cotangents (seed 0; zero
-      for non-float results; no gradient for an integer argument), each
-      placed as its result comes out of the jitted forward, as in a real
-      loss (never padded; two compiles per combination); then, on each
-      mesh without Explicit axes, the operands replicated, each cotangent
-      in the k-th one-axis sharding of its result, for every k (one
-      compile each).
+    grad: also compare the VJP for fixed random cotangents (seed 0; zero for
+      non-float results; no gradient for an integer argument), each placed as
+      its result comes out of the jitted forward, as in a real loss (never
+      padded; two compiles per combination); then, on each mesh without Explicit
+      axes, the operands replicated, each cotangent in the k-th one-axis
+      sharding of its result, for every k (one compile each).
     meshes: a ``jax.sharding.Mesh`` or a sequence of them; default a 1-D
       mesh ``('x',)`` over all devices and, for p the device count's
       smallest factor (1 < p < count), a 2-D mesh ``('x', 'y')`` of shape
@@ -3928,8 +3879,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
-def _set_mesh_scope(mesh):
-  """Sets ``mesh`` as jax's ambient mesh if it has an Explicit axis."""
+def _set_mesh_scope(mesh):  # ``mesh`` made ambient if it has an Explicit axis
   # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
   setter = getattr(jax, "set_mesh", None) or getattr(
       jax.sharding, "use_mesh", None)
@@ -3942,10 +3892,9 @@ def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
   """``(name, arg_names, host arrays, in_tree, flat, meshes)``, checked;
   ``flat``: no argument is a pytree."""
   if not callable(fn):
-    raise TypeError(
-        "check_partitioning: fn must be callable (a custom_partitioning op "
-        f"or a function built from them); got {type(fn).__name__} "
-        f"{_short_repr(fn)}.")
+    raise TypeError("check_partitioning: fn must be callable (a "
+                    "custom_partitioning op or a function built from them); "
+                    f"got {type(fn).__name__} {_short_repr(fn)}.")
   name = (getattr(fn, "_name", None) if isinstance(fn, custom_partitioning)
           else None) or getattr(fn, "__qualname__", None) or getattr(
               fn, "__name__", None) or _short_repr(fn)
@@ -3961,11 +3910,10 @@ def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
                for path, _ in paths_leaves]
   for arg_name, (_, leaf) in zip(arg_names, paths_leaves):
     if not _is_array(leaf):
-      raise TypeError(
-          f"check_partitioning({name}): example {arg_name} is a "
-          f"{type(leaf).__name__} ({_short_repr(leaf)}), not an array. Pass "
-          "numpy or jax arrays; bind other arguments into fn "
-          "(functools.partial or a lambda).")
+      raise TypeError(f"check_partitioning({name}): example {arg_name} is a "
+                      f"{type(leaf).__name__} ({_short_repr(leaf)}), not an "
+                      "array. Pass numpy or jax arrays; bind other arguments "
+                      "into fn (functools.partial or a lambda).")
   if meshes is None:
     devices = np.array(jax.devices())
     n = devices.size
@@ -3990,8 +3938,7 @@ def _short_repr(value, limit: int = 60) -> str:
 def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
             grad: bool) -> tuple[Callable, list, list]:
   """``(run, results' ShapeDtypeStructs, cotangent shapes)`` (None: not a
-  float). ``run(leaves, constraints=None, ct_specs=None, mesh=None,
-  out_specs=None)``: ``[(what, array)]`` of the jitted results (constrained
+  float); ``run`` gives ``[(what, array)]`` of the jitted results (constrained
   to ``out_specs``) and, with ``grad``, not ``out_specs``, the gradients."""
   def args_of(leaves, constraints):
     return in_tree.unflatten(_constrained(leaves, constraints))
@@ -4022,8 +3969,7 @@ def _runner(fn: Callable, name: str, in_tree, hosts: list, arg_names: list,
     return vjp(out_tree.unflatten([
         np.zeros(o.shape, jax.dtypes.float0) if c is None
         else _typed_like(c, o) for o, c in zip(outs, cts)]))
-  pullback.__name__ = pullback.__qualname__ = (
-      f"check_partitioning_{name}_vjp")
+  pullback.__name__ = pullback.__qualname__ = f"check_partitioning_{name}_vjp"
   jitted_pullback = jax.jit(pullback, static_argnums=(2, 3))
 
   def run(leaves, constraints=None, ct_specs=None, mesh=None, out_specs=None):
@@ -4078,8 +4024,7 @@ def _placed(host, mesh, spec: tuple) -> tuple:
   """``(host put on mesh in spec, None)``; for a padded ``spec``, which
   ``jax.device_put`` refuses, ``(host replicated, spec's sharding)``, to
   constrain it to inside ``jit`` as a user's program would."""
-  sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*spec))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   if _placement_class(spec, host.shape, mesh) != _PADDED:
     return jax.device_put(host, sharding), None
   return _placed(host, mesh, ())[0], sharding
@@ -4182,7 +4127,6 @@ def _coverage(arg_names: list, hosts: list, meshes: list, offered: list,
 
 
 def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
-  """Why no placement of class ``cls`` was tried for ``shape``."""
   if offered:
     return "left out by max_combinations"
   axes = [_real_axes(mesh) for mesh in meshes]
@@ -4215,8 +4159,7 @@ def _why_not(cls: str, shape: tuple, meshes: list, offered: bool) -> str:
 def _mesh_text(mesh) -> str:
   axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
   types_ = _axis_types(mesh)
-  if types_ is not None and any(
-      t != jax.sharding.AxisType.Auto for t in types_):
+  if any(t != jax.sharding.AxisType.Auto for t in types_ or ()):
     names = ", ".join(t.name for t in types_)
     axes += f", axis_types=({names}{',' * (len(types_) == 1)})"
   return f"Mesh({axes})"
@@ -4236,24 +4179,18 @@ def _renamed(error: Exception, where: str) -> Exception:
   try:
     return type(error)(f"{where}: {type(error).__name__}: {error}")
   except Exception:
-    _add_note(error, where)
+    if hasattr(error, "add_note"):  # Python 3.11 added it
+      error.add_note(where)
     return error
 
 
-def _add_note(error: BaseException, note: str) -> None:
-  if hasattr(error, "add_note"):  # Python 3.11 added it
-    error.add_note(note)
-
-
 def _compare(got, want, rtol, atol, what: str) -> None:
-  """Raises AssertionError (message after ``what``) unless ``got`` equals
-  ``want`` within the tolerances (None: by dtype) where ``want`` is finite,
-  and exactly (inf of its sign, NaN) where not."""
+  """Raises AssertionError (message after ``what``) unless ``got`` is ``want``
+  within rtol/atol (None: by dtype) if finite, else exact (signed inf, NaN)."""
   got, want = np.asarray(got), np.asarray(want)
   if got.shape != want.shape or got.dtype != want.dtype:
-    raise AssertionError(
-        f"{what}: got {got.dtype}{list(got.shape)}, on one device "
-        f"{want.dtype}{list(want.shape)}")
+    raise AssertionError(f"{what}: got {got.dtype}{list(got.shape)}, on one "
+                         f"device {want.dtype}{list(want.shape)}")
   wide = np.complex128 if np.iscomplexobj(want) else np.float64
   g, w = got.astype(wide), want.astype(wide)
   tol = _default_tolerance(want.dtype)
@@ -4267,8 +4204,7 @@ def _compare(got, want, rtol, atol, what: str) -> None:
   if not bad.any():
     return
   error = np.where(same, 0.0, np.nan_to_num(error, nan=np.inf))
-  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))),
-                        want.shape)
+  at = np.unravel_index(int(np.argmax(np.where(bad, error, -1.0))), want.shape)
   got_at, want_at = (format(v, ".6g") if isinstance(v, (float, complex))
                      else str(v) for v in (got[at].item(), want[at].item()))
   raise AssertionError(
@@ -4297,15 +4233,13 @@ class PartitioningReport:
   Attributes:
     name: the checked function's name.
     checked: placements compiled, run and compared, over all meshes.
-    meshes: per mesh, ``(description, checked, total)``, total before
-      ``max_combinations`` cut it.
+    meshes: ``(description, checked, total)`` per mesh, total before the bound.
     replicated_only: the example arguments (with shapes) no mesh shards.
     grad: whether gradients were compared too.
     max_combinations: the bound per mesh.
-    placements: the classes besides replicated that some argument was
-      checked in: ``"one dimension over one axis"``, ``"several dimensions
-      over one axis each"``, ``"one dimension over a tuple of axes"``,
-      ``"padded"``.
+    placements: the classes besides replicated that some argument was checked
+      in: ``"one dimension over one axis"``, ``"several dimensions over one
+      axis each"``, ``"one dimension over a tuple of axes"``, ``"padded"``.
     untried: per argument with classes not checked, a sentence naming
       them and why (e.g. no mesh axis divides it, or the bound).
     cotangent_placements: with ``grad``, how many cotangent placements
@@ -4399,8 +4333,7 @@ def _demo() -> None:
         f"input {host.shape} {host.dtype} sharded over rows")
   # The gradient is partitioned by the same callbacks: still no collective.
   # Parseval: the gradient of sum |fft(x)|^2 is 2 * n * x.
-  grad = jax.grad(
-      lambda x: jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2))
+  grad = jax.grad(lambda x: jnp.sum(jnp.abs(fft(x.astype(jnp.complex64))) ** 2))
   spectrum = np.fft.fft(host)
   for label, fn, x, want, limit in (
       ("custom_partitioning fft", fft, host, spectrum, 1e-2),

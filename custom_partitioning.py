@@ -937,8 +937,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         "jax.set_mesh(mesh) or `with mesh:`, so the op can find its devices, "
         "or call the op outside that primitive.")
   if params["partition"] is None:
-    raise ValueError(_NO_PARTITION.format(
-        name=name, n=len(place.devices)))
+    raise ValueError(_NO_PARTITION.format(name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None
   if callable(rule) or (_SHARDY.value and rule is not None):  # seam: rules
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
@@ -1743,8 +1742,7 @@ def _checked_answer(op: _Op, answer) -> tuple:
         f"{where} returned a mesh on devices "
         f"{sorted(d.id for d in mesh.devices.flat)}, but the op runs on "
         f"{sorted(d.id for d in devices)}.")
-  if real and isinstance(mesh, _jax.AbstractMesh) and mesh.size != len(
-      devices):
+  if real and isinstance(mesh, _jax.AbstractMesh) and mesh.size != len(devices):
     raise ValueError(f"{where} returned a mesh of {mesh.size} devices, but "
                      f"the op runs on {len(devices)}.")
   if isinstance(mesh, _jax.AbstractMesh):
@@ -1889,8 +1887,7 @@ def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
   with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
     module, host_callbacks = _lower_per_shard(
         shard.jaxpr, platforms=op.platforms, backend=op.backend,
-        axis_context=_jax.SPMDAxisContext(
-            mesh, frozenset(mesh.axis_names)))
+        axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)))
   if host_callbacks:
     raise _host_callback_error(op)
   return _jax.module_to_bytecode(module)

@@ -4586,6 +4586,38 @@ class DerivedOpsTest(CPTestCase):
     np.testing.assert_allclose(jax.jit(op)(self.put(_data((8, 4)), "x")),
                                np.sin(_data((8, 4))) * 2, rtol=1e-6)
 
+  def test_no_recoverable_mesh_still_asks_infer(self):
+    """Under GSPMD a plain op on the empty mesh is asked, as upstream asks
+    it: infer_sharding_from_operands gets the empty mesh and GSPMDShardings,
+    and its answer places the result (only a derived op, which needs a
+    mesh, leaves the question to XLA)."""
+    if self.shardy:
+      self.skipTest("Shardy asks the sharding rule, not infer")
+    from jax._src.sharding_impls import GSPMDSharding
+    m = self.mesh()
+    rows = GSPMDSharding(tuple(m.devices.flat),
+                         NamedSharding(m, P("x"))._to_xla_hlo_sharding(2))
+    asked = []
+
+    def infer(mesh, arg_shapes, result_shape):
+      asked.append((mesh.empty, type(arg_shapes[0].sharding).__name__))
+      return arg_shapes[0].sharding
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * 2.0, s, (s,)
+    op = custom_partitioning(lambda x: x * 2.0)
+    op.def_partition(partition, infer_sharding_from_operands=infer)
+    xh = _data((8, 4))
+    x = jax.device_put(xh, rows)
+    try:
+      out = jax.jit(op, in_shardings=rows)(x)
+    except NotImplementedError as e:  # e.g. jax 0.4.35
+      self.skipTest(f"{JAX}: jit itself rejects GSPMDSharding here: {e}")
+    np.testing.assert_allclose(out, xh * 2.0, rtol=1e-6)
+    self.assertEqual(set(asked), {(True, "GSPMDSharding")})
+    self.assertTrue(out.sharding.is_equivalent_to(rows, 2), out.sharding)
+
   def test_partition_may_return_an_abstract_mesh(self):
     # As upstream: the abstract mesh (and shardings on it) stand for the
     # op's devices, under jit, grad and vmap.

@@ -1018,6 +1018,8 @@ class StaticArgsTest(CPTestCase):
         (lambda x, n: x * n, (-1,), "i j -> i j", lambda f, x, n: f(x, n)),
         (lambda x, k, y: x * k + y, -2, "i j, i j -> i j",
          lambda f, x, k: f(x, k, x)),
+        # One position named twice (as jax.jit: it is one static argument).
+        (lambda x, n: x * n, (1, -1), "i j -> i j", lambda f, x, n: f(x, n)),
     ]
     for (fun, nums, rule, call), kind, mode in itertools.product(
         cases, ("partition", "rule"), ("eager", "jit", "one jit")):
@@ -3303,6 +3305,17 @@ class BadInputTest(CPTestCase):
     self.assertRaisesNaming(ValueError, ["partition", "mesh"],
                             self.run_jit, op)
 
+  def test_partition_abstract_mesh_of_other_size(self):
+    """An AbstractMesh stands for the op's devices: one of another size
+    cannot, and is refused by its size."""
+    if not hasattr(jax.sharding, "AbstractMesh"):
+      self.skipTest(f"{JAX}: no AbstractMesh")
+    am4 = self.mesh((4,)).abstract_mesh
+    op = self.op(self.returning(lambda m, s: (am4, jnp.sin, s, (s,))))
+    self.assertRaisesNaming(
+        ValueError, ["partition of", "returned a mesh of 4 devices, but the "
+                     "op runs on 8."], self.run_jit, op)
+
   def test_infer_sharding_on_other_devices(self):
     if self.shardy:
       self.skipTest("infer_sharding_from_operands is GSPMD only")
@@ -4655,6 +4668,26 @@ class DerivedOpsTest(CPTestCase):
     np.testing.assert_allclose(jax.jit(op)(x), _data((8, 4)) * 2, rtol=1e-6)
     with self.assertRaisesRegex(NotImplementedError, "must be the same"):
       jax.jit(jax.vmap(op))(self.put(_data((2, 8, 4)), None, "x", None))
+
+  def test_partition_on_the_same_axis_names_of_other_sizes(self):
+    """Axes of the op's names but other sizes ((2, 4) for (4, 2)): a plain
+    op runs on them; a derived one refuses them by their shape."""
+    op = custom_partitioning(lambda x: x * 2.0)
+
+    def partition(mesh, arg_shapes, result_shape):
+      other = Mesh(np.asarray(mesh.devices).reshape(2, 4), ("x", "y"))
+      s = NamedSharding(other, P("x"))
+      return other, lambda x: x * 2.0, s, (s,)
+    op.def_partition(partition, sharding_rule="i j -> i j",
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+                         m, P("x")))
+    x = self.put(_data((8, 4)), "x", None)
+    np.testing.assert_allclose(jax.jit(op)(x), _data((8, 4)) * 2, rtol=1e-6)
+    with self.assertRaises(NotImplementedError) as cm:
+      jax.jit(jax.vmap(op))(self.put(_data((2, 8, 4)), None, "x", None))
+    self.assertIn("returned a mesh with axes {'x': 2, 'y': 4}, but the op's "
+                  "mesh has {'x': 4, 'y': 2}; under jax.vmap, jax.jvp and "
+                  "jax.grad they must be the same.", str(cm.exception))
 
   def test_lower_fn_without_reverse_mode_gives_jax_error(self):
     def lower_fn(x):

@@ -6705,6 +6705,26 @@ class PendingErrorTest(CPTestCase):
 
   shardy = False  # only GSPMD asks infer_sharding_from_operands
 
+  def test_the_first_infer_error_of_a_compile_is_raised(self):
+    """XLA asks infer again and again while propagating; the error jax
+    raises is the first one, which the later ones only follow from."""
+    self.put_data((16, 8))
+    raised = []
+
+    def infer(mesh, arg_shapes, result_shape):
+      raised.append(len(raised) + 1)
+      raise _CallbackError(f"infer call {raised[-1]}")
+
+    op = custom_partitioning(lambda x: x + 1.0)
+    op.def_partition(
+        lambda m, a, r: (m, lambda x: x + 1.0, a[0].sharding,
+                         (a[0].sharding,)),
+        infer_sharding_from_operands=infer)
+    with self.assertRaises(_CallbackError) as cm:
+      jax.jit(lambda x: op(op(x)))(self.x)
+    self.assertGreater(len(raised), 1)  # else this test shows nothing
+    self.assertEqual(str(cm.exception), "infer call 1")
+
   def test_an_infer_error_does_not_reach_a_later_compile(self):
     # infer refuses row-sharded operands: the first compile, of rows, fails
     # in another op's partition first; the next, of columns, is the same op

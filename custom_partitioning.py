@@ -1515,7 +1515,11 @@ def _structs(op: _Op, tree, values, on=None):
       sharding = _jax.GSPMDSharding(
           op.place.devices if on == op.mesh else tuple(on.devices.flat),
           _hlo_of(v, on))
-    structs.append(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
+    try:
+      struct = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+    except NotImplementedError:  # XLA's manual subgroup (a partly manual
+      struct = jax.ShapeDtypeStruct(v.shape, v.dtype)  # shard_map): unshown
+    structs.append(struct)
   return tree.unflatten(structs)
 
 

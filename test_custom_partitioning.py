@@ -5292,6 +5292,17 @@ class RuleOnlyTest(CPTestCase):
     cls.ah = _spd((8, 8, 8))
     cls.want = np.linalg.cholesky(cls.ah.astype(np.float64))
 
+  def test_a_factor_missing_from_a_scalar_result_is_reduced(self):
+    """``"i -> i, "``: the second result is a scalar (a sum over ``i``), so
+    ``i`` is reduced and the op runs replicated; shards of ``x`` would each
+    sum a part."""
+    op = _rule_only(lambda x: (2 * x, jnp.sum(x)), "i -> i, ")
+    xh = _data((16,))
+    x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+    for got in (jax.jit(op)(x), op(x)):
+      np.testing.assert_allclose(got[0], 2 * xh, rtol=1e-6)
+      np.testing.assert_allclose(got[1], xh.sum(), rtol=1e-5)
+
   def test_cholesky_batch_sharded_has_no_collective(self):
     m = self.mesh()
     a = jax.device_put(self.ah, NamedSharding(m, P("x")))
@@ -8122,6 +8133,22 @@ class ExplicitPathTest(CPTestCase):
     self.assertRaisesNaming(  # 10 rows of q over 8 devices
         ValueError, ["_attend", "size 10", "8 devices", "even"],
         jax.jit(_attention_op()), q, k)
+
+  def test_an_uneven_result_alone_is_refused_by_name(self):
+    """Even operands, an uneven result (10 rows over 8 devices) of a body
+    jax cannot type: refused naming the result, eagerly and under jit,
+    never a shard_map result of the operands' shape."""
+    xh = _data((16, 4))
+    x = jax.device_put(xh, self.rows)
+    op = custom_partitioning(lambda x: x[:10] * 2.0)
+    rows = lambda m: NamedSharding(m, P("x", None))  # noqa: E731
+    op.def_partition(lambda m, a, r: (m, lambda x: x * 2.0, rows(m),
+                                      (rows(m),)),
+                     sharding_rule="i j -> i j")
+    for f in (jax.jit(op), op):
+      self.assertRaisesNaming(
+          ValueError, ["result 0 dimension 0 (size 10) over 8 devices",
+                       "even shards"], f, x)
 
   def test_bad_answers_name_the_op(self):
     qh = _data((16, 16))

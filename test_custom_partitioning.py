@@ -577,6 +577,28 @@ class FrontendTest(CPTestCase):
     super().setUp()
     self.put_data((16, 4))
 
+  def test_an_unpassed_array_default_is_an_operand(self):
+    """As under ``jax.jit``, an unpassed array default is an operand:
+    partition places it and lower_fn gets its shard (a Python default
+    stays a constant)."""
+    seen = []
+    wh = np.arange(4.0, dtype=np.float32)
+
+    def body(x, w=wh, scale=2.0):
+      return x * w * scale
+
+    def partition(mesh, arg_shapes, result_shape):
+      seen.append(len(arg_shapes))
+      s = arg_shapes[0].sharding
+      return (mesh, lambda x, w: x * w * 2.0, s,
+              (s, NamedSharding(mesh, P())))
+    op = custom_partitioning(body)
+    op.def_partition(partition, sharding_rule="i j, j -> i j",
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+    for run in (jax.jit(op), op):
+      np.testing.assert_allclose(run(self.x), self.xh * wh * 2.0, rtol=1e-6)
+    self.assertEqual(set(seen), {2})
+
   def test_decorator(self):
     seen = []
 

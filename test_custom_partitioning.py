@@ -4726,6 +4726,23 @@ class DerivedOpsTest(CPTestCase):
     with self.assertRaisesRegex(NotImplementedError, "must be the same"):
       jax.jit(jax.vmap(op))(self.put(_data((2, 8, 4)), None, "x", None))
 
+  def test_vmap_batch_leaves_an_axis_only_a_result_uses(self):
+    """The batch dimension arrives sharded over "y", which only the op's
+    result is sharded over (the operand is replicated): the batch keeps
+    off "y" and the values are plain jax's."""
+    op = custom_partitioning(lambda x: jnp.broadcast_to(x, (8, 4)) * 2.0)
+
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, lambda x: jnp.broadcast_to(x, (4, 4)) * 2.0,
+              NamedSharding(mesh, P("y")), (NamedSharding(mesh, P()),))
+    op.def_partition(partition, sharding_rule="j -> i j",
+                     infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+                         m, P("y")))
+    xh = _data((2, 4))
+    want = np.broadcast_to(xh[:, None, :], (2, 8, 4)) * 2.0
+    np.testing.assert_allclose(jax.jit(jax.vmap(op))(self.put(xh, "y")),
+                               want, rtol=1e-6)
+
   def test_partition_on_the_same_axis_names_of_other_sizes(self):
     """Axes of the op's names but other sizes ((2, 4) for (4, 2)): a plain
     op runs on them; a derived one refuses them by their shape."""

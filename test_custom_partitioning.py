@@ -1040,6 +1040,8 @@ class StaticArgsTest(CPTestCase):
         (lambda x, n: x * n, (-1,), "i j -> i j", lambda f, x, n: f(x, n)),
         (lambda x, k, y: x * k + y, -2, "i j, i j -> i j",
          lambda f, x, k: f(x, k, x)),
+        # -len(args): the first argument.
+        (lambda n, x: x * n, -2, "i j -> i j", lambda f, x, n: f(n, x)),
         # One position named twice (as jax.jit: it is one static argument).
         (lambda x, n: x * n, (1, -1), "i j -> i j", lambda f, x, n: f(x, n)),
     ]

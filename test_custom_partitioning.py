@@ -971,7 +971,9 @@ class StaticArgsTest(CPTestCase):
     np.testing.assert_allclose(jax.jit(lambda x: op(cfg, x))(self.x),
                                self.xh * 3 + 2, rtol=1e-6)
 
-  def test_unhashable_static_eager(self):
+  @staticmethod
+  def _list_scaling_op():
+    """``x * lst[0]``, ``lst`` a static (unhashable) list."""
     op = custom_partitioning(lambda lst, x: x * lst[0], static_argnums=(0,))
 
     def partition(lst, mesh, arg_shapes, result_shape):
@@ -981,6 +983,10 @@ class StaticArgsTest(CPTestCase):
     op.def_partition(partition,
                      infer_sharding_from_operands=lambda l, m, a, r: a[0].sharding,
                      sharding_rule="i j -> i j")
+    return op
+
+  def test_unhashable_static_eager(self):
+    op = self._list_scaling_op()
     np.testing.assert_allclose(op([4.0], self.x), self.xh * 4, rtol=1e-6)
     np.testing.assert_allclose(op([5.0], self.xh), self.xh * 5, rtol=1e-6)
 
@@ -988,15 +994,7 @@ class StaticArgsTest(CPTestCase):
     """Two calls whose unhashable static arguments differ, in one jit and
     in one eager grad (whose equations jax evaluates one by one): each
     keeps its own, though neither has a key by value."""
-    op = custom_partitioning(lambda lst, x: x * lst[0], static_argnums=(0,))
-
-    def partition(lst, mesh, arg_shapes, result_shape):
-      s = arg_shapes[0].sharding
-      return mesh, lambda x: x * lst[0], s, (s,)
-
-    op.def_partition(partition,
-                     infer_sharding_from_operands=lambda l, m, a, r: a[0].sharding,
-                     sharding_rule="i j -> i j")
+    op = self._list_scaling_op()
     both = lambda x: (op([4.0], x), op([5.0], x))  # noqa: E731
     for got in (jax.jit(both)(self.x), both(self.x)):
       np.testing.assert_allclose(got[0], self.xh * 4, rtol=1e-6)

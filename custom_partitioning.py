@@ -484,7 +484,8 @@ class custom_partitioning:
     fixed = set(positions) | {i for i, _ in defaults}
     static = tuple(args[i] for i in positions)
     return _CallArgs(tuple(positions), static, defaults, tuple(
-        a for i, a in enumerate(args) if i not in fixed), _key_of(static))
+        a for i, a in enumerate(args) if i not in fixed), _key_of(static),
+        tuple(i for i, _ in defaults))
 
   def _eager_call(self, args: _CallArgs):
     """A call outside any transformation, compiled; cached on all the jitted
@@ -499,8 +500,7 @@ class custom_partitioning:
     mesh = next((x.sharding.mesh for x in leaves if isinstance(
         getattr(x, "sharding", None), jax.sharding.NamedSharding) and
         isinstance(x.sharding.mesh, _jax.Mesh)), None) if sharded else None
-    key = (self, self._generation, args.key,
-           args.defaults and tuple(i for i, _ in args.defaults), sharded, mesh)
+    key = (self, self._generation, args.key, args.defaults_at, sharded, mesh)
     fn = _eager.get(key)
     if fn is None:  # only on a miss: no closure built per hit
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
@@ -523,8 +523,8 @@ class custom_partitioning:
     # jax.jit's trace key (its trace context holds the config), statics by
     # _key_of, unpassed defaults' positions; blind to fun's globals.
     key = None if args.key is None else (
-        args.key, args.defaults and tuple(i for i, _ in args.defaults),
-        flat.in_tree, flat.in_avals, _SHARDY.value, _jax.trace_context())
+        args.key, args.defaults_at, flat.in_tree, flat.in_avals,
+        _SHARDY.value, _jax.trace_context())
     traced = None if key is None else self._traces.get(key)
     if traced is None:  # get and put: no closure built on the hot path
       traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
@@ -786,6 +786,7 @@ class _CallArgs(NamedTuple):
   defaults: tuple        # (position, value) of unpassed Python defaults
   dyn_args: tuple        # the rest: the operands (pytrees of arrays)
   key: Any = ()          # static_args' _key_of, for every cache
+  defaults_at: tuple = ()  # the defaults' positions, for every cache
 
 
 def _in_call_order(fixed: dict, operands) -> tuple:
@@ -2056,8 +2057,8 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
              why=f"not run as shard_map under Explicit axes: {why_not}")
     return None
   # All that fun's trace and the callbacks are given (see _traced).
-  key = ((args.key, tuple(i for i, _ in args.defaults), flat.in_tree,
-          flat.in_avals, mesh, _jax.trace_context())
+  key = ((args.key, args.defaults_at, flat.in_tree, flat.in_avals, mesh,
+          _jax.trace_context())
          if args.key is not None else None)
   hit = None if key is None else user_op._programs.get(key)
   if hit is not None and _log.isEnabledFor(logging.DEBUG):

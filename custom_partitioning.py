@@ -481,11 +481,12 @@ class custom_partitioning:
     # Like jax.jit: unpassed Python defaults are constants, not operands.
     defaults = tuple((i, args[i]) for i in unpassed
                      if i not in positions and not _is_array(args[i]))
-    fixed = set(positions) | {i for i, _ in defaults}
+    defaults_at = tuple(i for i, _ in defaults)
+    fixed = {*positions, *defaults_at}
     static = tuple(args[i] for i in positions)
     return _CallArgs(tuple(positions), static, defaults, tuple(
         a for i, a in enumerate(args) if i not in fixed), _key_of(static),
-        tuple(i for i, _ in defaults))
+        defaults_at)
 
   def _eager_call(self, args: _CallArgs):
     """A call outside any transformation, compiled; cached on all the jitted

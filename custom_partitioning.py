@@ -56,7 +56,9 @@ jax/jaxlib 0.4.35 through 0.12.0.1, each with the Shardy and the GSPMD
 partitioner; CI (``.ci/run``) tests every change. The whole suite runs on
 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 and 0.12.0.1 (Python
 3.12, which 0.11 needs; 0.12.0.1 on 3.13 too), and on the newest release
-the registry offers. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1,
+the registry offers, with the names jax keeps only as legacy shims withdrawn
+from this module (``.ci/withdrawn``), so the release that deletes them finds
+nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1,
 0.6.0, 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0,
 0.9.0.1, 0.9.1, 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1 and 0.12.0 (also jax
 0.12.0 on jaxlib 0.11.2): core test classes, the README quickstart and the
@@ -143,13 +145,22 @@ import numpy as np
 # where the release lacks it: a version branch reads it, beside its owner).
 # Public and jax.extend names first, then jax._src where jax offers no
 # public one. A release lacking a required name fails here, at import, by
-# name; ``grep -n "_jax\."`` lists every use.
+# name; ``grep -n "_jax\."`` lists every use. What jax's source says it
+# plans for a name (legacy, deprecated, to be removed) stands beside it,
+# read in jax 0.12.0.1's source; a name without a note has none there. A
+# shim with a successor is not read, which CI proves on the newest release
+# with the shims withdrawn (``.ci/withdrawn/sitecustomize.py`` lists them).
 # --------------------------------------------------------------------------
 
 _NAMES = {
     "jax.core": "AbstractValue ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
-    "jax.extend.core": "ClosedJaxpr Jaxpr Literal Primitive jaxpr_as_fun",
+    # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
+    # a legacy shim only (_closed and _open, beside _trace_to_jaxpr).
+    "jax.extend.core": "Jaxpr Literal Primitive jaxpr_as_fun" + (
+        " ClosedJaxpr" if _JAX_VERSION < (0, 11) else ""),
+    # jax 0.12.0.1: wrap_init without debug_info is "deprecated"; from jax
+    # 0.5.1, when it takes it, the module passes it (_trace_to_jaxpr).
     "jax.extend.linear_util": "wrap_init",
     "jax.extend.mlir.dialects.sdy": "DimMappingAttr OpShardingRuleAttr "
                                     "TensorMappingAttr",
@@ -158,12 +169,19 @@ _NAMES = {
     "jax.interpreters.ad": "JVPTracer Zero instantiate_zeros "
                            "is_undefined_primal primitive_jvps "
                            "primitive_transposes",
-    "jax.interpreters.batching": "primitive_batchers",
+    # jax 0.4.36 added fancy_primitive_batchers (rules get the axis data,
+    # and unbatched calls); primitive_batchers became its "compat shim. TODO:
+    # delete" (0.12.0.1).
+    "jax.interpreters.batching": "fancy_primitive_batchers"
+                                 if _JAX_VERSION >= (0, 4, 36) else
+                                 "primitive_batchers",
     "jax.interpreters.mlir": "LoweringParameters LoweringRuleContext "
                              "aval_to_ir_types dtype_to_ir_type lower_fun "
                              "make_ir_context "
                              "lower_jaxpr_to_module module_to_bytecode "
                              "register_lowering",
+    # jax 0.12.0.1: trace_to_jaxpr_dynamic is to be removed "in favor of
+    # trace_to_jaxpr", which is private (and caches by function): kept.
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
     "jax.monitoring": "register_event_duration_secs_listener",
     "jax.sharding": "AbstractMesh Mesh",
@@ -184,6 +202,8 @@ _NAMES = {
     "jax._src.lib": "lapack version",
     "jax._src.lib.xla_client": "ArrayImpl Client HloSharding Shape "
                                "register_custom_call_partitioner",
+    # thread_resources holds `with mesh:`, deprecated for users since jax
+    # 0.10.1 (jax.set_mesh succeeds it): read while jax honours the block.
     "jax._src.mesh": "thread_resources empty_abstract_mesh? "
                      "get_abstract_mesh? get_concrete_mesh? "
                      "use_abstract_mesh?",
@@ -697,6 +717,24 @@ _call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weak_lock = threading.Lock()
 
 
+# jax 0.11.0 merged ClosedJaxpr into Jaxpr (a jaxpr holds its consts);
+# 0.12.0.1 keeps ClosedJaxpr, ``<jaxpr>.jaxpr`` and ``Jaxpr(jaxpr, consts)``
+# only as shims "to remove", so from 0.11 the module reads none of them.
+if _JAX_VERSION >= (0, 11):
+  _ClosedJaxpr = _jax.Jaxpr
+
+  def _closed(jaxpr: _jax.Jaxpr, consts) -> _jax.Jaxpr:
+    return jaxpr.with_consts(consts)
+
+  def _open(closed: _jax.Jaxpr) -> _jax.Jaxpr:
+    return closed
+else:
+  _ClosedJaxpr = _closed = _jax.ClosedJaxpr
+
+  def _open(closed: _jax.ClosedJaxpr) -> _jax.Jaxpr:
+    return closed.jaxpr
+
+
 def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
                     name: str, static_argnums: tuple = ()):
   """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
@@ -714,7 +752,7 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   flat_fun, out_tree = _jax.flatten_fun_nokwargs(wrapped, in_tree)
   # jax 0.7.0 dropped the fourth result (attrs).
   jaxpr, _, consts, *_ = _jax.trace_to_jaxpr_dynamic(flat_fun, in_avals)
-  call = _jax.ClosedJaxpr(jaxpr, consts)
+  call = _closed(jaxpr, consts)
   # jax 0.5.1 added DebugInfo.func_name; before it, and for derived bodies,
   # names are kept in the weak table ``_call_names``.
   with _weak_lock:
@@ -725,7 +763,7 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
 def _fun_name(call) -> str:
   with _weak_lock:
     name = _call_names.get(call)
-  return name or getattr(call.jaxpr.debug_info, "func_name", None) or "<op>"
+  return name or getattr(_open(call).debug_info, "func_name", None) or "<op>"
 
 
 # jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
@@ -1636,7 +1674,7 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
 class _PerShard(NamedTuple):
   """The per-shard program on ``mesh`` and the shardings it takes, gives."""
   mesh: Any
-  jaxpr: _jax.ClosedJaxpr
+  jaxpr: _ClosedJaxpr
   args: list
   results: list
 
@@ -1691,7 +1729,7 @@ def _partition(op: _Op, operands: list, results: list, on):
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
   closed, _ = _trace_lower_fn(op, answer, operands, results)
-  if _calls_host(closed.jaxpr):
+  if _calls_host(_open(closed)):
     raise _host_callback_error(op)
   return answer, closed
 
@@ -1779,7 +1817,7 @@ def _concrete(op: _Op, mesh: _jax.AbstractMesh):
 
 
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
-                    results: list) -> tuple[_jax.ClosedJaxpr, bool]:
+                    results: list) -> tuple[_ClosedJaxpr, bool]:
   """``lower_fn`` traced on local shapes, checked (II.5): its jaxpr
   and whether every replicated result was proved equal along its axes."""
   lower_fn, on = answer.lower_fn, answer.on
@@ -1821,7 +1859,7 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
       spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
       on.size for spec in specs):
     return closed, _check_replicated_results(
-        op.name, closed.jaxpr, [v.spec for v in answer.args], specs,
+        op.name, _open(closed), [v.spec for v in answer.args], specs,
         _real_axes(on))
   return closed, op.check_vma  # every result is sharded over every axis
 
@@ -1941,7 +1979,7 @@ def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
 # devices, a callable sharding rule, infer/propagate errors kept for partition.
 # --------------------------------------------------------------------------
 
-def _lowered_body(ctx, call: _jax.ClosedJaxpr, why: str, values):
+def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
   if _log.isEnabledFor(logging.DEBUG):
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
         ctx.module_context.axis_context, "mesh", None),
@@ -2448,6 +2486,16 @@ def _batch(args, dims, **params):
   return outs, [0] * len(outs)
 
 
+def _batch_rule(axis_data, args, dims, **params):
+  """``_batch`` as jax 0.4.36's batching rules are called: the axis data
+  first, and also when no operand is batched (then the op binds as is)."""
+  del axis_data
+  if all(d is None for d in dims):
+    outs = custom_partitioning_p.bind(*args, **params)
+    return outs, [None] * len(outs)
+  return _batch(args, dims, **params)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Step:
   """A step from an op to one derived from it: the values below it (``down``),
@@ -2655,7 +2703,7 @@ def _axes_in(specs) -> set:
 
 
 def _specs_up(levels: list, answer: _Answer,
-              closed: _jax.ClosedJaxpr) -> list[_Level]:
+              closed: _ClosedJaxpr) -> list[_Level]:
   """``levels`` as partitioned: the author's answer walked up (a batch
   dimension keeps its axes unless shardings or collectives below use them)."""
   out = [levels[0]._replace(operands=answer.args, results=answer.results)]
@@ -2663,7 +2711,7 @@ def _specs_up(levels: list, answer: _Answer,
     args, outs = ([v.spec for v in side]
                   for side in (out[-1].operands, out[-1].results))
     entry = level.step.entry(level.operands + level.results, functools.partial(
-        _collective_axes, closed.jaxpr, set(answer.on.axis_names),
+        _collective_axes, _open(closed), set(answer.on.axis_names),
         _axes_in(args + outs)), answer.on)
     args, outs = level.step.up(args, outs, entry)
     out.append(_Level(level.step, _with_specs(level.operands, args),
@@ -2977,7 +3025,7 @@ def _varying(jaxpr: _jax.Jaxpr, in_varying: list) -> list:
               is not None else change(v, _eqn_axes(eqn))
               for v in (ins if len(ins) == len(outs) else outs)]
     elif name == "cond":
-      branches = [_varying(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+      branches = [_varying(_open(b), ins[1:]) for b in eqn.params["branches"]]
       outs = [None if ins[0] is None or None in per_out
               else ins[0].union(*per_out) for per_out in zip(*branches)]
     elif name in ("scan", "while"):
@@ -2986,8 +3034,9 @@ def _varying(jaxpr: _jax.Jaxpr, in_varying: list) -> list:
         eqn.params)):
       # Followed only into one jaxpr called with the operands one to one
       # (jit, checkpoint, custom_jvp/vjp calls).
-      subs = [getattr(v, "jaxpr", v) for v in eqn.params.values()
-              if isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr))]
+      subs = [v if isinstance(v, _jax.Jaxpr) else _open(v)
+              for v in eqn.params.values()
+              if isinstance(v, (_jax.Jaxpr, _ClosedJaxpr))]
       outs = (_varying(subs[0], ins) if len(subs) == 1 and (
           len(subs[0].invars), len(subs[0].outvars)) == (len(ins), len(outs))
               else [None] * len(outs))
@@ -3002,11 +3051,11 @@ def _loop_varying(eqn, ins: list) -> list:
   p = eqn.params
   if eqn.primitive.name == "scan":
     n, k = _scan_counts(p)
-    body, cond, cond_consts = p["jaxpr"].jaxpr, None, []
+    body, cond, cond_consts = _open(p["jaxpr"]), None, []
     consts, carry, xs = ins[:n], ins[n:n + k], ins[n + k:]
   else:
     n, m = p["cond_nconsts"], p["body_nconsts"]
-    body, cond = p["body_jaxpr"].jaxpr, p["cond_jaxpr"].jaxpr
+    body, cond = _open(p["body_jaxpr"]), _open(p["cond_jaxpr"])
     cond_consts, consts, carry, xs = ins[:n], ins[n:n + m], ins[n + m:], []
     k = len(carry)
   while True:
@@ -3058,13 +3107,13 @@ _SKIPPED_CLASS_ATTRS = frozenset(
     " __dataclass_fields__ __dataclass_params__ __match_args__".split())
 
 
-def _content_key(ctx, op: _Op, call: _jax.ClosedJaxpr) -> str:
+def _content_key(ctx, op: _Op, call: _ClosedJaxpr) -> str:
   # What the cache loads runs per-shard code no one lowered in this process.
-  _ensure_lapack(op.platforms, call.jaxpr)
+  _ensure_lapack(op.platforms, _open(call))
   # The keep-alive list lives as long as the lowering and its executables.
   describer = _Describer(
       f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}")
-  parts = (str(call.jaxpr), call.consts, op, _trace_context_by_value(),
+  parts = (str(_open(call)), call.consts, op, _trace_context_by_value(),
            _SHARDY.value)
   try:
     describer.add((jax.__version__, *parts))
@@ -4371,7 +4420,10 @@ custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 _jax.register_lowering(custom_partitioning_p, _lowering)
 _jax.primitive_jvps[custom_partitioning_p] = _jvp
 _jax.primitive_transposes[custom_partitioning_p] = _transpose
-_jax.primitive_batchers[custom_partitioning_p] = _batch
+if _JAX_VERSION >= (0, 4, 36):  # see _batch_rule
+  _jax.fancy_primitive_batchers[custom_partitioning_p] = _batch_rule
+else:
+  _jax.primitive_batchers[custom_partitioning_p] = _batch
 # Lowering needs the concrete devices (to pick the mesh and key the op).
 _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 _register_partitioner(

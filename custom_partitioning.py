@@ -722,9 +722,7 @@ _weak_lock = threading.Lock()
 # only as shims "to remove", so from 0.11 the module reads none of them.
 if _JAX_VERSION >= (0, 11):
   _ClosedJaxpr = _jax.Jaxpr
-
-  def _closed(jaxpr: _jax.Jaxpr, consts) -> _jax.Jaxpr:
-    return jaxpr.with_consts(consts)
+  _closed = _jax.Jaxpr.with_consts  # (jaxpr, consts)
 
   def _open(closed: _jax.Jaxpr) -> _jax.Jaxpr:
     return closed
@@ -1729,7 +1727,7 @@ def _partition(op: _Op, operands: list, results: list, on):
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
   closed, _ = _trace_lower_fn(op, answer, operands, results)
-  if _calls_host(_open(closed)):
+  if _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
 
@@ -1910,8 +1908,9 @@ def _lojax(closed, mesh=None):
 _HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
 
 
-def _calls_host(jaxpr: _jax.Jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it) calls back to Python."""
+def _calls_host(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it, closed or not) calls back
+  to Python."""
   return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
       any(_calls_host(sub) for sub in _jax.subjaxprs(jaxpr)))
 

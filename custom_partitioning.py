@@ -2637,8 +2637,10 @@ class _Vjp(_Step):
       xs = [_without_padding(x, v, answer.on, i < n) if padded else x  # seam
             for i, (x, v) in enumerate(zip(xs, values))]
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      shared = _collective_axes(jax.make_jaxpr(partial_fn)(*chosen).jaxpr,
-                                set(answer.mesh.axis_names)) | {
+      # fn's collectives, forward or backward (a custom_vjp's bwd's own).
+      traced = jax.make_jaxpr(lambda c, t: jax.vjp(partial_fn, *c)[1](t))(
+          chosen, list(xs[n:]))
+      shared = _collective_axes(traced.jaxpr, set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}
       scales = [math.prod(answer.mesh.shape[a] for a in r if a in shared)

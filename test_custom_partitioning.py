@@ -5124,8 +5124,8 @@ class GradientsAsPlainJaxTest(CPTestCase):
             self.assertPlainJax(jax.jit(fn)(x, batch), want[name])
 
   def test_explicit_axes_and_a_partly_manual_shard_map(self):
-    """On Explicit axes (jax's shard_map path) and inside a shard_map
-    manual over y (the result replicated over it), Auto and Explicit."""
+    """On Explicit axes (jax's shard_map path) and in a shard_map manual
+    over y (the result replicated over it), on Auto and Explicit axes."""
     kinds = {"Auto": None}
     if not NO_EXPLICIT_PATH:
       kinds["Explicit"] = jax.sharding.AxisType.Explicit
@@ -5140,24 +5140,27 @@ class GradientsAsPlainJaxTest(CPTestCase):
            jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2))
       ctx = contextlib.nullcontext if axis_type is None else (
           lambda m=m: jax.set_mesh(m))
+      rows = NamedSharding(m, P("x", None))
+      on_rows = (lambda v: v) if axis_type is not None else (
+          lambda v: jax.lax.with_sharding_constraint(v, rows))
+      manual = functools.partial(shard_map, mesh=m, in_specs=P(),
+                                 out_specs=P(), axis_names={"y"})
       for body_name in bodies:
         body = _PLAIN_JAX_BODIES[body_name]
         for label, op in self.ops(body).items():
-          rows = NamedSharding(m, P("x", None))
-          manual = shard_map(
-              lambda v, op=op, rows=rows: op(
-                  v if axis_type is not None else
-                  jax.lax.with_sharding_constraint(v, rows)),
-              mesh=m, in_specs=P(), out_specs=P(), axis_names={"y"})
-          wheres = {"partly manual shard_map": manual}
-          if axis_type is not None:
-            wheres["mesh"] = op
-          for where, f in wheres.items():
-            for name, t in transforms.items():
+          for name, t in transforms.items():
+            fns = {"inside a partly manual shard_map": manual(
+                lambda v, t=t, op=op: t(self.loss(op))(on_rows(v)))}
+            if hasattr(jax, "shard_map"):  # jax 0.4.35 cannot transpose it
+              fns["of a partly manual shard_map"] = t(self.loss(manual(
+                  lambda v, op=op: op(on_rows(v)))))
+            if axis_type is not None:
+              fns["on the mesh"] = t(self.loss(op))
+            for where, f in fns.items():
               with self.subTest(kind=kind, where=where, body=body_name,
                                 op=label, transform=name), ctx():
                 x = jax.device_put(self.xh, rows)
-                self.assertPlainJax(jax.jit(t(self.loss(f)))(x),
+                self.assertPlainJax(jax.jit(f)(x),
                                     jax.jit(t(self.loss(body)))(self.xh))
 
   def test_non_finite_first_slice_of_padding(self):

@@ -2633,14 +2633,11 @@ class _Vjp(_Step):
     padded = _padded(values, answer.on)
 
     def vjp_fn(*xs):
-      real_cts = xs[n:]
       xs = [_without_padding(x, v, answer.on, i < n) if padded else x  # seam
             for i, (x, v) in enumerate(zip(xs, values))]
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      # fn's collectives, forward or backward (a custom_vjp's bwd's own).
-      traced = jax.make_jaxpr(lambda c, t: jax.vjp(partial_fn, *c)[1](t))(
-          chosen, list(xs[n:]))
-      shared = _collective_axes(traced.jaxpr, set(answer.mesh.axis_names)) | {
+      shared = _collective_axes(jax.make_jaxpr(partial_fn)(*chosen).jaxpr,
+                                set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}
       scales = [math.prod(answer.mesh.shape[a] for a in r if a in shared)
@@ -2650,7 +2647,7 @@ class _Vjp(_Step):
       if padded:  # seam: a non-finite first slice (II.3)
         grads = _finite_padding(pullback, grads, _scaled([
             _without_padding(ct, v, answer.on, True)
-            for ct, v in zip(real_cts, below.results)], scales))
+            for ct, v in zip(xs[n:], below.results)], scales))
       psums = [tuple(a for a in axes if a in shared) for axes in operands]
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(grads, psums)]

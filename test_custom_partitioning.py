@@ -5163,6 +5163,54 @@ class GradientsAsPlainJaxTest(CPTestCase):
                 self.assertPlainJax(jax.jit(f)(x),
                                     jax.jit(t(self.loss(body)))(self.xh))
 
+  def test_collectives_and_mixed_results(self):
+    """Where lower_fn psums (a result replicated over the axis its operand
+    is sharded over), or one result is replicated and another is not (w's
+    gradient sums over the rows' devices), the pullback divides and sums:
+    exact for rules linear in their cotangent, and for a clip applied
+    before the psum."""
+    m = self.mesh()
+    xh, wh = self.xh.T.copy(), np.linspace(1, 2, 4, dtype=np.float32)
+    cols = NamedSharding(m, P(None, "x"))
+    ops = {}
+    for name, clip in (("linear", lambda v: v),
+                       ("clip before the psum",
+                        lambda v: _clip_grad(v, 0.1))):
+      body = lambda x, clip=clip: clip(jnp.sin(x)).sum(1)  # noqa: E731
+      op = custom_partitioning(body)
+      op.def_partition(
+          lambda mesh, a, r, clip=clip: (
+              mesh, lambda x: jax.lax.psum(clip(jnp.sin(x)).sum(1), "x"),
+              NamedSharding(mesh, P()),
+              (NamedSharding(mesh, P(None, "x")),)),
+          infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
+          sharding_rule="i j -> i")
+      ops[name] = (body, op, (xh,), (cols,))
+    two = lambda x, w: (x * w, jnp.tanh(w) * 2.0)  # noqa: E731
+    op = custom_partitioning(two)
+    op.def_partition(
+        lambda mesh, a, r: (mesh, two, (NamedSharding(mesh, P("x")),
+                                        NamedSharding(mesh, P())),
+                            (NamedSharding(mesh, P("x")),
+                             NamedSharding(mesh, P()))),
+        infer_sharding_from_operands=lambda m, a, r: (
+            NamedSharding(m, P("x")), NamedSharding(m, P())),
+        sharding_rule="i j, j -> i j, j")
+    ops["two results, one replicated"] = (
+        two, op, (self.xh, wh),
+        (NamedSharding(m, P("x", None)), NamedSharding(m, P())))
+    for name, (body, op, args, shardings) in ops.items():
+      def loss(f, *a):
+        return sum(jnp.sum(jnp.sin(y) ** 2) for y in
+                   jax.tree_util.tree_leaves(f(*a)))
+      argnums = tuple(range(len(args)))
+      want = jax.jit(jax.grad(functools.partial(loss, body), argnums))(*args)
+      placed = [jax.device_put(a, s) for a, s in zip(args, shardings)]
+      with self.subTest(case=name):
+        self.assertPlainJax(
+            jax.jit(jax.grad(functools.partial(loss, op), argnums))(*placed),
+            want)
+
   def test_non_finite_first_slice_of_padding(self):
     """10 rows over 8 devices (and over the 4 of x on (2, 4)): padding is
     filled with the first real row; where that row's derivative is

@@ -2356,8 +2356,9 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # --------------------------------------------------------------------------
 
 def _jvp(primals, tangents, **params):
-  """The primal stays the op, the tangents come from a derived jvp op; an op
-  with a non-float result is differentiated through its body."""
+  """The primals come from a derived op computing them as jax's
+  linearization does, the tangents from a derived jvp op; an op with a
+  non-float result is differentiated through its body."""
   call = params["call"]
   mask = tuple(type(t) is not _jax.Zero and
                jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
@@ -2644,7 +2645,7 @@ class _Vjp(_Step):
                 for r in results]
       _, pullback = jax.vjp(partial_fn, *chosen)
       grads = pullback(_scaled(xs[n:], scales))
-      if padded:  # seam: a non-finite first slice (II.3)
+      if padded:  # a first slice whose derivative is infinite
         grads = _finite_padding(pullback, grads, _scaled([
             _without_padding(ct, v, answer.on, True)
             for ct, v in zip(xs[n:], below.results)], scales))

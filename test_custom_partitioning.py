@@ -5196,9 +5196,26 @@ class GradientsAsPlainJaxTest(CPTestCase):
         infer_sharding_from_operands=lambda m, a, r: (
             NamedSharding(m, P("x")), NamedSharding(m, P())),
         sharding_rule="i j, j -> i j, j")
+    # On (2, 4), rows over x: the replicated result's 2 copies over x
+    # share its cotangent, its 4 over y (like all else) compute alike.
+    m24 = self.mesh((2, 4), ("x", "y"))
     ops["two results, one replicated"] = (
         two, op, (self.xh, wh),
-        (NamedSharding(m, P("x", None)), NamedSharding(m, P())))
+        (NamedSharding(m24, P("x", None)), NamedSharding(m24, P())))
+    # A psum over x, and a result sharded over x beside it.
+    both = lambda x, w: ((x * w[:, None]).sum(1), x * 2.0)  # noqa: E731
+    op = custom_partitioning(both)
+    op.def_partition(
+        lambda mesh, a, r: (
+            mesh, lambda x, w: (jax.lax.psum((x * w[:, None]).sum(1), "x"),
+                                x * 2.0),
+            (NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "x"))),
+            (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P()))),
+        infer_sharding_from_operands=lambda m, a, r: (
+            NamedSharding(m, P()), NamedSharding(m, P(None, "x"))),
+        sharding_rule="i j, i -> i, i j")
+    ops["a psum, and a result sharded over its axis"] = (
+        both, op, (xh, wh), (cols, NamedSharding(m, P())))
     for name, (body, op, args, shardings) in ops.items():
       def loss(f, *a):
         return sum(jnp.sum(jnp.sin(y) ** 2) for y in

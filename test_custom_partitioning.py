@@ -5123,6 +5123,26 @@ class GradientsAsPlainJaxTest(CPTestCase):
           with self.subTest(body=body_name, op=label, transform=name):
             self.assertPlainJax(jax.jit(fn)(x, batch), want[name])
 
+  def test_grad_in_one_operand_then_in_another(self):
+    """The inner grad is in x alone: the custom_vjp of w alone is not
+    linearized there, so the outer grad in w takes its custom rule (as
+    plain jax), not its fwd's derivative."""
+    body = lambda x, w: _scaled_grad(w, w) * x  # noqa: E731
+    shape, names, spec = self.meshes["(2, 4), replicated over y"]
+    s = NamedSharding(self.mesh(shape, names), spec)
+
+    def f(fn, x, w):
+      inner = jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w))))
+      return jax.grad(lambda w: jnp.sum(inner(x, w) ** 2))(w)
+    wh = jnp.cos(self.xh)
+    want = jax.jit(functools.partial(f, body))(self.xh, wh)
+    for label, op in {"rule-only": _rule_only(body, "i j, i j -> i j"),
+                      "partition": _same_sharding_op(
+                          body, "i j, i j -> i j")}.items():
+      with self.subTest(op=label):
+        self.assertPlainJax(jax.jit(functools.partial(f, op))(
+            jax.device_put(self.xh, s), jax.device_put(wh, s)), want)
+
   def test_explicit_axes_and_a_partly_manual_shard_map(self):
     """On Explicit axes (jax's shard_map path) and in a shard_map manual
     over y (the result replicated over it), on Auto and Explicit axes."""

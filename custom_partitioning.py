@@ -2393,22 +2393,29 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # --------------------------------------------------------------------------
 
 def _jvp(primals, tangents, **params):
-  """The primal stays the op, the tangents come from a derived jvp op; an op
-  with a non-float result is differentiated through its body."""
+  """The primals come from a derived op computing them as jax's
+  linearization does, the tangents from a derived jvp op; an op with a
+  non-float result is differentiated through its body."""
   call = params["call"]
-  out = custom_partitioning_p.bind(*primals, **params)
   mask = tuple(type(t) is not _jax.Zero and
                jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
                for p, t in zip(primals, tangents))
   if not any(mask):
-    return out, [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals]
+    return (custom_partitioning_p.bind(*primals, **params),
+            [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals])
   if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
              for a in call.out_avals):
+    out = custom_partitioning_p.bind(*primals, **params)
     tangents = [_jax.instantiate_zeros(t) for t in tangents]
     return out, jax.jvp(_jax.jaxpr_as_fun(call), list(primals), tangents)[1]
+  # The primal is what jax's linearization computes (a custom_vjp's fwd),
+  # so that an outer jvp or grad differentiates what plain jax does.
+  steps = params.get("transform", ())
+  out = _bind_derived(primals, params, ("primal", mask), _Primal(mask).lower(
+      _jax.jaxpr_as_fun(call)), steps + (_Primal(mask),))
   operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
   return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
-      _jax.jaxpr_as_fun(call)), params.get("transform", ()) + (_Jvp(mask),))
+      _jax.jaxpr_as_fun(call)), steps + (_Jvp(mask),))
 
 
 _derived = _LRU()
@@ -2609,6 +2616,28 @@ class _Jvp(_Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Primal(_Step):
+  """The primal results of ``jax.jvp`` of the op below (in the primals in
+  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp``
+  runs its fwd, whose own derivative an outer jvp or grad then takes (plain
+  jax's second order and forward-over-reverse). Same values, same
+  shardings."""
+  mask: tuple
+
+  def down(self, operands, results):
+    return operands, results
+
+  def up(self, operands, results, batch_item=None):
+    return operands, results
+
+  def lower(self, fn, *_):
+    def primal_fn(*xs):
+      partial_fn, chosen = _masked(fn, xs, self.mask)
+      return jax.linearize(partial_fn, *chosen)[0]
+    return primal_fn
+
+
+@dataclasses.dataclass(frozen=True)
 class _Vjp(_Step):
   """``jax.grad``'s transposition: operands are the primals, then the
   results' cotangents; results, the cotangents of the primals in ``mask``."""
@@ -2631,13 +2660,19 @@ class _Vjp(_Step):
     return (*self.up(ops, res), [])
 
   def lower(self, fn, op, answer, below, batched):
-    """``fn`` transposed as jax transposes ``pmap`` code, then corrected:
-    each of a result's ``r`` copies gets ``1/r`` of its cotangent, an
-    operand's cotangent sums over the axes it is replicated over."""
+    """``fn`` transposed per shard. Along a mesh axis that no collective of
+    ``fn`` runs over and that every result is replicated over if an operand
+    is, the devices compute alike: each result's cotangent (the same on
+    every copy) goes undivided to ``fn``'s pullback and nothing is summed,
+    so a custom backward rule that is not linear (a clip) sees what plain
+    jax gives it. Along the other axes the pullback runs as jax transposes
+    ``pmap`` code (a ``psum``'s transpose is a ``psum``), then corrected:
+    each of a result's ``r`` copies gets ``1/r`` of its cotangent, and an
+    operand's cotangent is summed over the axes it is replicated over,
+    which is exact for pullbacks linear in their cotangents."""
     copies = functools.partial(_copies_over, op, answer.on, batched=batched)
-    scales = [math.prod(answer.mesh.shape[a] for a in copies(v))
-              for v in below.results]
-    psum_axes = [copies(v) for v, m in zip(below.operands, self.mask) if m]
+    results = [set(copies(v)) for v in below.results]
+    operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
     # The transposition sums where the forward broadcast, cotangent times
     # derivative: 0 * inf is NaN, so primals' padding is made real (where
@@ -2649,11 +2684,38 @@ class _Vjp(_Step):
       xs = [_without_padding(x, v, answer.on, i < n) if padded else x  # seam
             for i, (x, v) in enumerate(zip(xs, values))]
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      cts = [ct if r == 1 else ct / r for ct, r in zip(xs[n:], scales)]
+      shared = _collective_axes(jax.make_jaxpr(partial_fn)(*chosen).jaxpr,
+                                set(answer.mesh.axis_names)) | {
+          a for axes in operands for a in axes
+          if not all(a in r for r in results)}
+      scales = [math.prod(answer.mesh.shape[a] for a in r if a in shared)
+                for r in results]
       _, pullback = jax.vjp(partial_fn, *chosen)
+      grads = pullback(_scaled(xs[n:], scales))
+      if padded:  # a first slice whose derivative is infinite
+        grads = _finite_padding(pullback, grads, _scaled([
+            _without_padding(ct, v, answer.on, True)
+            for ct, v in zip(xs[n:], below.results)], scales))
+      psums = [tuple(a for a in axes if a in shared) for axes in operands]
       return [jax.lax.psum(g, axes) if axes else g
-              for g, axes in zip(pullback(cts), psum_axes)]
+              for g, axes in zip(grads, psums)]
     return vjp_fn
+
+
+def _scaled(cts: list, scales: list) -> list:
+  return [ct / r if r > 1 else ct for ct, r in zip(cts, scales)]
+
+
+def _finite_padding(pullback, grads: list, real_cts: list) -> list:
+  """``grads``, where padding made them NaN, from the padding given the
+  first slice's cotangent too: where that slice's derivative is infinite,
+  the zero cotangent on its copies gave ``0 * inf``; a copy of the real
+  cotangent adds more of the same infinity, as plain jax has it. Where the
+  real slices alone give NaN, both do."""
+  again = pullback(real_cts)
+  return [jax.numpy.where(jax.numpy.isnan(g), h, g)
+          if jax.numpy.issubdtype(g.dtype, jax.numpy.inexact) else g
+          for g, h in zip(grads, again)]
 
 
 def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:

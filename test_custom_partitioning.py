@@ -5028,6 +5028,335 @@ both_partitioners(CustomDerivativesInFunTest)
 del CustomDerivativesInFunTest
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _clip_grad(v, c):
+  """Identity forward; the cotangent clipped to [-c, c] (not linear in it)."""
+  return v
+
+
+_clip_grad.defvjp(lambda v, c: (v, None),
+                  lambda c, _, g: (jnp.clip(g, -c, c),))
+
+
+@jax.custom_vjp
+def _scaled_grad(v, w):
+  """``v * w``, whose backward uses residuals and is not its derivative."""
+  return v * w
+
+
+_scaled_grad.defvjp(lambda v, w: (v * w, (v, w)),
+                    lambda r, g: (3 * g * r[1] * jnp.cos(r[0]), g * r[0]))
+
+_PLAIN_JAX_BODIES = {
+    "clipping custom_vjp": lambda v: _clip_grad(v, 0.1),
+    "custom_vjp with residuals": lambda v: _scaled_grad(v, v),
+    "custom_jvp": lambda v: jax.nn.relu(v) * 2.0 + jnp.sin(v),
+    "plain": lambda v: jnp.sin(v) * v,
+}
+
+
+class GradientsAsPlainJaxTest(CPTestCase):
+  """Issue 46: gradients of an op as plain jax computes them (the same
+  function without the op, jitted on one device), for custom rules that
+  are not linear in their cotangent, second order and forward-over-reverse,
+  where the result is replicated over an axis (each copy's cotangent is the
+  whole one), and where padding meets a non-finite first slice."""
+
+  meshes = {  # mesh shape, axis names, operand spec
+      "(8,)": ((8,), ("x",), P("x", None)),
+      "(4, 2), replicated over y": ((4, 2), ("x", "y"), P("x", None)),
+      "(4, 2)": ((4, 2), ("x", "y"), P("x", "y")),
+      "(2, 4), replicated over y": ((2, 4), ("x", "y"), P("x", None)),
+  }
+
+  def setUp(self):
+    super().setUp()
+    self.xh = np.linspace(-2, 2, 32, dtype=np.float32).reshape(8, 4)
+
+  @staticmethod
+  def loss(f):
+    return lambda v: jnp.sum(jnp.sin(f(v)) ** 2)
+
+  @staticmethod
+  def ops(body):
+    return {"rule-only": _rule_only(body, "i j -> i j"),
+            "partition": _same_sharding_op(body)}
+
+  def assertPlainJax(self, got, want):
+    for g, w in zip(jax.tree_util.tree_leaves(got),
+                    jax.tree_util.tree_leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+  def test_first_order(self):
+    g = lambda f: jax.jit(jax.grad(self.loss(f)))  # noqa: E731
+    for body_name, body in _PLAIN_JAX_BODIES.items():
+      want = g(body)(self.xh)
+      for label, op in self.ops(body).items():
+        for mesh_name, (shape, names, spec) in self.meshes.items():
+          x = jax.device_put(self.xh, NamedSharding(self.mesh(shape, names),
+                                                    spec))
+          with self.subTest(body=body_name, op=label, mesh=mesh_name):
+            self.assertPlainJax(g(op)(x), want)
+    # The clip holds at 0.1 (not 0.1 times the 4 copies over "y").
+    self.assertAlmostEqual(float(np.abs(g(
+        self.ops(_PLAIN_JAX_BODIES["clipping custom_vjp"])["rule-only"])(x)).max()),
+        0.1, places=6)
+
+  def test_grad_outside_jit(self):
+    shape, names, spec = self.meshes["(2, 4), replicated over y"]
+    x = jax.device_put(self.xh, NamedSharding(self.mesh(shape, names), spec))
+    for body_name in ("clipping custom_vjp", "custom_vjp with residuals"):
+      body = _PLAIN_JAX_BODIES[body_name]
+      op = self.ops(body)["rule-only"]
+      with self.subTest(body=body_name):
+        self.assertPlainJax(jax.grad(self.loss(op))(x),
+                            jax.jit(jax.grad(self.loss(body)))(self.xh))
+
+  def transforms(self, f):
+    loss = self.loss(f)
+    return {
+        "grad(grad)": lambda x, _: jax.grad(
+            lambda v: jnp.sum(jax.grad(loss)(v) ** 2))(x),
+        "jax.hessian": lambda x, _: jax.hessian(loss)(x),
+        "jvp(grad)": lambda x, _: jax.jvp(jax.grad(loss), (x,),
+                                          (jnp.cos(x),)),
+        "vmap(grad)": lambda _, batch: jax.vmap(jax.grad(loss))(batch),
+    }
+
+  def test_second_order_and_forward_over_reverse(self):
+    """On the (2, 4) mesh, the result replicated over the 4 devices of y."""
+    shape, names, spec = self.meshes["(2, 4), replicated over y"]
+    m = self.mesh(shape, names)
+    x = jax.device_put(self.xh, NamedSharding(m, spec))
+    bh = np.stack([self.xh, -0.5 * self.xh])
+    batch = jax.device_put(bh, NamedSharding(m, P(None, *spec)))
+    for body_name, body in _PLAIN_JAX_BODIES.items():
+      want = {k: jax.jit(fn)(self.xh, bh)
+              for k, fn in self.transforms(body).items()}
+      for label, op in self.ops(body).items():
+        for name, fn in self.transforms(op).items():
+          with self.subTest(body=body_name, op=label, transform=name):
+            self.assertPlainJax(jax.jit(fn)(x, batch), want[name])
+
+  def test_grad_in_one_operand_then_in_another(self):
+    """The inner grad is in x alone: the custom_vjp of w alone is not
+    linearized there, so the outer grad in w takes its custom rule (as
+    plain jax), not its fwd's derivative."""
+    body = lambda x, w: _scaled_grad(w, w) * x  # noqa: E731
+    shape, names, spec = self.meshes["(2, 4), replicated over y"]
+    s = NamedSharding(self.mesh(shape, names), spec)
+
+    def f(fn, x, w):
+      inner = jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w))))
+      return jax.grad(lambda w: jnp.sum(inner(x, w) ** 2))(w)
+    wh = jnp.cos(self.xh)
+    want = jax.jit(functools.partial(f, body))(self.xh, wh)
+    for label, op in {"rule-only": _rule_only(body, "i j, i j -> i j"),
+                      "partition": _same_sharding_op(
+                          body, "i j, i j -> i j")}.items():
+      with self.subTest(op=label):
+        self.assertPlainJax(jax.jit(functools.partial(f, op))(
+            jax.device_put(self.xh, s), jax.device_put(wh, s)), want)
+
+  def test_explicit_axes_and_a_partly_manual_shard_map(self):
+    """On Explicit axes (jax's shard_map path) and in a shard_map manual
+    over y (the result replicated over it), on Auto and Explicit axes."""
+    kinds = {"Auto": None}
+    if not NO_EXPLICIT_PATH:
+      kinds["Explicit"] = jax.sharding.AxisType.Explicit
+    transforms = {
+        "jit(grad)": lambda loss: jax.grad(loss),
+        "jit(grad(grad))": lambda loss: jax.grad(
+            lambda v: jnp.sum(jax.grad(loss)(v) ** 2)),
+    }
+    bodies = ("clipping custom_vjp", "custom_vjp with residuals")
+    for kind, axis_type in kinds.items():
+      m = (self.mesh((4, 2), ("x", "y")) if axis_type is None else
+           jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2))
+      ctx = contextlib.nullcontext if axis_type is None else (
+          lambda m=m: jax.set_mesh(m))
+      rows = NamedSharding(m, P("x", None))
+      on_rows = (lambda v: v) if axis_type is not None else (
+          lambda v: jax.lax.with_sharding_constraint(v, rows))
+      manual = functools.partial(shard_map, mesh=m, in_specs=P(),
+                                 out_specs=P(), axis_names={"y"})
+      for body_name in bodies:
+        body = _PLAIN_JAX_BODIES[body_name]
+        for label, op in self.ops(body).items():
+          for name, t in transforms.items():
+            fns = {"inside a partly manual shard_map": manual(
+                lambda v, t=t, op=op: t(self.loss(op))(on_rows(v)))}
+            if hasattr(jax, "shard_map"):  # jax 0.4.35 cannot transpose it
+              fns["of a partly manual shard_map"] = t(self.loss(manual(
+                  lambda v, op=op: op(on_rows(v)))))
+            if axis_type is not None:
+              fns["on the mesh"] = t(self.loss(op))
+            for where, f in fns.items():
+              with self.subTest(kind=kind, where=where, body=body_name,
+                                op=label, transform=name), ctx():
+                x = jax.device_put(self.xh, rows)
+                self.assertPlainJax(jax.jit(f)(x),
+                                    jax.jit(t(self.loss(body)))(self.xh))
+
+  def test_collectives_and_mixed_results(self):
+    """Where lower_fn psums (a result replicated over the axis its operand
+    is sharded over), or one result is replicated and another is not (w's
+    gradient sums over the rows' devices), the pullback divides and sums:
+    exact for rules linear in their cotangent, and for a clip applied
+    before the psum."""
+    m = self.mesh()
+    xh, wh = self.xh.T.copy(), np.linspace(1, 2, 4, dtype=np.float32)
+    cols = NamedSharding(m, P(None, "x"))
+    ops = {}
+    for name, clip in (("linear", lambda v: v),
+                       ("clip before the psum",
+                        lambda v: _clip_grad(v, 0.1))):
+      body = lambda x, clip=clip: clip(jnp.sin(x)).sum(1)  # noqa: E731
+      op = custom_partitioning(body)
+      op.def_partition(
+          lambda mesh, a, r, clip=clip: (
+              mesh, lambda x: jax.lax.psum(clip(jnp.sin(x)).sum(1), "x"),
+              NamedSharding(mesh, P()),
+              (NamedSharding(mesh, P(None, "x")),)),
+          infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P()),
+          sharding_rule="i j -> i")
+      ops[name] = (body, op, (xh,), (cols,))
+    two = lambda x, w: (x * w, jnp.tanh(w) * 2.0)  # noqa: E731
+    op = custom_partitioning(two)
+    op.def_partition(
+        lambda mesh, a, r: (mesh, two, (NamedSharding(mesh, P("x")),
+                                        NamedSharding(mesh, P())),
+                            (NamedSharding(mesh, P("x")),
+                             NamedSharding(mesh, P()))),
+        infer_sharding_from_operands=lambda m, a, r: (
+            NamedSharding(m, P("x")), NamedSharding(m, P())),
+        sharding_rule="i j, j -> i j, j")
+    # On (2, 4), rows over x: the replicated result's 2 copies over x
+    # share its cotangent, its 4 over y (like all else) compute alike.
+    m24 = self.mesh((2, 4), ("x", "y"))
+    ops["two results, one replicated"] = (
+        two, op, (self.xh, wh),
+        (NamedSharding(m24, P("x", None)), NamedSharding(m24, P())))
+    # A psum over x, and a result sharded over x beside it.
+    both = lambda x, w: ((x * w[:, None]).sum(1), x * 2.0)  # noqa: E731
+    op = custom_partitioning(both)
+    op.def_partition(
+        lambda mesh, a, r: (
+            mesh, lambda x, w: (jax.lax.psum((x * w[:, None]).sum(1), "x"),
+                                x * 2.0),
+            (NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "x"))),
+            (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P()))),
+        infer_sharding_from_operands=lambda m, a, r: (
+            NamedSharding(m, P()), NamedSharding(m, P(None, "x"))),
+        sharding_rule="i j, i -> i, i j")
+    ops["a psum, and a result sharded over its axis"] = (
+        both, op, (xh, wh), (cols, NamedSharding(m, P())))
+    for name, (body, op, args, shardings) in ops.items():
+      def loss(f, *a):
+        return sum(jnp.sum(jnp.sin(y) ** 2) for y in
+                   jax.tree_util.tree_leaves(f(*a)))
+      argnums = tuple(range(len(args)))
+      want = jax.jit(jax.grad(functools.partial(loss, body), argnums))(*args)
+      placed = [jax.device_put(a, s) for a, s in zip(args, shardings)]
+      with self.subTest(case=name):
+        self.assertPlainJax(
+            jax.jit(jax.grad(functools.partial(loss, op), argnums))(*placed),
+            want)
+
+  def test_non_finite_first_slice_of_padding(self):
+    """10 rows over 8 devices (and over the 4 of x on (2, 4)): padding is
+    filled with the first real row; where that row's derivative is
+    infinite, the replicated w's gradient is plain jax's infinity, not
+    ``0 * inf``, and its finite entries stay."""
+    xh = np.abs(_data((10, 4))) + 0.5
+    wh = _data((4,)) + 2.0
+    inf, overflow = xh.copy(), xh.copy()
+    inf[0, 0], overflow[0, 1] = np.inf, 100.0  # exp(100) overflows
+    cases = {"inf, log": (lambda x, w: w * jnp.log(x), inf),
+             "overflow, exp": (lambda x, w: w * jnp.exp(x), overflow),
+             "inf, matmul": (lambda x, w: x @ jnp.diag(w), inf)}
+    for case, (body, x) in cases.items():
+      want = jax.jit(jax.grad(lambda x, w: body(x, w).sum() * 0.5, (0, 1)))(
+          x, wh)
+      self.assertTrue(np.isinf(want[1]).any() and
+                      np.isfinite(want[1]).any(), want[1])
+      for label, op in _padded_grad_ops(body).items():
+        for shape, names in (((8,), ("x",)), ((2, 4), ("y", "x"))):
+          rows = NamedSharding(self.mesh(shape, names), P("x"))
+          loss = lambda x, w, op=op, rows=rows: op(  # noqa: E731
+              jax.lax.with_sharding_constraint(x, rows), w).sum() * 0.5
+          with self.subTest(case=case, op=label, mesh=shape):
+            got = jax.jit(jax.grad(loss, (0, 1)))(x, wh)
+            for g, w in zip(got, want):
+              np.testing.assert_allclose(g, w, rtol=1e-5)
+
+  def test_padding_fill_along_a_padded_column(self):
+    """Issue 49: 10 columns over 8 devices pad dimension 1. The padding's
+    fill is the first real column; the first real row instead makes
+    ``max - min`` over rows 0 there, ``log`` of it -inf, and w's gradient
+    NaN."""
+    xh = _data((4, 10)) * 3.0
+    wh = np.float32([1.5])
+    body = lambda x, w: w * jnp.log(x.max(0) - x.min(0))  # noqa: E731
+    want = jax.jit(jax.grad(lambda x, w: body(x, w).sum(), (0, 1)))(xh, wh)
+    ops = {"rule-only": _rule_only(body, "i j, k -> j")}
+    op = custom_partitioning(body)
+
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, body, NamedSharding(mesh, P("x")),
+              (NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P())))
+    op.def_partition(partition, sharding_rule="i j, k -> j",
+                     infer_sharding_from_operands=lambda m, a, r: (
+                         NamedSharding(m, P("x"))))
+    ops["partition"] = op
+    cols = NamedSharding(self.mesh(), P(None, "x"))
+    for label, op in ops.items():
+      loss = lambda x, w, op=op: op(  # noqa: E731
+          jax.lax.with_sharding_constraint(x, cols), w).sum()
+      with self.subTest(op=label):
+        got = jax.jit(jax.grad(loss, (0, 1)))(xh, wh)
+        for g, w in zip(got, want):
+          np.testing.assert_allclose(g, w, rtol=1e-5)
+
+  def test_collectives_of_jit_grad_on_explicit_axes_are_shard_map_s(self):
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    m = jax.make_mesh((8,), ("x",),
+                      axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def attend(q, k):
+      return jax.nn.softmax(q @ k.T, axis=-1) @ k
+
+    def local(q, k):  # rows of q here; k gathered
+      return attend(q, jax.lax.all_gather(k, "x", tiled=True))
+    op = custom_partitioning(attend)
+    op.def_partition(
+        lambda mesh, a, r: (mesh, local, NamedSharding(mesh, P("x")),
+                            (NamedSharding(mesh, P("x")),) * 2),
+        infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, P("x")),
+        sharding_rule="i d, j d -> i d")
+    mapped = jax.shard_map(local, mesh=m, in_specs=(P("x"), P("x")),
+                           out_specs=P("x"))
+    qh, kh = _data((64, 16)), _data((64, 16)) * 0.5
+    counts = {}
+    with jax.set_mesh(m):
+      q, k = (jax.device_put(a, NamedSharding(m, P("x"))) for a in (qh, kh))
+      for name, f in (("op", op), ("shard_map", mapped)):
+        g = jax.jit(jax.grad(lambda q, k, f=f: jnp.sum(f(q, k) ** 2), (0, 1)))
+        self.assertPlainJax(g(q, k), jax.jit(jax.grad(
+            lambda q, k: jnp.sum(attend(q, k) ** 2), (0, 1)))(qh, kh))
+        text = self.hlo(g, q, k)
+        counts[name] = {c: len(re.findall(r"\s" + c + r"(-start)?\(", text))
+                        for c in ("all-gather", "all-reduce", "reduce-scatter",
+                                  "all-to-all", "collective-permute")}
+    self.assertEqual(counts["op"], counts["shard_map"])
+    self.assertGreater(sum(counts["op"].values()), 0)
+
+
+both_partitioners(GradientsAsPlainJaxTest)
+del GradientsAsPlainJaxTest
+
+
 # --------------------------------------------------------------------------
 # An op inside the lowering rule of the user's own primitive
 # --------------------------------------------------------------------------

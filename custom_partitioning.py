@@ -2684,7 +2684,7 @@ class _Vjp(_Step):
       xs = [_without_padding(x, v, answer.on, i < n) if padded else x  # seam
             for i, (x, v) in enumerate(zip(xs, values))]
       partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      shared = _collective_axes(jax.make_jaxpr(partial_fn)(*chosen).jaxpr,
+      shared = _collective_axes(_open(jax.make_jaxpr(partial_fn)(*chosen)),
                                 set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}

@@ -295,8 +295,11 @@ class custom_partitioning:
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
-  arguments, yet ``-0.0`` apart from ``0.0``; operand pytree and avals;
-  jax's config); ``jax.clear_caches()`` empties every cache of this module
+  arguments, yet told apart wherever a fresh trace could differ: numbers by
+  type and bits, so ``2``/``2.0`` and ``0.0``/``-0.0`` differ; tuples,
+  frozensets and dataclasses (flax ``struct`` configs too) by item or field,
+  alike; any other kind by its own ``==``; operand pytree and avals; jax's
+  config); ``jax.clear_caches()`` empties every cache of this module
   (``fun`` is retraced). A lowering asks the callbacks once per distinct
   question (upstream: per custom call), a new lowering anew; where jax's
   persistent compilation cache is on, a custom call's key digests the op
@@ -840,7 +843,8 @@ def _is_array(value) -> bool:
 def _static_key(value):
   """A static argument as every cache keys it, alike only where a trace is
   (unlike ``==``: ``0.0``/``-0.0``, ``2``/``2.0``, ``0.5``/``np.float32(0.5)``):
-  by type and value, floats by their bits, tuples and frozensets by item."""
+  by type and value, floats by their bits, tuples and frozensets by item,
+  dataclasses by field (a frozen config holding ``2`` or ``2.0``)."""
   kind = type(value)
   if isinstance(value, (float, complex)):
     return kind, struct.pack("<dd", value.real, value.imag)
@@ -849,6 +853,9 @@ def _static_key(value):
         map(_static_key, value))
   if isinstance(value, np.generic):
     return kind, value.dtype, value.tobytes()
+  if dataclasses.is_dataclass(kind):  # an unhashable field: no key at all
+    return kind, tuple((f.name, _static_key(getattr(value, f.name)))
+                       for f in dataclasses.fields(value))
   return kind, value
 
 

@@ -1076,6 +1076,12 @@ del StaticArgsTest
 
 # Static values equal by ``==`` (so alike to a key of ``==`` and hash) that
 # trace apart: (body, operand dtype, first value, second value).
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  """A static config as flax ``struct`` and frozen dataclasses give them."""
+  n: object
+
+
 _EQUAL_STATICS = {
     "signed zero": (lambda x, n: jnp.copysign(x, n), np.float32, 0.0, -0.0),
     "int and float": (lambda x, n: x * n, np.int32, 2, 2.0),
@@ -1086,6 +1092,17 @@ _EQUAL_STATICS = {
                                np.float32, (0.0,), (-0.0,)),
     "numpy signed zero": (lambda x, n: jnp.copysign(x, n), np.float32,
                           np.float32(0.0), np.float32(-0.0)),
+    # A complex number by its two parts: the imaginary part's sign, and a
+    # pair that shares its real part (a key packing it twice would merge).
+    "complex signed zero": (lambda x, c: jnp.copysign(x, c.imag), np.float32,
+                            0j, complex(0.0, -0.0)),
+    "complex, same real part": (lambda x, c: x * c.imag, np.float32,
+                                1 + 2j, 1 + 3j),
+    # Equal dataclasses: a fresh trace tells their fields apart.
+    "int and float in a dataclass": (lambda x, c: x * c.n, np.int32,
+                                     _Cfg(2), _Cfg(2.0)),
+    "signed zero in a dataclass": (lambda x, c: jnp.copysign(x, c.n),
+                                   np.float32, _Cfg(0.0), _Cfg(-0.0)),
 }
 
 
@@ -1163,6 +1180,25 @@ class StaticKeyTest(CPTestCase):
             op(x, a), op(x, b)))(self._sharded(xh))
         self.assertLikeJax(out_a, body, xh, a)
         self.assertLikeJax(out_b, body, xh, b)
+
+  def test_a_dataclass_with_a_field_eq_ignores(self):
+    """A field left out of ``==`` still keys the trace; an unhashable one
+    (a list) leaves the static without a key: traced per call, still right."""
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+      n: object
+      note: object = dataclasses.field(default=None, compare=False)
+
+    body = lambda x, c: x * c.n * (1 if c.note is None else len(c.note))
+    xh = np.arange(1, 9).astype(np.float32)
+    for kind in ("partition", "rule"):
+      op = _static_op(body, kind)
+      for c in (Cfg(2.0), Cfg(2.0, (1, 2)), Cfg(2.0, [1, 2, 3]),
+                Cfg(2.0, [1])):
+        with self.subTest(kind=kind, cfg=c):
+          self.assertLikeJax(jax.jit(lambda x, c=c: op(x, c))(
+              self._sharded(xh)), body, xh, c)
+          self.assertLikeJax(op(self._sharded(xh), c), body, xh, c)
 
   def test_eager_grad(self):
     """An eager ``jax.grad`` evaluates the derived ops' equations one by

@@ -4319,6 +4319,30 @@ class DerivedOpsTest(CPTestCase):
     np.testing.assert_allclose(jax.grad(lambda x: op(x).sum())(
         self.put(xh, "x")), np.full((8, 4), 2.0))
 
+  def test_transposing_a_two_operand_jvp_op_in_one_primal_is_refused(self):
+    """Refused when any primal is a linear input, not only when all are:
+    the jvp of ``op(a, y)`` in direction ``a``, transposed in ``a``."""
+    op = custom_partitioning(lambda a, b: a * 2.0 + b)
+    op.def_partition(sharding_rule="i j, i j -> i j")
+    xh = _data((8, 4))
+    f = lambda x: jax.jvp(lambda a: op(a, xh), (x,), (x,))[1]
+    with self.assertRaises(NotImplementedError) as cm:
+      jax.linear_transpose(f, xh)(xh)
+    self.assertIn(": a custom_partitioning op can be transposed only in "
+                  "its tangents, as jax.grad does.", str(cm.exception))
+
+  def test_grad_of_one_result_of_a_two_result_op(self):
+    """The other result's cotangent is jax's symbolic zero: it is made an
+    array before it becomes an operand."""
+    op = custom_partitioning(lambda a: (jnp.sin(a), a * 3.0))
+    op.def_partition(sharding_rule="i j -> i j, i j")
+    xh = _data((8, 4))
+    x = self.put(xh, "x")
+    for k, want in ((0, np.cos(xh)), (1, np.full((8, 4), 3.0))):
+      with self.subTest(result=k):
+        g = jax.jit(jax.grad(lambda x, k=k: op(x)[k].sum()))(x)
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
   # -- vmap ---------------------------------------------------------------
 
   def test_vmap_keeps_the_batch_sharded(self):

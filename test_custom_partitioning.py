@@ -3408,6 +3408,19 @@ class BadInputTest(CPTestCase):
     self.assertRaisesNaming(
         ValueError, ["partition of", "returned a mesh of 4 devices, but the "
                      "op runs on 8."], self.run_jit, op)
+    # Larger than the op's devices too (16 for 8), not numpy's reshape.
+    am16 = self.abstract_mesh_of((16,), ("x",))
+    op = self.op(self.returning(lambda m, s: (am16, jnp.sin, s, (s,))))
+    self.assertRaisesNaming(
+        ValueError, ["partition of", "returned a mesh of 16 devices, but "
+                     "the op runs on 8."], self.run_jit, op)
+
+  @staticmethod
+  def abstract_mesh_of(sizes, names):
+    """An AbstractMesh of any size, as each release constructs one."""
+    if JAX_VERSION < (0, 5, 0):  # jax 0.5.0: sizes and names apart
+      return jax.sharding.AbstractMesh(tuple(zip(names, sizes)))
+    return jax.sharding.AbstractMesh(sizes, names)
 
   def test_infer_sharding_on_other_devices(self):
     if self.shardy:

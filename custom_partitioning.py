@@ -3903,8 +3903,8 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   results (with ``grad``, also its VJP's gradients) are compared with
   ``jax.jit(fn)`` on ``jax.devices()[0]``, where each op runs its own ``fun``
   (no callback); results also with each result asked for (as by a consumer) in
-  its one-axis shardings in turn, then replicated, the arguments placed in turn
-  (none on Explicit axes; max_combinations).
+  its shardings of those classes but padded in turn, then replicated, the
+  arguments placed in turn (none on Explicit axes; max_combinations).
 
   Args:
     fn: a ``custom_partitioning`` op or a function of arrays built from
@@ -3984,7 +3984,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       check(mesh, [()] * len(hosts), ct_specs)
       cotangents += 1
     for k, out_specs in enumerate(_cotangent_specs(
-        [s.shape for s in outs], mesh, 1)[:max_combinations]):
+        [s.shape for s in outs], mesh, requested=True)[:max_combinations]):
       check(mesh, [o[k % len(o)] for o in options], out_specs=out_specs)
       requested += 1
     for i, h in enumerate(hosts):
@@ -4193,19 +4193,24 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
   return _SEVERAL if len(entries) > 1 else _ONE_AXIS
 
 
-def _cotangent_specs(shapes: list, mesh, extra: int = 0) -> list[tuple]:
-  """For k in 1 .. n-1+extra (n > 1: the most one-axis shardings of a
-  shape), each cotangent or asked-for result in its k-th, cyclically (a
-  shape None: none); none on Explicit axes, a value typed as its result."""
+def _cotangent_specs(shapes: list, mesh, requested: bool = False
+                     ) -> list[tuple]:
+  """For k in 1 .. n-1 (n > 1: the most candidates of a shape), each
+  cotangent in its k-th one-axis sharding, cyclically (a shape None: none);
+  an asked-for result (``requested``) in its k-th of every class the
+  operands get but padded (XLA never pads a global result), then all
+  replicated once more. None on Explicit axes: a value is typed as its
+  result."""
   if _any_explicit(mesh):
     return []
+  classes = set(_CLASSES) - {_PADDED} if requested else {_ONE_AXIS}
   options = [[()] if shape is None else [
       s for s in _shardings_of(shape, mesh)
-      if _placement_class(s, shape, mesh) in (None, _ONE_AXIS)]
+      if _placement_class(s, shape, mesh) in {None, *classes}]
              for shape in shapes]
   longest = max(map(len, options), default=1)
   return [tuple(o[k % len(o)] for o in options)
-          for k in range(1, longest + (longest > 1 and extra))]
+          for k in range(1, longest + (longest > 1 and requested))]
 
 
 def _sharding_combinations(options: list[list], bound: int) -> list[tuple]:

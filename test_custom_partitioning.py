@@ -9029,9 +9029,10 @@ class CheckPartitioningTest(CPTestCase):
         "each, one dimension over a tuple of axes. Not tried on argument 0 "
         "(shape (8, 16)): padded (every mesh axis divides each of its "
         "dimensions)."
-        # Each result requested in its one-axis shardings: P('x'),
-        # P(None, 'x'), P() on ('x': 8); four and P() on (2, 4).
-        " Results also checked in 8 combinations with their shardings "
+        # Each result requested in the operands' classes but padded: P('x'),
+        # P(None, 'x'), P() on ('x': 8); on (2, 4) four of one axis, two of
+        # several, four tuples, and P().
+        " Results also checked in 14 combinations with their shardings "
         "requested (a sharding constraint on each, as a consumer's).")
 
   def test_fft_keeping_the_transformed_axis_sharded_fails(self):
@@ -9499,6 +9500,48 @@ class CheckPartitioningTest(CPTestCase):
              if "-inf" in got else f"at index (1, 2) {got}"],
             cp.check_partitioning, wrong, x, meshes=_mesh1d())
 
+  @staticmethod
+  def _wrong_for(bad):
+    """``x * 2``, off by one where ``bad(arg sharding, result sharding)``;
+    infer keeps the operand's rows only (GSPMD never infers two axes)."""
+    op = custom_partitioning(lambda x: x * 2)
+
+    def partition(mesh, arg_shapes, result_shape):
+      a, r = arg_shapes[0].sharding, result_shape.sharding
+      off = 1 if bad(tuple(a.spec), tuple(r.spec)) else 0
+      return mesh, lambda x: x * 2 + off, r, (r,)
+    op.def_partition(
+        partition, sharding_rule="i j -> i j",
+        infer_sharding_from_operands=lambda m, a, r: NamedSharding(
+            m, P(*tuple(a[0].sharding.spec)[:1])))
+    return op
+
+  def test_a_result_requested_over_two_axes(self):
+    """Requested results draw from the operands' classes: an op wrong only
+    for a result over two axes is caught (under GSPMD it was not: only
+    one-axis results were requested; Shardy's operand sweep found it)."""
+    wrong = self._wrong_for(
+        lambda a, r: sum(e is not None for e in r) > 1)
+    error = self.assertRaisesNaming(
+        AssertionError, ["on Mesh('x': 2, 'y': 4) with operand shardings",
+                         "the result differs from"],
+        cp.check_partitioning, wrong, _data((8, 8)))
+    if not self.shardy:
+      self.assertIn("requested result shardings (PartitionSpec('x', 'y'),)",
+                    str(error))
+
+  def test_a_sharded_operand_beside_another_requested_result(self):
+    """The operands are placed in turn beside each requested result: an
+    op wrong only when a sharded operand meets a result asked for in
+    another sharding is caught."""
+    wrong = self._wrong_for(lambda a, r: a != r and any(a) and any(r))
+    self.assertRaisesNaming(
+        AssertionError, ["on Mesh('x': 8) with operand shardings "
+                         "(PartitionSpec('x'),) and requested result "
+                         "shardings (PartitionSpec(None, 'x'),): the result "
+                         "differs from"],
+        cp.check_partitioning, wrong, _data((8, 8)))
+
   def test_requested_result_shardings(self):
     """An op whose partition adopts the requested result sharding (for its
     operand too) but offsets rows by the operand's own sharding: right as
@@ -9541,12 +9584,12 @@ class CheckPartitioningTest(CPTestCase):
          "largest error 7 (56 of 64 elements off; "],
         cp.check_partitioning, wrong, x, meshes=mesh)
     self.assertIsNone(error.__cause__)
-    # A right op passes; per mesh, each of the result's one-axis shardings
-    # (then P() once more) is asked for: 3 on ('x': 8), 5 on (2, 4).
+    # A right op passes; per mesh, each of the result's shardings but
+    # padded (then P() once more) is asked for: 3 on ('x': 8), 11 on (2, 4).
     report = cp.check_partitioning(elementwise_op(), x)
-    self.assertEqual((report.checked, report.result_requests), (14, 8))
+    self.assertEqual((report.checked, report.result_requests), (14, 14))
     self.assertTrue(str(report).endswith(
-        " Results also checked in 8 combinations with their shardings "
+        " Results also checked in 14 combinations with their shardings "
         "requested (a sharding constraint on each, as a consumer's)."))
     # Results only, with grad too; none for a scalar result, which has no
     # sharding but replicated.
@@ -9554,9 +9597,9 @@ class CheckPartitioningTest(CPTestCase):
                                    meshes=mesh)
     self.assertEqual(report.result_requests, 0)
     self.assertNotIn("Results also checked", str(report))
-    self.assertEqual(cp._cotangent_specs([(8,), ()], mesh, 1),
+    self.assertEqual(cp._cotangent_specs([(8,), ()], mesh, requested=True),
                      [(("x",), ()), ((), ())])
-    self.assertEqual(cp._cotangent_specs([()], mesh, 1), [])
+    self.assertEqual(cp._cotangent_specs([()], mesh, requested=True), [])
 
 
 both_partitioners(CheckPartitioningTest)

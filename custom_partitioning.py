@@ -1593,7 +1593,9 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
         sharding.mesh, _jax.AbstractMesh):
       sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
                                             sharding.spec)
-    if sharding.device_set != set(op.place.devices):
+    handed = on == op.place.auto and _handed_back(  # seam: partly manual
+        op, sharding)  # shard_map (II.1)
+    if not handed and sharding.device_set != set(op.place.devices):
       raise ValueError(
           f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
           f"but the op runs on {sorted(d.id for d in op.place.devices)}.")
@@ -1601,7 +1603,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
         len(sharding.spec) > ndim):
       raise ValueError(
           f"{where} with spec {sharding.spec} for a value of rank {ndim}.")
-    if on == op.place.auto:  # seam: in a partly manual shard_map (II.1)
+    if on == op.place.auto and not handed:  # seam: partly manual (II.1)
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
@@ -2069,6 +2071,14 @@ def _raise_pending() -> None:
   if pending is not None:
     name, e = pending
     raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
+
+
+def _handed_back(op: _Op, sharding) -> bool:
+  """Whether ``sharding`` is a GSPMDSharding on the auto part's devices, as
+  ``_structs`` hands one to callbacks without ``decode_shardings``: its
+  HloSharding is on the auto part already."""
+  return isinstance(sharding, _jax.GSPMDSharding) and (
+      sharding.device_set == set(op.place.auto.devices.flat))
 
 
 def _onto_auto_axes(op: _Op, sharding, where: str):

@@ -3034,6 +3034,37 @@ class FallbackTest(CPTestCase):
       self.assertNotIn("ASKED 0", out)
 
 
+  def test_shard_map_partially_manual_returning_what_partition_got(self):
+    """``decode_shardings=False`` there: ``partition`` gets GSPMDShardings
+    on the auto part's devices (their HloShardings are on that part) and
+    may return them as they are (they were refused: "on devices [0, 1, 2,
+    3], but the op runs on [0, ..., 7]"; upstream under Shardy runs it)."""
+    out = _run_snippet(self, self.shardy, """
+    seen = set()
+    op = custom_partitioning(lambda x: x * 2)
+    def partition(mesh, arg_shapes, result_shape):
+      seen.add(tuple(sorted(d.id for d in arg_shapes[0].sharding.device_set)))
+      return (mesh, lambda x: x * 2, result_shape.sharding,
+              (arg_shapes[0].sharding,))
+    op.def_partition(partition, decode_shardings=False,
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    m2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    xh2 = np.arange(64, dtype=np.float32).reshape(8, 8) / 7.0
+    x2 = jax.device_put(xh2, NamedSharding(m2, P("x", "y")))
+    try:
+      f = jax.jit(shard_map(op, mesh=m2, in_specs=P("x"), out_specs=P("x"),
+                            axis_names={"x"}))
+      print("VALUES", "OK" if np.allclose(f(x2), xh2 * 2) else "WRONG",
+            "DEVICES", sorted(seen))
+    except Exception as e:
+      print("ERROR", type(e).__name__, str(e)[:300].replace("\\n", " "))
+    print("DONE")
+    """)
+    self.assertIn("DONE", out)
+    self.assertIn("VALUES OK DEVICES [(0, 1, 2, 3)]", out)
+
+
 both_partitioners(FallbackTest)
 del FallbackTest
 

@@ -976,11 +976,14 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if place.devices is None:
     raise ValueError(
         f"custom_partitioning op {name} is lowered for several devices, but "
-        "jax did not say which: this happens when the op is lowered inside "
-        "another primitive's lowering rule (e.g. through _jax.lower_fun), "
-        "where jax cannot see it. Set the mesh around the call, with "
-        "jax.set_mesh(mesh) or `with mesh:`, so the op can find its devices, "
-        "or call the op outside that primitive.")
+        "jax did not say which: jax withholds them from a lowering rule that "
+        "binds the op (e.g. through jax.interpreters.mlir.lower_fun) unless "
+        "its primitive is in jax._src.dispatch."
+        "prim_requires_devices_during_lowering. Add that primitive to the set "
+        "(prim_requires_devices_during_lowering.add(your_primitive)), or set "
+        "the mesh around the call, with jax.set_mesh(mesh) or `with mesh:`, "
+        "so the op can find its devices; or call the op outside that "
+        "primitive.")
   if params["partition"] is None:
     raise ValueError(_NO_PARTITION.format(name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None

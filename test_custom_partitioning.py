@@ -5495,10 +5495,26 @@ class LowerFunInPrimitiveTest(CPTestCase):
 
   def test_without_a_mesh_the_error_names_the_fix(self):
     x = jax.device_put(self.xh.astype(np.complex64), self.s)
-    with self.assertRaises(ValueError) as cm:
-      self.f(x)
-    self.assertIn("set_mesh", str(cm.exception))
-    self.assertIn("lower_fun", str(cm.exception))
+    self.assertRaisesNaming(
+        ValueError, ["custom_partitioning op ", "is lowered for several "
+                     "devices, but jax did not say which", "through "
+                     "jax.interpreters.mlir.lower_fun", "jax._src.dispatch."
+                     "prim_requires_devices_during_lowering",
+                     "jax.set_mesh(mesh) or `with mesh:`"], self.f, x)
+
+  def test_the_other_way_out_the_error_names(self):
+    """The outer primitive in jax's set of primitives that need devices
+    while lowering: jax then tells them, and no mesh is needed."""
+    from jax._src import dispatch
+    x = jax.device_put(self.xh.astype(np.complex64), self.s)
+    dispatch.prim_requires_devices_during_lowering.add(self.prim)
+    try:
+      out = self.f(x)
+      text = self.hlo(self.f, x)
+    finally:
+      dispatch.prim_requires_devices_during_lowering.discard(self.prim)
+    np.testing.assert_allclose(out, np.fft.fft(self.xh), rtol=1e-4, atol=1e-4)
+    self.assertCollectives(text, absent=_COLLECTIVES)
 
   def test_one_device_needs_no_mesh(self):
     x = jax.device_put(self.xh.astype(np.complex64), jax.devices()[0])

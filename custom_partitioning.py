@@ -78,8 +78,9 @@ one section per extra, entered from lines marked ``# seam:`` that name it
 (a copy drops an extra with its section and seam lines): II.1 placements
 and errors off the plain path; II.2 the shard_map path (Explicit mesh
 axes); II.3 derived ops (vmap, jvp, transposition); II.4 ops by their rule
-alone; II.5 checks of the per-shard program; II.6 keys for the persistent
-cache; II.7 the DEBUG log; II.8 what extras share, and module state. Part
+alone; II.5 a rule derived from infer (GSPMD-era ops under Shardy); II.6
+checks of the per-shard program; II.7 keys for the persistent
+cache; II.8 the DEBUG log; II.9 what extras share, and module state. Part
 III, leaves and tools: III.1 the Shardy rule parser; III.2
 ``check_partitioning``; III.3 the self-demo; then the wiring block, which
 registers every hook with jax and XLA. Each message stands where it is
@@ -105,6 +106,7 @@ import struct
 import threading
 import types
 from typing import Any, NamedTuple
+import warnings
 import weakref
 
 __version__ = "1.2.0"
@@ -271,7 +273,7 @@ _JAXLIB_VERSION = tuple(_jax.version)[:3]
 # A call's arguments are bound to positions and sorted by role (``_split``);
 # outside any transformation it is compiled (``_eager_call``), else bound
 # (``_bind``: under Explicit mesh axes the shard_map path, II.2, else the
-# primitive). Caches are bounded ``_LRU``s (module state: II.8).
+# primitive). Caches are bounded ``_LRU``s (module state: II.9).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
@@ -320,7 +322,6 @@ class custom_partitioning:
 
   Raises (when called):
     ValueError: ``def_partition`` was never called.
-    NotImplementedError: Shardy is on but only GSPMD callbacks were given.
     jax.errors.UnexpectedTracerError: a static argument is a tracer.
     TypeError: a keyword-only argument is passed, or the call does not
       match ``fun``'s signature.
@@ -391,16 +392,28 @@ class custom_partitioning:
         for a body jax cannot type): ``(*static, mesh, arg_shapes,
         result_shape) -> result sharding(s)``; ``result_shape`` has no
         shardings, nor has an operand XLA has not placed yet (``.sharding``
-        None). Default: derived from ``sharding_rule``.
+        None). Default: derived from ``sharding_rule``. Under Shardy,
+        without a ``sharding_rule``, it is probed to derive one (where
+        upstream raises ``NotImplementedError``): once per operand
+        dimension, that dimension alone sharded over a mesh axis that
+        divides it, on the author's shapes and the op's mesh (cached per
+        both; an exception is a probe it does not support). The rule ties
+        that dimension to each result dimension the axis lands on (same
+        size). It is logged at ``DEBUG`` and reported by
+        ``check_partitioning``; a ``UserWarning`` says when no probe could
+        be answered.
       propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
         result sharding(s)`` preferred given the user's; default: the user's.
+        Shardy propagates through the rule both ways and never asks it.
       decode_shardings: True: ``NamedSharding``s on the real mesh when one
         can be recovered (``with mesh``, ``jax.set_mesh`` or the jit's
         shardings); else (or False) ``GSPMDSharding``s.
       sharding_rule: Shardy only: an einsum-like string (see
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
-        ``-> (string, kwargs)``.
+        ``-> (string, kwargs)``. None with GSPMD callbacks: derived from
+        them (``infer_sharding_from_operands``); with ``partition`` alone:
+        none (Shardy then leaves the results replicated).
       check_vma: keyword-only, this module's (upstream has none). True:
         tracing ``lower_fn`` raises ``ValueError`` for a replicated result
         that may vary along a mesh axis (a missing ``psum``) and for
@@ -564,14 +577,6 @@ class custom_partitioning:
         out_tree, _jax.jaxpr_as_fun(call)(*leaves))
 
   def _bind(self, args: _CallArgs, eager_mesh=None):
-    if (_SHARDY.value and self.sharding_rule is None and
-        (self.infer_sharding_from_operands is not None or
-         self.propagate_user_sharding is not None)):
-      raise NotImplementedError(
-          f"custom_partitioning function {self._name} is used with the Shardy "
-          "partitioner, but only GSPMD callbacks (infer_sharding_from_operands "
-          "/ propagate_user_sharding) are defined. Add a sharding_rule to "
-          "def_partition, e.g. sharding_rule='i j -> i j'.")
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     # Whether an aval is sharded (jax 0.5.0+) on a mesh with an Explicit axis.
@@ -987,9 +992,11 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if params["partition"] is None:
     raise ValueError(_NO_PARTITION.format(name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None
-  if callable(rule) or (_SHARDY.value and rule is not None):  # seam: rules
+  if callable(rule) or (_SHARDY.value and (  # seam: rules; derived (II.5)
+      rule is not None or params["infer_sharding_from_operands"] is not None
+      or params["propagate_user_sharding"] is not None)):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+      rule, rule_attr = _ask_rule(ctx, params, place, steps)
   # Inside a partly manual shard_map: the manual axes each value varies on.
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
@@ -1102,7 +1109,7 @@ class _Level(NamedTuple):
   entry: Any = None
 
 
-def _ask_rule(ctx, params, mesh, steps):
+def _ask_rule(ctx, params, place: _Placement, steps):
   """The op's rule (a callable one asked) and, under Shardy, its attribute."""
   call, rule = params["call"], params["sharding_rule"]
   values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
@@ -1110,7 +1117,10 @@ def _ask_rule(ctx, params, mesh, steps):
   levels = (_levels(steps, *values) if steps  # II.3
             else [_Level(None, *values)])
   if callable(rule):  # seam: a rule asked per call (II.1)
-    rule = _asked_rule(ctx, params, mesh, levels[0])
+    rule = _asked_rule(ctx, params, place.mesh, levels[0])
+  elif rule is None:  # seam: a rule derived from infer (II.5)
+    derived = _derived_rule(params, place, levels[0]).rule
+    return None, _rule_attr(derived, levels, False)
   return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
                                                     _FromRule))
                 if _SHARDY.value and rule is not None else None)
@@ -1322,7 +1332,7 @@ _lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def _register(ctx, op: _Op, params) -> str:
   """Registers ``op`` under its key, which must tell apart ops that
   answer differently; returns the key."""
-  if (_jax.compilation_cache_dir.value and  # seam: content keys (II.6)
+  if (_jax.compilation_cache_dir.value and  # seam: content keys (II.7)
       _jax.enable_compilation_cache.value):
     key = _content_key(ctx, op, params["call"])
   else:
@@ -1677,7 +1687,7 @@ def _register_partitioner(name: str, prop_user_sharding, partition,
 # ``op.mesh`` is what the callbacks see; ``on`` names the mesh of a value's
 # spec and HloSharding: ``op.mesh``, inside a partly manual shard_map
 # ``op.place.auto``, or the mesh ``partition`` returned (``_Answer.on``).
-# ``lower_fn`` is traced on per-shard shapes, checked (II.5) and lowered
+# ``lower_fn`` is traced on per-shard shapes, checked (II.6) and lowered
 # to the module XLA inlines.
 # --------------------------------------------------------------------------
 
@@ -1828,10 +1838,10 @@ def _concrete(op: _Op, mesh: _jax.AbstractMesh):
 
 def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
                     results: list) -> tuple[_ClosedJaxpr, bool]:
-  """``lower_fn`` traced on local shapes, checked (II.5): its jaxpr
+  """``lower_fn`` traced on local shapes, checked (II.6): its jaxpr
   and whether every replicated result was proved equal along its axes."""
   lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None and any(  # seam: II.5 pads
+  if op.check_vma and op.sharding_rule is not None and any(  # seam: II.6 pads
       size % _shard_count(entry, on)
       for v in answer.args for size, entry in zip(v.shape, v.spec or ())):
     _check_even_reductions(op, operands + results, answer.args, on)
@@ -1865,7 +1875,7 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
   specs = [v.spec for v in answer.results]
-  if op.check_vma and not all(  # seam: a result replicated over an axis (II.5)
+  if op.check_vma and not all(  # seam: a result replicated over an axis (II.6)
       spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
       on.size for spec in specs):
     return closed, _check_replicated_results(
@@ -3012,7 +3022,171 @@ def _reduced_factors(rule: SdyShardingRule, dims: list,
 
 
 # --------------------------------------------------------------------------
-# II.5 Checks of the per-shard program
+# II.5 A rule derived from infer: GSPMD-era ops under Shardy
+#
+# Shardy propagates through an op by its sharding rule alone. An op given
+# only GSPMD callbacks gets one derived from its own
+# ``infer_sharding_from_operands`` (author's shapes, the op's mesh): each
+# operand dimension is probed alone, sharded over a mesh axis that divides
+# it, and shares a factor with each result dimension infer puts that axis on
+# (same size, one dimension per value). What no probe ties (infer raised,
+# put the axis nowhere, or where no factor can state it) gets a factor of
+# its own. Any rule is right here: ``partition`` decides the shardings and
+# XLA reshards to them; the rule only spares reshards. Logged at DEBUG and
+# reported by ``check_partitioning``, so the author can paste it.
+# --------------------------------------------------------------------------
+
+class _Derived(NamedTuple):
+  rule: SdyShardingRule
+  text: str  # as an author writes it
+  why: str  # what no probe could tie, and what that costs; "" if all tied
+  failed: bool  # no probe was answered: the rule shares no factor
+
+
+# Key: every input of infer's answers (its function, statics, trees, the
+# author's shapes and dtypes, mesh and devices, decode_shardings, jax's
+# trace context); blind, like jax's caches, to what infer reads elsewhere.
+# Bounded at 256; cleared by jax.clear_caches().
+_derived_rules = _LRU(256)
+_rules_seen = threading.local()  # ``found``: check_partitioning's list
+
+
+def _derived_rule(params, place: _Placement, author: _Level) -> _Derived:
+  """The author's op's rule, derived from its infer (cached), logged."""
+  static = params["static_args"]
+  static_key = _key_of(getattr(static, "value", static))
+  key = None if static_key is None else (
+      params["infer_sharding_from_operands"], static_key, params["in_tree"],
+      params["out_tree"], params["decode_shardings"], place,
+      tuple((v.shape, v.dtype) for v in author.operands + author.results),
+      _jax.trace_context())
+  derived = None if key is None else _derived_rules.get(key)
+  hit = derived is not None
+  if not hit:
+    derived = _derive(params, place, author)
+    if key is not None:
+      _derived_rules.put(key, derived)
+  name = _fun_name(params["call"])
+  if getattr(_rules_seen, "found", None) is not None:
+    _rules_seen.found.append((name, derived))
+  if derived.failed and not hit:
+    warnings.warn(
+        f"custom_partitioning op {name} has no sharding_rule, and none could "
+        f"be derived from its GSPMD callbacks under Shardy ({derived.why}). "
+        f"It runs with the rule '{derived.text}', which ties no operand to "
+        "a result: XLA reshards operands and results to what partition "
+        "returns, which may gather them. Pass sharding_rule= to "
+        "def_partition.", stacklevel=2)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug(name, "sharding_rule", path=_CUSTOM_CALL, mesh=place.mesh,
+           cached=hit, answered=repr(derived.text),
+           by="a derivation from infer_sharding_from_operands",
+           why="; ".join(filter(None, [derived.why, (
+               "pass it as def_partition's sharding_rule to fix it")])))
+  return derived
+
+
+@contextlib.contextmanager
+def _derived_rules_seen():
+  """Collects ``(op name, _Derived)`` for each rule derived (or found cached)
+  on this thread meanwhile: ``check_partitioning``'s jits lower there."""
+  outer, _rules_seen.found = getattr(_rules_seen, "found", None), []
+  try:
+    yield _rules_seen.found
+  finally:
+    _rules_seen.found = outer
+
+
+def _derived_texts(seen: list) -> tuple:
+  """``(op name, rule text, why)`` once each, in the order first seen."""
+  return tuple(dict.fromkeys((name, d.text, d.why) for name, d in seen))
+
+
+def _derive(params, place: _Placement, author: _Level) -> _Derived:
+  op = _op_of({**params, "transform": ()}, place, None)
+  operands, results = author.operands, author.results
+  n, shapes = len(operands), [v.shape for v in operands + results]
+  mesh = place.auto if place.auto is not None else op.mesh
+  axes = [] if mesh.empty or op.infer_sharding_from_operands is None else [
+      a for a in mesh.axis_names if mesh.shape[a] > 1]
+
+  def ask(specs):  # results' specs (None: infer left them to XLA), or error
+    try:
+      inferred = _ask_infer(op, _with_specs(operands, specs), results)
+    except Exception as e:  # noqa: BLE001 - a probe infer does not support
+      return e
+    return None if inferred is None else [v.spec for v in inferred]
+
+  unsharded = [(None,) * len(s) for s in shapes[:n]]
+  base = ask(unsharded)
+  fixed = set() if not isinstance(base, list) else {
+      a for spec in base for e in spec or () for a in _entry_axes(e)}
+  group = {(i, d): (i, d) for i, s in enumerate(shapes) for d in range(len(s))}
+  members = {k: {k} for k in group}
+  raised, unstated, answered, tried = [], [], False, False
+  for i, d in [(k, d) for k, s in enumerate(shapes[:n]) for d in range(len(s))]:
+    for axis in [a for a in axes if a not in fixed and
+                 shapes[i][d] % mesh.shape[a] == 0 and shapes[i][d] > 1]:
+      specs = list(unsharded)
+      specs[i] = specs[i][:d] + (axis,) + specs[i][d + 1:]
+      got, tried = ask(specs), True
+      if isinstance(got, Exception):
+        raised.append((i, d, got))
+        continue
+      answered = True
+      for r, spec in enumerate(got or ()):
+        e = next((e for e, entry in enumerate(spec or ())
+                  if axis in _entry_axes(entry)), None)
+        if e is not None and not _joined(group, members, (i, d), (n + r, e),
+                                         shapes):
+          unstated.append(f"operand {i} dimension {d} (size {shapes[i][d]}) "
+                          f"to result {r} dimension {e} (size "
+                          f"{shapes[n + r][e]})")
+      break
+  names: dict = {}
+  mappings = [ArrayMapping(*(names.setdefault(group[(v, d)], _factor_name(
+      len(names))) for d in range(len(s)))) for v, s in enumerate(shapes)]
+  rule = SdyShardingRule(tuple(mappings[:n]), tuple(mappings[n:]))
+  why = []
+  if op.infer_sharding_from_operands is None:
+    why.append("it has no infer_sharding_from_operands to derive it from")
+  elif not axes:
+    why.append("its mesh has no axis of more than one device to probe with")
+  for i, d, e in raised[:1]:
+    why.append(f"infer_sharding_from_operands raised on {len(raised)} "
+               f"probe{'s' * (len(raised) > 1)}, first with operand {i} "
+               f"dimension {d} sharded: {type(e).__name__}: {e}")
+  if unstated:
+    why.append("no factor states its mapping of " + "; ".join(unstated))
+  ties = (tried or op.infer_sharding_from_operands is None) and any(
+      s and max(s) > 1 for s in shapes[:n]) and any(
+          s and max(s) > 1 for s in shapes[n:])  # some tie was possible
+  return _Derived(rule, _rule_text(rule), "; ".join(why),
+                  failed=ties and not answered)
+
+
+def _joined(group: dict, members: dict, a: tuple, b: tuple, shapes) -> bool:
+  """Puts dimensions ``a`` and ``b`` (value, dimension) under one factor if
+  one can state it: equal sizes, no value twice; whether they share one."""
+  ra, rb = group[a], group[b]
+  if ra == rb:
+    return True
+  if shapes[a[0]][a[1]] != shapes[b[0]][b[1]] or (
+      {v for v, _ in members[ra]} & {v for v, _ in members[rb]}):
+    return False
+  for k in members[rb]:
+    group[k] = ra
+  members[ra] |= members.pop(rb)
+  return True
+
+
+def _factor_name(k: int) -> str:
+  letters = "ijklmnopqrstuvwxyzabcdefgh"
+  return letters[k] if k < len(letters) else f"f{k}"
+
+
+# --------------------------------------------------------------------------
+# II.6 Checks of the per-shard program
 #
 # Two silent mistakes in ``lower_fn`` are refused while it is traced (unless
 # ``check_vma=False``): reducing over a dimension the mesh does not divide
@@ -3157,7 +3331,7 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------
-# II.6 Keys that hit across processes
+# II.7 Keys that hit across processes
 #
 # With jax's persistent compilation cache on, a custom call's key (part of
 # the program's) names the op by content, alike in every process: a digest
@@ -3405,7 +3579,7 @@ def _code_names(code: types.CodeType) -> list[str]:
 
 
 # --------------------------------------------------------------------------
-# II.7 The log of what each op was asked
+# II.8 The log of what each op was asked
 #
 # Silent at the default WARNING (README, "Debugging": what a record holds).
 # At DEBUG, a record per question an op is asked (by XLA or, under Explicit
@@ -3501,7 +3675,7 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 
 
 # --------------------------------------------------------------------------
-# II.8 Shared by the extras; module state
+# II.9 Shared by the extras; module state
 #
 # jax's mesh and sharding internals that several extras read, and the table
 # of all state this module keeps but the stores on its objects (per op, per
@@ -3524,7 +3698,7 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 #   _lapack_ready   jaxlib's LAPACK kernels registered      -       never
 #
 # jax's configuration (the trace context its caches key on): op._traces,
-# op._programs and _derived key on it; _registry's content keys (II.6) hold
+# op._programs and _derived key on it; _registry's content keys (II.7) hold
 # it by value, its other keys name an op of one lowering, which has one (so
 # do _Op.lowered's answers); _eager's jax.jit functions key on it themselves
 # and are built alike under any. _pending is no cache.
@@ -3534,7 +3708,7 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
 # emptied when a compile ends (I.2); R: popped when the failed compile
 # re-raises it. Lowerings and executables that may still call back keep
 # their ``_registry`` entries alive. The weak tables and ``_pending`` share
-# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.6), filled at import.
+# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.7), filled at import.
 # --------------------------------------------------------------------------
 
 # jax's mesh and sharding internals, one place to change if jax renames them.
@@ -3564,7 +3738,7 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 
 
 def _store_sizes(op=None) -> dict[str, int]:
-  """Entries per store (II.8) (and ``op``'s own, if given), for tests."""
+  """Entries per store (II.9) (and ``op``'s own, if given), for tests."""
   with _weak_lock:
     sizes = {"registry": len(_registry), "call_names": len(_call_names)}
   sizes.update(eager=len(_eager), derived=len(_derived),
@@ -3988,27 +4162,28 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
                "one device")
   per_mesh, cotangents, requested = [], 0, 0
   offered, tried = [set() for _ in hosts], [set() for _ in hosts]
-  for mesh in meshes:
-    options = [_shardings_of(h.shape, mesh) for h in hosts]
-    chosen = _sharding_combinations(options, max_combinations)
-    for specs in chosen:
-      check(mesh, specs)
-    for ct_specs in _cotangent_specs(ct_shapes, mesh):
-      check(mesh, [()] * len(hosts), ct_specs)
-      cotangents += 1
-    for k, out_specs in enumerate(_cotangent_specs(
-        [s.shape for s in outs], mesh, requested=True)[:max_combinations]):
-      check(mesh, [o[k % len(o)] for o in options], out_specs=out_specs)
-      requested += 1
-    for i, h in enumerate(hosts):
-      offered[i] |= {_placement_class(s, h.shape, mesh) for s in options[i]}
-      tried[i] |= {_placement_class(c[i], h.shape, mesh) for c in chosen}
-    per_mesh.append((_mesh_text(mesh), len(chosen),
-                     math.prod(map(len, options))))
+  with _derived_rules_seen() as derived:  # seam: derived rules (II.5)
+    for mesh in meshes:
+      options = [_shardings_of(h.shape, mesh) for h in hosts]
+      chosen = _sharding_combinations(options, max_combinations)
+      for specs in chosen:
+        check(mesh, specs)
+      for ct_specs in _cotangent_specs(ct_shapes, mesh):
+        check(mesh, [()] * len(hosts), ct_specs)
+        cotangents += 1
+      for k, out_specs in enumerate(_cotangent_specs(
+          [s.shape for s in outs], mesh, requested=True)[:max_combinations]):
+        check(mesh, [o[k % len(o)] for o in options], out_specs=out_specs)
+        requested += 1
+      for i, h in enumerate(hosts):
+        offered[i] |= {_placement_class(s, h.shape, mesh) for s in options[i]}
+        tried[i] |= {_placement_class(c[i], h.shape, mesh) for c in chosen}
+      per_mesh.append((_mesh_text(mesh), len(chosen),
+                       math.prod(map(len, options))))
   return PartitioningReport(
       name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
       max_combinations=max_combinations, cotangent_placements=cotangents,
-      result_requests=requested,
+      result_requests=requested, derived_rules=_derived_texts(derived),
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
@@ -4384,6 +4559,9 @@ class PartitioningReport:
       other than their results' were checked (operands replicated).
     result_requests: how many combinations were checked with each result
       requested in a sharding (a sharding constraint, as by a consumer).
+    derived_rules: under Shardy, per op without a ``sharding_rule`` (a
+      GSPMD-era op), ``(op name, rule text, what no probe could tie)`` for
+      each rule derived from its ``infer_sharding_from_operands``.
   """
   name: str
   checked: int
@@ -4395,6 +4573,7 @@ class PartitioningReport:
   untried: tuple = ()
   cotangent_placements: int = 0
   result_requests: int = 0
+  derived_rules: tuple = ()
 
   def __str__(self) -> str:
     what = "results and gradients" if self.grad else "results"
@@ -4417,7 +4596,11 @@ class PartitioningReport:
         "meshes=, to check them.",
         r and f" Results also checked in {r} combination{'s' * (r > 1)} "
         "with their shardings requested (a sharding constraint on each, as "
-        "a consumer's).") if part)
+        "a consumer's).", *(
+            f" Op {op} has no sharding_rule: derived sharding_rule '{text}' "
+            f"from its infer_sharding_from_operands{why and f' ({why})'}; "
+            "pass it to def_partition to fix it."
+            for op, text, why in self.derived_rules)) if part)
 
 
 # --------------------------------------------------------------------------
@@ -4520,7 +4703,7 @@ _jax.register_xla_runtime_error_handler(_reraise_callback_error)
 # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
 # backend compile that succeeds, 0.4.35 to 0.11.
 _jax.register_event_duration_secs_listener(_drop_pending)
-# How the content key describes this module's objects (II.6): an op
+# How the content key describes this module's objects (II.7): an op
 # by every field that is not state (a field added to _Op is in the key
 # unless it is marked as state).
 _DESCRIBED_BY.update({

@@ -2624,26 +2624,317 @@ class GspmdRuleInferenceTest(CPTestCase):
 
 
 # --------------------------------------------------------------------------
-# Shardy needs a rule; GSPMD works from a rule alone
+# GSPMD-era ops (partition and infer, no sharding_rule) under both
+# partitioners: under Shardy a rule derived from infer
 # --------------------------------------------------------------------------
 
-class ShardyOnlyTest(CPTestCase):
-  shardy = True
+@contextlib.contextmanager
+def _partitioner(shardy):
+  """Shardy (True) or GSPMD (False) within the block."""
+  old = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", shardy)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", old)
 
-  def test_gspmd_callbacks_only_raise(self):
-    op = custom_partitioning(lambda x: x + 1.0)
-    op.def_partition(
-        lambda m, a, r: (m, lambda x: x + 1.0, a[0].sharding, (a[0].sharding,)),
-        infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
-    x = jax.device_put(_data((8, 4)), NamedSharding(self.mesh(), P("x")))
-    with self.assertRaises(NotImplementedError) as cm:
-      jax.jit(op)(x)
-    self.assertIn("sharding_rule", str(cm.exception))
-    with self.assertRaises(NotImplementedError):
-      op(x)
-    np.testing.assert_allclose(jax.jit(elementwise_op())(x),
-                               np.sin(np.asarray(x)) * 2, rtol=1e-6)
 
+def _entries(sharding, ndim):
+  return _spec(sharding, ndim) if sharding is not None else (None,) * ndim
+
+
+def _gspmd_era_op(fun, infer_spec, arg_spec=None, lower_fn=None,
+                  infer=None, name=None):
+  """An op defined the GSPMD way: ``partition`` and ``infer`` only.
+  ``infer_spec(entries)``: the result's entries from the operand's;
+  ``arg_spec(entries)``: what partition asks of the operand (default: what
+  it was given); ``lower_fn(entries)``: the per-shard body."""
+  op = custom_partitioning(fun)
+  if name:
+    fun.__name__ = name
+
+  def infer_default(mesh, arg_shapes, result_shape):
+    spec = infer_spec(_entries(arg_shapes[0].sharding,
+                               len(arg_shapes[0].shape)))
+    return NamedSharding(mesh, P(*spec))
+
+  def partition(mesh, arg_shapes, result_shape):
+    given = _entries(arg_shapes[0].sharding, len(arg_shapes[0].shape))
+    arg = arg_spec(given) if arg_spec else given
+    out = NamedSharding(mesh, P(*infer_spec(arg)))
+    return (mesh, lower_fn(arg) if lower_fn else fun, out,
+            (NamedSharding(mesh, P(*arg)),))
+  op.def_partition(partition, infer_sharding_from_operands=infer or infer_default)
+  return op
+
+
+def _row_fft_op():
+  """Rows kept, the FFT axis gathered."""
+  def row_fft(x):
+    return jnp.fft.fft(x)
+  return _gspmd_era_op(row_fft, lambda s: (s[0], None),
+                       arg_spec=lambda s: (s[0], None))
+
+
+def _transpose_op():
+  def transpose(x):
+    return x.T
+  return _gspmd_era_op(transpose, lambda s: (s[1], s[0]))
+
+
+def _batched_fftn_op():
+  """A 3-D FFT over the last three axes of a batch."""
+  def fftn3(x):
+    return jnp.fft.fftn(x, axes=(1, 2, 3))
+  return _gspmd_era_op(fftn3, lambda s: (s[0], None, None, None),
+                       arg_spec=lambda s: (s[0], None, None, None))
+
+
+def _column_sum_op():
+  """Columns summed over rows: rows stay sharded, a psum, a replicated
+  result (infer says replicated whatever the operand)."""
+  def column_sum(x):
+    return x.sum(0)
+
+  def lower_fn(arg):
+    rows = arg[0]
+    if rows is None:
+      return column_sum
+    return lambda x: jax.lax.psum(x.sum(0), rows)
+  return _gspmd_era_op(column_sum, lambda s: (None,),
+                       arg_spec=lambda s: (s[0], None), lower_fn=lower_fn)
+
+
+def _picky_row_fft_op(calls=None):
+  """A row FFT whose infer refuses an operand sharded on the FFT axis."""
+  def picky_fft(x):
+    return jnp.fft.fft(x)
+
+  def infer(mesh, arg_shapes, result_shape):
+    spec = _entries(arg_shapes[0].sharding, 2)
+    if calls is not None:
+      calls.append(spec)
+    if spec[1] is not None:
+      raise ValueError("the FFT axis cannot be sharded")
+    return NamedSharding(mesh, P(spec[0], None))
+  return _gspmd_era_op(picky_fft, lambda s: (s[0], None),
+                       arg_spec=lambda s: (s[0], None), infer=infer)
+
+
+def _complex_data(shape):
+  rng = np.random.default_rng(0)
+  return (rng.standard_normal(shape) +
+          1j * rng.standard_normal(shape)).astype(np.complex64)
+
+
+# name -> (op builder, operand, operand spec, mesh shape and names,
+#          result spec infer gives, derived rule)
+_GSPMD_ERA_CASES = {
+    "row_fft": (_row_fft_op, _complex_data((16, 32)), ("x", None),
+                ((8,), ("x",)), ("x", None), "i j -> i k"),
+    "row_fft_both_sharded": (_row_fft_op, _complex_data((16, 32)),
+                             ("x", "y"), ((2, 4), ("x", "y")), ("x", None),
+                             "i j -> i k"),
+    "transpose": (_transpose_op, _data((16, 32)), ("x", "y"),
+                  ((2, 4), ("x", "y")), ("y", "x"), "i j -> j i"),
+    "batched_fftn": (_batched_fftn_op, _complex_data((8, 4, 4, 4)),
+                     ("x", None, None, None), ((8,), ("x",)),
+                     ("x", None, None, None), "i j k l -> i m n o"),
+    "column_sum": (_column_sum_op, _data((16, 8)), ("x", None),
+                   ((8,), ("x",)), (None,), "i j -> k"),
+    "picky_row_fft": (_picky_row_fft_op, _complex_data((16, 32)),
+                      ("x", None), ((8,), ("x",)), ("x", None),
+                      "i j -> i k"),
+}
+
+
+class GspmdEraOpsTest(CPTestCase):
+  """Ops with partition and infer_sharding_from_operands but no rule run
+  under both partitioners; under Shardy with a rule derived from infer."""
+
+  def case(self, name):
+    build, host, spec, (shape, names), out_spec, rule = _GSPMD_ERA_CASES[name]
+    mesh = self.mesh(shape, names)
+    x = jax.device_put(host, NamedSharding(mesh, P(*spec)))
+    return build(), host, x, mesh, out_spec, rule
+
+  def derived_rules(self, fn, *args):
+    """The rule texts logged while ``fn(*args)`` lowers, and its value."""
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      out = fn(*args)
+    rules = [r.getMessage().split(" answered ")[1].split(";")[0]
+             for r in cm.records
+             if r.custom_partitioning["question"] == "sharding_rule"]
+    return rules, out
+
+  def test_values_placement_and_derived_rule_on_auto_axes(self):
+    for name in _GSPMD_ERA_CASES:
+      with self.subTest(name):
+        op, host, x, mesh, out_spec, rule = self.case(name)
+        f = jax.jit(lambda v, op=op: op(v))
+        rules, out = self.derived_rules(f, x)
+        np.testing.assert_allclose(out, op.fun(host), rtol=1e-4, atol=1e-4)
+        # Left to the compiler, the result is placed as infer says.
+        self.assertEqual(_spec(out.sharding, out.ndim), out_spec)
+        self.assertEqual(rules, [repr(rule)] if self.shardy else [])
+
+  def test_no_gather_or_all_to_all_that_gspmd_lacks(self):
+    # Under Shardy the derived rule spares what GSPMD's infer spares: the
+    # compiled programs' gathers are GSPMD's, the results placed alike.
+    if not self.shardy:
+      self.skipTest("compares Shardy's program with GSPMD's (Shardy variant)")
+    for name in _GSPMD_ERA_CASES:
+      with self.subTest(name):
+        op, host, x, mesh, out_spec, _ = self.case(name)
+        got = {}
+        for shardy in (True, False):
+          with _partitioner(shardy):
+            f = jax.jit(lambda v, op=op: op(v))
+            text = self.hlo(f, x)
+            got[shardy] = ({c for c in ("all-gather", "all-to-all")
+                            if c in text}, _spec(f(x).sharding, len(out_spec)))
+        self.assertLessEqual(got[True][0], got[False][0])
+        self.assertEqual(got[True][1], got[False][1])
+
+  def test_explicit_axes_ask_infer_and_partition(self):
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    explicit = jax.sharding.AxisType.Explicit
+    for name in _GSPMD_ERA_CASES:
+      with self.subTest(name):
+        build, host, spec, (shape, names), out_spec, _ = _GSPMD_ERA_CASES[name]
+        mesh = jax.make_mesh(shape, names, axis_types=(explicit,) * len(names))
+        op = build()
+        with jax.set_mesh(mesh):
+          x = jax.device_put(host, NamedSharding(mesh, P(*spec)))
+          f = jax.jit(lambda v, op=op: op(v))
+          np.testing.assert_allclose(f(x), op.fun(host), rtol=1e-4,
+                                     atol=1e-4)
+          # The shard_map path: no custom call left to Shardy or GSPMD.
+          self.assertNotIn(cp._TARGET, f.lower(x).as_text())
+
+  def test_vmap_and_grad(self):
+    op, host, x, mesh, _, _ = self.case("transpose")
+    w = _data((32, 16)) + 2.0
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(lambda v: (op(v) * w).sum()))(x), w.T, rtol=1e-6)
+    stack = jax.device_put(np.stack([host, 2 * host]),
+                           NamedSharding(mesh, P(None, "x", "y")))
+    np.testing.assert_allclose(jax.jit(jax.vmap(op))(stack),
+                               np.swapaxes(np.asarray(stack), 1, 2))
+
+  def test_check_partitioning_reports_the_derived_rule(self):
+    for name in ("transpose", "column_sum"):
+      with self.subTest(name):
+        build, host, *_, rule = _GSPMD_ERA_CASES[name]
+        op = build()
+        report = cp.check_partitioning(op, host, max_combinations=4)
+        if not self.shardy:
+          self.assertEqual(report.derived_rules, ())
+          self.assertNotIn("derived sharding_rule", str(report))
+          continue
+        self.assertEqual([r[:2] for r in report.derived_rules],
+                         [(op._name, rule)])
+        self.assertIn(f"derived sharding_rule '{rule}' from its "
+                      "infer_sharding_from_operands", str(report))
+        self.assertIn("pass it to def_partition", str(report))
+
+  def test_an_infer_raising_on_a_probe_is_named_and_not_fatal(self):
+    calls = []
+    op = _picky_row_fft_op(calls)
+    host = _complex_data((16, 32))
+    x = jax.device_put(host, NamedSharding(self.mesh(), P("x", None)))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      with self.assertLogs(cp._log, "DEBUG") as cm:
+        out = jax.jit(op)(x)
+    np.testing.assert_allclose(out, np.fft.fft(host), rtol=1e-4, atol=1e-4)
+    self.assertEqual([w for w in caught
+                      if "could be derived" in str(w.message)], [])
+    text = " ".join(r.getMessage() for r in cm.records)
+    if self.shardy:
+      self.assertIn("raised on 1 probe, first with operand 0 dimension 1 "
+                    "sharded: ValueError: the FFT axis cannot be sharded",
+                    text)
+      self.assertIn(("x", None), calls)  # the probe that was answered
+    else:
+      self.assertNotIn("raised on", text)
+
+  def test_no_rule_derivable_warns_once_and_runs(self):
+    # An infer that raises on every probe, and an op with only
+    # propagate_user_sharding: a rule tying nothing, said once.
+    def always_raises(mesh, arg_shapes, result_shape):
+      raise ValueError("nothing supported")
+
+    def body(x):
+      return x * 2.0
+    raising = _gspmd_era_op(body, lambda s: s, infer=always_raises)
+    propagating = custom_partitioning(body)
+    propagating.def_partition(
+        lambda m, a, r: (m, body, a[0].sharding, (a[0].sharding,)),
+        propagate_user_sharding=lambda m, user: user.sharding)
+    x = jax.device_put(_data((16, 8)), NamedSharding(self.mesh(), P("x")))
+    for op, why in ((raising, "ValueError: nothing supported"),
+                    (propagating, "no infer_sharding_from_operands")):
+      with self.subTest(why):
+        if op is raising and not self.shardy:  # GSPMD asks it: its error
+          self.assertRaisesNaming(ValueError, ["nothing supported"],
+                                  jax.jit(op), x)
+          continue
+        with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always")
+          for _ in range(2):  # a second lowering: the cached rule, silent
+            out = jax.jit(lambda v, op=op: op(v))(x)
+            np.testing.assert_allclose(out, np.asarray(x) * 2.0)
+        said = [str(w.message) for w in caught
+                if "could be derived" in str(w.message)]
+        if not self.shardy:
+          self.assertEqual(said, [])
+          continue
+        self.assertEqual(len(said), 1, said)
+        self.assertIn(why, said[0])
+        self.assertIn("'i j -> k l'", said[0])
+        self.assertIn("Pass sharding_rule= to def_partition", said[0])
+
+  def test_derivation_is_cached_per_shapes_and_mesh(self):
+    if not self.shardy:
+      self.skipTest("only Shardy derives a rule (GSPMD asks infer itself)")
+    calls = []
+    op = _picky_row_fft_op(calls)
+    x = jax.device_put(_complex_data((16, 32)),
+                       NamedSharding(self.mesh(), P("x", None)))
+    jax.jit(lambda v: op(v))(x)
+    first = len(calls)
+    self.assertEqual(first, 3)  # replicated, then each dimension alone
+    jax.jit(lambda v: op(v) + 1)(x)
+    self.assertEqual(len(calls), first)  # another program, the same answer
+    y = jax.device_put(_complex_data((8, 32)), x.sharding)
+    jax.jit(lambda v: op(v))(y)
+    self.assertEqual(len(calls), 2 * first)  # other shapes: asked anew
+    jax.clear_caches()
+    jax.jit(lambda v: op(v) + 2)(x)
+    self.assertEqual(len(calls), 3 * first)
+
+  def test_partition_only_runs_unchanged(self):
+    # No infer, no rule, no propagate: nothing to derive from, as before.
+    op = custom_partitioning(jnp.sin)
+    op.def_partition(lambda m, a, r: (m, jnp.sin, a[0].sharding,
+                                      (a[0].sharding,)))
+    x = jax.device_put(_data((16, 8)), NamedSharding(self.mesh(), P("x")))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      np.testing.assert_allclose(jax.jit(op)(x), np.sin(np.asarray(x)),
+                                 rtol=1e-6)
+    self.assertEqual([w for w in caught if "derived" in str(w.message)], [])
+
+
+both_partitioners(GspmdEraOpsTest)
+del GspmdEraOpsTest
+
+
+# --------------------------------------------------------------------------
+# GSPMD works from a rule alone
+# --------------------------------------------------------------------------
 
 class GspmdRuleOnlyTest(CPTestCase):
   shardy = False

@@ -32,6 +32,12 @@ Cases:
             differentiation rule and reports no figure.
   grad_explicit
             the grad case on an Explicit mesh under jax.set_mesh
+  compile_derived
+            the compile case under Shardy (set JAX_USE_SHARDY_PARTITIONER=1)
+            with ops defined the GSPMD way, partition and infer only: the
+            project derives their sharding rule from infer ("project"),
+            against the same ops given that rule by hand ("project_rule");
+            run with --chain 64. Upstream refuses such ops under Shardy.
   lower_bigconst
             jit(...).lower() of a chain of 32 ops whose lower_fn reads a
             256 MiB module-level numpy table (seconds): the cost of whatever
@@ -75,7 +81,7 @@ def _worker(case: str, impl: str, module_path: str, chain: int) -> dict:
   from jax.sharding import PartitionSpec as P
   import numpy as np
 
-  if impl == "project":
+  if impl in ("project", "project_rule"):
     spec = importlib.util.spec_from_file_location("cp_under_test", module_path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["cp_under_test"] = mod
@@ -108,8 +114,9 @@ def _worker(case: str, impl: str, module_path: str, chain: int) -> dict:
                      sharding_rule=rule)
     return op
 
-  if case in ("compile", "trace"):
-    op = make_op(body, "i j -> i j")
+  if case in ("compile", "trace", "compile_derived"):
+    op = make_op(body, None if case == "compile_derived" and impl != (
+        "project_rule") else "i j -> i j")
 
     def model(x):
       for _ in range(chain):
@@ -315,6 +322,7 @@ IMPLS = {
     "grad": ("project", "upstream", "shard_map", "plain"),
     "grad_explicit": ("project", "upstream", "shard_map", "plain"),
     "lower_bigconst": ("project", "upstream"),
+    "compile_derived": ("project", "project_rule"),
 }
 
 

@@ -3125,8 +3125,8 @@ def _derive(params, place: _Placement, author: _Level) -> _Derived:
   members = {k: {k} for k in group}
   raised, unstated, answered, tried = [], [], False, False
   for i, d in [(k, d) for k, s in enumerate(shapes[:n]) for d in range(len(s))]:
-    for axis in [a for a in axes if a not in fixed and
-                 shapes[i][d] % mesh.shape[a] == 0 and shapes[i][d] > 1]:
+    for axis in [a for a in axes
+                 if a not in fixed and shapes[i][d] % mesh.shape[a] == 0]:
       specs = list(unsharded)
       specs[i] = specs[i][:d] + (axis,) + specs[i][d + 1:]
       got, tried = ask(specs), True
@@ -3169,7 +3169,7 @@ def _joined(group: dict, members: dict, a: tuple, b: tuple, shapes) -> bool:
   """Puts dimensions ``a`` and ``b`` (value, dimension) under one factor if
   one can state it: equal sizes, no value twice; whether they share one."""
   ra, rb = group[a], group[b]
-  if ra == rb:
+  if ra == rb:  # tied already (through another result)
     return True
   if shapes[a[0]][a[1]] != shapes[b[0]][b[1]] or (
       {v for v, _ in members[ra]} & {v for v, _ in members[rb]}):

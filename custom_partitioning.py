@@ -3128,7 +3128,7 @@ def _derive(params, place: _Placement, author: _Level) -> _Derived:
     for axis in [a for a in axes
                  if a not in fixed and shapes[i][d] % mesh.shape[a] == 0]:
       specs = list(unsharded)
-      specs[i] = specs[i][:d] + (axis,) + specs[i][d + 1:]
+      specs[i] = tuple(axis if k == d else None for k in range(len(shapes[i])))
       got, tried = ask(specs), True
       if isinstance(got, Exception):
         raised.append((i, d, got))

@@ -2705,8 +2705,9 @@ def _column_sum_op():
                        arg_spec=lambda s: (s[0], None), lower_fn=lower_fn)
 
 
-def _picky_row_fft_op(calls=None):
-  """A row FFT whose infer refuses an operand sharded on the FFT axis."""
+def _picky_row_fft_op(calls=None, only=None):
+  """A row FFT whose infer refuses an operand sharded on the FFT axis (or
+  over an axis but ``only``)."""
   def picky_fft(x):
     return jnp.fft.fft(x)
 
@@ -2716,6 +2717,8 @@ def _picky_row_fft_op(calls=None):
       calls.append(spec)
     if spec[1] is not None:
       raise ValueError("the FFT axis cannot be sharded")
+    if only is not None and spec[0] not in (None, only):
+      raise ValueError(f"rows only over {only!r}")
     return NamedSharding(mesh, P(spec[0], None))
   return _gspmd_era_op(picky_fft, lambda s: (s[0], None),
                        arg_spec=lambda s: (s[0], None), infer=infer)
@@ -2742,6 +2745,11 @@ _GSPMD_ERA_CASES = {
                      ("x", None, None, None), "i j k l -> i m n o"),
     "column_sum": (_column_sum_op, _data((16, 8)), ("x", None),
                    ((8,), ("x",)), (None,), "i j -> k"),
+    "row_fft_size1_axis_first": (_row_fft_op, _complex_data((16, 32)),
+                                 ("x", None), ((1, 8), ("z", "x")),
+                                 ("x", None), "i j -> i k"),
+    "transpose_large": (_transpose_op, _data((512, 8)), ("x", None),
+                        ((8,), ("x",)), (None, "x"), "i j -> j i"),
     "picky_row_fft": (_picky_row_fft_op, _complex_data((16, 32)),
                       ("x", None), ((8,), ("x",)), ("x", None),
                       "i j -> i k"),
@@ -2903,7 +2911,7 @@ class GspmdEraOpsTest(CPTestCase):
     # The rows of x land on a result whose first dimension is of another
     # size (a reshape): no factor ties them; the rest of the rule stands.
     def two(x):
-      return x * 2.0, x.reshape(8, 16)
+      return x * 2.0, x.reshape(x.shape[::-1])
 
     def infer(mesh, arg_shapes, result_shape):
       rows = _entries(arg_shapes[0].sharding, 2)[0]
@@ -2913,23 +2921,25 @@ class GspmdEraOpsTest(CPTestCase):
     def partition(mesh, arg_shapes, result_shape):
       rows = NamedSharding(mesh, P("x", None))
       whole = NamedSharding(mesh, P())
+      shape = arg_shapes[0].shape[::-1]
       return (mesh, lambda x: (x * 2.0, jax.lax.all_gather(
-          x, "x", tiled=True).reshape(8, 16)), (rows, whole), (rows,))
+          x, "x", tiled=True).reshape(shape)), (rows, whole), (rows,))
     op = custom_partitioning(two)
     op.def_partition(partition, infer_sharding_from_operands=infer)
-    xh = _data((16, 8))
-    x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
-    rules, (a, b) = self.derived_rules(jax.jit(op), x)
-    np.testing.assert_allclose(a, xh * 2.0)
-    np.testing.assert_allclose(b, xh.reshape(8, 16))
-    if not self.shardy:
-      return
-    self.assertEqual(rules, ["'i j -> i k, l m'"])
-    with self.assertLogs(cp._log, "DEBUG") as cm:
-      jax.jit(lambda v: op(v))(x)
-    self.assertIn("no factor states its mapping of operand 0 dimension 0 "
-                  "(size 16) to result 1 dimension 0 (size 8)",
-                  " ".join(r.getMessage() for r in cm.records))
+    for rows, cols in ((16, 8), (8, 16)):
+      xh = _data((rows, cols))
+      x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+      rules, (a, b) = self.derived_rules(jax.jit(op), x)
+      np.testing.assert_allclose(a, xh * 2.0)
+      np.testing.assert_allclose(b, xh.reshape(cols, rows))
+      if not self.shardy:
+        continue
+      self.assertEqual(rules, ["'i j -> i k, l m'"])
+      with self.assertLogs(cp._log, "DEBUG") as cm:
+        jax.jit(lambda v: op(v))(x)
+      self.assertIn(f"no factor states its mapping of operand 0 dimension 0 "
+                    f"(size {rows}) to result 1 dimension 0 (size {cols})",
+                    " ".join(r.getMessage() for r in cm.records))
 
   def test_two_operands_tied_through_two_results(self):
     # y's rows land on both results, which x's rows tied already.
@@ -2972,6 +2982,63 @@ class GspmdEraOpsTest(CPTestCase):
       self.assertEqual(text.count("raised on"), 1, text)
       self.assertIn("raised on 2 probes, first with operand 0 dimension 1 "
                     "sharded: ValueError", text)
+    # Refused over "x", the rows are probed over "y" next, and tied.
+    op = _picky_row_fft_op(only="y")
+    rules, out = self.derived_rules(jax.jit(op), jax.device_put(
+        x, NamedSharding(mesh, P("y", None))))
+    self.assertEqual(rules, ["'i j -> i k'"] if self.shardy else [])
+
+  def test_an_axis_infer_always_places_is_not_probed_with(self):
+    # Infer puts the result's rows over "x" whatever the operand: probing
+    # with "x" would tie any operand dimension to those rows.
+    def spread(x):
+      return x + 1.0
+
+    def infer(mesh, arg_shapes, result_shape):
+      return NamedSharding(mesh, P("x", None))
+
+    def partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P("x", None))
+      return mesh, spread, rows, (rows,)
+    op = custom_partitioning(spread)
+    op.def_partition(partition, infer_sharding_from_operands=infer)
+    for shape, names, rule in (((8,), ("x",), "'i j -> k l'"),
+                               ((2, 4), ("x", "y"), "'i j -> k l'")):
+      xh = _data((8, 8))
+      x = jax.device_put(xh, NamedSharding(self.mesh(shape, names),
+                                           P(None, "x")))
+      rules, out = self.derived_rules(jax.jit(op), x)
+      np.testing.assert_allclose(out, xh + 1.0)
+      # No rule states a sharding fixed whatever the operands: Shardy
+      # places the result by propagation (README, "GSPMD-era ops under
+      # Shardy"), and XLA reshards partition's result to it.
+      self.assertEqual(_spec(out.sharding, 2),
+                       (None, None) if self.shardy else ("x", None))
+      self.assertEqual(rules, [rule] if self.shardy else [])
+
+  def test_more_factors_than_letters(self):
+    def add_all(*xs):
+      return sum(xs)
+
+    def infer(mesh, arg_shapes, result_shape):
+      rows = _entries(arg_shapes[0].sharding, 4)[0]
+      return NamedSharding(mesh, P(rows))
+
+    def partition(mesh, arg_shapes, result_shape):
+      rows = NamedSharding(mesh, P("x"))
+      return mesh, add_all, rows, (rows,) * len(arg_shapes)
+    op = custom_partitioning(add_all)
+    op.def_partition(partition, infer_sharding_from_operands=infer)
+    hosts = [_data((8, 2, 2, 2)) * k for k in range(1, 11)]
+    rows = NamedSharding(self.mesh(), P("x"))
+    rules, out = self.derived_rules(jax.jit(op), *[
+        jax.device_put(h, rows) for h in hosts])
+    np.testing.assert_allclose(out, sum(hosts), rtol=1e-5)
+    if self.shardy:  # infer reads operand 0: only its rows tie
+      self.assertEqual(rules, [
+          "'i j k l, m n o p, q r s t, u v w x, y z a b, c d e f, g h f26 "
+          "f27, f28 f29 f30 f31, f32 f33 f34 f35, f36 f37 f38 f39 -> i f40 "
+          "f41 f42'"])
 
   def test_nothing_to_probe_is_no_warning(self):
     # No mesh axis divides (3, 5); an operand of size-1 dimensions can tie
@@ -2984,10 +3051,18 @@ class GspmdEraOpsTest(CPTestCase):
         lambda m, a, r: (m, lambda x: jnp.broadcast_to(x, (8, 8)),
                          NamedSharding(m, P()), (NamedSharding(m, P()),)),
         propagate_user_sharding=lambda m, user: user.sharding)
+    def always_raises(mesh, arg_shapes, result_shape):
+      raise ValueError("nothing supported")
+    squeeze = _gspmd_era_op(lambda x: x.sum(keepdims=True), lambda s: s,
+                            infer=always_raises)
     mesh = self.mesh()
     for fn, host, want in ((op, _data((3, 5)), _data((3, 5)) + 1.0),
                            (bcast, _data((1, 1)), np.full(
-                               (8, 8), _data((1, 1))[0, 0]))):
+                               (8, 8), _data((1, 1))[0, 0])),
+                           (squeeze, _data((8, 8)),
+                            _data((8, 8)).sum(keepdims=True))):
+      if fn is squeeze and not self.shardy:
+        continue  # GSPMD asks that infer itself: its error
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = jax.jit(fn)(jax.device_put(host, NamedSharding(mesh, P())))
@@ -3017,7 +3092,10 @@ class GspmdEraOpsTest(CPTestCase):
     self.assertEqual(len(calls), 4 * first)
     other = self.mesh((2, 4), ("x", "y"))  # another mesh: asked anew
     jax.jit(lambda v: op(v))(jax.device_put(x, NamedSharding(other, P("x"))))
-    self.assertGreater(len(calls), 4 * first)
+    # Replicated, the rows over "x" (tied: "y" is not tried), then the FFT
+    # axis over "x" and over "y" (both refused).
+    self.assertEqual(calls[4 * first:], [
+        (None, None), ("x", None), (None, "x"), (None, "y")])
 
   def test_static_arguments_key_the_derivation(self):
     # Infer keeps the rows or the columns as a static argument says.

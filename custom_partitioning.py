@@ -480,21 +480,6 @@ class custom_partitioning:
     self._generation += 1
     return partition
 
-  def __call__(self, *args, **kwargs):
-    if not self._defined:
-      raise ValueError(
-          f"custom_partitioning function {self._name} has no partitioning "
-          "rules: call its def_partition(...) before calling it.")
-    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
-    if (not kwargs and len(args) == self._signature.plain and
-        not (self.static_argnums or self.static_argnums == 0)):
-      args = _CallArgs((), (), (), args)  # the common case, kept fast
-    else:
-      args = self._split(args, kwargs)
-    if eager and args.key is not None:
-      return self._eager_call(args)
-    return self._bind(args)
-
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
     args, unpassed = self._signature.positional(args, kwargs, self._name)
     nums = self.static_argnums
@@ -554,27 +539,27 @@ class custom_partitioning:
       _eager.put(key, fn)
     return fn(*args.dyn_args)
 
-  def _traced(self, args: _CallArgs, flat: _FlatArgs):
-    """``(call, out_tree)``: ``fun`` traced for ``args``, cached where the
-    static arguments hash."""
-    # jax.jit's trace key (its trace context holds the config), statics by
-    # _key_of, unpassed defaults' positions; blind to fun's globals.
-    key = None if args.key is None else (
-        args.key, args.defaults_at, flat.in_tree, flat.in_avals,
-        _SHARDY.value, _jax.trace_context())
-    traced = None if key is None else self._traces.get(key)
-    if traced is None:  # get and put: no closure built on the hot path
-      traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
-      if key is not None:
-        self._traces.put(key, traced)
-    return traced
-
   def _run_body(self, args: _CallArgs):
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     call, out_tree = self._traced(args, flat)
     return jax.tree_util.tree_unflatten(
         out_tree, _jax.jaxpr_as_fun(call)(*leaves))
+
+  def __call__(self, *args, **kwargs):
+    if not self._defined:
+      raise ValueError(
+          f"custom_partitioning function {self._name} has no partitioning "
+          "rules: call its def_partition(...) before calling it.")
+    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
+    if (not kwargs and len(args) == self._signature.plain and
+        not (self.static_argnums or self.static_argnums == 0)):
+      args = _CallArgs((), (), (), args)  # the common case, kept fast
+    else:
+      args = self._split(args, kwargs)
+    if eager and args.key is not None:
+      return self._eager_call(args)
+    return self._bind(args)
 
   def _bind(self, args: _CallArgs, eager_mesh=None):
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
@@ -592,22 +577,20 @@ class custom_partitioning:
         *flat.leaves, **self._params(args, flat, call, out_tree))
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
 
-  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree) -> dict:
-    """A call's equation parameters (the shard_map path's too): upstream's,
-    plus ``check_vma`` and ``transform`` (a derived op's steps)."""
-    return dict(
-        call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=(self.partition
-                   if self.partition is not None or self.sharding_rule is None
-                   else _FromRule(self.fun, args.static_argnums,
-                                  args.defaults)),
-        propagate_user_sharding=self.propagate_user_sharding,
-        infer_sharding_from_operands=self.infer_sharding_from_operands,
-        decode_shardings=self.decode_shardings,
-        sharding_rule=self.sharding_rule,
-        static_args=(args.static_args and
-                     _Statics(args.static_args, args.key)),
-        check_vma=self.check_vma, transform=())
+  def _traced(self, args: _CallArgs, flat: _FlatArgs):
+    """``(call, out_tree)``: ``fun`` traced for ``args``, cached where the
+    static arguments hash."""
+    # jax.jit's trace key (its trace context holds the config), statics by
+    # _key_of, unpassed defaults' positions; blind to fun's globals.
+    key = None if args.key is None else (
+        args.key, args.defaults_at, flat.in_tree, flat.in_avals,
+        _SHARDY.value, _jax.trace_context())
+    traced = None if key is None else self._traces.get(key)
+    if traced is None:  # get and put: no closure built on the hot path
+      traced = self._trace_fun(args, flat.in_tree, flat.in_avals)
+      if key is not None:
+        self._traces.put(key, traced)
+    return traced
 
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
     """``fun`` traced to ``(call, out_tree)``. Closed-over arrays stay
@@ -631,24 +614,22 @@ class custom_partitioning:
           "it to the function as an argument instead.")
     return call, out_tree()
 
-
-def _typeof_before_053(x) -> _jax.AbstractValue:
-  # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
-  aval = _jax.get_aval(x)
-  return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
-
-
-# jax 0.5.3 added jax.typeof; 0.10.0 removed get_aval.
-_typeof = _jax.typeof or _typeof_before_053
-
-
-# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
-# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-
+  def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree) -> dict:
+    """A call's equation parameters (the shard_map path's too): upstream's,
+    plus ``check_vma`` and ``transform`` (a derived op's steps)."""
+    return dict(
+        call=call, in_tree=flat.in_tree, out_tree=out_tree,
+        partition=(self.partition
+                   if self.partition is not None or self.sharding_rule is None
+                   else _FromRule(self.fun, args.static_argnums,
+                                  args.defaults)),
+        propagate_user_sharding=self.propagate_user_sharding,
+        infer_sharding_from_operands=self.infer_sharding_from_operands,
+        decode_shardings=self.decode_shardings,
+        sharding_rule=self.sharding_rule,
+        static_args=(args.static_args and
+                     _Statics(args.static_args, args.key)),
+        check_vma=self.check_vma, transform=())
 
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
 
@@ -766,10 +747,22 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   return call, out_tree
 
 
-def _fun_name(call) -> str:
-  with _weak_lock:
-    name = _call_names.get(call)
-  return name or getattr(_open(call).debug_info, "func_name", None) or "<op>"
+def _typeof_before_053(x) -> _jax.AbstractValue:
+  # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
+  aval = _jax.get_aval(x)
+  return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
+
+
+# jax 0.5.3 added jax.typeof; 0.10.0 removed get_aval.
+_typeof = _jax.typeof or _typeof_before_053
+
+
+# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
+# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
 
 
 # jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
@@ -915,14 +908,6 @@ class _Statics:
     return repr(self.value)
 
 
-def _params_key(params: dict) -> tuple:
-  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
-  static = params["static_args"]
-  if static and not isinstance(static, _Statics):
-    params = dict(params, static_args=_Statics(static, _key_of(static)))
-  return tuple(sorted(params.items()))  # names unique: values never compared
-
-
 _eager = _LRU()
 
 
@@ -939,6 +924,39 @@ _eager = _LRU()
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
+
+
+def _jit_disabled() -> bool:
+  return bool(_jax.disable_jit.value)
+
+
+def _impl(*args, **params):
+  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
+  compiled, and partitioned only if some operand is sharded (upstream
+  never asks the callbacks here; ``partition`` must not see host data)."""
+  # Cache key: the params hold the body, every callback and the statics
+  # (by _static_key); jax.jit keys on the operands' types and shardings.
+  call = params["call"]
+  if _jit_disabled():  # jax.jit would call straight back into this impl
+    return _jax.jaxpr_as_fun(call)(*args)
+  sharded = _any_sharded(args)
+  key = (_params_key(params), sharded)
+  fn = _eager.cached(key, lambda: jax.jit(
+      functools.partial(custom_partitioning_p.bind, **params) if sharded
+      else _jax.jaxpr_as_fun(call)))
+  return fn(*args)
+
+
+def _to_lojax(*args, call, **params):
+  """Binds the op anew on its body with hijax primitives expanded, as jax
+  0.12 asks of a primitive whose parameters hold a high jaxpr."""
+  high = [a for a in (*call.in_avals, *call.out_avals) if a.is_high]
+  if high:
+    raise NotImplementedError(
+        f"custom_partitioning of {_fun_name(call)}: operands and results "
+        f"must be arrays, not hijax types ({high[0]}); hijax primitives "
+        "inside fun and lower_fn are supported.")
+  return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
 
 
 def _abstract_eval(*avals, call, **_):
@@ -992,11 +1010,17 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if params["partition"] is None:
     raise ValueError(_NO_PARTITION.format(name=name, n=len(place.devices)))
   rule, rule_attr = params["sharding_rule"], None
-  if callable(rule) or (_SHARDY.value and (  # seam: rules; derived (II.5)
-      rule is not None or params["infer_sharding_from_operands"] is not None
-      or params["propagate_user_sharding"] is not None)):
+  if callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place, steps)
+      rule, rule_attr = _ask_rule(ctx, params, place.mesh,
+                                  _rule_levels(call, steps))
+  elif _SHARDY.value and (  # seam: a rule derived from infer (II.5)
+      params["infer_sharding_from_operands"] is not None or
+      params["propagate_user_sharding"] is not None):
+    levels = _rule_levels(call, steps)
+    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
+      rule_attr = _rule_attr(_derived_rule(params, place, levels[0]).rule,
+                             levels, False)
   # Inside a partly manual shard_map: the manual axes each value varies on.
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
@@ -1013,6 +1037,13 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
       operands=list(values), backend_config=_register(ctx, op, params),
       extra_attributes=rule_attr).results
+
+
+def _varying_axes(aval) -> frozenset | None:
+  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
+  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
+  mat = getattr(aval, "manual_axis_type", None)
+  return getattr(aval, "vma", None) if mat is None else mat.varying
 
 
 class _Placement(NamedTuple):
@@ -1087,6 +1118,12 @@ def _mesh_from_abstract(devices, am) -> _jax.Mesh:
                        am.axis_names, **kwargs)
 
 
+def _fun_name(call) -> str:
+  with _weak_lock:
+    name = _call_names.get(call)
+  return name or getattr(_open(call).debug_info, "func_name", None) or "<op>"
+
+
 @contextlib.contextmanager
 def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
   """Re-raises a plain ValueError or TypeError with ``prefix`` and
@@ -1109,18 +1146,21 @@ class _Level(NamedTuple):
   entry: Any = None
 
 
-def _ask_rule(ctx, params, place: _Placement, steps):
-  """The op's rule (a callable one asked) and, under Shardy, its attribute."""
-  call, rule = params["call"], params["sharding_rule"]
+def _rule_levels(call, steps: tuple) -> list[_Level]:
+  """The op's values by level, for its rule: the author's op, then each
+  step's."""
   values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
             [_Value(a.shape, a.dtype) for a in call.out_avals])
-  levels = (_levels(steps, *values) if steps  # II.3
-            else [_Level(None, *values)])
+  if steps:  # seam: a derived op (II.3)
+    return _levels(steps, *values)
+  return [_Level(None, *values)]
+
+
+def _ask_rule(ctx, params, mesh, levels: list):
+  """The op's rule (a callable one asked) and, under Shardy, its attribute."""
+  rule = params["sharding_rule"]
   if callable(rule):  # seam: a rule asked per call (II.1)
-    rule = _asked_rule(ctx, params, place.mesh, levels[0])
-  elif rule is None:  # seam: a rule derived from infer (II.5)
-    derived = _derived_rule(params, place, levels[0]).rule
-    return None, _rule_attr(derived, levels, False)
+    rule = _asked_rule(ctx, params, mesh, levels[0])
   return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
                                                     _FromRule))
                 if _SHARDY.value and rule is not None else None)
@@ -1355,44 +1395,12 @@ def _register(ctx, op: _Op, params) -> str:
   return key
 
 
-def _varying_axes(aval) -> frozenset | None:
-  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
-  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
-  mat = getattr(aval, "manual_axis_type", None)
-  return getattr(aval, "vma", None) if mat is None else mat.varying
-
-
-def _jit_disabled() -> bool:
-  return bool(_jax.disable_jit.value)
-
-
-def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
-  compiled, and partitioned only if some operand is sharded (upstream
-  never asks the callbacks here; ``partition`` must not see host data)."""
-  # Cache key: the params hold the body, every callback and the statics
-  # (by _static_key); jax.jit keys on the operands' types and shardings.
-  call = params["call"]
-  if _jit_disabled():  # jax.jit would call straight back into this impl
-    return _jax.jaxpr_as_fun(call)(*args)
-  sharded = _any_sharded(args)
-  key = (_params_key(params), sharded)
-  fn = _eager.cached(key, lambda: jax.jit(
-      functools.partial(custom_partitioning_p.bind, **params) if sharded
-      else _jax.jaxpr_as_fun(call)))
-  return fn(*args)
-
-
-def _to_lojax(*args, call, **params):
-  """Binds the op anew on its body with hijax primitives expanded, as jax
-  0.12 asks of a primitive whose parameters hold a high jaxpr."""
-  high = [a for a in (*call.in_avals, *call.out_avals) if a.is_high]
-  if high:
-    raise NotImplementedError(
-        f"custom_partitioning of {_fun_name(call)}: operands and results "
-        f"must be arrays, not hijax types ({high[0]}); hijax primitives "
-        "inside fun and lower_fn are supported.")
-  return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
+def _params_key(params: dict) -> tuple:
+  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
+  static = params["static_args"]
+  if static and not isinstance(static, _Statics):
+    params = dict(params, static_args=_Statics(static, _key_of(static)))
+  return tuple(sorted(params.items()))  # names unique: values never compared
 
 
 # --------------------------------------------------------------------------
@@ -1644,9 +1652,12 @@ def _answer_propagate(op: _Op, user_sharding, shape):
   if op.propagate_user_sharding is None and not op.steps:
     return _users_sharding(op, user_sharding, shape)
   results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
-  if op.steps and any(v.spec is None for v in results):
-    return user_sharding
-  propagated = _propagate(op, op.steps, results)
+  if op.steps:  # seam: a derived op (II.3)
+    propagated = _propagate_derived(op, results)
+    if propagated is None:
+      return user_sharding
+  else:
+    propagated = _ask_propagate(op, results)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_propagate(op, results, propagated)
   return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
@@ -1748,7 +1759,9 @@ def _partition(op: _Op, operands: list, results: list, on):
   answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
-  closed, _ = _trace_lower_fn(op, answer, operands, results)
+  closed = _trace_lower_fn(op, answer)
+  if op.check_vma:  # seam: per-shard checks (II.6)
+    _check_per_shard(op, answer, operands + results, closed)
   if _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
@@ -1836,15 +1849,10 @@ def _concrete(op: _Op, mesh: _jax.AbstractMesh):
   return _mesh_from_abstract(op.place.devices, mesh)
 
 
-def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
-                    results: list) -> tuple[_ClosedJaxpr, bool]:
-  """``lower_fn`` traced on local shapes, checked (II.6): its jaxpr
-  and whether every replicated result was proved equal along its axes."""
+def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
+  """``lower_fn`` traced on local shapes; its results checked against the
+  shapes and dtypes ``partition``'s result shardings need."""
   lower_fn, on = answer.lower_fn, answer.on
-  if op.check_vma and op.sharding_rule is not None and any(  # seam: II.6 pads
-      size % _shard_count(entry, on)
-      for v in answer.args for size, entry in zip(v.shape, v.spec or ())):
-    _check_even_reductions(op, operands + results, answer.args, on)
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
   try:
@@ -1874,14 +1882,7 @@ def _trace_lower_fn(op: _Op, answer: _Answer, operands: list,
           f"lower_fn of {op.name} returned result {i} with local shape "
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
-  specs = [v.spec for v in answer.results]
-  if op.check_vma and not all(  # seam: a result replicated over an axis (II.6)
-      spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
-      on.size for spec in specs):
-    return closed, _check_replicated_results(
-        op.name, _open(closed), [v.spec for v in answer.args], specs,
-        _real_axes(on))
-  return closed, op.check_vma  # every result is sharded over every axis
+  return closed
 
 
 def _shard_count(entry, mesh) -> int:
@@ -1946,16 +1947,31 @@ def _host_callback_error(op: _Op) -> NotImplementedError:
 
 
 def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
+  """The per-shard program lowered to the module XLA inlines, as bytecode."""
+  mesh, closed = shard.mesh, shard.jaxpr
+  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
+      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name":
+          op.backend}
+  params: dict[str, Any] = {}
+  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
+    kwargs["name_stack"] = _jax.new_name_stack()
+  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
+    kwargs.update(num_const_args=0, in_avals=closed.in_avals)
+    params["hoist_constants_as_args"] = False
+  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
+    kwargs["out_avals"] = closed.out_avals
+  with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
+    lowered = _jax.lower_jaxpr_to_module(
+        "custom_partitioning_shard", closed, ordered_effects=[],
+        donated_args=[False] * len(closed.in_avals),
+        axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)),
+        platforms=op.platforms,
+        lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
   # Host callbacks cannot work: XLA finds them by index in the compiled
   # program's list, fixed before this ran (upstream segfaults).
-  mesh = shard.mesh
-  with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
-    module, host_callbacks = _lower_per_shard(
-        shard.jaxpr, platforms=op.platforms, backend=op.backend,
-        axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)))
-  if host_callbacks:
+  if lowered.host_callbacks:
     raise _host_callback_error(op)
-  return _jax.module_to_bytecode(module)
+  return _jax.module_to_bytecode(lowered.module)
 
 
 def _no_ambient_mesh():
@@ -1964,25 +1980,6 @@ def _no_ambient_mesh():
   if _jax.use_abstract_mesh is None:
     return contextlib.nullcontext()
   return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
-
-
-def _lower_per_shard(closed_jaxpr, *, platforms, backend, axis_context):
-  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
-      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name": backend}
-  params: dict[str, Any] = {}
-  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
-    kwargs["name_stack"] = _jax.new_name_stack()
-  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
-    kwargs.update(num_const_args=0, in_avals=closed_jaxpr.in_avals)
-    params["hoist_constants_as_args"] = False
-  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
-    kwargs["out_avals"] = closed_jaxpr.out_avals
-  result = _jax.lower_jaxpr_to_module(
-      "custom_partitioning_shard", closed_jaxpr, ordered_effects=[],
-      donated_args=[False] * len(closed_jaxpr.in_avals),
-      axis_context=axis_context, platforms=platforms,
-      lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
-  return result.module, result.host_callbacks
 
 
 # ==========================================================================
@@ -2282,7 +2279,9 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
                        why=("asked while tracing; not run as shard_map "
                             f"under Explicit axes: {why[1]}"))
     return _Program(None, out_tree, why[1])
-  _, proven = _trace_lower_fn(op, answer, operands, results)  # the checks
+  closed, proven = _trace_lower_fn(op, answer), False
+  if op.check_vma:  # seam: per-shard checks (II.6)
+    proven = _check_per_shard(op, answer, operands + results, closed)
   if _log.isEnabledFor(logging.DEBUG):
     _debug_partition(op, operands, results, answer, _SHARD_MAP)
   build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
@@ -2781,6 +2780,14 @@ def _infer(op: _Op, levels: list):
   return top.step.infer(op, top, below[-1], lambda: _infer(op, below))
 
 
+def _propagate_derived(op: _Op, results: list) -> list[_Value] | None:
+  """Result values of the op, given its user's; None (the user's stand)
+  where one has no PartitionSpec to walk down the steps."""
+  if any(v.spec is None for v in results):
+    return None
+  return _propagate(op, op.steps, results)
+
+
 def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
   """Result values of the op ``steps`` above the author's, given its user's."""
   if not steps:
@@ -3198,6 +3205,23 @@ def _factor_name(k: int) -> str:
 # the union over iterations; an unknown effect (grouped collectives, other
 # subprograms) never raises. Size-1 axes never count.
 # --------------------------------------------------------------------------
+
+def _check_per_shard(op: _Op, answer: _Answer, values: list,
+                     closed: _ClosedJaxpr) -> bool:
+  """Raises where ``closed``, ``lower_fn`` traced for ``answer`` about
+  ``values`` (operands, then results), would give wrong values: a reduction
+  over padding, a replicated result that varies. Returns whether every
+  result was proven equal along the axes it is replicated over."""
+  on, specs = answer.on, [v.spec for v in answer.results]
+  if op.sharding_rule is not None and _padded(answer.args, on):
+    _check_even_reductions(op, values, answer.args, on)
+  if all(spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
+         on.size for spec in specs):
+    return True  # every result is sharded over every axis
+  return _check_replicated_results(
+      op.name, _open(closed), [v.spec for v in answer.args], specs,
+      _real_axes(on))
+
 
 def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
   """Raises if ``args`` pads an operand dimension the rule reduces over."""

@@ -75,14 +75,14 @@ transformation) runs, in call order, each helper beside its first user:
 I.1 the decorator and how a call is bound; I.2 the primitive and its
 lowering; I.3 the callbacks XLA calls; I.4 the partition callback. Part II,
 one section per extra, entered from lines marked ``# seam:`` that name it
-(a copy drops an extra with its section and seam lines): II.1 placements
-and errors off the plain path; II.2 the shard_map path (Explicit mesh
-axes); II.3 derived ops (vmap, jvp, transposition); II.4 ops by their rule
-alone; II.5 a rule derived from infer (GSPMD-era ops under Shardy); II.6
+(a copy drops an extra with its section and seam lines): II.2 placements
+and errors off the plain path; II.3 the shard_map path (Explicit mesh
+axes); II.4 derived ops (vmap, jvp, transposition); II.5 ops by their rule
+alone; II.6 a rule derived from infer (GSPMD-era ops under Shardy); II.1
 checks of the per-shard program; II.7 keys for the persistent
-cache; II.8 the DEBUG log; II.9 what extras share, and module state. Part
+cache; II.8 the DEBUG log; III.3 what extras share, and module state. Part
 III, leaves and tools: III.1 the Shardy rule parser; III.2
-``check_partitioning``; III.3 the self-demo; then the wiring block, which
+``check_partitioning``; III.4 the self-demo; then the wiring block, which
 registers every hook with jax and XLA. Each message stands where it is
 raised; each version branch beside its owner, naming the release.
 """
@@ -110,14 +110,13 @@ import warnings
 import weakref
 
 __version__ = "1.3.0"
-__all__ = [  # jax's six names, then this module's own
+__all__ = [  # jax's six names, then this module's own (III.2 adds two)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
     "str_to_sdy_sharding_rule", "sdy_sharding_rule_to_mlir",
-    "check_partitioning", "PartitioningReport",
 ]
 
-if __name__ == "__main__":  # the demo needs 8 devices; set before jax loads
+if __name__ == "__main__":  # seam: the demo's 8 devices (III.4)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # jaxlib's C++ chatter
@@ -254,6 +253,27 @@ _jax = _look_up(_NAMES)
 _JAXLIB_VERSION = tuple(_jax.version)[:3]
 
 
+# jax's private attributes of meshes, shardings and avals, read in one place.
+def _sharding_devices(sharding) -> tuple:
+  return tuple(sharding._device_assignment)
+
+
+def _aval_mesh(aval):
+  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  return None if mesh is None or mesh.empty else mesh
+
+
+def _axis_types(mesh) -> tuple | None:
+  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
+  types_ = getattr(mesh, "axis_types", None)
+  return types_ if isinstance(types_, tuple) else None
+
+
+def _gspmd_hlo(sharding) -> _jax.HloSharding:
+  return sharding._hlo_sharding
+
+
 # ==========================================================================
 # Part I. The drop-in core
 #
@@ -272,8 +292,8 @@ _JAXLIB_VERSION = tuple(_jax.version)[:3]
 #
 # A call's arguments are bound to positions and sorted by role (``_split``);
 # outside any transformation it is compiled (``_eager_call``), else bound
-# (``_bind``: under Explicit mesh axes the shard_map path, II.2, else the
-# primitive). Caches are bounded ``_LRU``s (module state: II.9).
+# (``_bind``: under Explicit mesh axes the shard_map path, II.3, else the
+# primitive). Caches are bounded ``_LRU``s (module state: III.3).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
@@ -286,13 +306,13 @@ class custom_partitioning:
   in a ``shard_map`` manual over every mesh axis and under
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
-  transformed on the same local shards (II.3; upstream supports none
+  transformed on the same local shards (II.4; upstream supports none
   of the three). An eager call is compiled: partitioned if an operand is a
   ``jax.Array`` sharded over several devices, else ``fun`` runs unasked
   (as upstream does for every eager call). Under Explicit mesh axes (jax
   0.7+, ``jax.set_mesh``) ``partition`` is asked while tracing and the op
   becomes ``lower_fn`` under ``jax.shard_map`` between two reshards
-  (II.2). Lowered inside another primitive's lowering rule
+  (II.3). Lowered inside another primitive's lowering rule
   (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
@@ -527,7 +547,7 @@ class custom_partitioning:
     if fn is None:  # only on a miss: no closure built per hit
       run = (functools.partial(self._bind, eager_mesh=mesh) if sharded
              else self._run_body)
-      if not sharded and _log.isEnabledFor(logging.DEBUG):
+      if not sharded and _log.isEnabledFor(logging.DEBUG):  # seam: log (II.8)
         _debug(self._name, "path", path=_FUN, mesh=None,
                why="an eager call with no operand sharded over several "
                "devices: fun is compiled as it is")
@@ -565,7 +585,7 @@ class custom_partitioning:
     leaves, in_tree = jax.tree_util.tree_flatten(args.dyn_args)
     flat = _FlatArgs(leaves, in_tree, tuple(map(_typeof, leaves)))
     # Whether an aval is sharded (jax 0.5.0+) on a mesh with an Explicit axis.
-    if _EXPLICIT_PATH and any(  # seam: the shard_map path (II.2)
+    if _EXPLICIT_PATH and any(  # seam: the shard_map path (II.3)
         jax.sharding.AxisType.Explicit in getattr(getattr(getattr(
             a, "sharding", None), "mesh", None), "axis_types", ())
         for a in flat.in_avals):
@@ -617,12 +637,12 @@ class custom_partitioning:
   def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree) -> dict:
     """A call's equation parameters (the shard_map path's too): upstream's,
     plus ``check_vma`` and ``transform`` (a derived op's steps)."""
+    partition = self.partition
+    if partition is None and self.sharding_rule is not None:  # seam: (II.5)
+      partition = _FromRule(self.fun, args.static_argnums, args.defaults)
     return dict(
         call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=(self.partition
-                   if self.partition is not None or self.sharding_rule is None
-                   else _FromRule(self.fun, args.static_argnums,
-                                  args.defaults)),
+        partition=partition,
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
@@ -908,14 +928,45 @@ class _Statics:
     return repr(self.value)
 
 
+class _FromRule:
+  """The ``partition`` of an op defined by its rule alone: each shard runs
+  ``fun`` with the call's static arguments and unpassed defaults."""
+  __slots__ = ("fun", "static_argnums", "defaults", "_parts")
+
+  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
+    self.fun, self.static_argnums, self.defaults = fun, static_argnums, defaults
+    # Defaults, fun's own objects, need not hash: compared by identity.
+    self._parts = (fun, static_argnums, tuple((i, id(v)) for i, v in defaults))
+
+  def __hash__(self):
+    return hash(self._parts)
+
+  def __eq__(self, other):
+    return isinstance(other, _FromRule) and other._parts == self._parts
+
+  def lower_fn(self, static_args: tuple) -> Callable:
+    """``fun`` as a function of the operands, ``static_args`` bound."""
+    fixed = dict([*zip(self.static_argnums, static_args), *self.defaults])
+    fun = self.fun
+
+    def lower_fn(*operands):
+      return fun(*_in_call_order(fixed, operands))
+    name = getattr(fun, "__name__", "")
+    lower_fn.__name__ = name if name.isidentifier() else "fun"
+    return lower_fn
+
+
 _eager = _LRU()
+
+
+_jax.register_custom_decorator_type(custom_partitioning)
 
 
 # --------------------------------------------------------------------------
 # I.2 The primitive and its lowering
 #
 # ``custom_partitioning_p`` carries upstream's parameters plus ``transform``
-# (a derived op's steps, II.3) and ``check_vma``, both read with a default,
+# (a derived op's steps, II.4) and ``check_vma``, both read with a default,
 # so binding upstream's alone works. Lowered on several devices it is one
 # custom call carrying its ``_Op``'s key; under Shardy it carries the rule,
 # resolved against the op's shapes here (III.1 parses it). A compile that
@@ -986,7 +1037,7 @@ _TARGET = f"CustomSPMDPartitioning.{__name__}"
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps)
-  if place is None:  # seam: nothing to partition (II.1)
+  if place is None:  # seam: nothing to partition (II.2)
     return _lowered_body(ctx, call, why, values)
   name = _fun_name(call)
   if ctx.module_context.lowering_parameters.for_export:
@@ -1014,7 +1065,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh,
                                   _rule_levels(call, steps))
-  elif _SHARDY.value and (  # seam: a rule derived from infer (II.5)
+  elif _SHARDY.value and (  # seam: a rule derived from infer (II.6)
       params["infer_sharding_from_operands"] is not None or
       params["propagate_user_sharding"] is not None):
     levels = _rule_levels(call, steps)
@@ -1069,12 +1120,12 @@ def _partitioned_placement(ctx, steps):
   am = getattr(axis_context, "abstract_mesh", None)
   if am is None or am.empty:
     am = _ambient_mesh("get_abstract_mesh")
-  if isinstance(axis_context, _jax.SPMDAxisContext):
-    place = _shard_map_placement(axis_context)  # seam: in a shard_map (II.1)
+  if isinstance(axis_context, _jax.SPMDAxisContext):  # seam: shard_map (II.2)
+    place = _shard_map_placement(axis_context)
     if place is None:
       return None, ("inside a shard_map manual over every mesh axis (one "
                     "shard's code)")
-  elif devices is None:  # seam: jax did not say the devices (II.1)
+  elif devices is None:  # seam: jax did not say the devices (II.2)
     place = _placement_without_devices(axis_context, am, ctx.avals_in)
   else:
     devices = tuple(devices)
@@ -1087,7 +1138,8 @@ def _partitioned_placement(ctx, steps):
   if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
     return None, "the program runs on one device"
-  if steps and place.auto is not None and not _MESH_TYPES_MANUAL_AXES:
+  if steps and place.auto is not None and (  # seam: a derived op (II.4)
+      not _MESH_TYPES_MANUAL_AXES):
     return None, ("a derived op inside a partly manual shard_map before jax "
                   "0.5.3, whose shardings cannot be expressed")
   return place, None
@@ -1140,7 +1192,7 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
 class _Level(NamedTuple):
   """An op from the author's (``step`` None) up to the one XLA asks about:
   its values as asked or as partitioned, and its batch dimension's entry."""
-  step: _Step | None
+  step: Any  # the _Step (II.4) that made it; None: the author's op
   operands: list
   results: list
   entry: Any = None
@@ -1151,7 +1203,7 @@ def _rule_levels(call, steps: tuple) -> list[_Level]:
   step's."""
   values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
             [_Value(a.shape, a.dtype) for a in call.out_avals])
-  if steps:  # seam: a derived op (II.3)
+  if steps:  # seam: a derived op (II.4)
     return _levels(steps, *values)
   return [_Level(None, *values)]
 
@@ -1159,7 +1211,7 @@ def _rule_levels(call, steps: tuple) -> list[_Level]:
 def _ask_rule(ctx, params, mesh, levels: list):
   """The op's rule (a callable one asked) and, under Shardy, its attribute."""
   rule = params["sharding_rule"]
-  if callable(rule):  # seam: a rule asked per call (II.1)
+  if callable(rule):
     rule = _asked_rule(ctx, params, mesh, levels[0])
   return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
                                                     _FromRule))
@@ -1201,9 +1253,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   mappings = (*rule.operand_mappings, *rule.result_mappings)
   for i, (mapping, shape) in enumerate(zip(mappings, shapes)):
     entries = list(mapping)
-    head = entries[0] if entries else None  # _is_batching(head), inlined:
-    if (isinstance(head, str) and head[:1] == BATCHING and
-        (head[1:] or "0").isdigit()):  # seam: an ellipsis (III.1)
+    if entries and _is_batching(entries[0]):  # an ellipsis (III.1)
       entries = _expand_ellipsis(entries, len(shape), group_rank)
     if len(entries) != len(shape):
       name = _value_name(i, num_operands)
@@ -1237,7 +1287,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
           sizes[factor] = min(old, new)  # like jax: the smaller size wins
     dims.append(value_dims)
   if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
-    _check_compounds(sizes, dims, shapes, num_operands)  # seam: III.1
+    _check_compounds(sizes, dims, shapes, num_operands)  # III.1
   return sizes, dims
 
 
@@ -1249,7 +1299,7 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
   part_sizes: list[int] = []
   for factor, size in sizes.items():
     split = [size]
-    if size > _MAX_FACTOR_SIZE:  # seam: too big for Shardy (III.1)
+    if size > _MAX_FACTOR_SIZE:  # too big for Shardy's parser (III.1)
       split = _split_size(size, next(
           f"{_value_name(i, num_operands)} dimension {d}"
           for i, value_dims in enumerate(dims)
@@ -1288,6 +1338,32 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
   return _jax.OpShardingRuleAttr.get(
       factor_sizes=factor_sizes, operand_mappings=operand_mappings,
       result_mappings=result_mappings, **kwargs)
+
+
+def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
+  """What a callable ``sharding_rule`` answers about the author's op (with
+  ``ctx`` None, while tracing: on types of an MLIR context of its own)."""
+  static = params["static_args"]
+  with contextlib.ExitStack() as scope:
+    if ctx is None:
+      scope.enter_context(_jax.make_ir_context())
+      scope.enter_context(_jax.Location.unknown())
+    operand_types, result_types = ([_jax.RankedTensorType.get(
+        v.shape, _jax.dtype_to_ir_type(v.dtype)) for v in side] if ctx is None
+        else _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
+        for side in (author.operands, author.results))
+    produced = params["sharding_rule"](
+        *getattr(static, "value", static), mesh, operand_types, result_types)
+  kwargs: dict = {}
+  if isinstance(produced, (tuple, list)) and len(produced) == 2:
+    produced, kwargs = produced
+  if isinstance(produced, str):
+    return str_to_sdy_sharding_rule(produced, **kwargs)
+  if not isinstance(produced, SdyShardingRule):
+    raise ValueError(
+        "A callable sharding_rule must return an SdyShardingRule, an "
+        f"einsum-like string, or (string, kwargs); got {produced!r}.")
+  return produced
 
 
 # Options jax sets while tracing, not users (check_vma in a jax.shard_map's
@@ -1360,6 +1436,9 @@ def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
   return [t for aval in avals for t in _jax.aval_to_ir_types(*first, aval)]
 
 
+_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
+
+
 class _OpTable(dict):
   """One lowering's ops by parameters (weakly referable, unlike a dict)."""
 
@@ -1403,6 +1482,17 @@ def _params_key(params: dict) -> tuple:
   return tuple(sorted(params.items()))  # names unique: values never compared
 
 
+custom_partitioning_p.def_abstract_eval(_abstract_eval)
+custom_partitioning_p.def_impl(_impl)
+custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
+_jax.register_lowering(custom_partitioning_p, _lowering)
+# Lowering needs the concrete devices (to pick the mesh and key the op).
+_jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
+# jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
+# backend compile that succeeds, 0.4.35 to 0.11.
+_jax.register_event_duration_secs_listener(_drop_pending)
+
+
 # --------------------------------------------------------------------------
 # I.3 The callbacks XLA calls: infer and propagate
 #
@@ -1413,54 +1503,34 @@ def _params_key(params: dict) -> tuple:
 # the thread's partition callback (XLA compiles one program at a time on a
 # thread, and partitions last). XLA talks in HloShardings on flat lists of
 # shapes, the callbacks in jax shardings on pytrees; in between, each operand
-# and result is a ``_Value``. A question goes XLA (or II.2) -> ``_<q>`` (a
-# derived op's steps, II.3) -> ``_ask_<q>``, the only caller of that
+# and result is a ``_Value``. A question goes XLA (or II.3) -> ``_<q>`` (a
+# derived op's steps, II.4) -> ``_ask_<q>``, the only caller of that
 # author's callback.
 # --------------------------------------------------------------------------
 
-_ERROR_TAG = f"[{_TARGET} error #"
-
-
 def _question(answer: Callable, default: Callable):
   """XLA's infer or propagate callback, ``(*xla_args, key) -> answer(op,
-  *xla_args)``, or ``default(op, *xla_args)``, XLA's own answer, where the
+  *xla_args)``, or ``default(*xla_args)``, XLA's own answer, where the
   op leaves the question to XLA; and where ``answer`` raises, the error kept
   for the partition callback (which raises it: XLA aborts on one here)."""
   def question(*args):
     *xla_args, key = args
     with _weak_lock:
       op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if op is None or (op.place.auto is not None and  # seam: manual (II.1)
-                      not _MESH_TYPES_MANUAL_AXES) or (
-        op.steps and op.mesh.empty):
-      return default(op, *xla_args)
+    if op is None:
+      return default(*xla_args)
+    if op.place.auto is not None and (  # seam: partly manual (II.2)
+        not _MESH_TYPES_MANUAL_AXES):
+      return default(*xla_args)
+    if op.steps and op.mesh.empty:  # seam: a derived op (II.4)
+      return default(*xla_args)
     try:
       return answer(op, *xla_args)
     except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
       with _weak_lock:  # the first error of this compile
         _pending.setdefault(threading.get_ident(), (op.name, e))
-      return default(None, *xla_args)
+      return default(*xla_args)
   return question
-
-
-def _partitioner(answer: Callable):
-  """XLA's partition callback, ``(*xla_args, key) -> answer(op,
-  *xla_args)``; an error reaches XLA as a ``RuntimeError`` naming the
-  parked original (``_park``), by which jax is given it back."""
-  def partition(*args):
-    *xla_args, key = args
-    with _weak_lock:
-      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if op is None:
-      raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
-                         f"under key {key!r}; was its lowering dropped?")
-    if _pending:  # seam: an infer/propagate error kept (II.1)
-      _raise_pending()
-    try:
-      return answer(op, *xla_args)
-    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
-      raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
-  return partition
 
 
 # jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
@@ -1468,41 +1538,34 @@ def _partitioner(answer: Callable):
 _MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
 
 
-_parked_errors = _LRU()
-_parked_counter = itertools.count()
-
-
-def _park(error: BaseException, where: str) -> str:
-  """Parks ``error``; returns a message naming it for the handler."""
-  tag = next(_parked_counter)
-  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
-  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
-
-
-def _reraise_callback_error(xla_error: Exception):
-  """Compile-error handler: gives back the author's original exception."""
-  _drop_pending()
-  text = str(xla_error)
-  start = text.find(_ERROR_TAG)
-  if start < 0:
-    return None
-  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
-  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
-
-
 def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
   """The result sharding XLA gets from the operands', or None."""
   results = _from_xla(*_hlo_parts(result_shape, None), op.mesh)
   operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
-  if op.steps:  # seam: a derived op (II.3)
+  if op.steps:  # seam: a derived op (II.4)
     inferred = _infer(op, _levels(op.steps, operands, results))
   else:
     inferred = _ask_infer(op, operands, results)
-  if _log.isEnabledFor(logging.DEBUG):
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_infer(op, operands, inferred)
   if inferred is None:
     return None
   return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
+
+
+def _answer_propagate(op: _Op, user_sharding, shape):
+  """The op's result sharding given its user's (kept where the op has no
+  ``propagate_user_sharding``)."""
+  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
+  if op.steps:  # seam: a derived op (II.4)
+    propagated = _propagate_derived(op, results)
+  else:
+    propagated = _ask_propagate(op, results)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug_propagate(op, results, propagated)
+  if propagated is None:
+    return user_sharding
+  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
 
 
 class _Value(NamedTuple):
@@ -1554,7 +1617,7 @@ def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
 
 def _ask_infer(op: _Op, operands: list, results: list):
   """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
-  if op.infer_sharding_from_operands is None:  # seam: rule-only (II.4)
+  if op.infer_sharding_from_operands is None:  # seam: rule-only (II.5)
     return _infer_by_rule(op, operands, results)
   answer = op.infer_sharding_from_operands(
       *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
@@ -1564,6 +1627,16 @@ def _ask_infer(op: _Op, operands: list, results: list):
     return None
   return _encode(op, op.out_tree, answer, results,
                  "infer_sharding_from_operands", "result sharding")
+
+
+def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+  """``propagate_user_sharding``'s answer, or None (the user's stand)."""
+  if op.propagate_user_sharding is None:
+    return None
+  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
+                                      _structs(op, op.out_tree, results))
+  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
+                 "result sharding")
 
 
 def _structs(op: _Op, tree, values, on=None):
@@ -1614,8 +1687,9 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
         sharding.mesh, _jax.AbstractMesh):
       sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
                                             sharding.spec)
-    handed = on == op.place.auto and _handed_back(  # seam: partly manual
-        op, sharding)  # shard_map (II.1)
+    handed = False
+    if on == op.place.auto:  # seam: a partly manual shard_map (II.2)
+      handed = _handed_back(op, sharding)
     if not handed and sharding.device_set != set(op.place.devices):
       raise ValueError(
           f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
@@ -1624,11 +1698,11 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
         len(sharding.spec) > ndim):
       raise ValueError(
           f"{where} with spec {sharding.spec} for a value of rank {ndim}.")
-    if on == op.place.auto and not handed:  # seam: partly manual (II.1)
+    if on == op.place.auto and not handed:  # seam: partly manual (II.2)
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and op.steps:
+    if spec is None and op.steps:  # seam: a derived op (II.4)
       raise NotImplementedError(
           f"{where}, which has no PartitionSpec on the mesh "
           f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
@@ -1648,59 +1722,62 @@ def _pack_hlo(shape: _jax.Shape, shardings: list[_jax.HloSharding]):
           if shape.is_tuple() else shardings[0])
 
 
-def _answer_propagate(op: _Op, user_sharding, shape):
-  if op.propagate_user_sharding is None and not op.steps:
-    return _users_sharding(op, user_sharding, shape)
-  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
-  if op.steps:  # seam: a derived op (II.3)
-    propagated = _propagate_derived(op, results)
-    if propagated is None:
-      return user_sharding
-  else:
-    propagated = _ask_propagate(op, results)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_propagate(op, results, propagated)
-  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
-
-
-def _users_sharding(op: _Op | None, user_sharding, shape):
-  """What XLA keeps where the op does not propagate: the user's sharding."""
-  if op is not None and _log.isEnabledFor(logging.DEBUG):
-    _debug_propagate(op, _from_xla(*_hlo_parts(shape, user_sharding),
-                                   op.mesh), None)
-  return user_sharding
-
-
-def _ask_propagate(op: _Op, results: list) -> list[_Value]:
-  """``propagate_user_sharding``'s answer, else the user's ``results``."""
-  if op.propagate_user_sharding is None:
-    return results
-  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
-                                      _structs(op, op.out_tree, results))
-  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
-                 "result sharding")
-
-
-def _register_partitioner(name: str, prop_user_sharding, partition,
-                          infer_sharding_from_operands) -> None:
-  register = functools.partial(
-      _jax.register_custom_call_partitioner, name=name,
-      prop_user_sharding=prop_user_sharding, partition=partition,
-      infer_sharding_from_operands=infer_sharding_from_operands,
-      can_side_effecting_have_replicated_sharding=True)
-  register()
-  _jax.register_plugin_callbacks(register)
-
-
 # --------------------------------------------------------------------------
 # I.4 The partition callback: asking partition, lowering lower_fn
 #
 # ``op.mesh`` is what the callbacks see; ``on`` names the mesh of a value's
 # spec and HloSharding: ``op.mesh``, inside a partly manual shard_map
 # ``op.place.auto``, or the mesh ``partition`` returned (``_Answer.on``).
-# ``lower_fn`` is traced on per-shard shapes, checked (II.6) and lowered
+# ``lower_fn`` is traced on per-shard shapes, checked (II.1) and lowered
 # to the module XLA inlines.
 # --------------------------------------------------------------------------
+
+_ERROR_TAG = f"[{_TARGET} error #"
+
+
+def _partitioner(answer: Callable):
+  """XLA's partition callback, ``(*xla_args, key) -> answer(op,
+  *xla_args)``; an error reaches XLA as a ``RuntimeError`` naming the
+  parked original (``_park``), by which jax is given it back."""
+  def partition(*args):
+    *xla_args, key = args
+    with _weak_lock:
+      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
+    if op is None:
+      raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
+                         f"under key {key!r}; was its lowering dropped?")
+    if _pending:  # seam: an infer/propagate error kept (II.2)
+      _raise_pending()
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
+  return partition
+
+
+_parked_errors = _LRU()
+
+
+_parked_counter = itertools.count()
+
+
+def _park(error: BaseException, where: str) -> str:
+  """Parks ``error``; returns a message naming it for the handler."""
+  tag = next(_parked_counter)
+  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
+  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
+
+
+def _reraise_callback_error(xla_error: Exception):
+  """Compile-error handler: gives back the author's original exception."""
+  _drop_pending()
+  text = str(xla_error)
+  start = text.find(_ERROR_TAG)
+  if start < 0:
+    return None
+  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
+  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
+
 
 class _PerShard(NamedTuple):
   """The per-shard program on ``mesh`` and the shardings it takes, gives."""
@@ -1718,7 +1795,7 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
              str(result_shape), str(result_sharding))
   hit = op.lowered.get(request)
   if hit is not None:
-    if _log.isEnabledFor(logging.DEBUG):
+    if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
       _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
                               result_sharding, hit)
     return hit
@@ -1729,7 +1806,7 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
   operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
   results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
   with _config_entered(op.config):
-    if op.steps:  # seam: a derived op (II.3)
+    if op.steps:  # seam: a derived op (II.4)
       shard = _partition_derived(op, operands, results, on)
     else:
       answer, closed = _partition(op, operands, results, on)
@@ -1757,10 +1834,10 @@ def _config_entered(values: tuple):
 def _partition(op: _Op, operands: list, results: list, on):
   """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
   answer = _ask_partition(op, operands, results, on)
-  if _log.isEnabledFor(logging.DEBUG):
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
   closed = _trace_lower_fn(op, answer)
-  if op.check_vma:  # seam: per-shard checks (II.6)
+  if op.check_vma:  # seam: per-shard checks (II.1)
     _check_per_shard(op, answer, operands + results, closed)
   if _calls_host(closed):
     raise _host_callback_error(op)
@@ -1778,7 +1855,7 @@ def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   if op.partition is None:
     raise ValueError(_NO_PARTITION.format(
         name=op.name, n=len(op.place.devices)))
-  if isinstance(op.partition, _FromRule):  # seam: rule-only op (II.4)
+  if isinstance(op.partition, _FromRule):  # seam: rule-only op (II.5)
     answer = _partition_from_rule(op, operands, results)
   else:
     answer = op.partition(*op.static_args, op.mesh,
@@ -1824,7 +1901,8 @@ def _checked_answer(op: _Op, answer) -> tuple:
                      f"the op runs on {len(devices)}.")
   if isinstance(mesh, _jax.AbstractMesh):
     mesh = _concrete(op, mesh)
-  if op.steps and dict(mesh.shape) != dict(op.mesh.shape):
+  if op.steps and dict(mesh.shape) != dict(  # seam: a derived op (II.4)
+      op.mesh.shape):
     raise NotImplementedError(
         f"{where} returned a mesh with axes {dict(mesh.shape)}, but the op's "
         f"mesh has {dict(op.mesh.shape)}; under jax.vmap, jax.jvp and "
@@ -1982,845 +2060,19 @@ def _no_ambient_mesh():
   return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
 
 
-# ==========================================================================
-# Part II. The extras, one section each
-#
-# Each extra joins the core at its ``# seam:`` lines, runs only when it
-# applies, and holds what it owns (helpers, stores, version branches).
-# Deleting an extra is deleting its section and its seam lines.
-# ==========================================================================
-
-# --------------------------------------------------------------------------
-# II.1 Placements and errors off the plain path
-#
-# A body with nothing to partition, placements inside a shard_map or without
-# devices, a callable sharding rule, infer/propagate errors kept for partition.
-# --------------------------------------------------------------------------
-
-def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
-        ctx.module_context.axis_context, "mesh", None),
-           why=f"fun is compiled as it is: {why}")
-  return _jax.lower_fun(_jax.jaxpr_as_fun(call),
-                        multiple_results=True)(ctx, *values)
-
-
-def _shard_map_placement(axis_context) -> _Placement | None:
-  """Inside a shard_map: its mesh, manual axes typed Manual; or None."""
-  whole, manual = axis_context.mesh, axis_context.manual_axes
-  if set(manual) == set(whole.axis_names):
-    return None
-  if not manual:
-    return _Placement(whole, tuple(whole.devices.flat))
-  return _Placement(_with_manual_axes(whole, manual), tuple(whole.devices.flat),
-                    _auto_submesh(whole, manual), whole)
-
-
-def _with_manual_axes(mesh, manual_axes):
-  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
-    return mesh
-  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
-                 for name, t in zip(mesh.axis_names, mesh.axis_types))
-  return _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
-
-
-def _auto_submesh(mesh, manual_axes):
-  """The sub-mesh over the non-manual axes (devices of one manual group)."""
-  keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
-  index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
-  kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
-            if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
-  return _jax.Mesh(mesh.devices[index],
-                       tuple(mesh.axis_names[i] for i in keep), **kwargs)
-
-
-def _placement_without_devices(axis_context, am, avals) -> _Placement:
-  """Without devices (inside another primitive's lowering): a mesh the
-  caller gave of the program's shape, else ``with mesh:``'s."""
-  num_devices = getattr(axis_context, "num_devices", None)
-  abstract = [m for m in [am, *map(_aval_mesh, avals)]
-              if m is not None and not m.empty]
-  mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
-      dict(am.shape) == dict(m.shape) for am in abstract))
-  if mesh is None:
-    return _Placement(_jax.thread_resources.env.physical_mesh, None)
-  return _Placement(mesh, tuple(mesh.devices.flat))
-
-
-def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
-  """What a callable ``sharding_rule`` answers about the author's op (with
-  ``ctx`` None, while tracing: on types of an MLIR context of its own)."""
-  static = params["static_args"]
-  with contextlib.ExitStack() as scope:
-    if ctx is None:
-      scope.enter_context(_jax.make_ir_context())
-      scope.enter_context(_jax.Location.unknown())
-    operand_types, result_types = ([_jax.RankedTensorType.get(
-        v.shape, _jax.dtype_to_ir_type(v.dtype)) for v in side] if ctx is None
-        else _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
-        for side in (author.operands, author.results))
-    produced = params["sharding_rule"](
-        *getattr(static, "value", static), mesh, operand_types, result_types)
-  kwargs: dict = {}
-  if isinstance(produced, (tuple, list)) and len(produced) == 2:
-    produced, kwargs = produced
-  if isinstance(produced, str):
-    return str_to_sdy_sharding_rule(produced, **kwargs)
-  if not isinstance(produced, SdyShardingRule):
-    raise ValueError(
-        "A callable sharding_rule must return an SdyShardingRule, an "
-        f"einsum-like string, or (string, kwargs); got {produced!r}.")
-  return produced
-
-
-def _raise_pending() -> None:
-  """Raises (parked) the error infer or propagate kept on this thread."""
-  with _weak_lock:
-    pending = _pending.pop(threading.get_ident(), None)
-  if pending is not None:
-    name, e = pending
-    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
-
-
-def _handed_back(op: _Op, sharding) -> bool:
-  """Whether ``sharding`` is a GSPMDSharding on the auto part's devices, as
-  ``_structs`` hands one to callbacks without ``decode_shardings``: its
-  HloSharding is on the auto part already."""
-  return isinstance(sharding, _jax.GSPMDSharding) and (
-      sharding.device_set == set(op.place.auto.devices.flat))
-
-
-def _onto_auto_axes(op: _Op, sharding, where: str):
-  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
-                    "partly manual shard_map it must be a NamedSharding.")
-  auto = op.place.auto
-  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
-  if manual:
-    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
-                     f"over the manual axes {sorted(manual)}; only "
-                     f"{auto.axis_names} may be used here.")
-  return jax.sharding.NamedSharding(auto, sharding.spec)
-
-
-# --------------------------------------------------------------------------
-# II.2 The shard_map path (Explicit mesh axes)
-#
-# Where every operand's sharding is in its type, ``partition`` is asked
-# while tracing and the op becomes reshard -> ``jax.shard_map(lower_fn)``
-# -> reshard, with no custom call (README: "Explicit mesh axes: two paths").
-# --------------------------------------------------------------------------
-
-def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
-  """The op's results, via shard_map; None where it keeps the custom call."""
-  mesh, why_not = _explicit_mesh(flat, eager_mesh)
-  if mesh is None:
-    if why_not is not None and _log.isEnabledFor(logging.DEBUG):
-      _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
-             why=f"not run as shard_map under Explicit axes: {why_not}")
-    return None
-  # All that fun's trace and the callbacks are given (see _traced).
-  key = ((args.key, args.defaults_at, flat.in_tree, flat.in_avals, mesh,
-          _jax.trace_context())
-         if args.key is not None else None)
-  hit = None if key is None else user_op._programs.get(key)
-  if hit is not None and _log.isEnabledFor(logging.DEBUG):
-    _debug(user_op._name, "partition", mesh=mesh, cached=True,
-           path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
-           asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
-                          for a in flat.in_avals]))
-  program = hit or user_op._programs.cached(key, lambda: _explicit_program(
-      user_op, args, flat, mesh))
-  if program.run is None:
-    return None
-  return jax.tree_util.tree_unflatten(
-      program.out_tree, _run_program(user_op, program, key, flat, mesh))
-
-
-def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
-  """Runs (traces) the program, or its untyped twin where shard_map's types
-  refuse what the module's check proved (an unmarked loop carry a collective
-  makes varying: TypeError; a result made equal by all_gather: ValueError)."""
-  prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
-            "of its lower_fn under Explicit mesh axes: ")
-  try:
-    with _naming(prefix, _shard_map_advice):
-      return program.run(*flat.leaves)
-  except (TypeError, ValueError) as e:
-    if (program.untyped is None or type(e) not in (TypeError, ValueError)
-        or not program.proven):
-      raise
-    why = e.__cause__ or e
-  with _naming(prefix):
-    out = program.untyped(*flat.leaves)
-  if key is not None:  # a fresh plan would be refused alike: keep this one
-    user_op._programs.put(key, program._replace(run=program.untyped,
-                                                untyped=None))
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug(user_op._name, "path", path=_SHARD_MAP, mesh=mesh,
-           why=f"run with shard_map's check_vma off: its types refuse "
-           f"lower_fn ({why})")
-  return out
-
-
-def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
-  """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
-  (for the log, if the operands' mesh is all Explicit) why not; no callback."""
-  if not _EXPLICIT_PATH or _jit_disabled():
-    return None, None
-  meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
-  if len(meshes) != 1:
-    return None, (None if not any(map(_all_explicit, meshes)) else
-                  "the operands are on different meshes")
-  (am,) = meshes
-  if not _all_explicit(am):
-    return None, None
-  ambient = _ambient_mesh("get_abstract_mesh")
-  if ambient is not None and not ambient.empty and ambient != am:
-    return None, "another mesh is ambient (inside a shard_map or auto_axes)"
-  mesh = _caller_mesh(lambda m: m.abstract_mesh == am, eager_mesh,
-                      with_block=False)
-  if mesh is None:
-    return None, ("no concrete mesh for the operands' mesh is known (set "
-                  "one with jax.set_mesh)")
-  if mesh.size == 1:  # the body, inlined
-    return None, None
-  if any(map(_vmapped_over_mesh_axis, flat.leaves)):
-    return None, ("under a jax.vmap whose batch dimension is sharded over "
-                  "a mesh axis")
-  return mesh, None
-
-
-def _all_explicit(am) -> bool:
-  types_ = _axis_types(am)
-  return bool(am.axis_names) and types_ is not None and all(
-      t == jax.sharding.AxisType.Explicit for t in types_)
-
-
-def _vmapped_over_mesh_axis(x) -> bool:
-  """Whether ``x`` is (the primal of) a jax.vmap tracer whose batch dimension
-  is sharded over a mesh axis in its type: jax's vmap of shard_map moves it
-  to no mesh axis (an all-gather, jax 0.10.2; a size-1 axis is then unbound
-  in lower_fn), so such calls keep the custom call."""
-  while isinstance(x, (_jax.BatchTracer, _jax.JVPTracer)):
-    dim, x = ((None, x.primal) if isinstance(x, _jax.JVPTracer)
-              else (x.batch_dim, x.val))
-    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
-    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
-      return True
-  return False
-
-
-class _Program(NamedTuple):
-  """A call signature's plan; ``run`` None: the custom call, for ``why``."""
-  run: Callable | None  # jitted reshard -> shard_map -> reshard
-  out_tree: Any
-  why: str = ""
-  untyped: Callable | None = None  # check_vma off (None: off already)
-  proven: bool = False  # the module's check proved replicated results equal
-
-
-# jax 0.6.0 added the cast to varying types jax.lax.pvary, 0.8.2 pcast(x,
-# axes, to="varying"), 0.10.0 removed pvary; advice names the one it has.
-_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
-                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
-
-
-def _shard_map_advice(error: Exception) -> str:
-  """Advice on shard_map's refusals (jax's names shard_map's arguments)."""
-  if type(error) is ValueError and "out_specs" in str(error):
-    return (" (here: shard_map's check_vma cannot prove a result replicated "
-            "over an axis its sharding leaves out; reduce it over that axis "
-            "(jax.lax.psum, pmax, all_gather), or, if lower_fn makes it "
-            "equal on every device in a way jax does not follow, pass "
-            "check_vma=False to def_partition)")
-  if type(error) is TypeError and "carry" in str(error):
-    return (" (here: shard_map's check_vma types loop carries: one that a "
-            f"collective makes varying needs {_VARYING_CAST} on its initial "
-            "value; or pass check_vma=False to def_partition)")
-  return ""
-
-
-def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
-                      mesh) -> _Program:
-  """Plans one call signature: ``partition`` asked, checked, compiled."""
-  call, out_tree, type_error = _typed_trace(user_op, args, flat)
-  params = user_op._params(args, flat, call, out_tree)
-  rule = params["sharding_rule"]
-  op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
-              None if callable(rule) else rule)
-  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
-                                              type_error)
-  if rule is not None and (
-      _SHARDY.value or op.infer_sharding_from_operands is None):
-    # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      _resolve_rule(_asked_rule(None, params, mesh, _Level(
-          None, operands, results)) if callable(rule) else rule,
-          [v.shape for v in operands + results], len(operands),
-          isinstance(op.partition, _FromRule))
-  answer = None
-  if isinstance(op.partition, _FromRule) and callable(rule):
-    why = (NotImplementedError, "its partition is derived from a callable "
-           "sharding_rule, which is asked only while lowering.")
-  else:
-    answer = _ask_partition(op, operands, results, mesh)
-    why = _unrunnable(answer, mesh)
-  if why is not None:
-    if type_error is not None:  # the custom call cannot run it either
-      raise why[0](
-          f"custom_partitioning op {op.name}: jax cannot type its body "
-          f"under Explicit mesh axes ({type_error}), so it runs as "
-          f"jax.shard_map of its lower_fn, but {why[1]}") from type_error
-    if _log.isEnabledFor(logging.DEBUG):
-      _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
-                       why=("asked while tracing; not run as shard_map "
-                            f"under Explicit axes: {why[1]}"))
-    return _Program(None, out_tree, why[1])
-  closed, proven = _trace_lower_fn(op, answer), False
-  if op.check_vma:  # seam: per-shard checks (II.6)
-    proven = _check_per_shard(op, answer, operands + results, closed)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_partition(op, operands, results, answer, _SHARD_MAP)
-  build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
-                            typed or answer.results,
-                            getattr(user_op.fun, "__name__", ""))
-  return _Program(build(op.check_vma), out_tree, untyped=(
-      build(False) if op.check_vma else None), proven=proven)
-
-
-def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
-  """``(call, out_tree, type_error)``: ``fun`` traced on the operands' types
-  or, where jax cannot type it (``type_error``), without shardings."""
-  try:
-    return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
-  except (_ShardingTypeError, ValueError) as e:
-    # Some ops raise a plain ValueError instead of ShardingTypeError (rfft
-    # of a sharded axis, jax 0.10.2).
-    with _no_ambient_mesh():
-      # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
-      unsharded = [_jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
-                   for a in flat.in_avals]
-      try:
-        return (*user_op._trace_fun(args, flat.in_tree, unsharded), e)
-      except Exception:
-        if isinstance(e, _ShardingTypeError):
-          raise
-        raise e from None  # a ValueError of the body itself
-
-
-def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
-  """``(operands, results, typed)``: the values asked about, specs as the
-  custom call's (no size-1 axes), and the program's result types (None:
-  ``partition``'s): jax's typing of ``fun``, else the op's inference."""
-  operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
-              for a in in_avals]
-  results = [_Value(a.shape, a.dtype) for a in call.out_avals]
-  if type_error is None:
-    typed = [_Value(a.shape, a.dtype, _spec_of(a)) for a in call.out_avals]
-    return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
-                      for v in typed], typed
-  inferred = _ask_infer(op, operands, results)
-  if _log.isEnabledFor(logging.DEBUG):
-    _debug_infer(op, operands, inferred, _SHARD_MAP)
-  if inferred is not None and all(v.spec is not None for v in inferred):
-    return operands, inferred, inferred
-  return operands, results, None
-
-
-def _spec_of(aval) -> tuple:
-  """The PartitionSpec entries of an abstract value's type, one per axis."""
-  spec = tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
-  return spec + (None,) * (len(aval.shape) - len(spec))
-
-
-def _as_xla_spec(spec, mesh) -> tuple:
-  """``spec`` without its size-1 axes, as a round trip through XLA reads."""
-  def entry_of(entry):
-    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-  return tuple(map(entry_of, spec))
-
-
-def _unrunnable(answer: _Answer, mesh):
-  """``(error type, reason)`` where shard_map cannot run ``answer``."""
-  if answer.mesh.axis_names != mesh.axis_names or (
-      dict(answer.mesh.shape) != dict(mesh.shape)):
-    return NotImplementedError, (
-        f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
-        f"not the op's {dict(mesh.shape)}.")
-  for what, side in (("operand", answer.args), ("result", answer.results)):
-    for i, v in enumerate(side):
-      if v.spec is None:
-        return NotImplementedError, (
-            f"partition returned a sharding for {what} {i} that has no "
-            f"PartitionSpec on the mesh {dict(mesh.shape)}.")
-      for d, entry in enumerate(v.spec):
-        count = _shard_count(entry, mesh)
-        if v.shape[d] % count:
-          return ValueError, (
-              f"partition shards {what} {i} dimension {d} (size "
-              f"{v.shape[d]}) over {count} devices, which do not divide "
-              "it, and jax.shard_map takes only even shards. Shard that "
-              "dimension over axes that divide its size, or pad it.")
-  return None
-
-
-def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
-                       fun_name: str, check_vma: bool) -> Callable:
-  """The jitted reshard -> ``jax.shard_map(lower_fn)`` -> reshard."""
-  mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
-  out_axes = [_axes_in([v.spec]) for v in answer.results]
-
-  def per_shard(*local_args):
-    outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
-    return [_invariant_over_size1(x, axes, mesh)
-            for x, axes in zip(outs, out_axes)]
-  # An operand differing from the answer only in size-1 axes keeps its
-  # type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying over 'y'.
-  arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
-               for t, v in zip(map(_spec_of, in_avals), answer.args)]
-  am = mesh.abstract_mesh  # no devices: one jit trace serves every mesh like it
-  mapped = jax.shard_map(
-      per_shard, mesh=am, check_vma=check_vma,
-      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
-      out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
-
-  def reshard(xs, specs):  # an equation only where the type changes
-    return [x if _spec_of(_typeof(x)) == spec else jax.sharding.reshard(
-        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec)))
-        for x, spec in zip(xs, specs)]
-
-  def program(*flat):
-    return reshard(mapped(*reshard(flat, arg_specs)), [v.spec for v in typed])
-  program.__name__ = fun_name if fun_name.isidentifier() else "op"
-  return jax.jit(program)
-
-
-def _invariant_over_size1(x, spec_axes: set, mesh):
-  """``x`` made invariant (by a no-op psum) over size-1 axes it varies over
-  but its out spec omits, which check_vma would needlessly refuse."""
-  axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
-               if mesh.shape[a] == 1 and a not in spec_axes)
-  if not axes:
-    return x
-  if x.dtype == np.bool_:  # psum takes numbers
-    return jax.lax.psum(x.astype(np.int8), axes).astype(np.bool_)
-  return jax.lax.psum(x, axes)
-
-
-# --------------------------------------------------------------------------
-# II.3 Derived ops: vmap, jvp and transposition
-#
-# ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
-# *derived* op: the same callbacks, ``transform`` listing the steps from the
-# author's op, ``call`` the body transformed alike. Each question XLA asks
-# walks down the steps to the author's op and its answer back up (as spec
-# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
-# --------------------------------------------------------------------------
-
-def _jvp(primals, tangents, **params):
-  """The primals come from a derived op computing them as jax's
-  linearization does, the tangents from a derived jvp op; an op with a
-  non-float result is differentiated through its body."""
-  call = params["call"]
-  mask = tuple(type(t) is not _jax.Zero and
-               jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
-               for p, t in zip(primals, tangents))
-  if not any(mask):
-    return (custom_partitioning_p.bind(*primals, **params),
-            [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals])
-  if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
-             for a in call.out_avals):
-    out = custom_partitioning_p.bind(*primals, **params)
-    tangents = [_jax.instantiate_zeros(t) for t in tangents]
-    return out, jax.jvp(_jax.jaxpr_as_fun(call), list(primals), tangents)[1]
-  # The primal is what jax's linearization computes (a custom_vjp's fwd),
-  # so that an outer jvp or grad differentiates what plain jax does.
-  steps = params.get("transform", ())
-  out = _bind_derived(primals, params, ("primal", mask), _Primal(mask).lower(
-      _jax.jaxpr_as_fun(call)), steps + (_Primal(mask),))
-  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
-  return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
-      _jax.jaxpr_as_fun(call)), steps + (_Jvp(mask),))
-
-
-_derived = _LRU()
-
-
-def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
-  """Binds the op derived by ``transform``, its body ``fun`` (``call``
-  transformed as ``tag`` says) traced for ``operands``."""
-  # A pure function of the key: the body, the tag, the operands' avals
-  # (with the shardings the results inherit) and jax's trace context.
-  call = params["call"]
-  in_avals = tuple(_typeof(x) for x in operands)
-  key = (call, tag, in_avals, _jax.trace_context())
-  derived = _derived.cached(key, lambda: _trace_to_jaxpr(
-      fun, in_avals, jax.tree_util.tree_structure(in_avals), in_avals,
-      f"{tag[0]} of {_fun_name(call)}")[0])
-  return custom_partitioning_p.bind(*operands, **dict(
-      params, call=derived, transform=transform))
-
-
-def _masked(fn: Callable, primals, mask):
-  """``fn`` as a function of the primals marked in ``mask`` alone."""
-  def partial_fn(*chosen):
-    it = iter(chosen)
-    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
-  return partial_fn, [p for p, m in zip(primals, mask) if m]
-
-
-def _transpose(cts, *args, **params):
-  """Transposes a jvp op (linear in its tangents) into a vjp op."""
-  steps = params.get("transform", ())
-  k = max((i for i, s in enumerate(steps) if not s.transposed_below),
-          default=None)
-  call, vjp = params["call"], None if k is None else steps[k].transposed()
-  if vjp is None or any(
-      _jax.is_undefined_primal(p) for p in args[:len(vjp.mask)]):
-    raise NotImplementedError(
-        f"{_fun_name(call)}: a custom_partitioning op can be transposed only "
-        "in its tangents, as jax.grad does.")
-  mask = vjp.mask
-  n = len(mask)
-
-  def body(*xs):
-    # Transposed, not linearized again (a custom_vjp's custom_lin has no
-    # jvp), from primals typed as the tangents (shard_map's varying axes).
-    linear = functools.partial(_jax.jaxpr_as_fun(call), *xs[:n])
-    return list(jax.linear_transpose(linear, *(
-        p for p, m in zip(xs, mask) if m))(list(xs[n:])))
-  operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
-  return [None] * n + list(_bind_derived(
-      operands, params, ("transpose",), body,
-      steps[:k] + (vjp,) + steps[k + 1:]))
-
-
-def _batch(args, dims, **params):
-  """Batches the op: every operand gets the batch dimension in front."""
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  call = params["call"]
-  if size == 0:  # nothing to partition (and no item to unbatch below)
-    outs = jax.vmap(_jax.jaxpr_as_fun(call), in_axes=list(dims))(*args)
-    return outs, [0] * len(outs)
-  args = [jax.lax.broadcast(x, (size,)) if d is None
-          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-  batched = tuple(d is not None for d in dims)
-
-  def body(*xs):
-    # Broadcast operands unbatched again: under Explicit axes, vmap wants
-    # all batch dimensions sharded alike.
-    return jax.vmap(_jax.jaxpr_as_fun(call),
-                    in_axes=[0 if b else None for b in batched])(
-                        *[x if b else x[0] for x, b in zip(xs, batched)])
-  outs = _bind_derived(args, params, ("vmap", batched), body,
-                       params.get("transform", ()) + (_Batch(),))
-  return outs, [0] * len(outs)
-
-
-def _batch_rule(axis_data, args, dims, **params):
-  """``_batch`` as jax 0.4.36's batching rules are called: the axis data
-  first, and also when no operand is batched (then the op binds as is)."""
-  del axis_data
-  if all(d is None for d in dims):
-    outs = custom_partitioning_p.bind(*args, **params)
-    return outs, [None] * len(outs)
-  return _batch(args, dims, **params)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-  """A step from an op to one derived from it: the values below it (``down``),
-  per-value items above it (``up``: spec entries or a rule's dimensions), its
-  part of each question (default: keep shardings); hashable, for cache keys."""
-
-  def infer(self, op, level, below, inner):
-    return inner()
-
-  def propagate(self, op, results, inner):
-    return inner(results)
-
-  def rule_up(self, level, sizes, ops, res, reduction):
-    return (*self.up(ops, res), reduction)
-
-  def entry(self, values, used, mesh):
-    """The spec entry a batch dimension gets (``used()``: the op below's)."""
-    return None
-
-  # jax.grad transposes the top step that is not ``transposed_below`` (a
-  # batch dimension leaves linearity as it is) into ``transposed()``, or
-  # cannot (None: the op is not linear in some operands).
-  transposed_below = False
-
-  def transposed(self):
-    return None
-
-
-def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
-  """The ops from the author's to the top one, whose values are given."""
-  if not steps:
-    return [_Level(None, operands, results)]
-  return [*_levels(steps[:-1], *steps[-1].down(operands, results)),
-          _Level(steps[-1], operands, results)]
-
-
-def _unbatched(v: _Value) -> _Value:
-  """``v`` without its batch dimension; a sharding with no PartitionSpec
-  reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
-  spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
-  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None, v.varying)
-
-
-def _with_specs(values: list, specs) -> list[_Value]:
-  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch(_Step):
-  """``jax.vmap``: every operand and result gains a leading dimension."""
-  transposed_below = True
-
-  def down(self, operands, results):
-    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
-
-  def up(self, operands, results, batch_item=None):
-    return [[(batch_item, *v) for v in side] for side in (operands, results)]
-
-  def infer(self, op, level, below, inner):
-    inferred = inner()
-    if inferred is None:
-      return None
-    entry = self.entry(level.operands, functools.partial(
-        _axes_in, [v.spec for v in inferred + below.operands]), op.mesh)
-    return _with_specs(level.results, [(entry, *v.spec) for v in inferred])
-
-  def propagate(self, op, results, inner):
-    preferred = inner([_unbatched(v) for v in results])
-    entry = self.entry(results, functools.partial(
-        _axes_in, [v.spec for v in preferred]), op.mesh)
-    return _with_specs(results, [(entry, *v.spec) for v in preferred])
-
-  def rule_up(self, level, sizes, ops, res, reduction):
-    factor = f"{_BATCH_FACTOR_PREFIX}vmap{len(sizes)}"  # a fresh factor
-    sizes[factor] = level.operands[0].shape[0]
-    return (*self.up(ops, res, (factor,)), reduction)
-
-  def entry(self, values, used, mesh):
-    """The axes the batch dimension arrives on (first in ``values``) that
-    the op below leaves free and that divide the batch size, or None."""
-    entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
-    used = used()
-    axes = [a for a in _entry_axes(entry) if a not in used]
-    while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
-      axes.pop()
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-  def lower(self, fn, *_):
-    return jax.vmap(fn)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Jvp(_Step):
-  """``jax.jvp``: operands are the primals, then the tangents of those in
-  ``mask``; results are tangents, sharded like their primals."""
-  mask: tuple
-
-  def down(self, operands, results):
-    return operands[:len(self.mask)], results
-
-  def up(self, operands, results, batch_item=None):
-    return operands + [v for v, m in zip(operands, self.mask) if m], results
-
-  def transposed(self):
-    return _Vjp(self.mask)
-
-  def lower(self, fn, *_):
-    def jvp_fn(*xs):
-      partial_fn, chosen = _masked(fn, xs[:len(self.mask)], self.mask)
-      return list(jax.jvp(partial_fn, chosen, list(xs[len(self.mask):]))[1])
-    return jvp_fn
-
-
-@dataclasses.dataclass(frozen=True)
-class _Primal(_Step):
-  """The primal results of ``jax.jvp`` of the op below (in the primals in
-  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp``
-  runs its fwd, whose own derivative an outer jvp or grad then takes (plain
-  jax's second order and forward-over-reverse). Same values, same
-  shardings."""
-  mask: tuple
-
-  def down(self, operands, results):
-    return operands, results
-
-  def up(self, operands, results, batch_item=None):
-    return operands, results
-
-  def lower(self, fn, *_):
-    def primal_fn(*xs):
-      partial_fn, chosen = _masked(fn, xs, self.mask)
-      return jax.linearize(partial_fn, *chosen)[0]
-    return primal_fn
-
-
-@dataclasses.dataclass(frozen=True)
-class _Vjp(_Step):
-  """``jax.grad``'s transposition: operands are the primals, then the
-  results' cotangents; results, the cotangents of the primals in ``mask``."""
-  mask: tuple
-
-  def down(self, operands, results):  # cotangents stand for results
-    return operands[:len(self.mask)], operands[len(self.mask):]
-
-  def up(self, operands, results, batch_item=None):
-    return operands + results, [v for v, m in zip(operands, self.mask) if m]
-
-  def infer(self, op, level, below, inner):
-    primals = [v for v, m in zip(level.operands, self.mask) if m]
-    return None if any(v.spec is None for v in primals) else primals
-
-  def propagate(self, op, results, inner):
-    return results
-
-  def rule_up(self, level, sizes, ops, res, reduction):
-    return (*self.up(ops, res), [])
-
-  def lower(self, fn, op, answer, below, batched):
-    """``fn`` transposed per shard. Along a mesh axis that no collective of
-    ``fn`` runs over and that every result is replicated over if an operand
-    is, the devices compute alike: each result's cotangent (the same on
-    every copy) goes undivided to ``fn``'s pullback and nothing is summed,
-    so a custom backward rule that is not linear (a clip) sees what plain
-    jax gives it. Along the other axes the pullback runs as jax transposes
-    ``pmap`` code (a ``psum``'s transpose is a ``psum``), then corrected:
-    each of a result's ``r`` copies gets ``1/r`` of its cotangent, and an
-    operand's cotangent is summed over the axes it is replicated over,
-    which is exact for pullbacks linear in their cotangents."""
-    copies = functools.partial(_copies_over, op, answer.on, batched=batched)
-    results = [set(copies(v)) for v in below.results]
-    operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
-    n = len(self.mask)
-    # The transposition sums where the forward broadcast, cotangent times
-    # derivative: 0 * inf is NaN, so primals' padding is made real (where
-    # the body is finite), cotangents' zeroed.
-    values = below.operands + below.results
-    padded = _padded(values, answer.on)
-
-    def vjp_fn(*xs):
-      xs = [_without_padding(x, v, answer.on, i < n) if padded else x  # seam
-            for i, (x, v) in enumerate(zip(xs, values))]
-      partial_fn, chosen = _masked(fn, xs[:n], self.mask)
-      shared = _collective_axes(_open(jax.make_jaxpr(partial_fn)(*chosen)),
-                                set(answer.mesh.axis_names)) | {
-          a for axes in operands for a in axes
-          if not all(a in r for r in results)}
-      scales = [math.prod(answer.mesh.shape[a] for a in r if a in shared)
-                for r in results]
-      _, pullback = jax.vjp(partial_fn, *chosen)
-      grads = pullback(_scaled(xs[n:], scales))
-      if padded:  # a first slice whose derivative is infinite
-        grads = _finite_padding(pullback, grads, _scaled([
-            _without_padding(ct, v, answer.on, True)
-            for ct, v in zip(xs[n:], below.results)], scales))
-      psums = [tuple(a for a in axes if a in shared) for axes in operands]
-      return [jax.lax.psum(g, axes) if axes else g
-              for g, axes in zip(grads, psums)]
-    return vjp_fn
-
-
-def _scaled(cts: list, scales: list) -> list:
-  return [ct / r if r > 1 else ct for ct, r in zip(cts, scales)]
-
-
-def _finite_padding(pullback, grads: list, real_cts: list) -> list:
-  """``grads``, where padding made them NaN, from the padding given the
-  first slice's cotangent too: where that slice's derivative is infinite,
-  the zero cotangent on its copies gave ``0 * inf``; a copy of the real
-  cotangent adds more of the same infinity, as plain jax has it. Where the
-  real slices alone give NaN, both do."""
-  again = pullback(real_cts)
-  return [jax.numpy.where(jax.numpy.isnan(g), h, g)
-          if jax.numpy.issubdtype(g.dtype, jax.numpy.inexact) else g
-          for g, h in zip(grads, again)]
-
-
-def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:
-  """The author's answer about the op below, walked up ``op.steps``."""
-  if op.mesh.empty:
-    raise NotImplementedError(
-        f"{op.name} is lowered for several devices without a mesh; jax.vmap, "
-        "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
-        "NamedSharding arguments, jax.set_mesh or `with mesh:`).")
-  levels = _levels(op.steps, operands, results)
-  answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
-  levels = _specs_up(levels, answer, closed)
-  # lower_fn transformed by each step (given batch dimensions above it).
-  fn = _jax.jaxpr_as_fun(closed)
-  for i in range(1, len(levels)):
-    fn = levels[i].step.lower(fn, op, answer, levels[i - 1], _axes_in(
-        [[level.entry] for level in levels[i + 1:]]))
-  top = levels[-1]
-  with _no_ambient_mesh():
-    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
-        *[_local_struct(v, answer.on) for v in top.operands])
-  # Placed by position on answer.on, as lower_fn's axis_index counts them.
-  args, outs = ([v._replace(hlo=_hlo_of(v, answer.on)) for v in side]
-                for side in (top.operands, top.results))
-  return _PerShard(answer.mesh, closed, args, outs)
-
-
-def _infer(op: _Op, levels: list):
-  """Result values of the op at the top of ``levels``, or None."""
-  *below, top = levels
-  if top.step is None:
-    return _ask_infer(op, top.operands, top.results)
-  return top.step.infer(op, top, below[-1], lambda: _infer(op, below))
-
-
-def _propagate_derived(op: _Op, results: list) -> list[_Value] | None:
-  """Result values of the op, given its user's; None (the user's stand)
-  where one has no PartitionSpec to walk down the steps."""
-  if any(v.spec is None for v in results):
-    return None
-  return _propagate(op, op.steps, results)
-
-
-def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
-  """Result values of the op ``steps`` above the author's, given its user's."""
-  if not steps:
-    return _ask_propagate(op, results)
-  return steps[-1].propagate(
-      op, results, lambda below: _propagate(op, steps[:-1], below))
+def _padded(values: list, mesh) -> bool:
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
 
 
 def _axes_in(specs) -> set:
   return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
 
 
-def _specs_up(levels: list, answer: _Answer,
-              closed: _ClosedJaxpr) -> list[_Level]:
-  """``levels`` as partitioned: the author's answer walked up (a batch
-  dimension keeps its axes unless shardings or collectives below use them)."""
-  out = [levels[0]._replace(operands=answer.args, results=answer.results)]
-  for level in levels[1:]:
-    args, outs = ([v.spec for v in side]
-                  for side in (out[-1].operands, out[-1].results))
-    entry = level.step.entry(level.operands + level.results, functools.partial(
-        _collective_axes, _open(closed), set(answer.on.axis_names),
-        _axes_in(args + outs)), answer.on)
-    args, outs = level.step.up(args, outs, entry)
-    out.append(_Level(level.step, _with_specs(level.operands, args),
-                      _with_specs(level.results, outs), entry))
-  return out
-
-
-def _collective_axes(jaxpr: _jax.Jaxpr, names: set, also=()) -> set:
-  """``also``, and those of ``names`` that ``jaxpr``'s collectives run over."""
-  return set(also) | names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
-      _collective_axes(sub, names) for sub in _jax.subjaxprs(jaxpr)))
+def _real_axes(mesh) -> tuple:
+  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
+  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
 def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
@@ -2830,370 +2082,42 @@ def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
           if isinstance(axis, str)}
 
 
-def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
-  """The (not size-1) axes along which devices hold equal copies of
-  ``value``: those of ``on`` its spec and batch dimensions leave out and,
-  inside a partly manual shard_map, the manual axes it does not vary over
-  (none where untyped: jax < 0.6 and ``check_vma=False``)."""
-  used = _axes_in([value.spec]) | batched
-  axes = tuple(a for a in _real_axes(on) if a not in used)
-  if op.place.auto is None or value.varying is None or not any(
-      op.varying[0] + op.varying[1]):
-    return axes
-  return axes + tuple(a for a in _real_axes(op.place.whole)
-                      if a not in op.place.auto.axis_names and
-                      a not in value.varying)
+def _with_specs(values: list, specs) -> list[_Value]:
+  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
 
 
-def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
-  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+def _spec_text(spec: tuple) -> str:
+  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
+  return f"PartitionSpec({', '.join(map(repr, spec))})"
 
 
-def _padded(values: list, mesh) -> bool:
-  """Whether a value is sharded unevenly (XLA pads the last shards)."""
-  return any(size % _shard_count(entry, mesh)
-             for v in values for size, entry in zip(v.shape, v.spec or ()))
+def _register_partitioner(name: str, prop_user_sharding, partition,
+                          infer_sharding_from_operands) -> None:
+  register = functools.partial(
+      _jax.register_custom_call_partitioner, name=name,
+      prop_user_sharding=prop_user_sharding, partition=partition,
+      infer_sharding_from_operands=infer_sharding_from_operands,
+      can_side_effecting_have_replicated_sharding=True)
+  register()
+  _jax.register_plugin_callbacks(register)
 
 
-def _without_padding(x, v: _Value, on, real: bool = False):
-  """``x``, a shard of ``v``, past ``v``'s end (XLA pads last shards with
-  unspecified values) zeroed, or if ``real`` made ``v``'s first slice."""
-  if v.spec is None or x.dtype == jax.dtypes.float0:
-    return x
-  for d, entry in enumerate(v.spec):
-    if v.shape[d] % _shard_count(entry, on) == 0:
-      continue
-    axes, fill = _entry_axes(entry), jax.numpy.zeros_like(x)
-    start = jax.lax.axis_index(axes) * x.shape[d]
-    keep = start + jax.lax.broadcasted_iota(np.int32, x.shape, d) < v.shape[d]
-    if real:  # the first device's first slice, sent to all (bools: int32)
-      fill += jax.lax.psum(jax.numpy.where(start == 0, jax.lax.slice_in_dim(
-          x, 0, 1, axis=d), 0), axes).astype(x.dtype)
-    x = jax.lax.select(keep, x, fill)
-  return x
+_register_partitioner(
+    _TARGET, _question(_answer_propagate, lambda users, _: users),
+    _partitioner(_answer_partition), _question(_answer_infer, lambda *_: None))
+_jax.register_xla_runtime_error_handler(_reraise_callback_error)
 
 
-# --------------------------------------------------------------------------
-# II.4 Ops defined by their sharding rule alone
+# ==========================================================================
+# Part II. The extras, one section each
 #
-# ``def_partition(sharding_rule=...)`` without ``partition`` (or without
-# ``infer_sharding_from_operands``): both are derived from the rule.
-# --------------------------------------------------------------------------
-
-class _FromRule:
-  """The ``partition`` of an op defined by its rule alone: each shard runs
-  ``fun`` with the call's static arguments and unpassed defaults."""
-  __slots__ = ("fun", "static_argnums", "defaults", "_parts")
-
-  def __init__(self, fun: Callable, static_argnums: tuple, defaults: tuple):
-    self.fun, self.static_argnums, self.defaults = fun, static_argnums, defaults
-    # Defaults, fun's own objects, need not hash: compared by identity.
-    self._parts = (fun, static_argnums, tuple((i, id(v)) for i, v in defaults))
-
-  def __hash__(self):
-    return hash(self._parts)
-
-  def __eq__(self, other):
-    return isinstance(other, _FromRule) and other._parts == self._parts
-
-  def lower_fn(self, static_args: tuple) -> Callable:
-    """``fun`` as a function of the operands, ``static_args`` bound."""
-    fixed = dict([*zip(self.static_argnums, static_args), *self.defaults])
-    fun = self.fun
-
-    def lower_fn(*operands):
-      return fun(*_in_call_order(fixed, operands))
-    name = getattr(fun, "__name__", "")
-    lower_fn.__name__ = name if name.isidentifier() else "fun"
-    return lower_fn
-
-
-def _infer_by_rule(op: _Op, operands: list, results: list):
-  """The result shardings the op's rule implies, or None (GSPMD); it needs
-  every placed operand's PartitionSpec."""
-  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
-      v.spec is None and v.hlo is not None for v in operands):
-    return None
-  shapes = [v.shape for v in operands + results]
-  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-    if isinstance(op.partition, _FromRule):  # as the partition will answer
-      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
-                          [None] * len(results))[1]
-    else:
-      specs = _infer_from_rule(op.sharding_rule, shapes,
-                               [v.spec for v in operands])
-  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
-
-
-def _infer_from_rule(rule: SdyShardingRule, shapes: list,
-                     in_specs: list) -> list:
-  """GSPMD inference from a Shardy rule: each result dimension's spec entry is
-  the mesh axes of the first operand dimension (``in_specs``; None: unplaced)
-  of its single, passthrough factor, unless the result has them already
-  (``shapes``: operands', then results')."""
-  _, dims = _resolve_rule(rule, shapes, len(in_specs))
-  blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
-  axes_of: dict[str, Any] = {}
-  for value_dims, spec in zip(dims, in_specs):
-    for factors, axes in zip(value_dims, spec or ()):
-      if len(factors) == 1 and factors[0] not in blocked and axes is not None:
-        axes_of.setdefault(factors[0], axes)
-  out = []
-  for value_dims in dims[len(in_specs):]:
-    used, spec = set(), []
-    for factors in value_dims:
-      axes = axes_of.get(factors[0]) if len(factors) == 1 else None
-      axes = axes if used.isdisjoint(_entry_axes(axes)) else None
-      used.update(_entry_axes(axes))
-      spec.append(axes)
-    out.append(tuple(spec))
-  return out
-
-
-def _partition_from_rule(op: _Op, operands: list, results: list):
-  """What a ``partition`` written from the op's rule would return."""
-  lower_fn = op.partition.lower_fn(op.static_args)
-  if op.mesh.empty:  # no axis to name: replicated is right for every op
-    replicated = _jax.GSPMDSharding(op.place.devices,
-                                              _jax.HloSharding.replicate())
-    in_shardings = [replicated] * len(operands)
-    out_shardings = [replicated] * len(results)
-  else:
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      in_specs, out_specs = _rule_specs(
-          op.sharding_rule, [v.shape for v in operands + results],
-          [v.spec for v in operands], [v.spec for v in results])
-    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
-        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
-        for specs in (in_specs, out_specs))
-  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
-          op.in_tree.unflatten(in_shardings))
-
-
-def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
-                out_specs: list) -> tuple[list, list]:
-  """``(operand specs, result specs)``, as PartitionSpec entries, of an op
-  partitioned by its rule alone, from the specs values arrive with (None:
-  unknown; ``shapes``: operands', then results'). A factor keeps the mesh
-  axes the operands bring it on, else the results' (slicing a replicated
-  operand costs no communication), unless one side brings it on two (a
-  conflict), it is special or reduced, in a compound dimension, or an earlier
-  factor (in order of first use) keeps those axes."""
-  num_operands = len(in_specs)
-  sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
-  blocked = _reduced_factors(rule, dims, num_operands).union(
-      rule.need_replication_factors, rule.permutation_factors)
-  blocked.update(f for value_dims in dims for factors in value_dims
-                 if len(factors) > 1 for f in factors)
-  axes_of: dict[str, tuple] = {}
-  for side, specs in ((dims[:num_operands], in_specs),
-                      (dims[num_operands:], out_specs)):
-    brought: dict[str, set] = {}
-    for value_dims, spec in zip(side, specs):
-      for factors, entry in zip(value_dims, spec or ()):
-        if factors[0] not in blocked and entry is not None:
-          brought.setdefault(factors[0], set()).add(_entry_axes(entry))
-    for factor, axes in brought.items():  # unless the operands decided:
-      if factor not in axes_of and len(axes) > 1:
-        blocked.add(factor)  # a conflict: no side's choice is better
-      elif factor not in axes_of:
-        (axes_of[factor],) = axes
-  used, kept = set(), {}
-  for factor in sizes:
-    axes = axes_of.get(factor, ())
-    if axes and factor not in blocked and not used & set(axes):
-      used.update(axes)
-      kept[factor] = axes[0] if len(axes) == 1 else axes
-  specs = [tuple(kept.get(factors[0]) if len(factors) == 1 else None
-                 for factors in value_dims) for value_dims in dims]
-  return specs[:num_operands], specs[num_operands:]
-
-
-def _reduced_factors(rule: SdyShardingRule, dims: list,
-                     num_operands: int) -> set:
-  """The factors of a resolved rule no shard can keep (the one definition
-  every check and derivation uses): reduction factors, those of operands or
-  results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
-  result lacks of the operands it shares a factor with (of all operands, if
-  it has no factor), as ``n`` for the second result of ``"b n -> b n, b"``."""
-  factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
-  ins, outs = factors[:num_operands], factors[num_operands:]
-  reduced = set(rule.reduction_factors) | (
-      set().union(*ins) ^ set().union(*outs))
-  for out in outs:
-    for operand in ins:
-      if operand & out or not out:
-        reduced |= operand - out
-  return reduced
-
+# Each extra joins the core at its ``# seam:`` lines, runs only when it
+# applies, and holds what it owns (helpers, stores, version branches).
+# Deleting an extra is deleting its section and its seam lines.
+# ==========================================================================
 
 # --------------------------------------------------------------------------
-# II.5 A rule derived from infer: GSPMD-era ops under Shardy
-#
-# Shardy propagates through an op by its sharding rule alone. An op given
-# only GSPMD callbacks gets one derived from its own
-# ``infer_sharding_from_operands`` (author's shapes, the op's mesh): each
-# operand dimension is probed alone, sharded over a mesh axis that divides
-# it, and shares a factor with each result dimension infer puts that axis on
-# (same size, one dimension per value). What no probe ties (infer raised,
-# put the axis nowhere, or where no factor can state it) gets a factor of
-# its own. Any rule is right here: ``partition`` decides the shardings and
-# XLA reshards to them; the rule only spares reshards. Logged at DEBUG and
-# reported by ``check_partitioning``, so the author can paste it.
-# --------------------------------------------------------------------------
-
-class _Derived(NamedTuple):
-  rule: SdyShardingRule
-  text: str  # as an author writes it
-  why: str  # what no probe could tie, and what that costs; "" if all tied
-  failed: bool  # no probe was answered: the rule shares no factor
-
-
-# Key: every input of infer's answers (its function, statics, trees, the
-# author's shapes and dtypes, mesh and devices, decode_shardings, jax's
-# trace context); blind, like jax's caches, to what infer reads elsewhere.
-# Bounded at 256; cleared by jax.clear_caches().
-_derived_rules = _LRU(256)
-_rules_seen = threading.local()  # ``found``: check_partitioning's list
-
-
-def _derived_rule(params, place: _Placement, author: _Level) -> _Derived:
-  """The author's op's rule, derived from its infer (cached), logged."""
-  static = params["static_args"]
-  static_key = _key_of(getattr(static, "value", static))
-  key = None if static_key is None else (
-      params["infer_sharding_from_operands"], static_key, params["in_tree"],
-      params["out_tree"], params["decode_shardings"], place,
-      tuple((v.shape, v.dtype) for v in author.operands + author.results),
-      _jax.trace_context())
-  derived = None if key is None else _derived_rules.get(key)
-  hit = derived is not None
-  if not hit:
-    derived = _derive(params, place, author)
-    if key is not None:
-      _derived_rules.put(key, derived)
-  name = _fun_name(params["call"])
-  if getattr(_rules_seen, "found", None) is not None:
-    _rules_seen.found.append((name, derived))
-  if derived.failed and not hit:
-    warnings.warn(
-        f"custom_partitioning op {name} has no sharding_rule, and none could "
-        f"be derived from its GSPMD callbacks under Shardy ({derived.why}). "
-        f"It runs with the rule '{derived.text}', which ties no operand to "
-        "a result: XLA reshards operands and results to what partition "
-        "returns, which may gather them. Pass sharding_rule= to "
-        "def_partition.", stacklevel=2)
-  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug(name, "sharding_rule", path=_CUSTOM_CALL, mesh=place.mesh,
-           cached=hit, answered=repr(derived.text),
-           by="a derivation from infer_sharding_from_operands",
-           why="; ".join(filter(None, [derived.why, (
-               "pass it as def_partition's sharding_rule to fix it")])))
-  return derived
-
-
-@contextlib.contextmanager
-def _derived_rules_seen():
-  """Collects ``(op name, _Derived)`` for each rule derived (or found cached)
-  on this thread meanwhile: ``check_partitioning``'s jits lower there."""
-  outer, _rules_seen.found = getattr(_rules_seen, "found", None), []
-  try:
-    yield _rules_seen.found
-  finally:
-    _rules_seen.found = outer
-
-
-def _derived_texts(seen: list) -> tuple:
-  """``(op name, rule text, why)`` once each, in the order first seen."""
-  return tuple(dict.fromkeys((name, d.text, d.why) for name, d in seen))
-
-
-def _derive(params, place: _Placement, author: _Level) -> _Derived:
-  op = _op_of({**params, "transform": ()}, place, None)
-  operands, results = author.operands, author.results
-  n, shapes = len(operands), [v.shape for v in operands + results]
-  mesh = place.auto if place.auto is not None else op.mesh
-  axes = [] if mesh.empty or op.infer_sharding_from_operands is None else [
-      a for a in mesh.axis_names if mesh.shape[a] > 1]
-
-  def ask(specs):  # results' specs (None: infer left them to XLA), or error
-    try:
-      inferred = _ask_infer(op, _with_specs(operands, specs), results)
-    except Exception as e:  # noqa: BLE001 - a probe infer does not support
-      return e
-    return None if inferred is None else [v.spec for v in inferred]
-
-  unsharded = [(None,) * len(s) for s in shapes[:n]]
-  base = ask(unsharded)
-  fixed = set() if not isinstance(base, list) else {
-      a for spec in base for e in spec or () for a in _entry_axes(e)}
-  group = {(i, d): (i, d) for i, s in enumerate(shapes) for d in range(len(s))}
-  members = {k: {k} for k in group}
-  raised, unstated, answered, tried = [], [], False, False
-  for i, d in [(k, d) for k, s in enumerate(shapes[:n]) for d in range(len(s))]:
-    for axis in [a for a in axes
-                 if a not in fixed and shapes[i][d] % mesh.shape[a] == 0]:
-      specs = list(unsharded)
-      specs[i] = tuple(axis if k == d else None for k in range(len(shapes[i])))
-      got, tried = ask(specs), True
-      if isinstance(got, Exception):
-        raised.append((i, d, got))
-        continue
-      answered = True
-      for r, spec in enumerate(got or ()):
-        e = next((e for e, entry in enumerate(spec or ())
-                  if axis in _entry_axes(entry)), None)
-        if e is not None and not _joined(group, members, (i, d), (n + r, e),
-                                         shapes):
-          unstated.append(f"operand {i} dimension {d} (size {shapes[i][d]}) "
-                          f"to result {r} dimension {e} (size "
-                          f"{shapes[n + r][e]})")
-      break
-  names: dict = {}
-  mappings = [ArrayMapping(*(names.setdefault(group[(v, d)], _factor_name(
-      len(names))) for d in range(len(s)))) for v, s in enumerate(shapes)]
-  rule = SdyShardingRule(tuple(mappings[:n]), tuple(mappings[n:]))
-  why = []
-  if op.infer_sharding_from_operands is None:
-    why.append("it has no infer_sharding_from_operands to derive it from")
-  elif not axes:
-    why.append("its mesh has no axis of more than one device to probe with")
-  for i, d, e in raised[:1]:
-    why.append(f"infer_sharding_from_operands raised on {len(raised)} "
-               f"probe{'s' * (len(raised) > 1)}, first with operand {i} "
-               f"dimension {d} sharded: {type(e).__name__}: {e}")
-  if unstated:
-    why.append("no factor states its mapping of " + "; ".join(unstated))
-  ties = (tried or op.infer_sharding_from_operands is None) and any(
-      s and max(s) > 1 for s in shapes[:n]) and any(
-          s and max(s) > 1 for s in shapes[n:])  # some tie was possible
-  return _Derived(rule, _rule_text(rule), "; ".join(why),
-                  failed=ties and not answered)
-
-
-def _joined(group: dict, members: dict, a: tuple, b: tuple, shapes) -> bool:
-  """Puts dimensions ``a`` and ``b`` (value, dimension) under one factor if
-  one can state it: equal sizes, no value twice; whether they share one."""
-  ra, rb = group[a], group[b]
-  if ra == rb:  # tied already (through another result)
-    return True
-  if shapes[a[0]][a[1]] != shapes[b[0]][b[1]] or (
-      {v for v, _ in members[ra]} & {v for v, _ in members[rb]}):
-    return False
-  for k in members[rb]:
-    group[k] = ra
-  members[ra] |= members.pop(rb)
-  return True
-
-
-def _factor_name(k: int) -> str:
-  letters = "ijklmnopqrstuvwxyzabcdefgh"
-  return letters[k] if k < len(letters) else f"f{k}"
-
-
-# --------------------------------------------------------------------------
-# II.6 Checks of the per-shard program
+# II.1 Checks of the per-shard program
 #
 # Two silent mistakes in ``lower_fn`` are refused while it is traced (unless
 # ``check_vma=False``): reducing over a dimension the mesh does not divide
@@ -3355,6 +2279,1115 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------
+# II.2 Placements and errors off the plain path
+#
+# A body with nothing to partition, placements inside a shard_map or without
+# devices, a callable sharding rule, infer/propagate errors kept for partition.
+# --------------------------------------------------------------------------
+
+def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
+        ctx.module_context.axis_context, "mesh", None),
+           why=f"fun is compiled as it is: {why}")
+  return _jax.lower_fun(_jax.jaxpr_as_fun(call),
+                        multiple_results=True)(ctx, *values)
+
+
+def _shard_map_placement(axis_context) -> _Placement | None:
+  """Inside a shard_map: its mesh, manual axes typed Manual; or None."""
+  whole, manual = axis_context.mesh, axis_context.manual_axes
+  if set(manual) == set(whole.axis_names):
+    return None
+  if not manual:
+    return _Placement(whole, tuple(whole.devices.flat))
+  return _Placement(_with_manual_axes(whole, manual), tuple(whole.devices.flat),
+                    _auto_submesh(whole, manual), whole)
+
+
+def _with_manual_axes(mesh, manual_axes):
+  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
+    return mesh
+  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
+                 for name, t in zip(mesh.axis_names, mesh.axis_types))
+  return _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
+
+
+def _auto_submesh(mesh, manual_axes):
+  """The sub-mesh over the non-manual axes (devices of one manual group)."""
+  keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
+  index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
+  kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
+            if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
+  return _jax.Mesh(mesh.devices[index],
+                       tuple(mesh.axis_names[i] for i in keep), **kwargs)
+
+
+def _placement_without_devices(axis_context, am, avals) -> _Placement:
+  """Without devices (inside another primitive's lowering): a mesh the
+  caller gave of the program's shape, else ``with mesh:``'s."""
+  num_devices = getattr(axis_context, "num_devices", None)
+  abstract = [m for m in [am, *map(_aval_mesh, avals)]
+              if m is not None and not m.empty]
+  mesh = _caller_mesh(lambda m: num_devices in (None, m.size) and all(
+      dict(am.shape) == dict(m.shape) for am in abstract))
+  if mesh is None:
+    return _Placement(_jax.thread_resources.env.physical_mesh, None)
+  return _Placement(mesh, tuple(mesh.devices.flat))
+
+
+def _raise_pending() -> None:
+  """Raises (parked) the error infer or propagate kept on this thread."""
+  with _weak_lock:
+    pending = _pending.pop(threading.get_ident(), None)
+  if pending is not None:
+    name, e = pending
+    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
+
+
+def _handed_back(op: _Op, sharding) -> bool:
+  """Whether ``sharding`` is a GSPMDSharding on the auto part's devices, as
+  ``_structs`` hands one to callbacks without ``decode_shardings``: its
+  HloSharding is on the auto part already."""
+  return isinstance(sharding, _jax.GSPMDSharding) and (
+      sharding.device_set == set(op.place.auto.devices.flat))
+
+
+def _onto_auto_axes(op: _Op, sharding, where: str):
+  """Re-homes a sharding of the whole mesh onto ``op.place.auto``."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise TypeError(f"{where} as a {type(sharding).__name__}; inside a "
+                    "partly manual shard_map it must be a NamedSharding.")
+  auto = op.place.auto
+  manual = _axes_in([sharding.spec]) - set(auto.axis_names)
+  if manual:
+    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
+                     f"over the manual axes {sorted(manual)}; only "
+                     f"{auto.axis_names} may be used here.")
+  return jax.sharding.NamedSharding(auto, sharding.spec)
+
+
+# --------------------------------------------------------------------------
+# II.3 The shard_map path (Explicit mesh axes)
+#
+# Where every operand's sharding is in its type, ``partition`` is asked
+# while tracing and the op becomes reshard -> ``jax.shard_map(lower_fn)``
+# -> reshard, with no custom call (README: "Explicit mesh axes: two paths").
+# --------------------------------------------------------------------------
+
+def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
+  """The op's results, via shard_map; None where it keeps the custom call."""
+  mesh, why_not = _explicit_mesh(flat, eager_mesh)
+  if mesh is None:
+    if why_not is not None and _log.isEnabledFor(logging.DEBUG):  # seam: (II.8)
+      _debug(user_op._name, "path", path=_CUSTOM_CALL, mesh=None,
+             why=f"not run as shard_map under Explicit axes: {why_not}")
+    return None
+  # All that fun's trace and the callbacks are given (see _traced).
+  key = ((args.key, args.defaults_at, flat.in_tree, flat.in_avals, mesh,
+          _jax.trace_context())
+         if args.key is not None else None)
+  hit = None if key is None else user_op._programs.get(key)
+  if hit is not None and _log.isEnabledFor(logging.DEBUG):  # seam: log (II.8)
+    _debug(user_op._name, "partition", mesh=mesh, cached=True,
+           path=_SHARD_MAP if hit.run is not None else _CUSTOM_CALL,
+           asked=_logged([_Value(a.shape, a.dtype, _spec_of(a))
+                          for a in flat.in_avals]))
+  program = hit or user_op._programs.cached(key, lambda: _explicit_program(
+      user_op, args, flat, mesh))
+  if program.run is None:
+    return None
+  return jax.tree_util.tree_unflatten(
+      program.out_tree, _run_program(user_op, program, key, flat, mesh))
+
+
+def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
+  """Runs (traces) the program, or its untyped twin where shard_map's types
+  refuse what the module's check proved (an unmarked loop carry a collective
+  makes varying: TypeError; a result made equal by all_gather: ValueError)."""
+  prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
+            "of its lower_fn under Explicit mesh axes: ")
+  try:
+    with _naming(prefix, _shard_map_advice):
+      return program.run(*flat.leaves)
+  except (TypeError, ValueError) as e:
+    if (program.untyped is None or type(e) not in (TypeError, ValueError)
+        or not program.proven):
+      raise
+    why = e.__cause__ or e
+  with _naming(prefix):
+    out = program.untyped(*flat.leaves)
+  if key is not None:  # a fresh plan would be refused alike: keep this one
+    user_op._programs.put(key, program._replace(run=program.untyped,
+                                                untyped=None))
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug(user_op._name, "path", path=_SHARD_MAP, mesh=mesh,
+           why=f"run with shard_map's check_vma off: its types refuse "
+           f"lower_fn ({why})")
+  return out
+
+
+def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
+  """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
+  (for the log, if the operands' mesh is all Explicit) why not; no callback."""
+  if not _EXPLICIT_PATH or _jit_disabled():
+    return None, None
+  meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
+  if len(meshes) != 1:
+    return None, (None if not any(map(_all_explicit, meshes)) else
+                  "the operands are on different meshes")
+  (am,) = meshes
+  if not _all_explicit(am):
+    return None, None
+  ambient = _ambient_mesh("get_abstract_mesh")
+  if ambient is not None and not ambient.empty and ambient != am:
+    return None, "another mesh is ambient (inside a shard_map or auto_axes)"
+  mesh = _caller_mesh(lambda m: m.abstract_mesh == am, eager_mesh,
+                      with_block=False)
+  if mesh is None:
+    return None, ("no concrete mesh for the operands' mesh is known (set "
+                  "one with jax.set_mesh)")
+  if mesh.size == 1:  # the body, inlined
+    return None, None
+  if any(map(_vmapped_over_mesh_axis, flat.leaves)):
+    return None, ("under a jax.vmap whose batch dimension is sharded over "
+                  "a mesh axis")
+  return mesh, None
+
+
+def _all_explicit(am) -> bool:
+  types_ = _axis_types(am)
+  return bool(am.axis_names) and types_ is not None and all(
+      t == jax.sharding.AxisType.Explicit for t in types_)
+
+
+def _vmapped_over_mesh_axis(x) -> bool:
+  """Whether ``x`` is (the primal of) a jax.vmap tracer whose batch dimension
+  is sharded over a mesh axis in its type: jax's vmap of shard_map moves it
+  to no mesh axis (an all-gather, jax 0.10.2; a size-1 axis is then unbound
+  in lower_fn), so such calls keep the custom call."""
+  while isinstance(x, (_jax.BatchTracer, _jax.JVPTracer)):
+    dim, x = ((None, x.primal) if isinstance(x, _jax.JVPTracer)
+              else (x.batch_dim, x.val))
+    spec = tuple(getattr(getattr(_typeof(x), "sharding", None), "spec", ()))
+    if isinstance(dim, int) and dim < len(spec) and spec[dim] is not None:
+      return True
+  return False
+
+
+class _Program(NamedTuple):
+  """A call signature's plan; ``run`` None: the custom call, for ``why``."""
+  run: Callable | None  # jitted reshard -> shard_map -> reshard
+  out_tree: Any
+  why: str = ""
+  untyped: Callable | None = None  # check_vma off (None: off already)
+  proven: bool = False  # the module's check proved replicated results equal
+
+
+# jax 0.6.0 added the cast to varying types jax.lax.pvary, 0.8.2 pcast(x,
+# axes, to="varying"), 0.10.0 removed pvary; advice names the one it has.
+_VARYING_CAST = ('jax.lax.pcast(x, axes, to="varying")'
+                 if hasattr(jax.lax, "pcast") else "jax.lax.pvary(x, axes)")
+
+
+def _shard_map_advice(error: Exception) -> str:
+  """Advice on shard_map's refusals (jax's names shard_map's arguments)."""
+  if type(error) is ValueError and "out_specs" in str(error):
+    return (" (here: shard_map's check_vma cannot prove a result replicated "
+            "over an axis its sharding leaves out; reduce it over that axis "
+            "(jax.lax.psum, pmax, all_gather), or, if lower_fn makes it "
+            "equal on every device in a way jax does not follow, pass "
+            "check_vma=False to def_partition)")
+  if type(error) is TypeError and "carry" in str(error):
+    return (" (here: shard_map's check_vma types loop carries: one that a "
+            f"collective makes varying needs {_VARYING_CAST} on its initial "
+            "value; or pass check_vma=False to def_partition)")
+  return ""
+
+
+def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
+                      mesh) -> _Program:
+  """Plans one call signature: ``partition`` asked, checked, compiled."""
+  call, out_tree, type_error = _typed_trace(user_op, args, flat)
+  params = user_op._params(args, flat, call, out_tree)
+  rule = params["sharding_rule"]
+  op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
+              None if callable(rule) else rule)
+  operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
+                                              type_error)
+  if rule is not None and (
+      _SHARDY.value or op.infer_sharding_from_operands is None):
+    # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      _resolve_rule(_asked_rule(None, params, mesh, _Level(
+          None, operands, results)) if callable(rule) else rule,
+          [v.shape for v in operands + results], len(operands),
+          isinstance(op.partition, _FromRule))
+  answer = None
+  if isinstance(op.partition, _FromRule) and callable(rule):
+    why = (NotImplementedError, "its partition is derived from a callable "
+           "sharding_rule, which is asked only while lowering.")
+  else:
+    answer = _ask_partition(op, operands, results, mesh)
+    why = _unrunnable(answer, mesh)
+  if why is not None:
+    if type_error is not None:  # the custom call cannot run it either
+      raise why[0](
+          f"custom_partitioning op {op.name}: jax cannot type its body "
+          f"under Explicit mesh axes ({type_error}), so it runs as "
+          f"jax.shard_map of its lower_fn, but {why[1]}") from type_error
+    if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+      _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
+                       why=("asked while tracing; not run as shard_map "
+                            f"under Explicit axes: {why[1]}"))
+    return _Program(None, out_tree, why[1])
+  closed, proven = _trace_lower_fn(op, answer), False
+  if op.check_vma:  # seam: per-shard checks (II.1)
+    proven = _check_per_shard(op, answer, operands + results, closed)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug_partition(op, operands, results, answer, _SHARD_MAP)
+  build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
+                            typed or answer.results,
+                            getattr(user_op.fun, "__name__", ""))
+  return _Program(build(op.check_vma), out_tree, untyped=(
+      build(False) if op.check_vma else None), proven=proven)
+
+
+def _typed_trace(user_op, args: _CallArgs, flat: _FlatArgs):
+  """``(call, out_tree, type_error)``: ``fun`` traced on the operands' types
+  or, where jax cannot type it (``type_error``), without shardings."""
+  try:
+    return (*user_op._trace_fun(args, flat.in_tree, flat.in_avals), None)
+  except (_ShardingTypeError, ValueError) as e:
+    # Some ops raise a plain ValueError instead of ShardingTypeError (rfft
+    # of a sharded axis, jax 0.10.2).
+    with _no_ambient_mesh():
+      # jax 0.5.0 gave ShapedArray a sharding, defaulting to the ambient mesh.
+      unsharded = [_jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+                   for a in flat.in_avals]
+      try:
+        return (*user_op._trace_fun(args, flat.in_tree, unsharded), e)
+      except Exception:
+        if isinstance(e, _ShardingTypeError):
+          raise
+        raise e from None  # a ValueError of the body itself
+
+
+def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
+  """``(operands, results, typed)``: the values asked about, specs as the
+  custom call's (no size-1 axes), and the program's result types (None:
+  ``partition``'s): jax's typing of ``fun``, else the op's inference."""
+  operands = [_Value(a.shape, a.dtype, _as_xla_spec(_spec_of(a), mesh))
+              for a in in_avals]
+  results = [_Value(a.shape, a.dtype) for a in call.out_avals]
+  if type_error is None:
+    typed = [_Value(a.shape, a.dtype, _spec_of(a)) for a in call.out_avals]
+    return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
+                      for v in typed], typed
+  inferred = _ask_infer(op, operands, results)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug_infer(op, operands, inferred, _SHARD_MAP)
+  if inferred is not None and all(v.spec is not None for v in inferred):
+    return operands, inferred, inferred
+  return operands, results, None
+
+
+def _spec_of(aval) -> tuple:
+  """The PartitionSpec entries of an abstract value's type, one per axis."""
+  spec = tuple(aval.sharding.spec) if _aval_mesh(aval) is not None else ()
+  return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+def _as_xla_spec(spec, mesh) -> tuple:
+  """``spec`` without its size-1 axes, as a round trip through XLA reads."""
+  def entry_of(entry):
+    axes = [a for a in _entry_axes(entry) if mesh.shape[a] > 1]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  return tuple(map(entry_of, spec))
+
+
+def _unrunnable(answer: _Answer, mesh):
+  """``(error type, reason)`` where shard_map cannot run ``answer``."""
+  if answer.mesh.axis_names != mesh.axis_names or (
+      dict(answer.mesh.shape) != dict(mesh.shape)):
+    return NotImplementedError, (
+        f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
+        f"not the op's {dict(mesh.shape)}.")
+  for what, side in (("operand", answer.args), ("result", answer.results)):
+    for i, v in enumerate(side):
+      if v.spec is None:
+        return NotImplementedError, (
+            f"partition returned a sharding for {what} {i} that has no "
+            f"PartitionSpec on the mesh {dict(mesh.shape)}.")
+      for d, entry in enumerate(v.spec):
+        count = _shard_count(entry, mesh)
+        if v.shape[d] % count:
+          return ValueError, (
+              f"partition shards {what} {i} dimension {d} (size "
+              f"{v.shape[d]}) over {count} devices, which do not divide "
+              "it, and jax.shard_map takes only even shards. Shard that "
+              "dimension over axes that divide its size, or pad it.")
+  return None
+
+
+def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
+                       fun_name: str, check_vma: bool) -> Callable:
+  """The jitted reshard -> ``jax.shard_map(lower_fn)`` -> reshard."""
+  mesh, lower_fn, in_tree = answer.mesh, answer.lower_fn, op.in_tree
+  out_axes = [_axes_in([v.spec]) for v in answer.results]
+
+  def per_shard(*local_args):
+    outs = jax.tree_util.tree_leaves(lower_fn(*in_tree.unflatten(local_args)))
+    return [_invariant_over_size1(x, axes, mesh)
+            for x, axes in zip(outs, out_axes)]
+  # An operand differing from the answer only in size-1 axes keeps its
+  # type: a psum over ('z', 'y') on P(('z', 'y')) needs it varying over 'y'.
+  arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
+               for t, v in zip(map(_spec_of, in_avals), answer.args)]
+  am = mesh.abstract_mesh  # no devices: one jit trace serves every mesh like it
+  mapped = jax.shard_map(
+      per_shard, mesh=am, check_vma=check_vma,
+      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
+      out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
+
+  def reshard(xs, specs):  # an equation only where the type changes
+    return [x if _spec_of(_typeof(x)) == spec else jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(am, jax.sharding.PartitionSpec(*spec)))
+        for x, spec in zip(xs, specs)]
+
+  def program(*flat):
+    return reshard(mapped(*reshard(flat, arg_specs)), [v.spec for v in typed])
+  program.__name__ = fun_name if fun_name.isidentifier() else "op"
+  return jax.jit(program)
+
+
+def _invariant_over_size1(x, spec_axes: set, mesh):
+  """``x`` made invariant (by a no-op psum) over size-1 axes it varies over
+  but its out spec omits, which check_vma would needlessly refuse."""
+  axes = tuple(a for a in sorted(_varying_axes(_typeof(x)) or ())
+               if mesh.shape[a] == 1 and a not in spec_axes)
+  if not axes:
+    return x
+  if x.dtype == np.bool_:  # psum takes numbers
+    return jax.lax.psum(x.astype(np.int8), axes).astype(np.bool_)
+  return jax.lax.psum(x, axes)
+
+
+# --------------------------------------------------------------------------
+# II.4 Derived ops: vmap, jvp and transposition
+#
+# ``jax.vmap``, ``jax.jvp`` and ``jax.grad``'s transposition bind a
+# *derived* op: the same callbacks, ``transform`` listing the steps from the
+# author's op, ``call`` the body transformed alike. Each question XLA asks
+# walks down the steps to the author's op and its answer back up (as spec
+# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
+# --------------------------------------------------------------------------
+
+def _jvp(primals, tangents, **params):
+  """The primals come from a derived op computing them as jax's
+  linearization does, the tangents from a derived jvp op; an op with a
+  non-float result is differentiated through its body."""
+  call = params["call"]
+  mask = tuple(type(t) is not _jax.Zero and
+               jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
+               for p, t in zip(primals, tangents))
+  if not any(mask):
+    return (custom_partitioning_p.bind(*primals, **params),
+            [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals])
+  if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+             for a in call.out_avals):
+    out = custom_partitioning_p.bind(*primals, **params)
+    tangents = [_jax.instantiate_zeros(t) for t in tangents]
+    return out, jax.jvp(_jax.jaxpr_as_fun(call), list(primals), tangents)[1]
+  # The primal is what jax's linearization computes (a custom_vjp's fwd),
+  # so that an outer jvp or grad differentiates what plain jax does.
+  steps = params.get("transform", ())
+  out = _bind_derived(primals, params, ("primal", mask), _Primal(mask).lower(
+      _jax.jaxpr_as_fun(call)), steps + (_Primal(mask),))
+  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
+  return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
+      _jax.jaxpr_as_fun(call)), steps + (_Jvp(mask),))
+
+
+_derived = _LRU()
+
+
+def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
+  """Binds the op derived by ``transform``, its body ``fun`` (``call``
+  transformed as ``tag`` says) traced for ``operands``."""
+  # A pure function of the key: the body, the tag, the operands' avals
+  # (with the shardings the results inherit) and jax's trace context.
+  call = params["call"]
+  in_avals = tuple(_typeof(x) for x in operands)
+  key = (call, tag, in_avals, _jax.trace_context())
+  derived = _derived.cached(key, lambda: _trace_to_jaxpr(
+      fun, in_avals, jax.tree_util.tree_structure(in_avals), in_avals,
+      f"{tag[0]} of {_fun_name(call)}")[0])
+  return custom_partitioning_p.bind(*operands, **dict(
+      params, call=derived, transform=transform))
+
+
+def _masked(fn: Callable, primals, mask):
+  """``fn`` as a function of the primals marked in ``mask`` alone."""
+  def partial_fn(*chosen):
+    it = iter(chosen)
+    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
+  return partial_fn, [p for p, m in zip(primals, mask) if m]
+
+
+def _transpose(cts, *args, **params):
+  """Transposes a jvp op (linear in its tangents) into a vjp op."""
+  steps = params.get("transform", ())
+  k = max((i for i, s in enumerate(steps) if not s.transposed_below),
+          default=None)
+  call, vjp = params["call"], None if k is None else steps[k].transposed()
+  if vjp is None or any(
+      _jax.is_undefined_primal(p) for p in args[:len(vjp.mask)]):
+    raise NotImplementedError(
+        f"{_fun_name(call)}: a custom_partitioning op can be transposed only "
+        "in its tangents, as jax.grad does.")
+  mask = vjp.mask
+  n = len(mask)
+
+  def body(*xs):
+    # Transposed, not linearized again (a custom_vjp's custom_lin has no
+    # jvp), from primals typed as the tangents (shard_map's varying axes).
+    linear = functools.partial(_jax.jaxpr_as_fun(call), *xs[:n])
+    return list(jax.linear_transpose(linear, *(
+        p for p, m in zip(xs, mask) if m))(list(xs[n:])))
+  operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
+  return [None] * n + list(_bind_derived(
+      operands, params, ("transpose",), body,
+      steps[:k] + (vjp,) + steps[k + 1:]))
+
+
+def _batch(args, dims, **params):
+  """Batches the op: every operand gets the batch dimension in front."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  call = params["call"]
+  if size == 0:  # nothing to partition (and no item to unbatch below)
+    outs = jax.vmap(_jax.jaxpr_as_fun(call), in_axes=list(dims))(*args)
+    return outs, [0] * len(outs)
+  args = [jax.lax.broadcast(x, (size,)) if d is None
+          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  batched = tuple(d is not None for d in dims)
+
+  def body(*xs):
+    # Broadcast operands unbatched again: under Explicit axes, vmap wants
+    # all batch dimensions sharded alike.
+    return jax.vmap(_jax.jaxpr_as_fun(call),
+                    in_axes=[0 if b else None for b in batched])(
+                        *[x if b else x[0] for x, b in zip(xs, batched)])
+  outs = _bind_derived(args, params, ("vmap", batched), body,
+                       params.get("transform", ()) + (_Batch(),))
+  return outs, [0] * len(outs)
+
+
+def _batch_rule(axis_data, args, dims, **params):
+  """``_batch`` as jax 0.4.36's batching rules are called: the axis data
+  first, and also when no operand is batched (then the op binds as is)."""
+  del axis_data
+  if all(d is None for d in dims):
+    outs = custom_partitioning_p.bind(*args, **params)
+    return outs, [None] * len(outs)
+  return _batch(args, dims, **params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """A step from an op to one derived from it: the values below it (``down``),
+  per-value items above it (``up``: spec entries or a rule's dimensions), its
+  part of each question (default: keep shardings); hashable, for cache keys."""
+
+  def infer(self, op, level, below, inner):
+    return inner()
+
+  def propagate(self, op, results, inner):
+    return inner(results)
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    return (*self.up(ops, res), reduction)
+
+  def entry(self, values, used, mesh):
+    """The spec entry a batch dimension gets (``used()``: the op below's)."""
+    return None
+
+  # jax.grad transposes the top step that is not ``transposed_below`` (a
+  # batch dimension leaves linearity as it is) into ``transposed()``, or
+  # cannot (None: the op is not linear in some operands).
+  transposed_below = False
+
+  def transposed(self):
+    return None
+
+
+def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
+  """The ops from the author's to the top one, whose values are given."""
+  if not steps:
+    return [_Level(None, operands, results)]
+  return [*_levels(steps[:-1], *steps[-1].down(operands, results)),
+          _Level(steps[-1], operands, results)]
+
+
+def _unbatched(v: _Value) -> _Value:
+  """``v`` without its batch dimension; a sharding with no PartitionSpec
+  reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
+  spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
+  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None, v.varying)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch(_Step):
+  """``jax.vmap``: every operand and result gains a leading dimension."""
+  transposed_below = True
+
+  def down(self, operands, results):
+    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
+
+  def up(self, operands, results, batch_item=None):
+    return [[(batch_item, *v) for v in side] for side in (operands, results)]
+
+  def infer(self, op, level, below, inner):
+    inferred = inner()
+    if inferred is None:
+      return None
+    entry = self.entry(level.operands, functools.partial(
+        _axes_in, [v.spec for v in inferred + below.operands]), op.mesh)
+    return _with_specs(level.results, [(entry, *v.spec) for v in inferred])
+
+  def propagate(self, op, results, inner):
+    preferred = inner([_unbatched(v) for v in results])
+    entry = self.entry(results, functools.partial(
+        _axes_in, [v.spec for v in preferred]), op.mesh)
+    return _with_specs(results, [(entry, *v.spec) for v in preferred])
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    factor = f"{_BATCH_FACTOR_PREFIX}vmap{len(sizes)}"  # a fresh factor
+    sizes[factor] = level.operands[0].shape[0]
+    return (*self.up(ops, res, (factor,)), reduction)
+
+  def entry(self, values, used, mesh):
+    """The axes the batch dimension arrives on (first in ``values``) that
+    the op below leaves free and that divide the batch size, or None."""
+    entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
+    used = used()
+    axes = [a for a in _entry_axes(entry) if a not in used]
+    while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
+      axes.pop()
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+  def lower(self, fn, *_):
+    return jax.vmap(fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Jvp(_Step):
+  """``jax.jvp``: operands are the primals, then the tangents of those in
+  ``mask``; results are tangents, sharded like their primals."""
+  mask: tuple
+
+  def down(self, operands, results):
+    return operands[:len(self.mask)], results
+
+  def up(self, operands, results, batch_item=None):
+    return operands + [v for v, m in zip(operands, self.mask) if m], results
+
+  def transposed(self):
+    return _Vjp(self.mask)
+
+  def lower(self, fn, *_):
+    def jvp_fn(*xs):
+      partial_fn, chosen = _masked(fn, xs[:len(self.mask)], self.mask)
+      return list(jax.jvp(partial_fn, chosen, list(xs[len(self.mask):]))[1])
+    return jvp_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Primal(_Step):
+  """The primal results of ``jax.jvp`` of the op below (in the primals in
+  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp``
+  runs its fwd, whose own derivative an outer jvp or grad then takes (plain
+  jax's second order and forward-over-reverse). Same values, same
+  shardings."""
+  mask: tuple
+
+  def down(self, operands, results):
+    return operands, results
+
+  def up(self, operands, results, batch_item=None):
+    return operands, results
+
+  def lower(self, fn, *_):
+    def primal_fn(*xs):
+      partial_fn, chosen = _masked(fn, xs, self.mask)
+      return jax.linearize(partial_fn, *chosen)[0]
+    return primal_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vjp(_Step):
+  """``jax.grad``'s transposition: operands are the primals, then the
+  results' cotangents; results, the cotangents of the primals in ``mask``."""
+  mask: tuple
+
+  def down(self, operands, results):  # cotangents stand for results
+    return operands[:len(self.mask)], operands[len(self.mask):]
+
+  def up(self, operands, results, batch_item=None):
+    return operands + results, [v for v, m in zip(operands, self.mask) if m]
+
+  def infer(self, op, level, below, inner):
+    primals = [v for v, m in zip(level.operands, self.mask) if m]
+    return None if any(v.spec is None for v in primals) else primals
+
+  def propagate(self, op, results, inner):
+    return results
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    return (*self.up(ops, res), [])
+
+  def lower(self, fn, op, answer, below, batched):
+    """``fn`` transposed per shard. Along a mesh axis that no collective of
+    ``fn`` runs over and that every result is replicated over if an operand
+    is, the devices compute alike: each result's cotangent (the same on
+    every copy) goes undivided to ``fn``'s pullback and nothing is summed,
+    so a custom backward rule that is not linear (a clip) sees what plain
+    jax gives it. Along the other axes the pullback runs as jax transposes
+    ``pmap`` code (a ``psum``'s transpose is a ``psum``), then corrected:
+    each of a result's ``r`` copies gets ``1/r`` of its cotangent, and an
+    operand's cotangent is summed over the axes it is replicated over,
+    which is exact for pullbacks linear in their cotangents."""
+    copies = functools.partial(_copies_over, op, answer.on, batched=batched)
+    results = [set(copies(v)) for v in below.results]
+    operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
+    n = len(self.mask)
+    # The transposition sums where the forward broadcast, cotangent times
+    # derivative: 0 * inf is NaN, so primals' padding is made real (where
+    # the body is finite), cotangents' zeroed.
+    values = below.operands + below.results
+    padded = _padded(values, answer.on)
+
+    def vjp_fn(*xs):
+      xs = [_without_padding(x, v, answer.on, i < n) if padded else x
+            for i, (x, v) in enumerate(zip(xs, values))]
+      partial_fn, chosen = _masked(fn, xs[:n], self.mask)
+      shared = _collective_axes(_open(jax.make_jaxpr(partial_fn)(*chosen)),
+                                set(answer.mesh.axis_names)) | {
+          a for axes in operands for a in axes
+          if not all(a in r for r in results)}
+      scales = [math.prod(answer.mesh.shape[a] for a in r if a in shared)
+                for r in results]
+      _, pullback = jax.vjp(partial_fn, *chosen)
+      grads = pullback(_scaled(xs[n:], scales))
+      if padded:  # a first slice whose derivative is infinite
+        grads = _finite_padding(pullback, grads, _scaled([
+            _without_padding(ct, v, answer.on, True)
+            for ct, v in zip(xs[n:], below.results)], scales))
+      psums = [tuple(a for a in axes if a in shared) for axes in operands]
+      return [jax.lax.psum(g, axes) if axes else g
+              for g, axes in zip(grads, psums)]
+    return vjp_fn
+
+
+def _scaled(cts: list, scales: list) -> list:
+  return [ct / r if r > 1 else ct for ct, r in zip(cts, scales)]
+
+
+def _finite_padding(pullback, grads: list, real_cts: list) -> list:
+  """``grads``, where padding made them NaN, from the padding given the
+  first slice's cotangent too: where that slice's derivative is infinite,
+  the zero cotangent on its copies gave ``0 * inf``; a copy of the real
+  cotangent adds more of the same infinity, as plain jax has it. Where the
+  real slices alone give NaN, both do."""
+  again = pullback(real_cts)
+  return [jax.numpy.where(jax.numpy.isnan(g), h, g)
+          if jax.numpy.issubdtype(g.dtype, jax.numpy.inexact) else g
+          for g, h in zip(grads, again)]
+
+
+def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:
+  """The author's answer about the op below, walked up ``op.steps``."""
+  if op.mesh.empty:
+    raise NotImplementedError(
+        f"{op.name} is lowered for several devices without a mesh; jax.vmap, "
+        "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
+        "NamedSharding arguments, jax.set_mesh or `with mesh:`).")
+  levels = _levels(op.steps, operands, results)
+  answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
+  levels = _specs_up(levels, answer, closed)
+  # lower_fn transformed by each step (given batch dimensions above it).
+  fn = _jax.jaxpr_as_fun(closed)
+  for i in range(1, len(levels)):
+    fn = levels[i].step.lower(fn, op, answer, levels[i - 1], _axes_in(
+        [[level.entry] for level in levels[i + 1:]]))
+  top = levels[-1]
+  with _no_ambient_mesh():
+    closed = jax.make_jaxpr(fn, axis_env=list(answer.mesh.shape.items()))(
+        *[_local_struct(v, answer.on) for v in top.operands])
+  # Placed by position on answer.on, as lower_fn's axis_index counts them.
+  args, outs = ([v._replace(hlo=_hlo_of(v, answer.on)) for v in side]
+                for side in (top.operands, top.results))
+  return _PerShard(answer.mesh, closed, args, outs)
+
+
+def _infer(op: _Op, levels: list):
+  """Result values of the op at the top of ``levels``, or None."""
+  *below, top = levels
+  if top.step is None:
+    return _ask_infer(op, top.operands, top.results)
+  return top.step.infer(op, top, below[-1], lambda: _infer(op, below))
+
+
+def _propagate_derived(op: _Op, results: list) -> list[_Value] | None:
+  """Result values of the op, given its user's; None (the user's stand)
+  where one has no PartitionSpec to walk down the steps."""
+  if any(v.spec is None for v in results):
+    return None
+  return _propagate(op, op.steps, results)
+
+
+def _propagate(op: _Op, steps: tuple, results: list) -> list[_Value]:
+  """Result values of the op ``steps`` above the author's, given its user's."""
+  if not steps:
+    asked = _ask_propagate(op, results)
+    return results if asked is None else asked
+  return steps[-1].propagate(
+      op, results, lambda below: _propagate(op, steps[:-1], below))
+
+
+def _specs_up(levels: list, answer: _Answer,
+              closed: _ClosedJaxpr) -> list[_Level]:
+  """``levels`` as partitioned: the author's answer walked up (a batch
+  dimension keeps its axes unless shardings or collectives below use them)."""
+  out = [levels[0]._replace(operands=answer.args, results=answer.results)]
+  for level in levels[1:]:
+    args, outs = ([v.spec for v in side]
+                  for side in (out[-1].operands, out[-1].results))
+    entry = level.step.entry(level.operands + level.results, functools.partial(
+        _collective_axes, _open(closed), set(answer.on.axis_names),
+        _axes_in(args + outs)), answer.on)
+    args, outs = level.step.up(args, outs, entry)
+    out.append(_Level(level.step, _with_specs(level.operands, args),
+                      _with_specs(level.results, outs), entry))
+  return out
+
+
+def _collective_axes(jaxpr: _jax.Jaxpr, names: set, also=()) -> set:
+  """``also``, and those of ``names`` that ``jaxpr``'s collectives run over."""
+  return set(also) | names & set().union(*map(_eqn_axes, jaxpr.eqns), *(
+      _collective_axes(sub, names) for sub in _jax.subjaxprs(jaxpr)))
+
+
+def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
+  """The (not size-1) axes along which devices hold equal copies of
+  ``value``: those of ``on`` its spec and batch dimensions leave out and,
+  inside a partly manual shard_map, the manual axes it does not vary over
+  (none where untyped: jax < 0.6 and ``check_vma=False``)."""
+  used = _axes_in([value.spec]) | batched
+  axes = tuple(a for a in _real_axes(on) if a not in used)
+  if op.place.auto is None or value.varying is None or not any(
+      op.varying[0] + op.varying[1]):
+    return axes
+  return axes + tuple(a for a in _real_axes(op.place.whole)
+                      if a not in op.place.auto.axis_names and
+                      a not in value.varying)
+
+
+def _without_padding(x, v: _Value, on, real: bool = False):
+  """``x``, a shard of ``v``, past ``v``'s end (XLA pads last shards with
+  unspecified values) zeroed, or if ``real`` made ``v``'s first slice."""
+  if v.spec is None or x.dtype == jax.dtypes.float0:
+    return x
+  for d, entry in enumerate(v.spec):
+    if v.shape[d] % _shard_count(entry, on) == 0:
+      continue
+    axes, fill = _entry_axes(entry), jax.numpy.zeros_like(x)
+    start = jax.lax.axis_index(axes) * x.shape[d]
+    keep = start + jax.lax.broadcasted_iota(np.int32, x.shape, d) < v.shape[d]
+    if real:  # the first device's first slice, sent to all (bools: int32)
+      fill += jax.lax.psum(jax.numpy.where(start == 0, jax.lax.slice_in_dim(
+          x, 0, 1, axis=d), 0), axes).astype(x.dtype)
+    x = jax.lax.select(keep, x, fill)
+  return x
+
+
+_jax.primitive_jvps[custom_partitioning_p] = _jvp
+_jax.primitive_transposes[custom_partitioning_p] = _transpose
+if _JAX_VERSION >= (0, 4, 36):  # see _batch_rule
+  _jax.fancy_primitive_batchers[custom_partitioning_p] = _batch_rule
+else:
+  _jax.primitive_batchers[custom_partitioning_p] = _batch
+
+
+# --------------------------------------------------------------------------
+# II.5 Ops defined by their sharding rule alone
+#
+# ``def_partition(sharding_rule=...)`` without ``partition`` (or without
+# ``infer_sharding_from_operands``): both are derived from the rule.
+# --------------------------------------------------------------------------
+
+def _infer_by_rule(op: _Op, operands: list, results: list):
+  """The result shardings the op's rule implies, or None (GSPMD); it needs
+  every placed operand's PartitionSpec."""
+  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
+      v.spec is None and v.hlo is not None for v in operands):
+    return None
+  shapes = [v.shape for v in operands + results]
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if isinstance(op.partition, _FromRule):  # as the partition will answer
+      specs = _rule_specs(op.sharding_rule, shapes, [v.spec for v in operands],
+                          [None] * len(results))[1]
+    else:
+      specs = _infer_from_rule(op.sharding_rule, shapes,
+                               [v.spec for v in operands])
+  return [v._replace(spec=spec) for v, spec in zip(results, specs)]
+
+
+def _infer_from_rule(rule: SdyShardingRule, shapes: list,
+                     in_specs: list) -> list:
+  """GSPMD inference from a Shardy rule: each result dimension's spec entry is
+  the mesh axes of the first operand dimension (``in_specs``; None: unplaced)
+  of its single, passthrough factor, unless the result has them already
+  (``shapes``: operands', then results')."""
+  _, dims = _resolve_rule(rule, shapes, len(in_specs))
+  blocked = set(rule.need_replication_factors) | set(rule.reduction_factors)
+  axes_of: dict[str, Any] = {}
+  for value_dims, spec in zip(dims, in_specs):
+    for factors, axes in zip(value_dims, spec or ()):
+      if len(factors) == 1 and factors[0] not in blocked and axes is not None:
+        axes_of.setdefault(factors[0], axes)
+  out = []
+  for value_dims in dims[len(in_specs):]:
+    used, spec = set(), []
+    for factors in value_dims:
+      axes = axes_of.get(factors[0]) if len(factors) == 1 else None
+      axes = axes if used.isdisjoint(_entry_axes(axes)) else None
+      used.update(_entry_axes(axes))
+      spec.append(axes)
+    out.append(tuple(spec))
+  return out
+
+
+def _partition_from_rule(op: _Op, operands: list, results: list):
+  """What a ``partition`` written from the op's rule would return."""
+  lower_fn = op.partition.lower_fn(op.static_args)
+  if op.mesh.empty:  # no axis to name: replicated is right for every op
+    replicated = _jax.GSPMDSharding(op.place.devices,
+                                              _jax.HloSharding.replicate())
+    in_shardings = [replicated] * len(operands)
+    out_shardings = [replicated] * len(results)
+  else:
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      in_specs, out_specs = _rule_specs(
+          op.sharding_rule, [v.shape for v in operands + results],
+          [v.spec for v in operands], [v.spec for v in results])
+    in_shardings, out_shardings = ([jax.sharding.NamedSharding(
+        op.mesh, jax.sharding.PartitionSpec(*spec)) for spec in specs]
+        for specs in (in_specs, out_specs))
+  return (op.mesh, lower_fn, op.out_tree.unflatten(out_shardings),
+          op.in_tree.unflatten(in_shardings))
+
+
+def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
+                out_specs: list) -> tuple[list, list]:
+  """``(operand specs, result specs)``, as PartitionSpec entries, of an op
+  partitioned by its rule alone, from the specs values arrive with (None:
+  unknown; ``shapes``: operands', then results'). A factor keeps the mesh
+  axes the operands bring it on, else the results' (slicing a replicated
+  operand costs no communication), unless one side brings it on two (a
+  conflict), it is special or reduced, in a compound dimension, or an earlier
+  factor (in order of first use) keeps those axes."""
+  num_operands = len(in_specs)
+  sizes, dims = _resolve_rule(rule, shapes, num_operands, one_size=True)
+  blocked = _reduced_factors(rule, dims, num_operands).union(
+      rule.need_replication_factors, rule.permutation_factors)
+  blocked.update(f for value_dims in dims for factors in value_dims
+                 if len(factors) > 1 for f in factors)
+  axes_of: dict[str, tuple] = {}
+  for side, specs in ((dims[:num_operands], in_specs),
+                      (dims[num_operands:], out_specs)):
+    brought: dict[str, set] = {}
+    for value_dims, spec in zip(side, specs):
+      for factors, entry in zip(value_dims, spec or ()):
+        if factors[0] not in blocked and entry is not None:
+          brought.setdefault(factors[0], set()).add(_entry_axes(entry))
+    for factor, axes in brought.items():  # unless the operands decided:
+      if factor not in axes_of and len(axes) > 1:
+        blocked.add(factor)  # a conflict: no side's choice is better
+      elif factor not in axes_of:
+        (axes_of[factor],) = axes
+  used, kept = set(), {}
+  for factor in sizes:
+    axes = axes_of.get(factor, ())
+    if axes and factor not in blocked and not used & set(axes):
+      used.update(axes)
+      kept[factor] = axes[0] if len(axes) == 1 else axes
+  specs = [tuple(kept.get(factors[0]) if len(factors) == 1 else None
+                 for factors in value_dims) for value_dims in dims]
+  return specs[:num_operands], specs[num_operands:]
+
+
+# --------------------------------------------------------------------------
+# II.6 A rule derived from infer: GSPMD-era ops under Shardy
+#
+# Shardy propagates through an op by its sharding rule alone. An op given
+# only GSPMD callbacks gets one derived from its own
+# ``infer_sharding_from_operands`` (author's shapes, the op's mesh): each
+# operand dimension is probed alone, sharded over a mesh axis that divides
+# it, and shares a factor with each result dimension infer puts that axis on
+# (same size, one dimension per value). What no probe ties (infer raised,
+# put the axis nowhere, or where no factor can state it) gets a factor of
+# its own. Any rule is right here: ``partition`` decides the shardings and
+# XLA reshards to them; the rule only spares reshards. Logged at DEBUG and
+# reported by ``check_partitioning``, so the author can paste it.
+# --------------------------------------------------------------------------
+
+class _Derived(NamedTuple):
+  rule: SdyShardingRule
+  text: str  # as an author writes it
+  why: str  # what no probe could tie, and what that costs; "" if all tied
+  failed: bool  # no probe was answered: the rule shares no factor
+
+
+# Key: every input of infer's answers (its function, statics, trees, the
+# author's shapes and dtypes, mesh and devices, decode_shardings, jax's
+# trace context); blind, like jax's caches, to what infer reads elsewhere.
+# Bounded at 256; cleared by jax.clear_caches().
+_derived_rules = _LRU(256)
+_rules_seen = threading.local()  # ``found``: check_partitioning's list
+
+
+def _derived_rule(params, place: _Placement, author: _Level) -> _Derived:
+  """The author's op's rule, derived from its infer (cached), logged."""
+  static = params["static_args"]
+  static_key = _key_of(getattr(static, "value", static))
+  key = None if static_key is None else (
+      params["infer_sharding_from_operands"], static_key, params["in_tree"],
+      params["out_tree"], params["decode_shardings"], place,
+      tuple((v.shape, v.dtype) for v in author.operands + author.results),
+      _jax.trace_context())
+  derived = None if key is None else _derived_rules.get(key)
+  hit = derived is not None
+  if not hit:
+    derived = _derive(params, place, author)
+    if key is not None:
+      _derived_rules.put(key, derived)
+  name = _fun_name(params["call"])
+  if getattr(_rules_seen, "found", None) is not None:
+    _rules_seen.found.append((name, derived.text, derived.why))
+  if derived.failed and not hit:
+    warnings.warn(
+        f"custom_partitioning op {name} has no sharding_rule, and none could "
+        f"be derived from its GSPMD callbacks under Shardy ({derived.why}). "
+        f"It runs with the rule '{derived.text}', which ties no operand to "
+        "a result: XLA reshards operands and results to what partition "
+        "returns, which may gather them. Pass sharding_rule= to "
+        "def_partition.", stacklevel=2)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug(name, "sharding_rule", path=_CUSTOM_CALL, mesh=place.mesh,
+           cached=hit, answered=repr(derived.text),
+           by="a derivation from infer_sharding_from_operands",
+           why="; ".join(filter(None, [derived.why, (
+               "pass it as def_partition's sharding_rule to fix it")])))
+  return derived
+
+
+@contextlib.contextmanager
+def _derived_rules_seen():
+  """Collects ``(op name, rule text, why)`` for each rule derived (or found
+  cached) on this thread meanwhile: ``check_partitioning``'s jits lower
+  there."""
+  outer, _rules_seen.found = getattr(_rules_seen, "found", None), []
+  try:
+    yield _rules_seen.found
+  finally:
+    _rules_seen.found = outer
+
+
+def _derive(params, place: _Placement, author: _Level) -> _Derived:
+  op = _op_of({**params, "transform": ()}, place, None)
+  operands, results = author.operands, author.results
+  n, shapes = len(operands), [v.shape for v in operands + results]
+  mesh = place.auto if place.auto is not None else op.mesh
+  axes = [] if mesh.empty or op.infer_sharding_from_operands is None else [
+      a for a in mesh.axis_names if mesh.shape[a] > 1]
+
+  def ask(specs):  # results' specs (None: infer left them to XLA), or error
+    try:
+      inferred = _ask_infer(op, _with_specs(operands, specs), results)
+    except Exception as e:  # noqa: BLE001 - a probe infer does not support
+      return e
+    return None if inferred is None else [v.spec for v in inferred]
+
+  unsharded = [(None,) * len(s) for s in shapes[:n]]
+  base = ask(unsharded)
+  fixed = set() if not isinstance(base, list) else {
+      a for spec in base for e in spec or () for a in _entry_axes(e)}
+  group = {(i, d): (i, d) for i, s in enumerate(shapes) for d in range(len(s))}
+  members = {k: {k} for k in group}
+  raised, unstated, answered, tried = [], [], False, False
+  for i, d in [(k, d) for k, s in enumerate(shapes[:n]) for d in range(len(s))]:
+    for axis in [a for a in axes
+                 if a not in fixed and shapes[i][d] % mesh.shape[a] == 0]:
+      specs = list(unsharded)
+      specs[i] = tuple(axis if k == d else None for k in range(len(shapes[i])))
+      got, tried = ask(specs), True
+      if isinstance(got, Exception):
+        raised.append((i, d, got))
+        continue
+      answered = True
+      for r, spec in enumerate(got or ()):
+        e = next((e for e, entry in enumerate(spec or ())
+                  if axis in _entry_axes(entry)), None)
+        if e is not None and not _joined(group, members, (i, d), (n + r, e),
+                                         shapes):
+          unstated.append(f"operand {i} dimension {d} (size {shapes[i][d]}) "
+                          f"to result {r} dimension {e} (size "
+                          f"{shapes[n + r][e]})")
+      break
+  names: dict = {}
+  mappings = [ArrayMapping(*(names.setdefault(group[(v, d)], _factor_name(
+      len(names))) for d in range(len(s)))) for v, s in enumerate(shapes)]
+  rule = SdyShardingRule(tuple(mappings[:n]), tuple(mappings[n:]))
+  why = []
+  if op.infer_sharding_from_operands is None:
+    why.append("it has no infer_sharding_from_operands to derive it from")
+  elif not axes:
+    why.append("its mesh has no axis of more than one device to probe with")
+  for i, d, e in raised[:1]:
+    why.append(f"infer_sharding_from_operands raised on {len(raised)} "
+               f"probe{'s' * (len(raised) > 1)}, first with operand {i} "
+               f"dimension {d} sharded: {type(e).__name__}: {e}")
+  if unstated:
+    why.append("no factor states its mapping of " + "; ".join(unstated))
+  ties = (tried or op.infer_sharding_from_operands is None) and any(
+      s and max(s) > 1 for s in shapes[:n]) and any(
+          s and max(s) > 1 for s in shapes[n:])  # some tie was possible
+  return _Derived(rule, _rule_text(rule), "; ".join(why),
+                  failed=ties and not answered)
+
+
+def _joined(group: dict, members: dict, a: tuple, b: tuple, shapes) -> bool:
+  """Puts dimensions ``a`` and ``b`` (value, dimension) under one factor if
+  one can state it: equal sizes, no value twice; whether they share one."""
+  ra, rb = group[a], group[b]
+  if ra == rb:  # tied already (through another result)
+    return True
+  if shapes[a[0]][a[1]] != shapes[b[0]][b[1]] or (
+      {v for v, _ in members[ra]} & {v for v, _ in members[rb]}):
+    return False
+  for k in members[rb]:
+    group[k] = ra
+  members[ra] |= members.pop(rb)
+  return True
+
+
+def _factor_name(k: int) -> str:
+  letters = "ijklmnopqrstuvwxyzabcdefgh"
+  return letters[k] if k < len(letters) else f"f{k}"
+
+
+# --------------------------------------------------------------------------
 # II.7 Keys that hit across processes
 #
 # With jax's persistent compilation cache on, a custom call's key (part of
@@ -3376,7 +3409,6 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 _LIBRARY_PREFIXES = frozenset(
     "jax jaxlib numpy builtins functools operator math typing collections abc"
     " ml_dtypes opt_einsum scipy os sys random time io pathlib".split())
-_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
 # This module's classes -> what describes their objects (see the wiring).
@@ -3602,6 +3634,24 @@ def _code_names(code: types.CodeType) -> list[str]:
   return sorted(set(code.co_names).union(*nested))
 
 
+# How the content key describes this module's objects: an op by every field
+# that is not state (a field added to _Op is in the key unless it is marked
+# as state).
+_DESCRIBED_BY.update({
+    _Op: lambda op: tuple((f.name, getattr(op, f.name))
+                          for f in dataclasses.fields(op)
+                          if not f.metadata.get("state")),
+    _Statics: lambda obj: obj.value,
+    _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
+    custom_partitioning: lambda obj: (
+        obj.fun, obj.static_argnums, obj.partition,
+        obj.infer_sharding_from_operands, obj.propagate_user_sharding,
+        obj.decode_shardings, obj.sharding_rule, obj.check_vma),
+})
+# A derived op's step by class and fields: jvp and vjp differ.
+_DESCRIBED_BY[_Step] = dataclasses.astuple  # seam: derived ops (II.4)
+
+
 # --------------------------------------------------------------------------
 # II.8 The log of what each op was asked
 #
@@ -3639,11 +3689,6 @@ def _logged_spec(v: _Value) -> str:
   if v.spec is not None:
     return _spec_text(v.spec)
   return "unplaced" if v.hlo is None else f"HloSharding {v.hlo}"
-
-
-def _spec_text(spec: tuple) -> str:
-  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
-  return f"PartitionSpec({', '.join(map(repr, spec))})"
 
 
 def _logged(operands=None, results=None) -> str:
@@ -3696,80 +3741,6 @@ def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
   _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
          mesh=op.mesh, asked=_logged(results=users), by=by,
          answered=_logged(results=users if answer is None else answer))
-
-
-# --------------------------------------------------------------------------
-# II.9 Shared by the extras; module state
-#
-# jax's mesh and sharding internals that several extras read, and the table
-# of all state this module keeps but the stores on its objects (per op, per
-# lowered op); each store stands beside its owner. Caches are bounded
-# ``_LRU``s, each with its own lock; a hit answers what a fresh computation
-# would (where each is filled, a comment says what its key holds).
-#
-#   store           maps                                    bound   cleared
-#   op._traces      call signature -> traced fun            64/op   C, D
-#   op._programs    call signature -> _Program (II.2)       64/op   C, D
-#   _eager          eager call -> jitted function           64      C
-#   _derived        (body, tag, avals) -> derived body      64      C
-#   _Op.lowered     partition request -> XLA's answer       256/op  C
-#   _pending        thread -> (op, error) of its compile    threads P, F
-#   _registry       custom call key -> _Op (_register)      weak    -
-#   _lowering_ops   lowering -> its ops by parameters       weak    -
-#   _parked_errors  tag -> a callback's exception           64      C, R
-#   _parked_counter the next tag (I.3)                      -       -
-#   _call_names     body -> name of its function            weak    -
-#   _lapack_ready   jaxlib's LAPACK kernels registered      -       never
-#
-# jax's configuration (the trace context its caches key on): op._traces,
-# op._programs and _derived key on it; _registry's content keys (II.7) hold
-# it by value, its other keys name an op of one lowering, which has one (so
-# do _Op.lowered's answers); _eager's jax.jit functions key on it themselves
-# and are built alike under any. _pending is no cache.
-#
-# C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:
-# ``def_partition``; P: popped by the thread's next partition callback; F:
-# emptied when a compile ends (I.2); R: popped when the failed compile
-# re-raises it. Lowerings and executables that may still call back keep
-# their ``_registry`` entries alive. The weak tables and ``_pending`` share
-# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.7), filled at import.
-# --------------------------------------------------------------------------
-
-# jax's mesh and sharding internals, one place to change if jax renames them.
-def _sharding_devices(sharding) -> tuple:
-  return tuple(sharding._device_assignment)
-
-
-def _aval_mesh(aval):
-  # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
-  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-  return None if mesh is None or mesh.empty else mesh
-
-
-def _axis_types(mesh) -> tuple | None:
-  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
-  types_ = getattr(mesh, "axis_types", None)
-  return types_ if isinstance(types_, tuple) else None
-
-
-def _any_explicit(mesh) -> bool:
-  types_ = _axis_types(mesh)  # None before jax 0.5.3: no axis is Explicit
-  return types_ is not None and jax.sharding.AxisType.Explicit in types_
-
-
-def _gspmd_hlo(sharding) -> _jax.HloSharding:
-  return sharding._hlo_sharding
-
-
-def _store_sizes(op=None) -> dict[str, int]:
-  """Entries per store (II.9) (and ``op``'s own, if given), for tests."""
-  with _weak_lock:
-    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
-  sizes.update(eager=len(_eager), derived=len(_derived),
-               parked_errors=len(_parked_errors))
-  if op is not None:
-    sizes.update(traces=len(op._traces), programs=len(op._programs))
-  return sizes
 
 
 # ==========================================================================
@@ -4082,6 +4053,24 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
       getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
 
 
+def _reduced_factors(rule: SdyShardingRule, dims: list,
+                     num_operands: int) -> set:
+  """The factors of a resolved rule no shard can keep (the one definition
+  every check and derivation uses): reduction factors, those of operands or
+  results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
+  result lacks of the operands it shares a factor with (of all operands, if
+  it has no factor), as ``n`` for the second result of ``"b n -> b n, b"``."""
+  factors = [{f for fs in value_dims for f in fs} for value_dims in dims]
+  ins, outs = factors[:num_operands], factors[num_operands:]
+  reduced = set(rule.reduction_factors) | (
+      set().union(*ins) ^ set().union(*outs))
+  for out in outs:
+    for operand in ins:
+      if operand & out or not out:
+        reduced |= operand - out
+  return reduced
+
+
 # --------------------------------------------------------------------------
 # III.2 Checking an op's partitioning: check_partitioning
 #
@@ -4089,6 +4078,11 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
 # plausible numbers, and one-device tests never run it. Deterministic but for
 # the cotangents' fixed seed.
 # --------------------------------------------------------------------------
+
+def _any_explicit(mesh) -> bool:
+  types_ = _axis_types(mesh)  # None before jax 0.5.3: no axis is Explicit
+  return types_ is not None and jax.sharding.AxisType.Explicit in types_
+
 
 _ONE_AXIS, _SEVERAL, _TUPLE, _PADDED = _CLASSES = (
     "one dimension over one axis", "several dimensions over one axis each",
@@ -4186,7 +4180,9 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
                "one device")
   per_mesh, cotangents, requested = [], 0, 0
   offered, tried = [set() for _ in hosts], [set() for _ in hosts]
-  with _derived_rules_seen() as derived:  # seam: derived rules (II.5)
+  seen = contextlib.nullcontext([])  # (op name, rule, why) of derived rules
+  seen = _derived_rules_seen()  # seam: rules derived from infer (II.6)
+  with seen as derived:
     for mesh in meshes:
       options = [_shardings_of(h.shape, mesh) for h in hosts]
       chosen = _sharding_combinations(options, max_combinations)
@@ -4207,7 +4203,7 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
   return PartitioningReport(
       name, sum(n for _, n, _ in per_mesh), tuple(per_mesh), grad=bool(grad),
       max_combinations=max_combinations, cotangent_placements=cotangents,
-      result_requests=requested, derived_rules=_derived_texts(derived),
+      result_requests=requested, derived_rules=tuple(dict.fromkeys(derived)),
       **_coverage(arg_names, hosts, meshes, offered, tried))
 
 
@@ -4627,8 +4623,61 @@ class PartitioningReport:
             for op, text, why in self.derived_rules)) if part)
 
 
+__all__ += ["check_partitioning", "PartitioningReport"]
+
+
 # --------------------------------------------------------------------------
-# III.3 Self-demo: python custom_partitioning.py
+# III.3 Shared by the extras; module state
+#
+# jax's mesh and sharding internals that several extras read, and the table
+# of all state this module keeps but the stores on its objects (per op, per
+# lowered op); each store stands beside its owner. Caches are bounded
+# ``_LRU``s, each with its own lock; a hit answers what a fresh computation
+# would (where each is filled, a comment says what its key holds).
+#
+#   store           maps                                    bound   cleared
+#   op._traces      call signature -> traced fun            64/op   C, D
+#   op._programs    call signature -> _Program (II.3)       64/op   C, D
+#   _eager          eager call -> jitted function           64      C
+#   _derived        (body, tag, avals) -> derived body      64      C
+#   _Op.lowered     partition request -> XLA's answer       256/op  C
+#   _pending        thread -> (op, error) of its compile    threads P, F
+#   _registry       custom call key -> _Op (_register)      weak    -
+#   _lowering_ops   lowering -> its ops by parameters       weak    -
+#   _parked_errors  tag -> a callback's exception           64      C, R
+#   _parked_counter the next tag (I.3)                      -       -
+#   _call_names     body -> name of its function            weak    -
+#   _lapack_ready   jaxlib's LAPACK kernels registered      -       never
+#
+# jax's configuration (the trace context its caches key on): op._traces,
+# op._programs and _derived key on it; _registry's content keys (II.7) hold
+# it by value, its other keys name an op of one lowering, which has one (so
+# do _Op.lowered's answers); _eager's jax.jit functions key on it themselves
+# and are built alike under any. _pending is no cache.
+#
+# C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:
+# ``def_partition``; P: popped by the thread's next partition callback; F:
+# emptied when a compile ends (I.2); R: popped when the failed compile
+# re-raises it. Lowerings and executables that may still call back keep
+# their ``_registry`` entries alive. The weak tables and ``_pending`` share
+# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.7), filled at import.
+# --------------------------------------------------------------------------
+
+def _store_sizes(op=None) -> dict[str, int]:
+  """Entries per store (III.3) (and ``op``'s own, if given), for tests."""
+  with _weak_lock:
+    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
+  for name in ("eager", "derived", "parked_errors"):
+    store = globals().get(f"_{name}")  # None: a copy without its section
+    if store is not None:
+      sizes[name] = len(store)
+  if op is not None:
+    sizes.update(traces=len(op._traces), programs=len(op._programs))
+  return sizes
+
+
+# --------------------------------------------------------------------------
+# III.4 Self-demo: python custom_partitioning.py
 # --------------------------------------------------------------------------
 
 def _batched_fft_op() -> custom_partitioning:
@@ -4701,47 +4750,6 @@ def _demo() -> None:
   print("OK: the custom fft and its gradient are right and ran on the row "
         "shards with no gather")
 
-
-# --------------------------------------------------------------------------
-# Wiring: all that this module registers with jax and XLA, at import
-# --------------------------------------------------------------------------
-
-_jax.register_custom_decorator_type(custom_partitioning)
-custom_partitioning_p.def_abstract_eval(_abstract_eval)
-custom_partitioning_p.def_impl(_impl)
-custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
-_jax.register_lowering(custom_partitioning_p, _lowering)
-_jax.primitive_jvps[custom_partitioning_p] = _jvp
-_jax.primitive_transposes[custom_partitioning_p] = _transpose
-if _JAX_VERSION >= (0, 4, 36):  # see _batch_rule
-  _jax.fancy_primitive_batchers[custom_partitioning_p] = _batch_rule
-else:
-  _jax.primitive_batchers[custom_partitioning_p] = _batch
-# Lowering needs the concrete devices (to pick the mesh and key the op).
-_jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
-_register_partitioner(
-    _TARGET, _question(_answer_propagate, _users_sharding),
-    _partitioner(_answer_partition),
-    _question(_answer_infer, lambda op, *_: None))
-_jax.register_xla_runtime_error_handler(_reraise_callback_error)
-# jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
-# backend compile that succeeds, 0.4.35 to 0.11.
-_jax.register_event_duration_secs_listener(_drop_pending)
-# How the content key describes this module's objects (II.7): an op
-# by every field that is not state (a field added to _Op is in the key
-# unless it is marked as state).
-_DESCRIBED_BY.update({
-    _Op: lambda op: tuple((f.name, getattr(op, f.name))
-                          for f in dataclasses.fields(op)
-                          if not f.metadata.get("state")),
-    _Step: dataclasses.astuple,  # by class and fields: jvp and vjp differ
-    _Statics: lambda obj: obj.value,
-    _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
-    custom_partitioning: lambda obj: (
-        obj.fun, obj.static_argnums, obj.partition,
-        obj.infer_sharding_from_operands, obj.propagate_user_sharding,
-        obj.decode_shardings, obj.sharding_rule, obj.check_vma),
-})
 
 if __name__ == "__main__":
   _demo()

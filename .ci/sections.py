@@ -1,0 +1,220 @@
+"""Deletes each removable section of custom_partitioning.py, with its seam
+lines, and checks that the copy left still works.
+
+  python .ci/sections.py [--list] [--write SECTION DIR] [--check [SECTION...]]
+
+A removable section is each of Part II, and III.2 and III.3 (the tools);
+it is entered only from lines marked ``# seam: ... (<section>)``. Deleting
+it, mechanically, means:
+- its lines go, from its banner to the next banner;
+- a seam line that opens an ``if`` or ``elif`` loses that branch: the rest of
+  the chain stays, and an ``else`` body left alone takes the ``if``'s place
+  (the branch is gone, the plain path runs);
+- any other statement marked as a seam goes whole.
+``--check`` writes each copy (with the test file beside it) to a temporary
+directory, and fails unless ruff finds no undefined name in it and the core
+set passes under both partitioners, the removed section's tests skipped by
+the names in SKIPS below (run by the test runner of ``--run``).
+"""
+import argparse
+import ast
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MODULE = os.path.join(ROOT, "custom_partitioning.py")
+TESTS = os.path.join(ROOT, "test_custom_partitioning.py")
+
+REMOVABLE = r"II\.\d+|III\.[24]"
+BANNER = "# " + "-" * 74
+SEAM = re.compile(r"#.*\bseam:.*\((" + REMOVABLE + r")\)")
+
+# The core set (.ci/matrix's), and per section the tests of what it adds,
+# skipped in a copy without it (a test id containing one of the strings).
+CORE = ["ElementwiseTest", "FrontendTest", "ShardyRuleTest", "RuleToMlirTest",
+        "FFTTest", "CallbackContractTest", "GspmdEraOpsTest", "TransformTest",
+        "HijaxTest", "ImportTest",
+        "test_cholesky_batch_sharded_has_no_collective",
+        "test_readme_quickstart_runs"]
+SKIPS: dict[str, list[str]] = {}
+
+
+def sections(lines: list[str]) -> dict[str, tuple[int, int]]:
+  """Section number -> (first line, line after its last), 0-based."""
+  starts = []
+  for i, line in enumerate(lines[:-1]):
+    if line == BANNER and lines[i - 1] != "#" and (
+        m := re.match(r"# ((?:I|II|III)\.\d+) ", lines[i + 1])):
+      starts.append((m.group(1), i))
+  # A section ends where the next banner (of any kind) begins.
+  ends = [i for i, line in enumerate(lines)
+          if line in (BANNER, "# " + "=" * 74) and
+          not (i and lines[i - 1].startswith("# ") and lines[i - 1] != "#"
+               and lines[i - 1] not in (BANNER,))]
+  out = {}
+  for name, start in starts:
+    end = min((e for e in ends if e > start + 2), default=len(lines))
+    out[name] = (start, end)
+  return out
+
+
+def removable(lines) -> list[str]:
+  return [s for s in sections(lines) if re.fullmatch(REMOVABLE, s)]
+
+
+def _stmt_at(tree, lineno: int):
+  """The statement (and its parent's list) whose first line is ``lineno``."""
+  for node in ast.walk(tree):
+    for field in ("body", "orelse", "finalbody", "handlers"):
+      block = getattr(node, field, None)
+      if not isinstance(block, list):
+        continue
+      for stmt in block:
+        if isinstance(stmt, ast.stmt) and stmt.lineno == lineno:
+          return stmt, node, field
+  raise ValueError(f"no statement starts at line {lineno}")
+
+
+def _drop_seam(lines: list[str], lineno: int) -> list[str]:
+  """``lines`` without the seam statement at ``lineno`` (1-based)."""
+  tree = ast.parse("\n".join(lines))
+  stmt, parent, field = _stmt_at(tree, lineno)
+  i = lineno - 1
+  if not isinstance(stmt, ast.If):
+    del lines[i:stmt.end_lineno]
+    return _pad(lines, i)
+  text = lines[i].lstrip()
+  is_elif = text.startswith("elif ")
+  orelse = stmt.orelse
+  if orelse and isinstance(orelse[0], ast.If) and lines[
+      orelse[0].lineno - 1].lstrip().startswith("elif "):
+    j = orelse[0].lineno - 1  # the next elif takes this branch's place
+    if not is_elif:
+      lines[j] = lines[j].replace("elif ", "if ", 1)
+    del lines[i:j]
+    return lines
+  if orelse:
+    # The else line: the last line before the else body starting with else.
+    k = orelse[0].lineno - 1
+    while not lines[k].lstrip().startswith("else"):
+      k -= 1
+    if is_elif:  # the chain's else stays
+      del lines[i:k]
+      return lines
+    indent = len(lines[i]) - len(text)
+    body = [_dedent(line, len(lines[k + 1]) - len(lines[k + 1].lstrip())
+                    - indent) for line in lines[k + 1:stmt.end_lineno]]
+    lines[i:stmt.end_lineno] = body
+    return lines
+  del lines[i:stmt.end_lineno]
+  return _pad(lines, i)
+
+
+def _dedent(line: str, n: int) -> str:
+  return line[n:] if line[:n].strip() == "" else line
+
+
+def _pad(lines: list[str], i: int) -> list[str]:
+  """A ``pass`` where deleting left a block empty."""
+  try:
+    ast.parse("\n".join(lines))
+  except SyntaxError:
+    prev = lines[i - 1]
+    indent = len(prev) - len(prev.lstrip()) + 2
+    lines.insert(i, " " * indent + "pass")
+  return lines
+
+
+def without(section: str, text: str) -> str:
+  """``text`` (the module) without ``section`` and its seam lines."""
+  lines = text.split("\n")
+  start, end = sections(lines)[section]
+  del lines[start:end]
+  while True:
+    seams = [i + 1 for i, line in enumerate(lines)
+             if (m := SEAM.search(line)) and m.group(1) == section]
+    if not seams:
+      return "\n".join(lines)
+    lines = _drop_seam(lines, seams[-1])
+
+
+def run_tests(skips: list[str]) -> int:
+  """The core set, without tests whose id contains one of ``skips``."""
+  import unittest
+  sys.path.insert(0, os.getcwd())
+  loader = unittest.defaultTestLoader
+  suite = loader.loadTestsFromName("test_custom_partitioning")
+
+  def keep(test):
+    tid = test.id()
+    return (any(c in tid for c in CORE) and
+            not any(s in tid for s in skips))
+
+  def flat(s):
+    for t in s:
+      yield from (flat(t) if isinstance(t, unittest.TestSuite) else [t])
+  chosen = unittest.TestSuite([t for t in flat(suite) if keep(t)])
+  result = unittest.TextTestRunner(verbosity=1).run(chosen)
+  return 0 if result.wasSuccessful() else 1
+
+
+def check(names: list[str]) -> int:
+  text = open(MODULE).read()
+  status = 0
+  for name in names:
+    with tempfile.TemporaryDirectory() as d:
+      with open(os.path.join(d, "custom_partitioning.py"), "w") as f:
+        f.write(without(name, text))
+      with open(TESTS) as src, open(
+          os.path.join(d, "test_custom_partitioning.py"), "w") as f:
+        f.write(src.read())
+      ruff = subprocess.run(
+          ["ruff", "check", "--isolated", "--select", "F821,F822",
+           "custom_partitioning.py"], cwd=d, capture_output=True, text=True)
+      if ruff.returncode:
+        print(f"without {name}: undefined names\n{ruff.stdout}")
+        status = 1
+        continue
+      for shardy in ("1", "0"):
+        run = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--run", name],
+            cwd=d, capture_output=True, text=True,
+            env=dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy))
+        tail = run.stderr.strip().splitlines()[-1:] or ["?"]
+        print(f"without {name}, JAX_USE_SHARDY_PARTITIONER={shardy}: "
+              f"{tail[0]}")
+        if run.returncode:
+          print(run.stderr[-4000:])
+          status = 1
+  return status
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--list", action="store_true")
+  parser.add_argument("--write", nargs=2, metavar=("SECTION", "DIR"))
+  parser.add_argument("--check", nargs="*")
+  parser.add_argument("--run", metavar="SECTION")
+  a = parser.parse_args()
+  text = open(MODULE).read()
+  if a.list:
+    for name, (s, e) in sections(text.split("\n")).items():
+      print(name, s + 1, e, "removable" if re.fullmatch(REMOVABLE, name)
+            else "")
+    return 0
+  if a.write:
+    os.makedirs(a.write[1], exist_ok=True)
+    with open(os.path.join(a.write[1], "custom_partitioning.py"), "w") as f:
+      f.write(without(a.write[0], text))
+    return 0
+  if a.run:
+    return run_tests(SKIPS.get(a.run, []))
+  return check(a.check or removable(text.split("\n")))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

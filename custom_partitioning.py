@@ -726,22 +726,6 @@ _call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weak_lock = threading.Lock()
 
 
-# jax 0.11.0 merged ClosedJaxpr into Jaxpr (a jaxpr holds its consts);
-# 0.12.0.1 keeps ClosedJaxpr, ``<jaxpr>.jaxpr`` and ``Jaxpr(jaxpr, consts)``
-# only as shims "to remove", so from 0.11 the module reads none of them.
-if _JAX_VERSION >= (0, 11):
-  _ClosedJaxpr = _jax.Jaxpr
-  _closed = _jax.Jaxpr.with_consts  # (jaxpr, consts)
-
-  def _open(closed: _jax.Jaxpr) -> _jax.Jaxpr:
-    return closed
-else:
-  _ClosedJaxpr = _closed = _jax.ClosedJaxpr
-
-  def _open(closed: _jax.ClosedJaxpr) -> _jax.Jaxpr:
-    return closed.jaxpr
-
-
 def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
                     name: str, static_argnums: tuple = ()):
   """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
@@ -1063,15 +1047,9 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   rule, rule_attr = params["sharding_rule"], None
   if callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place.mesh,
-                                  _rule_levels(call, steps))
-  elif _SHARDY.value and (  # seam: a rule derived from infer (II.6)
-      params["infer_sharding_from_operands"] is not None or
-      params["propagate_user_sharding"] is not None):
-    levels = _rule_levels(call, steps)
-    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule_attr = _rule_attr(_derived_rule(params, place, levels[0]).rule,
-                             levels, False)
+      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+  elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
+    rule_attr = _derived_rule_attr(params, place, steps, name)
   # Inside a partly manual shard_map: the manual axes each value varies on.
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
@@ -1138,8 +1116,7 @@ def _partitioned_placement(ctx, steps):
   if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
     return None, "the program runs on one device"
-  if steps and place.auto is not None and (  # seam: a derived op (II.4)
-      not _MESH_TYPES_MANUAL_AXES):
+  if steps and place.auto is not None and not _MANUAL_TYPED:  # seam: (II.4)
     return None, ("a derived op inside a partly manual shard_map before jax "
                   "0.5.3, whose shardings cannot be expressed")
   return place, None
@@ -1208,9 +1185,9 @@ def _rule_levels(call, steps: tuple) -> list[_Level]:
   return [_Level(None, *values)]
 
 
-def _ask_rule(ctx, params, mesh, levels: list):
+def _ask_rule(ctx, params, mesh, steps: tuple):
   """The op's rule (a callable one asked) and, under Shardy, its attribute."""
-  rule = params["sharding_rule"]
+  rule, levels = params["sharding_rule"], _rule_levels(params["call"], steps)
   if callable(rule):
     rule = _asked_rule(ctx, params, mesh, levels[0])
   return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
@@ -1519,8 +1496,7 @@ def _question(answer: Callable, default: Callable):
       op = _registry.get(key.decode() if isinstance(key, bytes) else key)
     if op is None:
       return default(*xla_args)
-    if op.place.auto is not None and (  # seam: partly manual (II.2)
-        not _MESH_TYPES_MANUAL_AXES):
+    if op.place.auto is not None and not _MANUAL_TYPED:  # seam: (II.2)
       return default(*xla_args)
     if op.steps and op.mesh.empty:  # seam: a derived op (II.4)
       return default(*xla_args)
@@ -1535,7 +1511,7 @@ def _question(answer: Callable, default: Callable):
 
 # jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
 # shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MESH_TYPES_MANUAL_AXES = _JAX_VERSION >= (0, 5, 3)
+_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)
 
 
 def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
@@ -1901,8 +1877,7 @@ def _checked_answer(op: _Op, answer) -> tuple:
                      f"the op runs on {len(devices)}.")
   if isinstance(mesh, _jax.AbstractMesh):
     mesh = _concrete(op, mesh)
-  if op.steps and dict(mesh.shape) != dict(  # seam: a derived op (II.4)
-      op.mesh.shape):
+  if op.steps and dict(mesh.shape) != dict(op.mesh.shape):  # seam: (II.4)
     raise NotImplementedError(
         f"{where} returned a mesh with axes {dict(mesh.shape)}, but the op's "
         f"mesh has {dict(op.mesh.shape)}; under jax.vmap, jax.jvp and "
@@ -2060,37 +2035,6 @@ def _no_ambient_mesh():
   return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
 
 
-def _padded(values: list, mesh) -> bool:
-  """Whether a value is sharded unevenly (XLA pads the last shards)."""
-  return any(size % _shard_count(entry, mesh)
-             for v in values for size, entry in zip(v.shape, v.spec or ()))
-
-
-def _axes_in(specs) -> set:
-  return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
-
-
-def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
-  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-
-
-def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
-  values = [eqn.params.get(param) for param in ("axes", "axis_name")]
-  return {axis for v in values
-          for axis in (v if isinstance(v, (tuple, list)) else (v,))
-          if isinstance(axis, str)}
-
-
-def _with_specs(values: list, specs) -> list[_Value]:
-  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
-
-
-def _spec_text(spec: tuple) -> str:
-  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
-  return f"PartitionSpec({', '.join(map(repr, spec))})"
-
-
 def _register_partitioner(name: str, prop_user_sharding, partition,
                           infer_sharding_from_operands) -> None:
   register = functools.partial(
@@ -2106,6 +2050,60 @@ _register_partitioner(
     _TARGET, _question(_answer_propagate, lambda users, _: users),
     _partitioner(_answer_partition), _question(_answer_infer, lambda *_: None))
 _jax.register_xla_runtime_error_handler(_reraise_callback_error)
+
+
+# --------------------------------------------------------------------------
+# I.5 Shared by the core and the extras: specs and jaxprs
+#
+# Small readers of PartitionSpec entries and jaxprs that several sections
+# use; here, so that a copy can drop any extra.
+# --------------------------------------------------------------------------
+
+def _with_specs(values: list, specs) -> list[_Value]:
+  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
+
+
+def _spec_text(spec: tuple) -> str:
+  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
+  return f"PartitionSpec({', '.join(map(repr, spec))})"
+
+
+# jax 0.11.0 merged ClosedJaxpr into Jaxpr (a jaxpr holds its consts);
+# 0.12.0.1 keeps ClosedJaxpr, ``<jaxpr>.jaxpr`` and ``Jaxpr(jaxpr, consts)``
+# only as shims "to remove", so from 0.11 the module reads none of them.
+if _JAX_VERSION >= (0, 11):
+  _ClosedJaxpr = _jax.Jaxpr
+  _closed = _jax.Jaxpr.with_consts  # (jaxpr, consts)
+
+  def _open(closed: _jax.Jaxpr) -> _jax.Jaxpr:
+    return closed
+else:
+  _ClosedJaxpr = _closed = _jax.ClosedJaxpr
+
+  def _open(closed: _jax.ClosedJaxpr) -> _jax.Jaxpr:
+    return closed.jaxpr
+
+
+def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
+  values = [eqn.params.get(param) for param in ("axes", "axis_name")]
+  return {axis for v in values
+          for axis in (v if isinstance(v, (tuple, list)) else (v,))
+          if isinstance(axis, str)}
+
+
+def _axes_in(specs) -> set:
+  return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
+
+
+def _real_axes(mesh) -> tuple:
+  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
+  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _padded(values: list, mesh) -> bool:
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
 
 
 # ==========================================================================
@@ -2306,7 +2304,7 @@ def _shard_map_placement(axis_context) -> _Placement | None:
 
 
 def _with_manual_axes(mesh, manual_axes):
-  if not manual_axes or not _MESH_TYPES_MANUAL_AXES:
+  if not manual_axes or not _MANUAL_TYPED:
     return mesh
   types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
                  for name, t in zip(mesh.axis_names, mesh.axis_types))
@@ -2318,7 +2316,7 @@ def _auto_submesh(mesh, manual_axes):
   keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
   index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
   kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
-            if _MESH_TYPES_MANUAL_AXES else {})  # jax 0.5.3
+            if _MANUAL_TYPED else {})  # jax 0.5.3
   return _jax.Mesh(mesh.devices[index],
                        tuple(mesh.axis_names[i] for i in keep), **kwargs)
 
@@ -3255,6 +3253,18 @@ class _Derived(NamedTuple):
 # Bounded at 256; cleared by jax.clear_caches().
 _derived_rules = _LRU(256)
 _rules_seen = threading.local()  # ``found``: check_partitioning's list
+
+
+def _derived_rule_attr(params, place: _Placement, steps: tuple, name: str):
+  """The Shardy rule attribute of an op with GSPMD callbacks and no rule,
+  from its derived rule; None if it has neither infer nor propagate."""
+  if (params["infer_sharding_from_operands"] is None and
+      params["propagate_user_sharding"] is None):
+    return None
+  levels = _rule_levels(params["call"], steps)
+  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
+    return _rule_attr(_derived_rule(params, place, levels[0]).rule, levels,
+                      False)
 
 
 def _derived_rule(params, place: _Placement, author: _Level) -> _Derived:

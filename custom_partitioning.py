@@ -47,8 +47,8 @@ implementation and any number of copies coexist): the primitive
 ``CustomSPMDPartitioning.<module name>`` (also with PJRT plugins), a handler
 turning this module's tagged compile errors back into the author's
 exception, a listener for jax's compile events, and the decorator type with
-jax's custom-decorator registry (the wiring block at the end). It changes no
-jax option and no environment variable.
+jax's custom-decorator registry (each registered at the end of the section
+that owns it). It changes no jax option and no environment variable.
 
 Supported jax versions
 ----------------------
@@ -69,21 +69,23 @@ release is not refused; CI's newest-release run says whether it works.
 
 Reading order
 -------------
-First jax's names (``_NAMES``, the head of the internals), then three parts
-by owner. Part I, the drop-in core: all a plain op (Auto axes, no
-transformation) runs, in call order, each helper beside its first user:
-I.1 the decorator and how a call is bound; I.2 the primitive and its
-lowering; I.3 the callbacks XLA calls; I.4 the partition callback. Part II,
-one section per extra, entered from lines marked ``# seam:`` that name it
-(a copy drops an extra with its section and seam lines): II.2 placements
-and errors off the plain path; II.3 the shard_map path (Explicit mesh
-axes); II.4 derived ops (vmap, jvp, transposition); II.5 ops by their rule
-alone; II.6 a rule derived from infer (GSPMD-era ops under Shardy); II.1
-checks of the per-shard program; II.7 keys for the persistent
-cache; II.8 the DEBUG log; III.3 what extras share, and module state. Part
-III, leaves and tools: III.1 the Shardy rule parser; III.2
-``check_partitioning``; III.4 the self-demo; then the wiring block, which
-registers every hook with jax and XLA. Each message stands where it is
+First jax's names (``_NAMES``, the head of the internals, with the private
+attributes the module reads), then three parts by owner. Part I, the
+drop-in core: all a plain op (Auto axes, no transformation) runs, in call
+order, each helper beside its first user: I.1 the decorator and how a call
+is bound; I.2 the primitive and its lowering; I.3 the callbacks XLA calls
+(infer, propagate); I.4 the partition callback; I.5 small readers of specs
+and jaxprs that the core and the extras share. Part II, one section per
+extra, entered only from lines marked ``# seam:`` that name it (a copy
+drops an extra with its section and seam lines; ``.ci/sections.py`` proves
+that each copy works): II.1 checks of the per-shard program; II.2
+placements and errors off the plain path; II.3 the shard_map path (Explicit
+mesh axes); II.4 derived ops (vmap, jvp, transposition); II.5 ops by their
+rule alone; II.6 a rule derived from infer (GSPMD-era ops under Shardy);
+II.7 keys for the persistent cache; II.8 the DEBUG log. Part III, leaves
+and tools: III.1 the Shardy rule parser; III.2 ``check_partitioning``;
+III.3 the module's state; III.4 the self-demo. Each section registers
+what it owns with jax and XLA at its end. Each message stands where it is
 raised; each version branch beside its owner, naming the release.
 """
 
@@ -278,13 +280,13 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 # Part I. The drop-in core
 #
 # What a plain op runs (Auto axes, no transformation), in call order, each
-# helper beside its first user; ``jit(op)(x)`` stays in this part but for
-# the wiring block at the end. Every extra joins it at a line marked
-# ``# seam:`` naming its section of Part II (``grep -n "seam:"``). A version
-# branch stands beside its owner and names the release that forced it
-# (``grep -n "jax 0\."``): Python internals are gated on jax's version, C++
-# bindings (Shardy, XLA) on jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1).
-# Unbranched private names hold from jax 0.4.35 to 0.11.
+# helper beside its first user; ``jit(op)(x)`` stays in this part. Every
+# extra joins it at a line marked ``# seam:`` naming its section of Part II
+# (``grep -n "seam:"``). A version branch stands beside its owner and
+# names the release that forced it (``grep -n "jax 0\."``): Python
+# internals are gated on jax's version, C++ bindings (Shardy, XLA) on
+# jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1). Unbranched private names
+# hold from jax 0.4.35 to 0.11.
 # ==========================================================================
 
 # --------------------------------------------------------------------------
@@ -1021,7 +1023,7 @@ _TARGET = f"CustomSPMDPartitioning.{__name__}"
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps)
-  if place is None:  # seam: nothing to partition (II.2)
+  if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
   name = _fun_name(call)
   if ctx.module_context.lowering_parameters.for_export:
@@ -1066,6 +1068,16 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
       operands=list(values), backend_config=_register(ctx, op, params),
       extra_attributes=rule_attr).results
+
+
+def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
+  """The op lowered as its body, where there is nothing to partition."""
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
+        ctx.module_context.axis_context, "mesh", None),
+           why=f"fun is compiled as it is: {why}")
+  return _jax.lower_fun(_jax.jaxpr_as_fun(call),
+                        multiple_results=True)(ctx, *values)
 
 
 def _varying_axes(aval) -> frozenset | None:
@@ -2110,8 +2122,14 @@ def _padded(values: list, mesh) -> bool:
 # Part II. The extras, one section each
 #
 # Each extra joins the core at its ``# seam:`` lines, runs only when it
-# applies, and holds what it owns (helpers, stores, version branches).
-# Deleting an extra is deleting its section and its seam lines.
+# applies, and holds what it owns (helpers, stores, version branches, its
+# registrations with jax). A seam line ends in ``(II.n)``, the section it
+# enters, and is an ``if`` or ``elif`` whose branch is all that section's,
+# or a statement that is. Deleting an extra is deleting its section and its
+# seam lines: a seam ``if``'s branch goes and the rest of its chain stays
+# (an ``else`` body left alone takes its place), a seam statement goes whole;
+# the plain path runs. ``.ci/sections.py`` does that to each extra (and to
+# ``check_partitioning`` and the demo) and runs the core set on the copy.
 # ==========================================================================
 
 # --------------------------------------------------------------------------
@@ -2279,18 +2297,9 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 # --------------------------------------------------------------------------
 # II.2 Placements and errors off the plain path
 #
-# A body with nothing to partition, placements inside a shard_map or without
-# devices, a callable sharding rule, infer/propagate errors kept for partition.
+# Placements inside a shard_map or without devices, infer/propagate errors
+# kept for partition.
 # --------------------------------------------------------------------------
-
-def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
-  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
-        ctx.module_context.axis_context, "mesh", None),
-           why=f"fun is compiled as it is: {why}")
-  return _jax.lower_fun(_jax.jaxpr_as_fun(call),
-                        multiple_results=True)(ctx, *values)
-
 
 def _shard_map_placement(axis_context) -> _Placement | None:
   """Inside a shard_map: its mesh, manual axes typed Manual; or None."""
@@ -3421,7 +3430,7 @@ _LIBRARY_PREFIXES = frozenset(
     " ml_dtypes opt_einsum scipy os sys random time io pathlib".split())
 _MAX_DESCRIPTION = 200_000  # items; a bigger description is made opaque
 _MAX_HASHED_BYTES = 1 << 20  # a bigger array is opaque
-# This module's classes -> what describes their objects (see the wiring).
+# This module's classes -> what describes their objects (this section's end).
 _DESCRIBED_BY: dict[type, Callable[[Any], Any]] = {}
 _SKIPPED_CLASS_ATTRS = frozenset(
     "__dict__ __weakref__ __doc__ __module__ __qualname__ __annotations__"
@@ -4637,30 +4646,35 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 
 
 # --------------------------------------------------------------------------
-# III.3 Shared by the extras; module state
+# III.3 The module's state
 #
-# jax's mesh and sharding internals that several extras read, and the table
-# of all state this module keeps but the stores on its objects (per op, per
-# lowered op); each store stands beside its owner. Caches are bounded
-# ``_LRU``s, each with its own lock; a hit answers what a fresh computation
-# would (where each is filled, a comment says what its key holds).
+# The table of all state this module keeps but the stores on its objects
+# (per op, per lowered op); each store stands beside its owner (the section
+# in brackets; a copy without that section has no such store). Caches are
+# bounded ``_LRU``s, each with its own lock; a hit answers what a fresh
+# computation would (where each is filled, a comment says what its key
+# holds).
 #
 #   store           maps                                    bound   cleared
 #   op._traces      call signature -> traced fun            64/op   C, D
 #   op._programs    call signature -> _Program (II.3)       64/op   C, D
 #   _eager          eager call -> jitted function           64      C
-#   _derived        (body, tag, avals) -> derived body      64      C
+#   _derived        (body, tag, avals) -> derived body (II.4) 64    C
+#   _derived_rules  (infer, statics, shapes, mesh, config)  256     C
+#                   -> rule derived from infer (II.6)
+#   _rules_seen     thread -> rules derived meanwhile (II.6) threads -
 #   _Op.lowered     partition request -> XLA's answer       256/op  C
 #   _pending        thread -> (op, error) of its compile    threads P, F
 #   _registry       custom call key -> _Op (_register)      weak    -
 #   _lowering_ops   lowering -> its ops by parameters       weak    -
-#   _parked_errors  tag -> a callback's exception           64      C, R
-#   _parked_counter the next tag (I.3)                      -       -
+#   _parked_errors  tag -> a callback's exception (I.4)     64      C, R
+#   _parked_counter the next tag (I.4)                      -       -
 #   _call_names     body -> name of its function            weak    -
-#   _lapack_ready   jaxlib's LAPACK kernels registered      -       never
+#   _lapack_ready   jaxlib's LAPACK kernels registered (II.7) -     never
 #
 # jax's configuration (the trace context its caches key on): op._traces,
-# op._programs and _derived key on it; _registry's content keys (II.7) hold
+# op._programs, _derived and _derived_rules key on it; _registry's content
+# keys (II.7) hold
 # it by value, its other keys name an op of one lowering, which has one (so
 # do _Op.lowered's answers); _eager's jax.jit functions key on it themselves
 # and are built alike under any. _pending is no cache.

@@ -159,6 +159,8 @@ def run_tests(skips: list[str]) -> int:
       yield from (flat(t) if isinstance(t, unittest.TestSuite) else [t])
   chosen = unittest.TestSuite([t for t in flat(suite) if keep(t)])
   result = unittest.TextTestRunner(verbosity=1).run(chosen)
+  for test, _ in result.failures + result.errors:
+    print("failed:", test.id())
   return 0 if result.wasSuccessful() else 1
 
 
@@ -188,7 +190,7 @@ def check(names: list[str]) -> int:
         print(f"without {name}, JAX_USE_SHARDY_PARTITIONER={shardy}: "
               f"{tail[0]}")
         if run.returncode:
-          print(run.stderr[-4000:])
+          print(run.stdout + run.stderr[-3000:])
           status = 1
   return status
 

@@ -1605,8 +1605,10 @@ def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
 
 def _ask_infer(op: _Op, operands: list, results: list):
   """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
-  if op.infer_sharding_from_operands is None:  # seam: rule-only (II.5)
-    return _infer_by_rule(op, operands, results)
+  if op.infer_sharding_from_operands is None:
+    if op.sharding_rule is not None:  # seam: inferred by the rule (II.5)
+      return _infer_by_rule(op, operands, results)
+    return None
   answer = op.infer_sharding_from_operands(
       *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
       op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
@@ -3136,7 +3138,7 @@ else:
 def _infer_by_rule(op: _Op, operands: list, results: list):
   """The result shardings the op's rule implies, or None (GSPMD); it needs
   every placed operand's PartitionSpec."""
-  if op.sharding_rule is None or not any(v.known() for v in operands) or any(
+  if not any(v.known() for v in operands) or any(
       v.spec is None and v.hlo is not None for v in operands):
     return None
   shapes = [v.shape for v in operands + results]

@@ -10346,6 +10346,29 @@ class ReadmeTest(unittest.TestCase):
                             re.findall(r"`([\w.]+)`", listed)),
                      sorted(private))
 
+  def test_readme_trimming_table_is_the_sections(self):
+    """README's table of what a copy can drop names each removable section
+    of the module by its banner, and .ci/sections.py (where it is beside
+    the tests) removes just those and skips tests only of those."""
+    readme, _ = _readme()
+    table = re.findall(r"^\| (II\.\d+|III\.\d+) \| (.+?) \|$", readme, re.M)
+    with open(cp.__file__) as f:
+      source = f.read()
+    banners = re.findall(r"^# -{74}\n# (II\.\d+|III\.[24]) (.+)$", source,
+                         re.M)
+    self.assertEqual(table, banners)
+    seams = set(re.findall(r"# seam:.*\((II\.\d+|III\.\d+)\)", source))
+    self.assertLessEqual(seams, {number for number, _ in table})
+    tool = os.path.join(HERE, ".ci", "sections.py")
+    if not os.path.exists(tool):
+      return
+    spec = importlib.util.spec_from_file_location("_sections", tool)
+    sections = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sections)
+    self.assertEqual(sections.removable(source.split("\n")),
+                     [number for number, _ in table])
+    self.assertLessEqual(set(sections.SKIPS), {number for number, _ in table})
+
 
 def _code_lines(source):
   """Lines of ``source`` that are neither blank, comments nor docstrings."""

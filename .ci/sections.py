@@ -13,8 +13,8 @@ it, mechanically, means:
 - any other statement marked as a seam goes whole.
 ``--check`` writes each copy (with the test file beside it) to a temporary
 directory, and fails unless ruff finds no undefined name in it and the core
-set passes under both partitioners, the removed section's tests skipped by
-the names in SKIPS below (run by the test runner of ``--run``).
+set passes (both partitioners, in one process), the removed section's
+tests skipped by the names in SKIPS below (run by ``--run``).
 """
 import argparse
 import ast
@@ -40,7 +40,25 @@ CORE = ["ElementwiseTest", "FrontendTest", "ShardyRuleTest", "RuleToMlirTest",
         "HijaxTest", "ImportTest",
         "test_cholesky_batch_sharded_has_no_collective",
         "test_readme_quickstart_runs"]
-SKIPS: dict[str, list[str]] = {}
+SKIPS: dict[str, list[str]] = {
+    # An infer error, raised where XLA asked (II.2 keeps it for partition).
+    "II.2": ["test_no_rule_derivable_warns_once_and_runs"],
+    "II.3": ["test_explicit_axes"],  # the shard_map path
+    "II.4": ["TransformTest", "test_grad", "test_vjp", "test_vmap"],
+    "II.5": ["RuleOnlyTest"],
+    "II.6": ["GspmdEraOpsTestShardy"],  # the derived rule, under Shardy
+    # The derived rule, as the log shows it.
+    "II.8": ["test_values_placement_and_derived_rule_on_auto_axes",
+             "test_what_no_factor_states_is_named",
+             "test_an_axis_infer_always_places_is_not_probed_with",
+             "test_an_infer_raising_on_a_probe_is_named_and_not_fatal",
+             "test_more_factors_than_letters",
+             "test_probes_raised_on_are_counted_and_the_first_named",
+             "test_static_arguments_key_the_derivation",
+             "test_two_operands_tied_through_two_results"],
+    "III.2": ["check_partitioning", "test_readme_quickstart_runs"],
+    "III.4": ["FFTTest"],  # the demo's FFT op
+}
 
 
 def sections(lines: list[str]) -> dict[str, tuple[int, int]]:
@@ -171,9 +189,10 @@ def check(names: list[str]) -> int:
     with tempfile.TemporaryDirectory() as d:
       with open(os.path.join(d, "custom_partitioning.py"), "w") as f:
         f.write(without(name, text))
-      with open(TESTS) as src, open(
-          os.path.join(d, "test_custom_partitioning.py"), "w") as f:
-        f.write(src.read())
+      for path in (TESTS, os.path.join(ROOT, "README.md")):
+        with open(path) as src, open(
+            os.path.join(d, os.path.basename(path)), "w") as f:
+          f.write(src.read())
       ruff = subprocess.run(
           ["ruff", "check", "--isolated", "--select", "F821,F822",
            "custom_partitioning.py"], cwd=d, capture_output=True, text=True)
@@ -181,17 +200,16 @@ def check(names: list[str]) -> int:
         print(f"without {name}: undefined names\n{ruff.stdout}")
         status = 1
         continue
-      for shardy in ("1", "0"):
-        run = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--run", name],
-            cwd=d, capture_output=True, text=True,
-            env=dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy))
-        tail = run.stderr.strip().splitlines()[-1:] or ["?"]
-        print(f"without {name}, JAX_USE_SHARDY_PARTITIONER={shardy}: "
-              f"{tail[0]}")
-        if run.returncode:
-          print(run.stdout + run.stderr[-3000:])
-          status = 1
+      env = dict(os.environ)
+      env.pop("JAX_USE_SHARDY_PARTITIONER", None)  # both partitioners
+      run = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), "--run", name],
+          cwd=d, capture_output=True, text=True, env=env)
+      tail = run.stderr.strip().splitlines()[-1:] or ["?"]
+      print(f"without {name}: {tail[0]}", flush=True)
+      if run.returncode:
+        print(run.stdout + run.stderr[-3000:])
+        status = 1
   return status
 
 

@@ -1045,7 +1045,10 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         "so the op can find its devices; or call the op outside that "
         "primitive.")
   if params["partition"] is None:
-    raise ValueError(_NO_PARTITION.format(name=name, n=len(place.devices)))
+    raise ValueError(
+        f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
+        "but its def_partition was given partition=None and no sharding_rule "
+        "to derive a partition from: give either.")
   rule, rule_attr = params["sharding_rule"], None
   if callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
@@ -1128,7 +1131,8 @@ def _partitioned_placement(ctx, steps):
   if (place.devices is not None and len(place.devices) == 1) or getattr(
       axis_context, "num_devices", None) == 1:
     return None, "the program runs on one device"
-  if steps and place.auto is not None and not _MANUAL_TYPED:  # seam: (II.4)
+  if steps and place.auto is not None and (  # seam: a derived op (II.4)
+      _JAX_VERSION < (0, 5, 3)):  # see _MANUAL_TYPED
     return None, ("a derived op inside a partly manual shard_map before jax "
                   "0.5.3, whose shardings cannot be expressed")
   return place, None
@@ -1357,16 +1361,13 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
 
 # Options jax sets while tracing, not users (check_vma in a jax.shard_map's
 # body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
-_TRACING_OPTIONS = frozenset({"check_vma"})
-
-
 def _config_values() -> tuple:
   """Every jax option's value on this thread, context managers included, as
-  ``(name, value)`` pairs (but ``_TRACING_OPTIONS``)."""
+  ``(name, value)`` pairs, but ``check_vma``, which is the op's own."""
   return tuple((name, holder.value)
                for name, holder in _jax.config._value_holders.items()
                if isinstance(holder, _jax.State) and
-               name not in _TRACING_OPTIONS)
+               name != "check_vma")
 
 
 _STATE = {"state": True}  # marks the fields of an _Op that are not its key
@@ -1428,10 +1429,6 @@ def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
 
 
-class _OpTable(dict):
-  """One lowering's ops by parameters (weakly referable, unlike a dict)."""
-
-
 _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 # Kept alive by the lowering's keep-alive list, whose id is the key.
 _lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -1452,7 +1449,8 @@ def _register(ctx, op: _Op, params) -> str:
     with _weak_lock:
       table = _lowering_ops.get(id(keepalives))
       if table is None:  # lives as long as the lowering
-        table = _lowering_ops[id(keepalives)] = _OpTable()
+        # One lowering's ops by parameters (a UserDict: a dict has no weakref).
+        table = _lowering_ops[id(keepalives)] = collections.UserDict()
         keepalives.append(table)
       op = table.setdefault(ident, op)
     key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
@@ -1508,7 +1506,7 @@ def _question(answer: Callable, default: Callable):
       op = _registry.get(key.decode() if isinstance(key, bytes) else key)
     if op is None:
       return default(*xla_args)
-    if op.place.auto is not None and not _MANUAL_TYPED:  # seam: (II.2)
+    if op.place.auto is not None and _JAX_VERSION < (0, 5, 3):  # seam: (II.2)
       return default(*xla_args)
     if op.steps and op.mesh.empty:  # seam: a derived op (II.4)
       return default(*xla_args)
@@ -1519,11 +1517,6 @@ def _question(answer: Callable, default: Callable):
         _pending.setdefault(threading.get_ident(), (op.name, e))
       return default(*xla_args)
   return question
-
-
-# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
-# shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)
 
 
 def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
@@ -1769,14 +1762,6 @@ def _reraise_callback_error(xla_error: Exception):
   return _parked_errors.pop(int(tag)) if tag.isdigit() else None
 
 
-class _PerShard(NamedTuple):
-  """The per-shard program on ``mesh`` and the shardings it takes, gives."""
-  mesh: Any
-  jaxpr: _ClosedJaxpr
-  args: list
-  results: list
-
-
 def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
                       result_sharding):
   """``(per-shard module, operand shardings, result sharding)``, cached."""
@@ -1800,7 +1785,7 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
       shard = _partition_derived(op, operands, results, on)
     else:
       answer, closed = _partition(op, operands, results, on)
-      shard = _PerShard(answer.mesh, closed, answer.args, answer.results)
+      shard = answer._replace(jaxpr=closed)
     module = _per_shard_module(op, shard)
   answer = (module, [_hlo_of(v, on) for v in shard.args],
             _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
@@ -1825,7 +1810,7 @@ def _partition(op: _Op, operands: list, results: list, on):
   """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
   answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug_partition(op, operands, results, answer, _CUSTOM_CALL)
+    _debug_partition(op, operands, results, answer)
   closed = _trace_lower_fn(op, answer)
   if op.check_vma:  # seam: per-shard checks (II.1)
     _check_per_shard(op, answer, operands + results, closed)
@@ -1834,17 +1819,8 @@ def _partition(op: _Op, operands: list, results: list, on):
   return answer, closed
 
 
-_NO_PARTITION = (
-    "custom_partitioning op {name} runs on {n} devices, but its def_partition "
-    "was given partition=None and no sharding_rule to derive a partition from: "
-    "give either.")
-
-
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
   """``partition`` asked about values on ``on``, its answer checked."""
-  if op.partition is None:
-    raise ValueError(_NO_PARTITION.format(
-        name=op.name, n=len(op.place.devices)))
   if isinstance(op.partition, _FromRule):  # seam: rule-only op (II.5)
     answer = _partition_from_rule(op, operands, results)
   else:
@@ -1901,12 +1877,14 @@ def _checked_answer(op: _Op, answer) -> tuple:
 
 class _Answer(NamedTuple):
   """``partition``'s answer, checked: the mesh ``lower_fn`` runs on, the
-  mesh ``on`` of the specs, the shardings."""
+  mesh ``on`` of the specs, the shardings; once traced, the per-shard
+  program (``jaxpr``) XLA gets, with the shardings it takes and gives."""
   mesh: Any
   on: Any
   lower_fn: Callable
   args: list
   results: list
+  jaxpr: Any = None
 
 
 def _concrete(op: _Op, mesh: _jax.AbstractMesh):
@@ -1974,14 +1952,12 @@ def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
       v.dtype)
 
 
-_VARYING_TYPES = hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")
-
-
 def _manual_scope(mesh):
   """Where lower_fn is traced: ``mesh`` with every axis Manual, as in
   jax.shard_map, so that jax.lax.pcast/pvary can mark a loop carry varying
   (no equation outside check_vma); no mesh where jax has no varying types."""
-  if not _VARYING_TYPES or mesh.empty:
+  # jax 0.6.0 added varying types (pvary); 0.8.2 pcast.
+  if mesh.empty or not (hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")):
     return _no_ambient_mesh()
   am = mesh.abstract_mesh
   return _jax.use_abstract_mesh(am.update_axis_types(
@@ -1995,13 +1971,11 @@ def _lojax(closed, mesh=None):
     return _jax.lower_jaxpr2(closed)
 
 
-_HOST_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
-
-
 def _calls_host(jaxpr) -> bool:
   """Whether ``jaxpr`` (or a jaxpr nested in it, closed or not) calls back
   to Python."""
-  return any(eqn.primitive.name in _HOST_CALLBACKS for eqn in jaxpr.eqns) or (
+  return any(eqn.primitive.name in {"debug_callback", "pure_callback",
+                                    "io_callback"} for eqn in jaxpr.eqns) or (
       any(_calls_host(sub) for sub in _jax.subjaxprs(jaxpr)))
 
 
@@ -2013,7 +1987,7 @@ def _host_callback_error(op: _Op) -> NotImplementedError:
       "of lower_fn, before or after the op.")
 
 
-def _per_shard_module(op: _Op, shard: _PerShard) -> bytes:
+def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
   """The per-shard program lowered to the module XLA inlines, as bytecode."""
   mesh, closed = shard.mesh, shard.jaxpr
   kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
@@ -2314,6 +2288,11 @@ def _shard_map_placement(axis_context) -> _Placement | None:
                     _auto_submesh(whole, manual), whole)
 
 
+# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
+# shardings cannot type the manual subgroup XLA needs (it aborts without).
+_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)
+
+
 def _with_manual_axes(mesh, manual_axes):
   if not manual_axes or not _MANUAL_TYPED:
     return mesh
@@ -2485,10 +2464,9 @@ def _vmapped_over_mesh_axis(x) -> bool:
 
 
 class _Program(NamedTuple):
-  """A call signature's plan; ``run`` None: the custom call, for ``why``."""
+  """A call signature's plan; ``run`` None: the custom call."""
   run: Callable | None  # jitted reshard -> shard_map -> reshard
   out_tree: Any
-  why: str = ""
   untyped: Callable | None = None  # check_vma off (None: off already)
   proven: bool = False  # the module's check proved replicated results equal
 
@@ -2534,22 +2512,29 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
           isinstance(op.partition, _FromRule))
   answer = None
   if isinstance(op.partition, _FromRule) and callable(rule):
-    why = (NotImplementedError, "its partition is derived from a callable "
-           "sharding_rule, which is asked only while lowering.")
+    why = NotImplementedError("its partition is derived from a callable "
+                              "sharding_rule, which is asked only while "
+                              "lowering.")
   else:
+    if op.partition is None:
+      raise ValueError(
+          f"custom_partitioning op {op.name} runs on {mesh.size} devices "
+          "(Explicit mesh axes), but its def_partition was given "
+          "partition=None and no sharding_rule to derive a partition from: "
+          "give either.")
     answer = _ask_partition(op, operands, results, mesh)
     why = _unrunnable(answer, mesh)
   if why is not None:
     if type_error is not None:  # the custom call cannot run it either
-      raise why[0](
+      raise type(why)(
           f"custom_partitioning op {op.name}: jax cannot type its body "
           f"under Explicit mesh axes ({type_error}), so it runs as "
-          f"jax.shard_map of its lower_fn, but {why[1]}") from type_error
+          f"jax.shard_map of its lower_fn, but {why}") from type_error
     if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
       _debug_partition(op, operands, results, answer, _CUSTOM_CALL,
                        why=("asked while tracing; not run as shard_map "
-                            f"under Explicit axes: {why[1]}"))
-    return _Program(None, out_tree, why[1])
+                            f"under Explicit axes: {why}"))
+    return _Program(None, out_tree)
   closed, proven = _trace_lower_fn(op, answer), False
   if op.check_vma:  # seam: per-shard checks (II.1)
     proven = _check_per_shard(op, answer, operands + results, closed)
@@ -2616,22 +2601,23 @@ def _as_xla_spec(spec, mesh) -> tuple:
 
 
 def _unrunnable(answer: _Answer, mesh):
-  """``(error type, reason)`` where shard_map cannot run ``answer``."""
+  """Why shard_map cannot run ``answer``, as the error to raise where
+  nothing else can run it; None if it can."""
   if answer.mesh.axis_names != mesh.axis_names or (
       dict(answer.mesh.shape) != dict(mesh.shape)):
-    return NotImplementedError, (
+    return NotImplementedError(
         f"partition returned a mesh with axes {dict(answer.mesh.shape)}, "
         f"not the op's {dict(mesh.shape)}.")
   for what, side in (("operand", answer.args), ("result", answer.results)):
     for i, v in enumerate(side):
       if v.spec is None:
-        return NotImplementedError, (
+        return NotImplementedError(
             f"partition returned a sharding for {what} {i} that has no "
             f"PartitionSpec on the mesh {dict(mesh.shape)}.")
       for d, entry in enumerate(v.spec):
         count = _shard_count(entry, mesh)
         if v.shape[d] % count:
-          return ValueError, (
+          return ValueError(
               f"partition shards {what} {i} dimension {d} (size "
               f"{v.shape[d]}) over {count} devices, which do not divide "
               "it, and jax.shard_map takes only even shards. Shard that "
@@ -3014,7 +3000,7 @@ def _finite_padding(pullback, grads: list, real_cts: list) -> list:
           for g, h in zip(grads, again)]
 
 
-def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:
+def _partition_derived(op: _Op, operands: list, results: list, on) -> _Answer:
   """The author's answer about the op below, walked up ``op.steps``."""
   if op.mesh.empty:
     raise NotImplementedError(
@@ -3036,7 +3022,7 @@ def _partition_derived(op: _Op, operands: list, results: list, on) -> _PerShard:
   # Placed by position on answer.on, as lower_fn's axis_index counts them.
   args, outs = ([v._replace(hlo=_hlo_of(v, answer.on)) for v in side]
                 for side in (top.operands, top.results))
-  return _PerShard(answer.mesh, closed, args, outs)
+  return answer._replace(jaxpr=closed, args=args, results=outs)
 
 
 def _infer(op: _Op, levels: list):
@@ -3720,7 +3706,7 @@ def _logged(operands=None, results=None) -> str:
 
 
 def _debug_partition(op: _Op, operands: list, results: list, answer,
-                     path: str, why: str = "") -> None:
+                     path: str = _CUSTOM_CALL, why: str = "") -> None:
   """Records ``partition`` asked about the author's op (``answer``: _Answer)."""
   _debug(op.name, "partition", path=path, mesh=op.mesh,
          asked=_logged(operands, results),

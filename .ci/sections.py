@@ -45,10 +45,11 @@ SKIPS: dict[str, list[str]] = {
     "II.2": ["test_no_rule_derivable_warns_once_and_runs"],
     "II.3": ["test_explicit_axes"],  # the shard_map path
     "II.4": ["TransformTest", "test_grad", "test_vjp", "test_vmap"],
-    "II.5": ["RuleOnlyTest"],
+    "II.5": ["RuleOnlyTest", "test_readme_quickstart_runs"],  # cholesky
     "II.6": ["GspmdEraOpsTestShardy"],  # the derived rule, under Shardy
-    # The derived rule, as the log shows it.
-    "II.8": ["test_values_placement_and_derived_rule_on_auto_axes",
+    # The quickstart's log, and the derived rule as the log shows it.
+    "II.8": ["test_readme_quickstart_runs",
+             "test_values_placement_and_derived_rule_on_auto_axes",
              "test_what_no_factor_states_is_named",
              "test_an_axis_infer_always_places_is_not_probed_with",
              "test_an_infer_raising_on_a_probe_is_named_and_not_fatal",

@@ -2832,8 +2832,13 @@ class GspmdEraOpsTest(CPTestCase):
                                np.swapaxes(np.asarray(stack), 1, 2))
 
   def test_check_partitioning_reports_the_derived_rule(self):
-    for name in ("transpose", "column_sum"):
+    why = ("infer_sharding_from_operands raised on 1 probe, first with "
+           "operand 0 dimension 1 sharded: ValueError: the FFT axis cannot "
+           "be sharded")
+    for name in ("transpose", "column_sum", "picky_row_fft"):
       with self.subTest(name):
+        if name == "picky_row_fft" and not self.shardy:
+          continue  # GSPMD asks its infer about each sharding: it refuses
         build, host, *_, rule = _GSPMD_ERA_CASES[name]
         op = build()
         report = cp.check_partitioning(op, host, max_combinations=4)
@@ -2841,12 +2846,18 @@ class GspmdEraOpsTest(CPTestCase):
           self.assertEqual(report.derived_rules, ())
           self.assertNotIn("derived sharding_rule", str(report))
           continue
-        self.assertEqual([r[:2] for r in report.derived_rules],
-                         [(op._name, rule)])
+        self.assertEqual({r[:2] for r in report.derived_rules},
+                         {(op._name, rule)})
+        whys = [r[2] for r in report.derived_rules]
+        if name == "picky_row_fft":  # a rule per mesh: (2, 4) probes twice
+          self.assertEqual(whys, [why, why.replace("1 probe", "2 probes")])
+        else:
+          self.assertEqual(whys, [""])
+        because = f" ({whys[0]})" if whys[0] else ""
         self.assertIn(f"Op {op._name} has no sharding_rule: derived "
                       f"sharding_rule '{rule}' from its "
-                      "infer_sharding_from_operands; pass it to def_partition "
-                      "to fix it.", str(report))
+                      f"infer_sharding_from_operands{because}; pass it to "
+                      "def_partition to fix it.", str(report))
 
   def test_an_infer_raising_on_a_probe_is_named_and_not_fatal(self):
     calls = []
@@ -9062,6 +9073,23 @@ class ExplicitPathTest(CPTestCase):
         g = jax.jit(jax.grad(lambda x: op(x).sum()))(self.x)
         np.testing.assert_allclose(g, 2 * self.xh, rtol=1e-5)
 
+  def test_an_unmarked_varying_carry_beside_results_sharded_everywhere(self):
+    """A result sharded over every mesh axis is proven alike by the module's
+    check (nothing is replicated), so where shard_map's typing refuses an
+    unmarked carry the untyped twin runs it (mutation: the proof dropped
+    for such results re-raised shard_map's TypeError)."""
+    def lower_fn(x):
+      shift = jax.lax.fori_loop(
+          0, 2, lambda i, c: c + jax.lax.axis_index("x").astype(x.dtype),
+          jnp.zeros((), x.dtype))
+      return x + shift
+    op = custom_partitioning(lambda x: x)
+    op.def_partition(lambda m, a, r: (m, lower_fn, a[0].sharding,
+                                      (a[0].sharding,)),
+                     sharding_rule="i j -> i j")
+    want = self.xh + 2.0 * (np.arange(16) // 2)[:, None]
+    np.testing.assert_allclose(jax.jit(op)(self.x), want, rtol=1e-6)
+
   def test_shard_maps_refusal_advises_what_fits(self):
     """Where the module's check cannot prove a result (custom_linear_solve
     is not followed), shard_map's refusal stands, with advice that fits
@@ -10368,6 +10396,37 @@ class ReadmeTest(unittest.TestCase):
     self.assertEqual(sections.removable(source.split("\n")),
                      [number for number, _ in table])
     self.assertLessEqual(set(sections.SKIPS), {number for number, _ in table})
+
+  def test_readme_test_counts(self):
+    """README's counts of the suite, of one partitioner's run and of the
+    core set (``.ci/matrix``'s, where it is beside the tests) are this
+    file's."""
+    readme, _ = _readme()
+    total, one, core = (int(n.replace(",", "")) for n in re.search(
+        r"The suite holds ([\d,]+) tests; ([\d,]+) run with\s+"
+        r"`JAX_USE_SHARDY_PARTITIONER` set, (\d+) of them the core set",
+        readme).groups())
+
+    def leaves(suite):
+      for test in suite:
+        yield from (leaves(test) if isinstance(test, unittest.TestSuite)
+                    else [test])
+    ids = [t.id() for t in leaves(
+        unittest.TestLoader().loadTestsFromModule(sys.modules[__name__]))]
+    kinds = [next((label for label in ("Shardy", "GSPMD")
+                   if t.split(".")[-2].endswith(label)), None) for t in ids]
+    alone = kinds.count(None)
+    twice = max(kinds.count("Shardy"), kinds.count("GSPMD"))
+    self.assertEqual((total, one), (alone + 2 * twice, alone + twice))
+    matrix = os.path.join(HERE, ".ci", "matrix")
+    if os.path.exists(matrix):
+      with open(matrix) as f:
+        patterns = re.findall(r"-k (\S+)", f.read().split("quick_tests=(")[1]
+                              .split(")")[0])
+      label = "Shardy" if kinds.count("Shardy") else "GSPMD"
+      self.assertEqual(core, sum(
+          any(p in t for p in patterns) for t, k in zip(ids, kinds)
+          if k in (None, label)))
 
 
 def _code_lines(source):

@@ -159,7 +159,7 @@ _NAMES = {
     "jax.core": "AbstractValue ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
     # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
-    # a legacy shim only (_closed and _open, beside _trace_to_jaxpr).
+    # a legacy shim only (_closed and _open, in I.5).
     "jax.extend.core": "Jaxpr Literal Primitive jaxpr_as_fun" + (
         " ClosedJaxpr" if _JAX_VERSION < (0, 11) else ""),
     # jax 0.12.0.1: wrap_init without debug_info is "deprecated"; from jax

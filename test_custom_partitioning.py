@@ -7046,7 +7046,8 @@ class DebugLogTest(CPTestCase):
     with self.assertLogs(cp._log, "DEBUG") as cm:
       out = jax.jit(lambda x, y: (op(x), op(y)), out_shardings=rows)(x, y)
       # b is made inside the jit: XLA asks before placing it (GSPMD).
-      total = jax.jit(lambda x: summed(x * 2, jnp.arange(4.0)))(x)
+      total = jax.jit(lambda x: summed(x * 2, jnp.arange(4.0)),
+                      out_shardings=rows)(x)
     np.testing.assert_allclose(out[0], xh * 3, rtol=1e-6)
     np.testing.assert_allclose(out[1], (xh + 1) * 3, rtol=1e-6)
     np.testing.assert_allclose(total, xh * 2 + np.arange(4.0), rtol=1e-6)
@@ -7074,6 +7075,14 @@ class DebugLogTest(CPTestCase):
     self.assertIn("asked with results [PartitionSpec('x', None)]; "
                   "propagate_user_sharding answered results "
                   "[PartitionSpec(None, None)]", "\n".join(propagate))
+    # An op with no propagate_user_sharding keeps its user's sharding.
+    kept = [r.getMessage() for r in self.records(
+        cm, question="propagate_user_sharding") if "thrice" not in
+        r.getMessage()]
+    self.assertTrue(kept, cm.output)
+    self.assertIn("asked with results [PartitionSpec('x', None)]; the module "
+                  "(no propagate_user_sharding: the user's sharding) answered "
+                  "results [PartitionSpec('x', None)]", kept[0])
     unplaced = [r.getMessage() for r in self.records(
         cm, question="infer_sharding_from_operands") if "unplaced" in
         r.getMessage()]
@@ -8910,6 +8919,19 @@ class ExplicitPathTest(CPTestCase):
     self.assertLessEqual(_collective_count(text),
                          _collective_count(self.hlo(gs, q, k)))
     self.assertGreater(_collective_count(text), 0)
+
+  def test_a_callable_rule_alone_that_jax_cannot_type_is_refused(self):
+    """A rule-only op whose rule is callable has its partition only while
+    lowering; where jax cannot type its body either, nothing can run it:
+    refused by name (mutation: the error's type was not pinned)."""
+    q, k = (jax.device_put(a, self.rows)
+            for a in (_data((64, 16)), _data((64, 16))[::-1]))
+    op = _rule_only(_attend, lambda mesh, o, r: "i d, j d -> i d")
+    with self.assertRaises(NotImplementedError) as cm:
+      jax.jit(op)(q, k)
+    for part in ("jax cannot type its body under Explicit mesh axes",
+                 "its partition is derived from a callable sharding_rule"):
+      self.assertIn(part, str(cm.exception))
 
   # -- around the op ------------------------------------------------------
 

@@ -1098,6 +1098,9 @@ _EQUAL_STATICS = {
                             0j, complex(0.0, -0.0)),
     "complex, same real part": (lambda x, c: x * c.imag, np.float32,
                                 1 + 2j, 1 + 3j),
+    # Equal, of one hash and of the same bits as a pair: only the type
+    # parts them (a fresh round's planted bug keyed complex as float).
+    "float and complex": (lambda x, c: x * c, np.float32, 1.0, 1 + 0j),
     # Equal dataclasses: a fresh trace tells their fields apart.
     "int and float in a dataclass": (lambda x, c: x * c.n, np.int32,
                                      _Cfg(2), _Cfg(2.0)),

@@ -10196,6 +10196,14 @@ class CheckPartitioningTest(CPTestCase):
     self.assertEqual(cp._cotangent_specs([(8,), ()], mesh, requested=True),
                      [(("x",), ()), ((), ())])
     self.assertEqual(cp._cotangent_specs([()], mesh, requested=True), [])
+    # XLA never pads a global result: none is requested padded (a fresh
+    # round's planted bug requested the padded class too).
+    self.assertEqual(cp._cotangent_specs([(3,)], mesh, requested=True), [])
+    both = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    specs = cp._cotangent_specs([(12, 6)], both, requested=True)
+    # Not ("x", "y") (6 over 4), (None, "y") or (("x", "y"),) (12 over 8).
+    self.assertEqual(specs, [(("x",),), (("y",),), ((None, "x"),),
+                             (("y", "x"),), ((),)])
 
 
 both_partitioners(CheckPartitioningTest)

@@ -2982,6 +2982,18 @@ class GspmdEraOpsTest(CPTestCase):
       self.assertEqual(len(logged), 1)
       self.assertIn("'i j, i k -> i l, i m'; pass it", logged[0])
 
+  def test_two_operand_dimensions_onto_one_result_dimension(self):
+    """infer puts the rows' axis, and the columns' too, on the result's
+    rows: one factor cannot stand twice in x, so the first tie stands
+    alone (a fresh round's planted bug dropped that refusal)."""
+    op = _gspmd_era_op(lambda x: x + x.T, lambda s: (s[0] or s[1], None),
+                       arg_spec=lambda s: (None, None))
+    host = _data((16, 16))
+    x = jax.device_put(host, NamedSharding(self.mesh(), P("x", None)))
+    rules, out = self.derived_rules(jax.jit(op), x)
+    np.testing.assert_allclose(out, host + host.T, rtol=1e-6)
+    self.assertEqual(rules, ["'i j -> i k'"] if self.shardy else [])
+
   def test_probes_raised_on_are_counted_and_the_first_named(self):
     # On a (2, 4) mesh the FFT axis is probed over "x", then over "y".
     op = _picky_row_fft_op()

@@ -1679,8 +1679,8 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
           f"but the op runs on {sorted(d.id for d in op.place.devices)}.")
     if isinstance(sharding, jax.sharding.NamedSharding) and (
         len(sharding.spec) > ndim):
-      raise ValueError(
-          f"{where} with spec {sharding.spec} for a value of rank {ndim}.")
+      raise ValueError(f"{where} with spec {_spec_text(sharding.spec)} for "
+                       f"a value of rank {ndim}.")
     if on == op.place.auto and not handed:  # seam: partly manual (II.2)
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
@@ -2349,8 +2349,8 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
   auto = op.place.auto
   manual = _axes_in([sharding.spec]) - set(auto.axis_names)
   if manual:
-    raise ValueError(f"{where} with spec {sharding.spec}, which shards "
-                     f"over the manual axes {sorted(manual)}; only "
+    raise ValueError(f"{where} with spec {_spec_text(sharding.spec)}, which "
+                     f"shards over the manual axes {sorted(manual)}; only "
                      f"{auto.axis_names} may be used here.")
   return jax.sharding.NamedSharding(auto, sharding.spec)
 

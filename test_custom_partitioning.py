@@ -3586,6 +3586,37 @@ class FallbackTest(CPTestCase):
     self.assertIn("DONE", out)
     self.assertIn("VALUES OK DEVICES [(0, 1, 2, 3)]", out)
 
+  def test_shard_map_partially_manual_sharding_over_a_manual_axis(self):
+    """There a NamedSharding ``partition`` returns may shard over the
+    auto axes only; one over the manual axis is refused by name."""
+    out = _run_snippet(self, self.shardy, """
+    m2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    def double(x):
+      return x * 2
+    op = custom_partitioning(double)
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, double, NamedSharding(m2, P(None, "y")),
+              (NamedSharding(m2, P("x", "y")),))
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r:
+                         NamedSharding(m2, P(None, "y")),
+                     sharding_rule="i j -> i j")
+    xh2 = np.arange(64, dtype=np.float32).reshape(8, 8) / 7.0
+    x2 = jax.device_put(xh2, NamedSharding(m2, P("x", "y")))
+    try:
+      f = jax.jit(shard_map(op, mesh=m2, in_specs=P("x"), out_specs=P("x"),
+                            axis_names={"x"}))
+      print("VALUES", f(x2))
+    except Exception as e:
+      print("ERROR", type(e).__name__, str(e).replace("\\n", " "))
+    print("DONE")
+    """)
+    self.assertIn("DONE", out)
+    self.assertIn(
+        "ERROR ValueError partition of double returned arg sharding 0 with "
+        "spec PartitionSpec('x', 'y'), which shards over the manual axes "
+        "['x']; only ('y',) may be used here.", out)
+
 
 both_partitioners(FallbackTest)
 del FallbackTest
@@ -3875,6 +3906,13 @@ class BadInputTest(CPTestCase):
     self.assertRaisesNaming(TypeError, ["partition of", "length 3"],
                             self.run_jit, op)
 
+  def test_partition_returns_five_items(self):
+    op = self.op(self.returning(lambda m, s: (m, jnp.sin, s, (s,), None)))
+    self.assertRaisesNaming(
+        TypeError, ["partition of sin must return (mesh, lower_fn, "
+                    "result_shardings, arg_shardings); got a sequence of "
+                    "length 5."], self.run_jit, op)
+
   def test_partition_returns_none(self):
     op = self.op(self.returning(lambda m, s: None))
     self.assertRaisesNaming(TypeError, ["partition of", "NoneType"],
@@ -3920,6 +3958,21 @@ class BadInputTest(CPTestCase):
       self.assertRaisesNaming(ValueError, ["partition", "arg sharding"],
                               self.run_jit, op, self.x, self.x)
 
+  def test_sharding_spec_longer_than_the_rank(self):
+    s3 = NamedSharding(self.mesh(), P("x", None, None))
+    with self.subTest("result sharding"):
+      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s3, (s,))))
+      self.assertRaisesNaming(
+          ValueError, ["partition of sin returned result sharding 0 with spec "
+                       "PartitionSpec('x', None, None) for a value of rank 2."],
+          self.run_jit, op)
+    with self.subTest("arg sharding"):
+      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s, (s3,))))
+      self.assertRaisesNaming(
+          ValueError, ["partition of sin returned arg sharding 0 with spec "
+                       "PartitionSpec('x', None, None) for a value of rank 2."],
+          self.run_jit, op)
+
   def test_partition_spec_instead_of_sharding(self):
     op = self.op(self.returning(lambda m, s: (m, jnp.sin, P("x"), (s,))))
     self.assertRaisesNaming(TypeError, ["partition", "jax.sharding.Sharding"],
@@ -3950,6 +4003,21 @@ class BadInputTest(CPTestCase):
     op = self.op(self.returning(lambda m, s: (mesh4, lower_fn, s, (s,))))
     self.assertRaisesNaming(ValueError, ["partition", "mesh"],
                             self.run_jit, op)
+
+  def test_partition_mesh_on_as_many_other_devices(self):
+    """The op runs on devices 0-3; a mesh on devices 4-7 has as many
+    devices, but not the op's: refused by its devices, not its size."""
+    devices = np.array(jax.devices()[:8])
+    x4 = jax.device_put(self.host, NamedSharding(Mesh(devices[:4], ("x",)),
+                                                  P("x")))
+    other = Mesh(devices[4:], ("x",))
+    op = self.op(self.returning(
+        lambda m, s: (other, jnp.sin, NamedSharding(other, P("x")),
+                      (NamedSharding(other, P("x")),))))
+    self.assertRaisesNaming(
+        ValueError, ["partition of sin returned a mesh on devices "
+                     "[4, 5, 6, 7], but the op runs on [0, 1, 2, 3]."],
+        self.run_jit, op, x4)
 
   def test_partition_abstract_mesh_of_other_size(self):
     """An AbstractMesh stands for the op's devices: one of another size
@@ -6022,7 +6090,30 @@ class LowerFunInPrimitiveTest(CPTestCase):
                      "devices, but jax did not say which", "through "
                      "jax.interpreters.mlir.lower_fun", "jax._src.dispatch."
                      "prim_requires_devices_during_lowering",
-                     "jax.set_mesh(mesh) or `with mesh:`"], self.f, x)
+                     "jax.set_mesh(mesh) or `with mesh:`",
+                     "prim_requires_devices_during_lowering.add("
+                     "your_primitive)"], self.f, x)
+
+  def test_without_a_mesh_a_derived_op_names_the_fix_too(self):
+    """jax.vmap of the op inside the primitive's lowering: the same error
+    (a derived op finds its devices as the op does)."""
+    prim = jax.extend.core.Primitive("user_batched_fft_wrapper")
+    prim.def_abstract_eval(
+        lambda x: _jax_core.ShapedArray(x.shape, np.complex64))
+    _jax_mlir.register_lowering(
+        prim, _jax_mlir.lower_fun(jax.vmap(self.op), multiple_results=False))
+    xh = np.stack([self.xh, self.xh[::-1]]).astype(np.complex64)
+    s = NamedSharding(self.m, P(None, "x", None))
+    x = jax.device_put(xh, s)
+    f = jax.jit(prim.bind, in_shardings=s, out_shardings=s)
+    self.assertRaisesNaming(
+        ValueError, ["custom_partitioning op ", "is lowered for several "
+                     "devices, but jax did not say which",
+                     "prim_requires_devices_during_lowering.add("
+                     "your_primitive)"], f, x)
+    with mesh_context(self.m):
+      out = f(x)
+    np.testing.assert_allclose(out, np.fft.fft(xh), rtol=1e-4, atol=1e-4)
 
   def test_the_other_way_out_the_error_names(self):
     """The outer primitive in jax's set of primitives that need devices
@@ -8738,6 +8829,33 @@ class ExplicitPathTest(CPTestCase):
     np.testing.assert_allclose(f(self.x), np.sin(self.xh), rtol=1e-6)
     self.assertEqual(set(seen), {GSPMDSharding})
     self.assertPlainJax(f, self.x)
+
+  def test_a_partition_mesh_of_other_axes_runs_as_the_custom_call(self):
+    """jax.shard_map runs lower_fn on the op's mesh only. A partition mesh
+    on the same devices whose axes differ (in sizes only, in order only,
+    in names only) runs as the custom call, with the right values."""
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((2, 4), ("x", "y"), axis_types=(explicit,) * 2)
+    devices = m.devices
+    others = {"other sizes": Mesh(devices.reshape(4, 2), ("x", "y")),
+              "the axes reordered": Mesh(devices.T, ("y", "x")),
+              "other names": Mesh(devices, ("a", "b"))}
+    xh = _data((16, 8))
+    for why, other in others.items():
+      with self.subTest(why), jax.set_mesh(m):
+        x = jax.device_put(xh, NamedSharding(m, P("x", "y")))
+        op = custom_partitioning(jnp.sin)
+        # Rows over the other mesh's first axis, summed over its size.
+        first = other.axis_names[0]
+        lower_fn = lambda v, a=first: jnp.sin(v) * jax.lax.psum(1, a)  # noqa: E731
+        s = NamedSharding(other, P(first, None))
+        op.def_partition(lambda mesh, a, r, s=s, f=lower_fn: (other, f, s, (s,)),
+                         sharding_rule="i j -> i j",
+                         infer_sharding_from_operands=lambda m_, a, r: a[0].sharding)
+        f = jax.jit(op)
+        np.testing.assert_allclose(
+            f(x), np.sin(xh) * other.shape[first], rtol=1e-6)
+        self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
 
   def test_partition_none_is_named(self):
     def shifted(x):

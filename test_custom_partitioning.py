@@ -33,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # value the user chose wins. Child processes inherit os.environ.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import ast
 import functools
 import gc
 import importlib.util
@@ -1082,6 +1083,12 @@ class _Cfg:
   n: object
 
 
+@dataclasses.dataclass(frozen=True)
+class _OtherCfg:
+  """A second config type, of _Cfg's fields (unequal to it by ``==``)."""
+  n: object
+
+
 _EQUAL_STATICS = {
     "signed zero": (lambda x, n: jnp.copysign(x, n), np.float32, 0.0, -0.0),
     "int and float": (lambda x, n: x * n, np.int32, 2, 2.0),
@@ -1106,6 +1113,10 @@ _EQUAL_STATICS = {
                                      _Cfg(2), _Cfg(2.0)),
     "signed zero in a dataclass": (lambda x, c: jnp.copysign(x, c.n),
                                    np.float32, _Cfg(0.0), _Cfg(-0.0)),
+    # Two dataclass types of equal fields: the type parts them.
+    "two dataclass types": (lambda x, c: x * c.n * (
+        1 if isinstance(c, _Cfg) else -1), np.float32, _Cfg(2.0),
+                            _OtherCfg(2.0)),
 }
 
 
@@ -3145,6 +3156,79 @@ class GspmdEraOpsTest(CPTestCase):
           jax.jit(lambda v, axis=axis: op(axis, v)), x)
       np.testing.assert_allclose(out, xh * 2.0)
       self.assertEqual(rules, [rule] if self.shardy else [])
+
+  def test_a_probed_axis_inside_a_tuple_entry_ties(self):
+    """infer puts the rows' axis, with the other axis, on the result's rows
+    (``P(('x', 'y'), None)``): the rows share a factor."""
+    mesh = self.mesh((2, 4), ("x", "y"))
+
+    def rows_over_both(m, arg_shapes, result_shape):
+      rows = _entries(arg_shapes[0].sharding, 2)[0]
+      if rows is None:
+        return NamedSharding(m, P())
+      other = "y" if rows == "x" else "x"
+      return NamedSharding(m, P((rows, other), None))
+
+    def partition(m, arg_shapes, result_shape):
+      s = NamedSharding(m, P(("x", "y"), None))
+      return m, lambda x: x[:, :4] * 2.0, s, (s,)
+    op = custom_partitioning(lambda x: x[:, :4] * 2.0)
+    op.def_partition(partition, infer_sharding_from_operands=rows_over_both)
+    xh = _data((16, 8))
+    x = jax.device_put(xh, NamedSharding(mesh, P("x", None)))
+    rules, out = self.derived_rules(jax.jit(op), x)
+    np.testing.assert_allclose(out, xh[:, :4] * 2.0)
+    self.assertEqual(rules, ["'i j -> i k'"] if self.shardy else [])
+
+  def test_decode_shardings_keys_the_derivation(self):
+    """Two ops of one infer, one given NamedShardings, one GSPMDShardings
+    (which this infer leaves unplaced): each gets its own rule."""
+    def infer(m, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return s if isinstance(s, NamedSharding) else NamedSharding(m, P())
+
+    def partition(m, arg_shapes, result_shape):
+      s = infer(m, arg_shapes, result_shape)
+      return m, jnp.sin, s, (s,)
+    xh = _data((16,))
+    x = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+    for decode, rule in ((True, "'i -> i'"), (False, "'i -> j'")):
+      with self.subTest(decode_shardings=decode):
+        op = custom_partitioning(jnp.sin)
+        op.def_partition(partition, infer_sharding_from_operands=infer,
+                         decode_shardings=decode)
+        rules, out = self.derived_rules(jax.jit(op), x)
+        np.testing.assert_allclose(out, np.sin(xh), rtol=1e-6)
+        self.assertEqual(rules, [rule] if self.shardy else [])
+
+  def test_manual_axes_are_not_probed(self):
+    """Inside a partly manual shard_map only the auto axes are probed
+    (infer never sees the manual one), and the values are right."""
+    out = _run_snippet(self, self.shardy, """
+    m2 = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    seen = []
+    def infer(m, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      spec = tuple(s.spec) if s is not None else ()
+      seen.append(spec + (None,) * (2 - len(spec)))
+      return s
+    def partition(m, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return m, lambda x: x * 2.0, s, (s,)
+    op = custom_partitioning(lambda x: x * 2.0)
+    op.def_partition(partition, infer_sharding_from_operands=infer)
+    xh2 = np.arange(64, dtype=np.float32).reshape(8, 8) / 7.0
+    x2 = jax.device_put(xh2, NamedSharding(m2, P("x", "y")))
+    f = jax.jit(shard_map(op, mesh=m2, in_specs=P("x"), out_specs=P("x"),
+                          axis_names={"x"}))
+    print("VALUES", np.allclose(f(x2), xh2 * 2.0))
+    print("SEEN", sorted(set(seen), key=repr))
+    """)
+    self.assertIn("VALUES True", out)
+    seen = ast.literal_eval(out.split("SEEN ", 1)[1].strip())
+    self.assertNotIn("x", repr(seen))
+    if self.shardy:  # asked once unsharded, then per dimension over y
+      self.assertEqual(set(seen), {(None, None), ("y", None), (None, "y")})
 
   def test_partition_only_runs_unchanged(self):
     # No infer, no rule, no propagate: nothing to derive from, as before.
@@ -8856,6 +8940,24 @@ class ExplicitPathTest(CPTestCase):
         np.testing.assert_allclose(
             f(x), np.sin(xh) * other.shape[first], rtol=1e-6)
         self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
+
+  def test_passed_and_unpassed_defaults_key_the_program(self):
+    """``op(x, a=v)`` and ``op(x, b=v)``: equal operand types, different
+    bodies; each planned program is its own."""
+    def body(x, a=1.0, b=10.0):
+      return x * a + b
+    op = custom_partitioning(body)
+    op.def_partition(sharding_rule="i j, -> i j")
+    runs = {"a": (jax.jit(lambda x, v: op(x, a=v)), self.xh * 5 + 10),
+            "b": (jax.jit(lambda x, v: op(x, b=v)), self.xh + 5)}
+    for name, (f, want) in runs.items():
+      with self.subTest(f"jit, {name} passed"):
+        np.testing.assert_allclose(f(self.x, 5.0), want, rtol=1e-6)
+        self.assertPlainJax(f, self.x, 5.0)
+    with self.subTest("eager"):
+      np.testing.assert_allclose(op(self.x, b=5.0), self.xh + 5, rtol=1e-6)
+      np.testing.assert_allclose(op(self.x, a=5.0), self.xh * 5 + 10,
+                                 rtol=1e-6)
 
   def test_partition_none_is_named(self):
     def shifted(x):

@@ -41,8 +41,10 @@ CORE = ["ElementwiseTest", "FrontendTest", "ShardyRuleTest", "RuleToMlirTest",
         "test_cholesky_batch_sharded_has_no_collective",
         "test_readme_quickstart_runs"]
 SKIPS: dict[str, list[str]] = {
-    # An infer error, raised where XLA asked (II.2 keeps it for partition).
-    "II.2": ["test_no_rule_derivable_warns_once_and_runs"],
+    # An infer error, raised where XLA asked (II.2 keeps it for partition),
+    # and a partly manual shard_map's placement.
+    "II.2": ["test_no_rule_derivable_warns_once_and_runs",
+             "test_manual_axes_are_not_probed"],
     "II.3": ["test_explicit_axes"],  # the shard_map path
     "II.4": ["TransformTest", "test_grad", "test_vjp", "test_vmap"],
     "II.5": ["RuleOnlyTest", "test_readme_quickstart_runs"],  # cholesky
@@ -57,7 +59,9 @@ SKIPS: dict[str, list[str]] = {
              "test_probes_raised_on_are_counted_and_the_first_named",
              "test_static_arguments_key_the_derivation",
              "test_two_operands_tied_through_two_results",
-             "test_two_operand_dimensions_onto_one_result_dimension"],
+             "test_two_operand_dimensions_onto_one_result_dimension",
+             "test_a_probed_axis_inside_a_tuple_entry_ties",
+             "test_decode_shardings_keys_the_derivation"],
     "III.2": ["check_partitioning", "test_readme_quickstart_runs"],
     "III.4": ["FFTTest"],  # the demo's FFT op
 }

@@ -5325,6 +5325,44 @@ class DerivedOpsTest(CPTestCase):
     self.assertTrue(seen)
     self.assertEqual(set(seen), {(8, 6)})
 
+  def test_propagate_is_not_told_a_sharding_the_user_did_not_give(self):
+    """A vmapped two-result op whose second result's user places it on
+    the devices in an order no PartitionSpec states: propagate is asked
+    only about what the users gave, never that result as replicated while
+    the first is sharded; the values are right."""
+    if self.shardy:
+      self.skipTest("propagate_user_sharding is GSPMD's")
+    from jax._src.sharding_impls import GSPMDSharding
+    body = lambda x: (jnp.sin(x), jnp.cos(x))  # noqa: E731
+    asked = []
+
+    def propagate(mesh, result_shapes):
+      asked.append(tuple(_entries(v.sharding, 2) for v in result_shapes))
+      return tuple(v.sharding for v in result_shapes)
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, body, (s, s), (s,)
+    op = custom_partitioning(body)
+    op.def_partition(
+        partition, propagate_user_sharding=propagate,
+        infer_sharding_from_operands=lambda m, a, r: (a[0].sharding,) * 2,
+        sharding_rule="i j -> i j, i j")
+    m = self.mesh()
+    grid = Mesh(m.devices.reshape(2, 4), ("a", "b"))
+    odd = GSPMDSharding(tuple(m.devices.flat), NamedSharding(
+        grid, P(None, ("b", "a"), None))._to_xla_hlo_sharding(3))
+
+    def f(x):
+      a, b = jax.vmap(op)(x)
+      return a, jax.lax.with_sharding_constraint(b * 2, odd)
+    xh = _data((4, 16, 8))
+    a, b = jax.jit(f)(jax.device_put(xh, NamedSharding(m, P(None, "x"))))
+    np.testing.assert_allclose(a, np.sin(xh), rtol=1e-6)
+    np.testing.assert_allclose(b, np.cos(xh) * 2, rtol=1e-6)
+    self.assertTrue(asked)
+    self.assertNotIn((("x", None), (None, None)), asked)
+
   def test_decode_shardings_false(self):
     body = lambda x: jnp.cos(x)  # noqa: E731
     op = custom_partitioning(body)
@@ -8941,6 +8979,39 @@ class ExplicitPathTest(CPTestCase):
             f(x), np.sin(xh) * other.shape[first], rtol=1e-6)
         self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
 
+  def test_an_inferred_sharding_without_a_spec_leaves_typing_to_partition(
+      self):
+    """jax cannot type the body (``q @ k.T``, both rows over one axis);
+    infer places one result's rows on the devices in an order no
+    PartitionSpec of the op's mesh states: partition's shardings type the
+    results, not infer's, and the values are right."""
+    def body(q, k):
+      s = q @ k.T
+      return s, s * 2
+
+    grid = Mesh(self.m.devices.reshape(2, 4), ("a", "b"))
+
+    def infer(m, arg_shapes, result_shape):
+      return (NamedSharding(m, P("x", None)),
+              NamedSharding(grid, P(("b", "a"), None)))
+
+    def partition(m, arg_shapes, result_shape):
+      rows = NamedSharding(m, P("x", None))
+      return m, body, (rows, rows), (rows, NamedSharding(m, P()))
+    op = custom_partitioning(body)
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule="i d, j d -> i j, i j")
+    qh, kh = self.xh, self.xh[::-1] / 3
+    q, k = (jax.device_put(a, self.rows) for a in (qh, kh))
+    with self.assertRaises(cp._ShardingTypeError):  # jax cannot type it
+      jax.jit(body)(q, k)
+    f = jax.jit(op)
+    s, s2 = f(q, k)
+    want = qh @ kh.T
+    np.testing.assert_allclose(s, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s2, want * 2, rtol=1e-5, atol=1e-5)
+    self.assertPlainJax(f, q, k, gathers=True)
+
   def test_passed_and_unpassed_defaults_key_the_program(self):
     """``op(x, a=v)`` and ``op(x, b=v)``: equal operand types, different
     bodies; each planned program is its own."""
@@ -10696,7 +10767,6 @@ class ReadmeTest(unittest.TestCase):
 
 def _code_lines(source):
   """Lines of ``source`` that are neither blank, comments nor docstrings."""
-  import ast
   lines = source.splitlines()
   other = {i + 1 for i, line in enumerate(lines)
            if not line.strip() or line.strip().startswith("#")}
@@ -10711,7 +10781,7 @@ def _code_lines(source):
 
 def _jax_src_imports(source):
   """The ``jax._src`` modules ``source`` imports, as dotted names."""
-  import ast
+
   found = set()
   for node in ast.walk(ast.parse(source)):
     if isinstance(node, ast.Import):

@@ -6261,6 +6261,24 @@ class LowerFunInPrimitiveTest(CPTestCase):
       out = f(x)
     np.testing.assert_allclose(out, np.fft.fft(xh), rtol=1e-4, atol=1e-4)
 
+  def test_a_callers_mesh_shaped_unlike_the_program_is_not_taken(self):
+    """A mesh context of the program's devices but another shape ((4, 2)
+    for a program on (8,)) may order them otherwise: the op does not take
+    it for the program's mesh, and says what it needs."""
+    if JAX_VERSION < (0, 5, 0):
+      self.skipTest(f"{JAX}: no abstract mesh of the program to compare a "
+                    "caller's mesh with (one of its size is taken)")
+    x = jax.device_put(self.xh.astype(np.complex64), self.s)
+    grid = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    # A function of its own: jax's caches keyed on it stay this test's.
+    f = jax.jit(lambda v: self.prim.bind(v), in_shardings=self.s,
+                out_shardings=self.s)
+    for how, context in (("set", mesh_context), ("`with mesh:`", None)):
+      with self.subTest(how), context(grid) if context else grid:
+        self.assertRaisesNaming(
+            ValueError, ["is lowered for several devices, but jax did not "
+                         "say which"], f, x)
+
   def test_the_other_way_out_the_error_names(self):
     """The outer primitive in jax's set of primitives that need devices
     while lowering: jax then tells them, and no mesh is needed."""

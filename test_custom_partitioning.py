@@ -5349,6 +5349,49 @@ class DerivedOpsTest(CPTestCase):
     self.assertTrue(seen)
     self.assertEqual(set(seen), {(8, 6)})
 
+  def test_a_batch_dimension_keeps_the_axes_that_divide_it(self):
+    """The batch dimension (size 2) arrives over ('x', 'y', 'z'), 8
+    devices: the vmapped op keeps it on the leading axes that divide it
+    ('x'), dropping as many as it takes, rather than on none."""
+    m = self.mesh((2, 2, 2), ("x", "y", "z"))
+    op = _same_sharding_op(lambda u: u * 2.0)
+    xh = _data((2, 16, 4))
+
+    def f(x):
+      return jax.vmap(op)(jax.lax.with_sharding_constraint(
+          x, NamedSharding(m, P(("x", "y", "z")))))
+    out = jax.jit(f)(jax.device_put(xh, NamedSharding(m, P())))
+    np.testing.assert_allclose(out, xh * 2.0, rtol=1e-6)
+    self.assertEqual(_spec(out.sharding, 3), ("x", None, None))
+
+  def test_infer_sees_an_unplaced_operand_of_a_vmapped_op_unplaced(self):
+    """XLA asks infer (GSPMD) before it places an operand made inside the
+    jit: a vmapped op's infer gets it unplaced (``.sharding`` None), as a
+    plain op's does, never as replicated."""
+    if self.shardy:
+      self.skipTest("infer_sharding_from_operands is asked under GSPMD")
+    seen = []
+
+    def infer(mesh, arg_shapes, result_shape):
+      seen.append(tuple(None if v.sharding is None else _entries(
+          v.sharding, 2) for v in arg_shapes))
+      return arg_shapes[0].sharding
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      return mesh, lambda u, v: u + v, s, (s, s)
+    op = custom_partitioning(lambda u, v: u + v)
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule="i j, i j -> i j")
+    xh = _data((2, 16, 4))
+    s = NamedSharding(self.mesh(), P(None, "x"))
+    f = jax.jit(lambda x: jax.vmap(op)(x * 2, jnp.broadcast_to(
+        jnp.arange(4.0), x.shape)), out_shardings=s)
+    np.testing.assert_allclose(f(jax.device_put(xh, s)),
+                               xh * 2 + np.arange(4.0), rtol=1e-6)
+    self.assertIn((("x", None), None), seen)
+    self.assertNotIn((("x", None), (None, None)), seen)
+
   def test_propagate_is_not_told_a_sharding_the_user_did_not_give(self):
     """A vmapped two-result op whose second result's user places it on
     the devices in an order no PartitionSpec states: propagate is asked

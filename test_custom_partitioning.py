@@ -5554,6 +5554,34 @@ class DerivedOpsTest(CPTestCase):
     np.testing.assert_allclose(jax.jit(op)(self.put(_data((8, 4)), "x")),
                                np.sin(_data((8, 4))) * 2, rtol=1e-6)
 
+  def test_an_ambient_abstract_mesh_of_another_size_is_not_the_ops(self):
+    """The program runs on 4 devices while the ambient abstract mesh has
+    8 (jax.sharding.use_abstract_mesh): the op does not make that mesh
+    concrete on its 4 devices (numpy's reshape error); it gets no mesh,
+    as upstream, and the values are right."""
+    if not hasattr(jax.sharding, "use_abstract_mesh"):
+      self.skipTest(f"{JAX}: no jax.sharding.use_abstract_mesh")
+    from jax._src.sharding_impls import GSPMDSharding
+    small = self.mesh((4,))
+    rows = GSPMDSharding(tuple(small.devices.flat), NamedSharding(
+        small, P("x", None))._to_xla_hlo_sharding(2))
+    meshes = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      meshes.append(dict(mesh.shape))
+      s = arg_shapes[0].sharding
+      return mesh, lambda x: x * 2.0, s, (s,)
+    op = custom_partitioning(lambda x: x * 2.0)
+    op.def_partition(partition,
+                     infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+                     sharding_rule="i j -> i j")
+    xh = _data((8, 4))
+    x = jax.device_put(xh, rows)
+    with jax.sharding.use_abstract_mesh(self.mesh().abstract_mesh):
+      out = jax.jit(op)(x)
+    np.testing.assert_allclose(out, xh * 2.0, rtol=1e-6)
+    self.assertEqual(meshes, [{}])
+
   def test_no_recoverable_mesh_still_asks_infer(self):
     """Under GSPMD a plain op on the empty mesh is asked, as upstream asks
     it: infer_sharding_from_operands gets the empty mesh and GSPMDShardings,

@@ -10007,6 +10007,24 @@ class CheckPartitioningTest(CPTestCase):
     self.z = _data((8, 16)).astype(np.complex64)  # rows 8, columns 16
     self.x, self.w = _data((8, 4)), _data((4, 3))
 
+  def test_a_result_of_another_dtype_is_reported(self):
+    """Equal values in another dtype are a difference: a function whose
+    result is float16 where its operand is sharded (Explicit axes type the
+    sharding), float32 on one device."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+
+    def narrowed(x):
+      spec = tuple(jax.typeof(x).sharding.spec)
+      return x.astype(jnp.float16) if any(spec) else x
+    mesh = jax.make_mesh((8,), ("x",),
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    with self.assertRaises(AssertionError) as cm:
+      cp.check_partitioning(narrowed, np.arange(8, dtype=np.float32),
+                            meshes=[mesh])
+    self.assertIn("got float16[8], on one device float32[8]",
+                  str(cm.exception))
+
   def test_correct_fft_passes_on_the_default_meshes(self):
     """README's example test runs and passes (with the self-demo's FFT as
     its ``myops.fft``); the report says what ran."""

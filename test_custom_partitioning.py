@@ -4047,18 +4047,14 @@ class BadInputTest(CPTestCase):
 
   def test_sharding_spec_longer_than_the_rank(self):
     s3 = NamedSharding(self.mesh(), P("x", None, None))
-    with self.subTest("result sharding"):
-      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s3, (s,))))
-      self.assertRaisesNaming(
-          ValueError, ["partition of sin returned result sharding 0 with spec "
-                       "PartitionSpec('x', None, None) for a value of rank 2."],
-          self.run_jit, op)
-    with self.subTest("arg sharding"):
-      op = self.op(self.returning(lambda m, s: (m, jnp.sin, s, (s3,))))
-      self.assertRaisesNaming(
-          ValueError, ["partition of sin returned arg sharding 0 with spec "
-                       "PartitionSpec('x', None, None) for a value of rank 2."],
-          self.run_jit, op)
+    answers = {"result sharding": lambda m, s: (m, jnp.sin, s3, (s,)),
+               "arg sharding": lambda m, s: (m, jnp.sin, s, (s3,))}
+    for what, answer in answers.items():
+      with self.subTest(what):
+        self.assertRaisesNaming(
+            ValueError, [f"partition of sin returned {what} 0 with spec "
+                         "PartitionSpec('x', None, None) for a value of rank "
+                         "2."], self.run_jit, self.op(self.returning(answer)))
 
   def test_partition_spec_instead_of_sharding(self):
     op = self.op(self.returning(lambda m, s: (m, jnp.sin, P("x"), (s,))))

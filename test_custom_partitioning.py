@@ -4094,9 +4094,8 @@ class BadInputTest(CPTestCase):
     x4 = jax.device_put(self.host, NamedSharding(Mesh(devices[:4], ("x",)),
                                                   P("x")))
     other = Mesh(devices[4:], ("x",))
-    op = self.op(self.returning(
-        lambda m, s: (other, jnp.sin, NamedSharding(other, P("x")),
-                      (NamedSharding(other, P("x")),))))
+    rows = NamedSharding(other, P("x"))
+    op = self.op(self.returning(lambda m, s: (other, jnp.sin, rows, (rows,))))
     self.assertRaisesNaming(
         ValueError, ["partition of sin returned a mesh on devices "
                      "[4, 5, 6, 7], but the op runs on [0, 1, 2, 3]."],
@@ -10914,7 +10913,6 @@ def _code_lines(source):
 
 def _jax_src_imports(source):
   """The ``jax._src`` modules ``source`` imports, as dotted names."""
-
   found = set()
   for node in ast.walk(ast.parse(source)):
     if isinstance(node, ast.Import):

@@ -104,6 +104,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import struct
 import threading
 import types
@@ -167,6 +168,7 @@ _NAMES = {
     "jax.extend.linear_util": "wrap_init",
     "jax.extend.mlir.dialects.sdy": "DimMappingAttr OpShardingRuleAttr "
                                     "TensorMappingAttr",
+    "jax.extend.mlir": "ir passmanager",
     "jax.extend.mlir.ir": "Attribute Location RankedTensorType ShapedType "
                           "Type",
     "jax.interpreters.ad": "JVPTracer Zero instantiate_zeros "
@@ -188,6 +190,9 @@ _NAMES = {
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
     "jax.monitoring": "register_event_duration_secs_listener",
     "jax.sharding": "AbstractMesh Mesh",
+    # jax 0.6.0 made shard_map public (jax.shard_map).
+    **({"jax.experimental.shard_map": "shard_map"}
+       if _JAX_VERSION < (0, 6) else {}),
     "jax._src.api_util": "argnums_partial debug_info flatten_fun_nokwargs",
     "jax._src.compiler": "register_xla_runtime_error_handler",
     "jax._src.config": "State compilation_cache_dir config disable_jit "
@@ -200,6 +205,7 @@ _NAMES = {
     "jax._src.dispatch": "BACKEND_COMPILE_EVENT "
                          "prim_requires_devices_during_lowering",
     "jax._src.interpreters.batching": "BatchTracer",
+    "jax._src.interpreters": "mlir",
     "jax._src.interpreters.mlir": "custom_call",
     "jax._src.lax": "linalg",
     "jax._src.lib": "lapack version",
@@ -594,6 +600,11 @@ class custom_partitioning:
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
+      # Partitioned at lowering: fun, which no device runs, need not type.
+      call, out_tree, _ = _typed_trace(self, args, flat)
+      out_flat = custom_partitioning_p.bind(
+          *flat.leaves, **self._params(args, flat, call, out_tree))
+      return jax.tree_util.tree_unflatten(out_tree, out_flat)
     call, out_tree = self._traced(args, flat)
     out_flat = custom_partitioning_p.bind(
         *flat.leaves, **self._params(args, flat, call, out_tree))
@@ -1026,7 +1037,13 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
   name = _fun_name(call)
-  if ctx.module_context.lowering_parameters.for_export:
+  mc = ctx.module_context
+  why_not = _at_lowering(place, mc.platforms)
+  if why_not is not None and "tpu" in mc.platforms:
+    raise NotImplementedError(
+        f"custom_partitioning op {name} cannot be lowered for TPU: "
+        f"{why_not}. {_TPU_ADVICE}.")
+  if mc.lowering_parameters.for_export and why_not is not None:
     raise NotImplementedError(
         f"jax.export cannot serialize the custom_partitioning op {name}: its "
         "partitioning callbacks are Python functions that XLA calls while "
@@ -1049,8 +1066,13 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
         "but its def_partition was given partition=None and no sharding_rule "
         "to derive a partition from: give either.")
+  lowering = None if why_not is not None else _current_pass()
+  if lowering is not None:  # partitioned at lowering (I.6)
+    index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
-  if callable(rule) or (_SHARDY.value and rule is not None):
+  if lowering is not None and index < len(lowering.rules):
+    rule, rule_attr = lowering.rules[index]  # asked in the first pass
+  elif callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
   elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
@@ -1059,7 +1081,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
       for avals in (ctx.avals_in, ctx.avals_out))
-  mc = ctx.module_context  # jax 0.5.0 renamed its backend_or_name backend
+  # jax 0.5.0 renamed the module context's backend_or_name backend.
   op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
               backend=mc.backend if _JAX_VERSION >= (0, 5, 0)
               else mc.backend_or_name, config=_config_values())
@@ -1067,6 +1089,11 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
       "sdy.sharding_rule": rule_attr}
+  if lowering is not None:
+    if lowering.decided is None:
+      lowering.rules.append((rule, rule_attr))
+      return _tagged_call(ctx, call, values, rule_attr, index)
+    return _lowered_manual(ctx, params, op, values, lowering, index)
   return _jax.custom_call(
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
       operands=list(values), backend_config=_register(ctx, op, params),
@@ -1781,16 +1808,20 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
   operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
   results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
   with _config_entered(op.config):
-    if op.steps:  # seam: a derived op (II.4)
-      shard = _partition_derived(op, operands, results, on)
-    else:
-      answer, closed = _partition(op, operands, results, on)
-      shard = answer._replace(jaxpr=closed)
+    shard = _shard_of(op, operands, results, on)
     module = _per_shard_module(op, shard)
   answer = (module, [_hlo_of(v, on) for v in shard.args],
             _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
   op.lowered.put(request, answer)
   return answer
+
+
+def _shard_of(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition``'s answer with its per-shard program traced."""
+  if op.steps:  # seam: a derived op (II.4)
+    return _partition_derived(op, operands, results, on)
+  answer, closed = _partition(op, operands, results, on)
+  return answer._replace(jaxpr=closed)
 
 
 @contextlib.contextmanager
@@ -1808,6 +1839,9 @@ def _config_entered(values: tuple):
 
 def _partition(op: _Op, operands: list, results: list, on):
   """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
+  if isinstance(op.sharding_rule, SdyShardingRule) and (
+      op.sharding_rule.need_replication_factors):
+    operands, results = _replicated_as_needed(op, operands, results)
   answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_partition(op, operands, results, answer)
@@ -1817,6 +1851,29 @@ def _partition(op: _Op, operands: list, results: list, on):
   if _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
+
+
+def _replicated_as_needed(op: _Op, operands: list, results: list):
+  """``operands`` and ``results`` with every dimension of a factor the rule
+  says needs replication unsharded: the rule states what the per-shard
+  code can take, so partition is asked (and XLA reshards) accordingly."""
+  rule = op.sharding_rule
+  values = operands + results
+  try:  # a rule that does not fit the op fails elsewhere, with its cause
+    _, dims = _resolve_rule(rule, [v.shape for v in values], len(operands))
+  except ValueError:
+    return operands, results
+  needed = set(rule.need_replication_factors)
+  for i, (v, value_dims) in enumerate(zip(values, dims)):
+    spec = None if v.spec is None else tuple(v.spec) + (None,) * (
+        len(v.shape) - len(v.spec))
+    if spec is not None and any(
+        e is not None and needed.intersection(factors)
+        for factors, e in zip(value_dims, spec)):
+      values[i] = v._replace(hlo=None, spec=tuple(
+          None if needed.intersection(factors) else e
+          for factors, e in zip(value_dims, spec)))
+  return values[:len(operands)], values[len(operands):]
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
@@ -2092,6 +2149,288 @@ def _padded(values: list, mesh) -> bool:
   """Whether a value is sharded unevenly (XLA pads the last shards)."""
   return any(size % _shard_count(entry, mesh)
              for v in values for size, entry in zip(v.shape, v.spec or ()))
+
+
+# --------------------------------------------------------------------------
+# I.6 Partitioning at lowering (Shardy)
+#
+# XLA's TPU compiler never calls a Python partitioner (libtpu lacks PJRT's
+# custom-partitioner extension, jax#38196), so under Shardy the op is
+# partitioned before XLA sees it, on every backend. jax has no hook after a
+# module is lowered, so ``lower_jaxpr_to_module`` is wrapped (``_lower``):
+# a module holding ops is lowered once with each op a custom call carrying
+# its rule and its index in lowering order, Shardy's own propagation runs
+# on that module in-process (``_propagated``) and places each op's
+# operands and results as XLA's compile would; then the module is lowered
+# again with each op asked ``partition`` on those placements and emitted
+# as pad -> ``jax.shard_map`` of its per-shard program -> slice: a manual
+# computation over every mesh axis, at whose boundary Shardy reshards to
+# what ``partition`` returned. No custom call, and no Python while XLA
+# compiles.
+# --------------------------------------------------------------------------
+
+# Off: XLA's partition callback, as upstream, except on TPU (which has none).
+_PARTITION_AT_LOWERING = os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING",
+                                        "1") != "0"
+
+_TPU_ADVICE = (
+    "XLA's TPU compiler cannot call a Python partitioner (jax#38196); this "
+    "module partitions at lowering instead, which needs Shardy "
+    "(jax.config.update('jax_use_shardy_partitioner', True)), the op outside "
+    "any partly manual jax.shard_map, and a mesh (NamedSharding operands, "
+    "jax.set_mesh or `with mesh:`)")
+
+
+class _Pass:
+  """One lowering of a module: the first (``decided`` None) tags the ops
+  and keeps their rules; the second finds each op's placements and rule by
+  its index in lowering order, and shares one ``_Op`` (and its answers)
+  among equal ops (``ops``)."""
+  def __init__(self, decided: dict | None = None, rules: list | None = None):
+    self.decided = decided
+    self.rules = [] if rules is None else rules
+    self.ops: dict = {}
+    self.count = 0
+
+
+_passes = threading.local()
+
+
+def _current_pass() -> _Pass | None:
+  stack = getattr(_passes, "stack", None)
+  return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def _in_pass(lowering: _Pass):
+  stack = _passes.__dict__.setdefault("stack", [])
+  stack.append(lowering)
+  try:
+    yield lowering
+  finally:
+    stack.pop()
+
+
+def _at_lowering(place: _Placement, platforms) -> str | None:
+  """Why the op cannot be partitioned at lowering, or None if it can."""
+  if not _SHARDY.value:
+    return "GSPMD partitions the program"
+  if place.auto is not None:
+    return "it sits inside a partly manual jax.shard_map"
+  if place.mesh.empty or place.devices is None:
+    return "its mesh is unknown"
+  if _current_pass() is None:
+    return "it is lowered outside jax's lowering of a module"
+  if not (_PARTITION_AT_LOWERING or "tpu" in platforms):
+    return "partitioning at lowering is off on this platform"
+  return None
+
+
+def _lower(*args, **kwargs):
+  """jax's ``lower_jaxpr_to_module``, lowering twice where the module holds
+  ops partitioned at lowering (its result otherwise unchanged)."""
+  with _in_pass(_Pass()) as first:
+    lowered = _lower_jaxpr_to_module(*args, **kwargs)
+  if not first.count:
+    return lowered
+  with _in_pass(_Pass(_propagated(lowered.module), first.rules)):
+    return _lower_jaxpr_to_module(*args, **kwargs)
+
+
+def _tagged_call(ctx, call, values, rule_attr, index: int):
+  """The first pass's op: a custom call Shardy's propagation places."""
+  return _jax.custom_call(
+      _TARGET, result_types=_ir_types(ctx, call.out_avals),
+      operands=list(values), backend_config=f"{_AT_LOWERING_TAG}{index}",
+      extra_attributes=rule_attr).results
+
+
+_AT_LOWERING_TAG = f"{_TARGET}:at-lowering:"
+
+
+def _propagated(module) -> dict:
+  """``{index: (operand specs, result specs)}``: each tagged op's
+  placements after Shardy's propagation of a copy of ``module``."""
+  with module.context:
+    copy = _jax.ir.Module.parse(_jax.module_to_bytecode(module))
+    _jax.passmanager.PassManager.parse(
+        "builtin.module(sdy-propagation-pipeline)").run(copy.operation)
+    decided: dict = {}
+    for op in _operations(copy.operation):
+      if op.name != "stablehlo.custom_call" or "backend_config" not in (
+          op.attributes):
+        continue
+      config = str(op.attributes["backend_config"]).strip('"')
+      if not config.startswith(_AT_LOWERING_TAG):
+        continue
+      index = int(config[len(_AT_LOWERING_TAG):])
+      # A function Shardy copied for several callers: the first one's.
+      decided.setdefault(index, (
+          [_value_specs(v) for v in op.operands],
+          _placements_of(op, "sdy.sharding", len(op.results))))
+  return decided
+
+
+def _operations(op):
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        yield inner.operation
+        yield from _operations(inner.operation)
+
+
+def _placements_of(op, name: str, count: int) -> list:
+  """The placements ``op``'s attribute ``name`` gives its ``count`` values
+  (None: unplaced, i.e. replicated)."""
+  if name not in op.attributes:
+    return [None] * count
+  found = _SDY_SHARDING.findall(str(op.attributes[name]))
+  return [_spec_from_sdy(*m) for m in found] if len(found) == count else (
+      [None] * count)
+
+
+# A TensorShardingAttr as Shardy prints it: <@mesh, [{"x"}, {}], ...>.
+_SDY_SHARDING = re.compile(r"<@[\w.$-]+\s*,\s*\[([^\]]*)\]([^>]*)>")
+
+
+def _spec_from_sdy(dims: str, _rest: str) -> tuple | None:
+  """PartitionSpec entries of one printed sharding; a dimension over a
+  sub-axis (which no PartitionSpec names) is left unsharded."""
+  spec = []
+  for dim in re.findall(r"\{([^}]*)\}", dims):
+    axes = [a.strip() for a in dim.split(",") if a.strip() not in ("", "?")]
+    if any(not (a.startswith('"') and a.endswith('"')) for a in axes):
+      spec.append(None)
+      continue
+    axes = [a.strip('"') for a in axes]
+    spec.append(None if not axes else axes[0] if len(axes) == 1
+                else tuple(axes))
+  return tuple(spec)
+
+
+def _value_specs(value) -> tuple | None:
+  """The placement of an operand: its producer's, its function's argument
+  attribute, or its while loop's (None: unknown, taken as replicated)."""
+  if _ir_is(value, _jax.ir.OpResult):
+    result = _jax.ir.OpResult(value)
+    owner = result.owner.operation
+    # Shardy's own ops name their results' shardings otherwise.
+    name = {"sdy.sharding_constraint": "sharding", "sdy.reshard": "sharding",
+            "sdy.manual_computation": "out_shardings"}.get(owner.name,
+                                                           "sdy.sharding")
+    return _placements_of(owner, name, len(owner.results))[
+        result.result_number]
+  arg = _jax.ir.BlockArgument(value)
+  parent = arg.owner.owner
+  if parent is None:
+    return None
+  parent = parent.operation
+  if parent.name == "func.func" and "arg_attrs" in parent.attributes:
+    attrs = _jax.ir.ArrayAttr(parent.attributes["arg_attrs"])[arg.arg_number]
+    attrs = _jax.ir.DictAttr(attrs)
+    if "sdy.sharding" in attrs:
+      found = _SDY_SHARDING.findall(str(attrs["sdy.sharding"]))
+      return _spec_from_sdy(*found[0]) if len(found) == 1 else None
+  if parent.name == "stablehlo.while":
+    return _placements_of(parent, "sdy.sharding", len(parent.results))[
+        arg.arg_number]
+  return None
+
+
+def _ir_is(value, kind) -> bool:
+  # MLIR's bindings in jaxlib 0.10 dropped ``Kind.isinstance`` for Python's.
+  check = getattr(kind, "isinstance", None)
+  return check(value) if check is not None else isinstance(value, kind)
+
+
+def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
+                    index: int):
+  """The op as a manual computation of its per-shard program, placed as
+  the first pass's propagation decided (unplaced: replicated)."""
+  # Equal ops of one lowering share their answers (as _register's keys).
+  op = lowering.ops.setdefault(
+      (_params_key(params), op.platforms, op.backend), op)
+  decided = lowering.decided.get(index)
+  operand_specs, result_specs = decided or ([None] * len(values),
+                                            [None] * len(ctx.avals_out))
+  operands, results = ([
+      _Value(tuple(a.shape), np.dtype(a.dtype), _decided_spec(spec, a, op.mesh))
+      for a, spec in zip(avals, specs)]
+      for avals, specs in ((ctx.avals_in, operand_specs),
+                           (ctx.avals_out, result_specs)))
+  request = ("manual", tuple(v.spec for v in operands),
+             tuple(v.spec for v in results))
+  program = op.lowered.get(request)
+  if program is None:
+    with _config_entered(op.config):
+      shard = _shard_of(op, operands, results, op.mesh)
+    program = _manual_program(op, shard)
+    op.lowered.put(request, program)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
+           asked=_logged(operands, results))
+  # Traced on unsharded types: on Explicit axes the operands' types may
+  # differ from what partition asked for (the manual computation reshards).
+  with _no_ambient_mesh():
+    unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
+                                      for a in ctx.avals_in])
+    return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+
+
+def _decided_spec(spec, aval, mesh) -> tuple:
+  """``spec`` (one entry per dimension), axes the mesh lacks dropped."""
+  spec = tuple(spec or ()) + (None,) * (len(aval.shape) - len(spec or ()))
+  def entry_of(entry):
+    axes = [a for a in _entry_axes(entry) if a in mesh.shape]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  return tuple(map(entry_of, spec[:len(aval.shape)]))
+
+
+def _manual_program(op: _Op, shard: _Answer) -> Callable:
+  """The jitted pad -> ``shard_map`` of ``shard``'s per-shard program ->
+  slice (XLA pads uneven shards on the callback path; here jax does)."""
+  mesh, on = shard.mesh, shard.on
+  for what, side in (("operand", shard.args), ("result", shard.results)):
+    for i, v in enumerate(side):
+      if v.spec is None:
+        raise NotImplementedError(
+            f"partition of {op.name} returned a sharding for {what} {i} "
+            f"that has no PartitionSpec on the mesh {dict(mesh.shape)}, "
+            "which partitioning at lowering needs.")
+  padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
+      _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
+      for v in side] for side in (shard.args, shard.results)]
+  if any(t != jax.sharding.AxisType.Auto for t in _axis_types(mesh) or ()):
+    # Operands traced unsharded: on Explicit axes shard_map would refuse.
+    mesh = _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=(
+        jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  spec = jax.sharding.PartitionSpec
+  mapped = _shard_map(_jax.jaxpr_as_fun(shard.jaxpr), mesh,
+                      tuple(spec(*v.spec) for v in shard.args),
+                      [spec(*v.spec) for v in shard.results])
+
+  def program(*xs):
+    xs = [x if x.shape == shape else jax.numpy.pad(
+        x, [(0, p - s) for s, p in zip(x.shape, shape)])
+        for x, shape in zip(xs, padded[0])]
+    return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
+            for y, v in zip(mapped(*xs), shard.results)]
+  program.__name__ = op.name if op.name.isidentifier() else "op"
+  return jax.jit(program)
+
+
+def _shard_map(fun, mesh, in_specs, out_specs):
+  """``jax.shard_map`` unchecked (the per-shard checks ran already)."""
+  # jax 0.6.0 made shard_map public, its check_rep renamed check_vma.
+  if _JAX_VERSION >= (0, 6, 0):
+    return jax.shard_map(fun, mesh=mesh, in_specs=in_specs,
+                         out_specs=out_specs, check_vma=False)
+  return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=False)
+
+
+_lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
+_jax.mlir.lower_jaxpr_to_module = functools.wraps(_lower_jaxpr_to_module)(
+    _lower)
 
 
 # ==========================================================================
@@ -2392,15 +2731,18 @@ def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
 def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
   """Runs (traces) the program, or its untyped twin where shard_map's types
   refuse what the module's check proved (an unmarked loop carry a collective
-  makes varying: TypeError; a result made equal by all_gather: ValueError)."""
+  makes varying: TypeError; a result made equal by all_gather: ValueError),
+  or where neither can decide (a Pallas kernel whose out_shape has no
+  varying axes; its results unfollowed by the check), as upstream runs it."""
   prefix = (f"custom_partitioning op {user_op._name}, run as jax.shard_map "
             "of its lower_fn under Explicit mesh axes: ")
   try:
     with _naming(prefix, _shard_map_advice):
       return program.run(*flat.leaves)
   except (TypeError, ValueError) as e:
+    # shard_map's "out_specs" refusal proves a replicated result varies.
     if (program.untyped is None or type(e) not in (TypeError, ValueError)
-        or not program.proven):
+        or not program.proven and "out_specs" in str(e)):
       raise
     why = e.__cause__ or e
   with _naming(prefix):
@@ -3673,6 +4015,7 @@ _log = logging.getLogger(__name__)
 _CUSTOM_CALL = "custom call"
 _SHARD_MAP = "shard_map under Explicit axes"
 _FUN = "fun"
+_AT_LOWERING_PATH = "manual computation at lowering, Shardy"
 
 
 def _debug(name: str, question: str, *, path: str, mesh, asked: str = "",

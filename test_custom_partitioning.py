@@ -251,6 +251,29 @@ def both_partitioners(cls):
 # Shared helpers: test data, the base class, small ops, reading HLO
 # --------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def callback_path():
+  """Shardy's ops take XLA's partition callback, here and in children."""
+  old = cp._PARTITION_AT_LOWERING, os.environ.get(
+      "CUSTOM_PARTITIONING_AT_LOWERING")
+  cp._PARTITION_AT_LOWERING = False
+  os.environ["CUSTOM_PARTITIONING_AT_LOWERING"] = "0"
+  try:
+    yield
+  finally:
+    cp._PARTITION_AT_LOWERING = old[0]
+    if old[1] is None:
+      del os.environ["CUSTOM_PARTITIONING_AT_LOWERING"]
+    else:
+      os.environ["CUSTOM_PARTITIONING_AT_LOWERING"] = old[1]
+
+
+def callbacks(test):
+  """Marks a test (method) of the custom call itself: see CPTestCase."""
+  test.callbacks = True
+  return test
+
+
 def _data(shape, dtype=np.float32):
   """Small deterministic non-trivial test data."""
   n = int(np.prod(shape))
@@ -261,6 +284,10 @@ class CPTestCase(unittest.TestCase):
   """Base: sets the partitioner for each test; small helpers."""
 
   shardy = None  # None: leave the process default alone
+  # True: Shardy's ops take XLA's partition callback (the module's
+  # CUSTOM_PARTITIONING_AT_LOWERING=0), as GSPMD's do, not the manual
+  # computation at lowering; for tests of the custom call itself.
+  callbacks = False
 
   def setUp(self):
     super().setUp()
@@ -268,6 +295,16 @@ class CPTestCase(unittest.TestCase):
       old = jax.config.jax_use_shardy_partitioner
       jax.config.update("jax_use_shardy_partitioner", self.shardy)
       self.addCleanup(jax.config.update, "jax_use_shardy_partitioner", old)
+    if self.callbacks or getattr(getattr(self, self._testMethodName),
+                                 "callbacks", False):
+      self.enterContext(callback_path())
+
+  @property
+  def at_lowering(self):
+    """Whether the test's ops are partitioned at lowering (Shardy's
+    default), else by XLA's partition callback."""
+    return bool(jax.config.jax_use_shardy_partitioner and
+                cp._PARTITION_AT_LOWERING)
 
   @staticmethod
   def mesh(shape=(8,), names=("x",)):
@@ -297,6 +334,15 @@ class CPTestCase(unittest.TestCase):
       self.assertIn(name, text, f"expected {name} in the compiled HLO")
     for name in absent:
       self.assertNotIn(name, text, f"unexpected {name} in the compiled HLO")
+
+  def assertOpLowered(self, text):
+    """The op, off the shard_map path, in lowered text: XLA's custom call,
+    or (Shardy's default) a manual computation partitioned at lowering."""
+    if self.at_lowering:
+      self.assertNotIn("CustomSPMDPartitioning", text)
+      self.assertIn("sdy.manual_computation", text)
+    else:
+      self.assertIn("CustomSPMDPartitioning", text)
 
   def assertRaisesNaming(self, exc_type, fragments, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc_type`` with every one of
@@ -693,7 +739,7 @@ class FrontendTest(CPTestCase):
       wys.append(want.sum())
     np.testing.assert_allclose(c, want, rtol=1e-6)
     np.testing.assert_allclose(ys, wys, rtol=1e-5)
-    self.assertIn("CustomSPMDPartitioning", jax.jit(f).lower(self.x).as_text())
+    self.assertOpLowered(jax.jit(f).lower(self.x).as_text())
 
   def test_while_loop_body(self):
     op = elementwise_op(body=lambda x: x * 0.5 + 1.0)
@@ -1252,6 +1298,7 @@ class StaticKeyTest(CPTestCase):
           for out, n in zip(outs, (a, b)):
             self.assertLikeJax(out, body, xh, n)
 
+  @callbacks
   def test_content_keys(self):
     """With jax's persistent compilation cache on, a custom call's key
     names its op by content, static arguments by type and bits: unlike ones
@@ -2116,6 +2163,7 @@ del RuleDrivenShardingTest
 class ShardyRuleTest(CPTestCase):
   shardy = True
 
+  @callbacks
   def test_elementwise_no_collectives_and_attr(self):
     op = elementwise_op(rule="... i -> ... i")
     mesh = _mesh2x4()
@@ -2145,6 +2193,7 @@ class ShardyRuleTest(CPTestCase):
       self.assertEqual(texts[0], texts[1])
     return texts[0][0]
 
+  @callbacks
   def test_lowered_attrs_match_upstream(self):
     mesh = _mesh2x4()
     x = jax.device_put(np.ones((8, 12), np.float32),
@@ -2177,6 +2226,7 @@ class ShardyRuleTest(CPTestCase):
           continue
         self._attr_like_upstream(make, body, args)
 
+  @callbacks
   def test_reduction_factor_all_reduce(self):
     mesh = self.mesh((8,), ("x",))
     body = lambda x, y: x @ y
@@ -2215,6 +2265,7 @@ class ShardyRuleTest(CPTestCase):
                      ["#sdy.op_sharding_rule<([i, j], [j, k])->([i, k]) "
                       f"{{i=4, j=64, k=3}} reduction={{j}}{CUSTOM}>"])
 
+  @callbacks
   def test_need_replication_all_gather(self):
     mesh = self.mesh((8,), ("x",))
     body = lambda x: jnp.cumsum(x, axis=1)
@@ -2238,6 +2289,7 @@ class ShardyRuleTest(CPTestCase):
                      ["#sdy.op_sharding_rule<([i, j])->([i, j]) "
                       f"{{i=8, j=64}} need_replication={{j}}{CUSTOM}>"])
 
+  @callbacks
   def test_callable_rule_gets_static_mesh_and_types(self):
     mesh = _mesh2x4()
     calls = []
@@ -2296,6 +2348,7 @@ class ShardyRuleTest(CPTestCase):
                      ["#sdy.op_sharding_rule<([i, j, k])->([j, k]) "
                       f"{{i=4, j=8, k=6}}{CUSTOM}>"])
 
+  @callbacks
   def test_callable_rule_returning_str_and_kwargs(self):
     mesh = self.mesh((8,), ("x",))
     body = lambda x: jnp.sin(x)
@@ -2395,6 +2448,7 @@ class HugeFactorTest(CPTestCase):
     lowered = jax.jit(f).lower(arg)
     return lowered.as_text(), lowered.compile().as_text()
 
+  @callbacks
   def test_dimension_above_int32_is_partitioned(self):
     op, seen = self.op_and_seen()
     lowered, compiled = self.compile_sharded(op, (self.BIG,), P("x"))
@@ -3053,7 +3107,8 @@ class GspmdEraOpsTest(CPTestCase):
       # places the result by propagation (README, "GSPMD-era ops under
       # Shardy"), and XLA reshards partition's result to it.
       self.assertEqual(_spec(out.sharding, 2),
-                       (None, None) if self.shardy else ("x", None))
+                       (None, None) if self.shardy and not self.at_lowering
+                       else ("x", None))
       self.assertEqual(rules, [rule] if self.shardy else [])
 
   def test_more_factors_than_letters(self):
@@ -4836,7 +4891,7 @@ class SizeOneAxisTest(CPTestCase):
         jitted = jax.jit(jax.vmap(op))
         np.testing.assert_allclose(
             jitted(xb), np.sin(np.stack([self.xh, -self.xh])) * 2, rtol=1e-5)
-        self.assertIn("CustomSPMDPartitioning", jitted.lower(xb).as_text())
+        self.assertOpLowered(jitted.lower(xb).as_text())
 
   def test_explicit_path_bool_result_over_a_size_1_axis(self):
     """A bool result varying over the size-1 axis (axis_index) is made
@@ -5190,6 +5245,7 @@ class DerivedOpsTest(CPTestCase):
     np.testing.assert_allclose(f(self.put(xh, "y", None, None)),
                                xh.sum(axis=1), rtol=1e-5)
 
+  @callbacks
   def test_vmap_adds_a_factor_to_the_rule(self):
     if not self.shardy:
       self.skipTest("the sdy.sharding_rule attribute is Shardy's")
@@ -7334,6 +7390,7 @@ class DebugLogTest(CPTestCase):
     with self.assertNoLogs(cp._log, "INFO"):
       jax.jit(op)(x)
 
+  @callbacks
   def test_partition_records_name_the_op_specs_path_and_cache(self):
     def twice(x):
       return x * 2.0 - 0.125
@@ -7362,6 +7419,7 @@ class DebugLogTest(CPTestCase):
     self.assertEqual(record.custom_partitioning["path"], "fun")
     self.assertEqual(record.custom_partitioning["mesh"], {})
 
+  @callbacks
   def test_records_say_who_answered_what(self):
     """partition (the author's) replicates x that arrives on 'x', so what
     it was asked and what it answered differ; two equal ops, so XLA asks
@@ -7485,6 +7543,7 @@ class CoexistenceTest(CPTestCase):
         infer_sharding_from_operands=lambda m, a, r: a[0].sharding, **rule)
     return op
 
+  @callbacks
   def test_three_implementations_in_one_jit(self):
     upstream = _up_cp
     cp2 = _copy2()
@@ -7643,6 +7702,7 @@ class ReuseTest(CPTestCase):
     self.assertEqual(len(calls), len(cases), calls)
     self.assertEqual(len(set(calls)), len(cases))
 
+  @callbacks
   def test_result_sharding_alone_lowers_anew(self):
     """Two calls whose requests differ only in the result sharding XLA
     asks for: each gets its own per-shard module."""
@@ -7682,6 +7742,7 @@ class ReuseTest(CPTestCase):
     np.testing.assert_allclose(b, 2 * xh, rtol=1e-6)
     self.assertEqual(sorted(calls, key=str), [("x", None), (None, "x")])
 
+  @callbacks
   def test_equal_keys_across_ops_only_for_equal_content(self):
     """Two separately built but identical ops share one registry key."""
     keys = set()
@@ -7696,6 +7757,7 @@ class ReuseTest(CPTestCase):
       keys.update(_custom_call_keys(lowered[-1].as_text()))
     self.assertEqual(len(keys), 2, keys)
 
+  @callbacks
   def test_without_the_persistent_cache_keys_name_one_lowerings_ops(self):
     """Equal ops in one lowering share one key; another lowering of the
     same program asks anew, under keys of its own."""
@@ -7856,6 +7918,7 @@ class BigArrayKeyTest(CPTestCase):
     self.assertEqual(len(calls), 2)
     np.testing.assert_allclose(first(self.x), self.xh + 4.0, rtol=1e-6)
 
+  @callbacks
   def test_big_array_keys_one_lowering_small_array_any(self):
     for nbytes, same in ((cp._MAX_HASHED_BYTES, True),
                          (cp._MAX_HASHED_BYTES + 4, False)):
@@ -7962,6 +8025,7 @@ class KeySafetyTest(CPTestCase):
     np.testing.assert_allclose(first, self.xh, rtol=1e-6)
     np.testing.assert_allclose(second, self.xh + 100.0, rtol=1e-6)
 
+  @callbacks
   def test_opaque_values_are_scoped_to_one_lowering(self):
     holder = _Opaque(0.0)
 
@@ -8274,6 +8338,7 @@ class DropInTest(CPTestCase):
     self.flip_and_check(lambda: batched(xb),
                         lambda t: want.transpose(0, 2, 1) if t else 2 * want)
 
+  @callbacks
   def test_persistent_cache_key_follows_a_switch_read_by_lower_fn(self):
     """The switch only picks between two equal ``lower_fn``s: the body's
     trace does not change, the custom call's key must."""
@@ -8544,6 +8609,7 @@ class ThreadsTest(CPTestCase):
     self.assertEqual(errors, {})
     return results
 
+  @callbacks
   def test_different_programs_concurrently(self):
     mesh = self.mesh()
     s = NamedSharding(mesh, P("x"))
@@ -8866,6 +8932,7 @@ class PersistentCacheTest(CPTestCase):
     self.assertEqual(third["hits"], 0, "a changed lower_fn hit the cache")
     self.assertFalse(first["custom_call"], "the op kept the custom call")
 
+  @callbacks
   def test_changed_program_misses(self):
     # All runs share one cache directory: its path is part of jax's cache key
     # (through the compile options), so a copy elsewhere would always miss.
@@ -8947,8 +9014,18 @@ class ExportTest(CPTestCase):
     self.s = NamedSharding(self.mesh(), P("x"))
     self.x = jax.device_put(np.ones((16, 4), np.float32), self.s)
 
-  def assertExportError(self, fn):
+  def assertExportError(self, fn, want=None):
+    """Under GSPMD (or the callback path) export is refused by name; at
+    lowering (Shardy) the exported program holds no custom call, and
+    runs, deserialized, to ``want``."""
     jitted = jax.jit(fn, in_shardings=self.s, out_shardings=self.s)
+    if self.at_lowering:
+      # (serialize() needs flatbuffers, which jax does not install)
+      exported = jax.export.export(jitted)(self.x)
+      self.assertNotIn("CustomSPMDPartitioning", exported.mlir_module())
+      self.assertIn("sdy.manual_computation", exported.mlir_module())
+      np.testing.assert_allclose(exported.call(self.x), want, rtol=1e-6)
+      return None
     with self.assertRaises(Exception) as cm:
       jax.export.export(jitted)(self.x)
     message = str(cm.exception)
@@ -8958,16 +9035,21 @@ class ExportTest(CPTestCase):
     self.assertNotIn("host_callback", message.lower())
     return cm.exception
 
-  def test_export_of_the_op_raises(self):
-    self.assertExportError(elementwise_op())
+  def test_export_of_the_op(self):
+    self.assertExportError(elementwise_op(), np.sin(1.0) * 2.0)
 
-  def test_export_of_a_program_containing_the_op_raises(self):
+  def test_export_of_a_program_containing_the_op(self):
     op = elementwise_op()
-    self.assertExportError(lambda x: jnp.cos(op(x) + 1.0) * 3.0)
+    self.assertExportError(lambda x: jnp.cos(op(x) + 1.0) * 3.0,
+                           np.cos(np.sin(1.0) * 2.0 + 1.0) * 3.0)
+
+  @callbacks
+  def test_export_under_the_callback_path_raises(self):
+    self.assertExportError(elementwise_op())
 
   def test_export_then_normal_use_works(self):
     op = elementwise_op()
-    self.assertExportError(op)
+    self.assertExportError(op, np.sin(1.0) * 2.0)
     out = jax.jit(op, in_shardings=self.s, out_shardings=self.s)(self.x)
     np.testing.assert_allclose(out, np.sin(1.0) * 2.0, rtol=1e-6)
 
@@ -9088,7 +9170,7 @@ class ExplicitPathTest(CPTestCase):
         f = jax.jit(op)
         np.testing.assert_allclose(
             f(x), np.sin(xh) * other.shape[first], rtol=1e-6)
-        self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
+        self.assertOpLowered(f.lower(x).as_text())
 
   def test_an_inferred_sharding_without_a_spec_leaves_typing_to_partition(
       self):
@@ -9221,7 +9303,7 @@ class ExplicitPathTest(CPTestCase):
     xs = jax.device_put(np.stack([self.xh] * 8), self.rows)
     v = jax.jit(jax.vmap(op))
     np.testing.assert_allclose(v(xs), jax.vmap(body)(xs), rtol=1e-5)
-    self.assertIn("CustomSPMDPartitioning", v.lower(xs).as_text())
+    self.assertOpLowered(v.lower(xs).as_text())
     self.assertCollectives(self.hlo(v, xs), absent=_GATHERS)
 
   def test_callbacks_see_the_real_mesh_and_jax_types(self):
@@ -9386,7 +9468,7 @@ class ExplicitPathTest(CPTestCase):
     a = jax.jit(jax.sharding.auto_axes(op, out_sharding=P("x", None)))
     out = a(self.x)
     np.testing.assert_allclose(out, body(self.xh), rtol=1e-5)
-    self.assertIn("CustomSPMDPartitioning", a.lower(self.x).as_text())
+    self.assertOpLowered(a.lower(self.x).as_text())
 
   def test_mixed_mesh_keeps_the_custom_call(self):
     types = jax.sharding.AxisType
@@ -9398,7 +9480,7 @@ class ExplicitPathTest(CPTestCase):
       x = jax.device_put(self.xh, NamedSharding(m, P("x", None)))
       f = jax.jit(op)
       np.testing.assert_allclose(f(x), body(self.xh), rtol=1e-5)
-      self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
+      self.assertOpLowered(f.lower(x).as_text())
 
   def test_different_meshes_of_one_shape(self):
     """The cache keys on the concrete mesh: partition and lower_fn get the
@@ -9573,17 +9655,23 @@ class ExplicitPathTest(CPTestCase):
                               "pcast"]:
           self.assertNotIn(word, str(e))
 
-  def test_untypable_body_off_the_explicit_path_names_the_op(self):
-    """On a mixed mesh the op keeps the custom call, which needs jax's
-    typing of fun: the error names the op and the way out."""
+  def test_untypable_body_off_the_explicit_path_runs(self):
+    """On a mixed mesh the op is partitioned off the shard_map path, where
+    no device runs fun: a body jax cannot type (q @ k.T, both rows over
+    "x") is traced without shardings (as upstream), not refused."""
     mixed = jax.make_mesh((4, 2), ("x", "y"), axis_types=(
         jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto))
     rows = NamedSharding(mixed, P("x", None))
-    q, k = (jax.device_put(_data((64, 16)), rows) for _ in range(2))
-    with jax.set_mesh(mixed), self.assertRaises(cp._ShardingTypeError) as cm:
-      jax.jit(_attention_op())(q, k)
-    self.assertIn("custom_partitioning function", str(cm.exception))
-    self.assertIn("jax.set_mesh", str(cm.exception))
+    qh, kh = _data((64, 16)), _data((64, 16)) * 0.5
+    q, k = jax.device_put(qh, rows), jax.device_put(kh, rows)
+    op = _attention_op()
+    with jax.set_mesh(mixed):
+      with self.assertRaises(cp._ShardingTypeError):  # jax cannot type it
+        jax.jit(op.fun)(q, k)
+      f = jax.jit(op)
+      np.testing.assert_allclose(f(q, k), op.fun(qh, kh), rtol=1e-5,
+                                 atol=1e-5)
+      self.assertOpLowered(f.lower(q, k).as_text())
 
   def test_check_vma_false_reaches_shard_map(self):
     op = _reducing_op(lambda x: jnp.sum(x, 0), check_vma=False)
@@ -9603,7 +9691,7 @@ class ExplicitPathTest(CPTestCase):
                      sharding_rule="i j -> i j")
     f = jax.jit(op)
     np.testing.assert_allclose(f(x), body(xh), rtol=1e-5)
-    self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
+    self.assertOpLowered(f.lower(x).as_text())
     q = jax.device_put(_data((10, 16)), NamedSharding(self.m, P()))
     k = jax.device_put(_data((16, 16)), self.rows)
     self.assertRaisesNaming(  # 10 rows of q over 8 devices
@@ -10452,6 +10540,7 @@ class CheckPartitioningTest(CPTestCase):
     self.assertEqual(report.checked, 3)  # P(), either dimension padded
     self.assertIn("results and gradients equal", str(report))
 
+  @callbacks
   def test_cotangents_sharded_otherwise_than_their_results(self):
     # In a real program: x replicated, its result's cotangent sharded.
     scaled = _scale_trusting_the_cotangent()
@@ -10504,14 +10593,16 @@ class CheckPartitioningTest(CPTestCase):
     # Ops: 1 / x with x holding +0 and -0. A lower_fn that makes every
     # zero +0 (sign lost) or clips the infs is caught (on the mesh, P()
     # runs it too); the right one passes.
-    x = _data((8, 4))
+    # Even shapes: XLA reshards uneven ones through sums, which lose the
+    # sign of a zero, in plain jax as here (README, "Accelerators").
+    x = _data((8, 8))
     x[1, 2], x[5, 1] = 0.0, -0.0
 
     def reciprocal(x):
       return 1 / x
     right = _same_sharding_op(reciprocal)
     report = cp.check_partitioning(right, x, meshes=_mesh1d())
-    self.assertEqual(report.checked, 3 if cp._returns_padded() else 2)
+    self.assertEqual(report.checked, 3)
     rows = jax.device_put(x, NamedSharding(_mesh1d(), P("x")))
     want = np.asarray(jax.jit(reciprocal)(x))
     self.assertEqual((want[1, 2], want[5, 1]), (np.inf, -np.inf))

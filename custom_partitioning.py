@@ -1076,7 +1076,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
   elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
-    rule_attr = _derived_rule_attr(params, place, steps, name)
+    rule_attr = _derived_rule_attr(params, place, steps, name,
+                                   lowering is not None)
   # Inside a partly manual shard_map: the manual axes each value varies on.
   varying = ((), ()) if place.auto is None else tuple(
       tuple(_varying_axes(a) for a in avals)
@@ -1084,7 +1085,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   # jax 0.5.0 renamed the module context's backend_or_name backend.
   op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
               backend=mc.backend if _JAX_VERSION >= (0, 5, 0)
-              else mc.backend_or_name, config=_config_values())
+              else mc.backend_or_name, config=_config_values(),
+              at_lowering=lowering is not None)
   # Shardy's verifier refuses a rule on an op without operands (where it
   # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
@@ -1429,6 +1431,8 @@ class _Op:
   # op's key (shapes, dtypes, shardings).
   lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
   mesh: Any = None  # place.mesh, what the callbacks see
+  # Partitioned at lowering (I.6), not by XLA's callbacks.
+  at_lowering: bool = dataclasses.field(default=False, metadata=_STATE)
 
 
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
@@ -1700,6 +1704,14 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
     handed = False
     if on == op.place.auto:  # seam: a partly manual shard_map (II.2)
       handed = _handed_back(op, sharding)
+    elif (callback != "partition" and isinstance(
+        sharding, jax.sharding.NamedSharding) and not on.empty and (
+            sharding.mesh.axis_names != on.axis_names or
+            sharding.mesh.devices.shape != on.devices.shape)):
+      raise _ForeignMesh(
+          f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
+          f"mesh, which it was given, is {dict(on.shape)}: return shardings "
+          "on the mesh passed to it.")
     if not handed and sharding.device_set != set(op.place.devices):
       raise ValueError(
           f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
@@ -1719,6 +1731,10 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
           "shardings must have one.")
     out.append(v._replace(spec=spec, hlo=hlo))
   return out
+
+
+class _ForeignMesh(ValueError):
+  """A callback answered on a mesh other than the one it was given."""
 
 
 def _hlo_of(v: _Value, on) -> _jax.HloSharding:
@@ -1848,7 +1864,9 @@ def _partition(op: _Op, operands: list, results: list, on):
   closed = _trace_lower_fn(op, answer)
   if op.check_vma:  # seam: per-shard checks (II.1)
     _check_per_shard(op, answer, operands + results, closed)
-  if _calls_host(closed):
+  # At lowering the per-shard code joins the program, callbacks and all
+  # (jax 0.5.0 made host callbacks lower under Shardy).
+  if (not op.at_lowering or _JAX_VERSION < (0, 5, 0)) and _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
 
@@ -1957,11 +1975,19 @@ def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
   lower_fn, on = answer.lower_fn, answer.on
   local_args = [_local_struct(v, on) for v in answer.args]
   local_results = [_local_struct(v, on) for v in answer.results]
+  args = op.in_tree.unflatten(local_args)
+  try:
+    inspect.signature(lower_fn).bind(*args)
+  except TypeError as e:
+    raise TypeError(f"lower_fn of {op.name} cannot take the op's {len(args)} "
+                    f"operand(s): {e}.") from None
+  except ValueError:  # no signature to read (a builtin): let the call tell
+    pass
   try:
     with _manual_scope(answer.mesh):
       closed, out_shape = jax.make_jaxpr(
           lower_fn, axis_env=list(answer.mesh.shape.items()),
-          return_shape=True)(*op.in_tree.unflatten(local_args))
+          return_shape=True)(*args)
       if getattr(closed, "is_high", False):  # jax 0.11.2 added hijax
         closed = _lojax(closed, answer.mesh)
   except NameError as e:  # an unbound axis name
@@ -2378,10 +2404,11 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
 
 
 def _decided_spec(spec, aval, mesh) -> tuple:
-  """``spec`` (one entry per dimension), axes the mesh lacks dropped."""
+  """``spec`` (one entry per dimension) as the callbacks would be given it
+  (an HloSharding names no size-1 axis), axes the mesh lacks dropped."""
   spec = tuple(spec or ()) + (None,) * (len(aval.shape) - len(spec or ()))
   def entry_of(entry):
-    axes = [a for a in _entry_axes(entry) if a in mesh.shape]
+    axes = [a for a in _entry_axes(entry) if mesh.shape.get(a, 1) > 1]
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
   return tuple(map(entry_of, spec[:len(aval.shape)]))
 
@@ -2740,9 +2767,11 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
     with _naming(prefix, _shard_map_advice):
       return program.run(*flat.leaves)
   except (TypeError, ValueError) as e:
-    # shard_map's "out_specs" refusal proves a replicated result varies.
+    # shard_map's own refusals (a result it cannot prove replicated, a
+    # carry it types as varying) stand where the module's check proved
+    # nothing; anything else its types cannot decide runs untyped.
     if (program.untyped is None or type(e) not in (TypeError, ValueError)
-        or not program.proven and "out_specs" in str(e)):
+        or not program.proven and _shard_map_advice(e)):
       raise
     why = e.__cause__ or e
   with _naming(prefix):
@@ -3594,7 +3623,8 @@ _derived_rules = _LRU(256)
 _rules_seen = threading.local()  # ``found``: check_partitioning's list
 
 
-def _derived_rule_attr(params, place: _Placement, steps: tuple, name: str):
+def _derived_rule_attr(params, place: _Placement, steps: tuple, name: str,
+                       at_lowering: bool = False):
   """The Shardy rule attribute of an op with GSPMD callbacks and no rule,
   from its derived rule; None if it has neither infer nor propagate."""
   if (params["infer_sharding_from_operands"] is None and
@@ -3602,11 +3632,12 @@ def _derived_rule_attr(params, place: _Placement, steps: tuple, name: str):
     return None
   levels = _rule_levels(params["call"], steps)
   with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-    return _rule_attr(_derived_rule(params, place, levels[0]).rule, levels,
-                      False)
+    return _rule_attr(_derived_rule(params, place, levels[0],
+                                    at_lowering).rule, levels, False)
 
 
-def _derived_rule(params, place: _Placement, author: _Level) -> _Derived:
+def _derived_rule(params, place: _Placement, author: _Level,
+                  at_lowering: bool = False) -> _Derived:
   """The author's op's rule, derived from its infer (cached), logged."""
   static = params["static_args"]
   static_key = _key_of(getattr(static, "value", static))
@@ -3633,8 +3664,9 @@ def _derived_rule(params, place: _Placement, author: _Level) -> _Derived:
         "returns, which may gather them. Pass sharding_rule= to "
         "def_partition.", stacklevel=2)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug(name, "sharding_rule", path=_CUSTOM_CALL, mesh=place.mesh,
-           cached=hit, answered=repr(derived.text),
+    _debug(name, "sharding_rule", path=_AT_LOWERING_PATH if at_lowering
+           else _CUSTOM_CALL, mesh=place.mesh, cached=hit,
+           answered=repr(derived.text),
            by="a derivation from infer_sharding_from_operands",
            why="; ".join(filter(None, [derived.why, (
                "pass it as def_partition's sharding_rule to fix it")])))
@@ -3664,6 +3696,8 @@ def _derive(params, place: _Placement, author: _Level) -> _Derived:
   def ask(specs):  # results' specs (None: infer left them to XLA), or error
     try:
       inferred = _ask_infer(op, _with_specs(operands, specs), results)
+    except _ForeignMesh:  # the author's mistake, not an unsupported probe
+      raise
     except Exception as e:  # noqa: BLE001 - a probe infer does not support
       return e
     return None if inferred is None else [v.spec for v in inferred]
@@ -4051,8 +4085,8 @@ def _logged(operands=None, results=None) -> str:
 def _debug_partition(op: _Op, operands: list, results: list, answer,
                      path: str = _CUSTOM_CALL, why: str = "") -> None:
   """Records ``partition`` asked about the author's op (``answer``: _Answer)."""
-  _debug(op.name, "partition", path=path, mesh=op.mesh,
-         asked=_logged(operands, results),
+  _debug(op.name, "partition", path=_AT_LOWERING_PATH if op.at_lowering
+         else path, mesh=op.mesh, asked=_logged(operands, results),
          answered=_logged(answer.args, answer.results) if answer else "",
          by=("the sharding rule" if isinstance(op.partition, _FromRule)
              else "partition"), why=why)

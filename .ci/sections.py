@@ -3,6 +3,10 @@ lines, and checks that the copy left still works.
 
   python .ci/sections.py [--list] [--write SECTION DIR] [--check [SECTION...]]
 
+SECTION ``core`` names the minimal copy: every removable section deleted at
+once (``--write core DIR`` writes it; ``--check`` runs it last, skipping the
+union of the removed sections' tests).
+
 A removable section is each of Part II, and III.2 and III.3 (the tools);
 it is entered only from lines marked ``# seam: ... (<section>)``. Deleting
 it, mechanically, means:
@@ -166,6 +170,30 @@ def without(section: str, text: str) -> str:
     lines = _drop_seam(lines, seams[-1])
 
 
+def core(text: str) -> str:
+  """``text`` (the module) without every removable section: the minimal
+  copy."""
+  for section in reversed(removable(text.split("\n"))):
+    text = without(section, text)
+  # Imports only the removed sections used go too (ruff's F401 in a copy).
+  lines = text.split("\n")
+  for i in reversed(range(len(lines))):
+    m = re.fullmatch(r"import (\w+)", lines[i])
+    if m and not re.search(rf"\b{m.group(1)}\b", "\n".join(
+        lines[:i] + lines[i + 1:])):
+      del lines[i]
+  return "\n".join(lines)
+
+
+def copy_of(name: str, text: str) -> str:
+  return core(text) if name == "core" else without(name, text)
+
+
+def skips_of(name: str) -> list[str]:
+  return ([s for skips in SKIPS.values() for s in skips] if name == "core"
+          else SKIPS.get(name, []))
+
+
 def run_tests(skips: list[str]) -> int:
   """The core set, without tests whose id contains one of ``skips``."""
   import unittest
@@ -194,7 +222,7 @@ def check(names: list[str]) -> int:
   for name in names:
     with tempfile.TemporaryDirectory() as d:
       with open(os.path.join(d, "custom_partitioning.py"), "w") as f:
-        f.write(without(name, text))
+        f.write(copy_of(name, text))
       for path in (TESTS, os.path.join(ROOT, "README.md")):
         with open(path) as src, open(
             os.path.join(d, os.path.basename(path)), "w") as f:
@@ -235,11 +263,11 @@ def main() -> int:
   if a.write:
     os.makedirs(a.write[1], exist_ok=True)
     with open(os.path.join(a.write[1], "custom_partitioning.py"), "w") as f:
-      f.write(without(a.write[0], text))
+      f.write(copy_of(a.write[0], text))
     return 0
   if a.run:
-    return run_tests(SKIPS.get(a.run, []))
-  return check(a.check or removable(text.split("\n")))
+    return run_tests(skips_of(a.run))
+  return check(a.check or removable(text.split("\n")) + ["core"])
 
 
 if __name__ == "__main__":

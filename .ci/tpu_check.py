@@ -23,6 +23,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 import numpy as np  # noqa: E402
 
+# The chip's default matmul precision (bf16 passes) is not numpy's.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 try:
   jax.devices("tpu")
 except RuntimeError:
@@ -271,6 +274,7 @@ def main():
       failed += 1
       cells.append(f"chip: FAIL {type(e).__name__}: {str(e)[:200]}")
     rows.append((name, cells))
+    print(f"{name}: " + "; ".join(cells), flush=True)
   # GSPMD names Shardy.
   jax.config.update("jax_use_shardy_partitioner", False)
   try:
@@ -286,8 +290,22 @@ def main():
                else f"GSPMD: FAIL {e}")
   finally:
     jax.config.update("jax_use_shardy_partitioner", True)
+  print("| program | compiled for v5e:2x2 and v5e:2x4 (Auto; Explicit with "
+        "and without set_mesh) | partition asked | collectives (shard_map's)"
+        " | one chip |")
+  print("|---|---|---|---|---|")
   for name, cells in rows:
-    print(f"| {name} | " + " <br> ".join(cells) + " |")
+    compiled = [c for c in cells if not c.startswith("chip")]
+    ok = sum(": ok" in c for c in compiled)
+    asked = sorted({m.group(1) for c in compiled
+                    for m in [re.search(r"asked (\d+)x", c)] if m})
+    coll = sorted({m.group(0) for c in compiled
+                   for m in [re.search(r"\d+ vs shard_map \d+", c)] if m})
+    ran = cells[-1].split(": ", 1)[1]
+    coll = ", ".join(c.replace(" vs shard_map ", " (") + ")" for c in coll)
+    print(f"| {name} | {ok} of {len(compiled)} | "
+          f"{', '.join(a + 'x' for a in asked) or '-'} | {coll or '-'} | "
+          f"{ran[:60]} |")
   print(gspmd)
   print(bench(devices["v5e:2x4"], chip))
   print(f"tpu_check: {failed} failures")
@@ -313,6 +331,7 @@ def bench(devices, chip):
       times.append((time.perf_counter() - t) / 201 * 1e6)
     return sorted(times)[3]
   op_us, jit_us = per_call(f), per_call(g)
+  jop_us = per_call(jax.jit(f))
   mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=AUTO)
   arg = jax.ShapeDtypeStruct((64, 128), np.float32,
                              sharding=NamedSharding(mesh, P("x")))
@@ -334,7 +353,8 @@ def bench(devices, chip):
       times.append(time.perf_counter() - t)
     compile_s[label] = sorted(times)[1]
   return (f"eager (8, 128) f32 on the chip: op {op_us:.0f} us, jit "
-          f"{jit_us:.0f} us ({op_us / jit_us:.2f}x); compile of 32 ops "
+          f"{jit_us:.0f} us ({op_us / jit_us:.2f}x), jit(op) {jop_us:.0f} us;"
+          " compile of 32 ops "
           f"v5e:2x4 Auto: op {compile_s['op']:.2f} s, shard_map "
           f"{compile_s['shard_map']:.2f} s "
           f"({compile_s['op'] / compile_s['shard_map']:.2f}x)")

@@ -23,15 +23,20 @@
 A drop-in replacement for ``jax.experimental.custom_partitioning``: the
 ``custom_partitioning`` decorator gives an op its own sharding rules and a
 per-shard implementation, so XLA's SPMD partitioner runs it on shards instead
-of gathering its operands. The op is one XLA custom call; while compiling,
-XLA asks this module (through Python callbacks) for the result's sharding
-and a per-shard program lowered from the author's ``lower_fn``. The contract
+of gathering its operands. Under Shardy (jax's default) the op is
+partitioned while jax lowers the program, on every backend, Cloud TPU
+included: Shardy's propagation, run in-process, places its operands,
+``partition`` is asked, and the op becomes a manual computation of the
+per-shard program (I.6). Under GSPMD it is one XLA custom call, as upstream:
+while compiling, XLA asks this module (through Python callbacks) for the
+result's sharding and a per-shard program lowered from the author's
+``lower_fn``. The contract
 is in the docstrings of ``custom_partitioning``, ``def_partition`` and
 ``check_partitioning``; ``python custom_partitioning.py`` runs ``_demo``.
 
 Version
 -------
-1.3.2 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+1.4.0 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
 Every change a user can notice bumps it, in the same commit.
@@ -48,7 +53,12 @@ implementation and any number of copies coexist): the primitive
 turning this module's tagged compile errors back into the author's
 exception, a listener for jax's compile events, and the decorator type with
 jax's custom-decorator registry (each registered at the end of the section
-that owns it). It changes no jax option and no environment variable.
+that owns it); and it wraps jax's ``lower_jaxpr_to_module`` (in
+``jax._src.interpreters.mlir``), which then lowers a module holding an op
+of this module twice and any other module as before (I.6: jax has no hook
+after lowering). It changes no jax option and no environment variable; it
+reads ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under
+Shardy too, except on TPU).
 
 Supported jax versions
 ----------------------
@@ -75,7 +85,8 @@ drop-in core: all a plain op (Auto axes, no transformation) runs, in call
 order, each helper beside its first user: I.1 the decorator and how a call
 is bound; I.2 the primitive and its lowering; I.3 the callbacks XLA calls
 (infer, propagate); I.4 the partition callback; I.5 small readers of specs
-and jaxprs that the core and the extras share. Part II, one section per
+and jaxprs that the core and the extras share; I.6 partitioning at
+lowering (Shardy; the path on TPU). Part II, one section per
 extra, entered only from lines marked ``# seam:`` that name it (a copy
 drops an extra with its section and seam lines; ``.ci/sections.py`` proves
 that each copy works): II.1 checks of the per-shard program; II.2
@@ -112,7 +123,7 @@ from typing import Any, NamedTuple
 import warnings
 import weakref
 
-__version__ = "1.3.2"
+__version__ = "1.4.0"
 __all__ = [  # jax's six names, then this module's own (III.2 adds two)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
@@ -309,8 +320,12 @@ class custom_partitioning:
 
   ``custom_partitioning(fun, static_argnums=())`` wraps ``fun`` (pytrees of
   arrays in and out); a call binds ``custom_partitioning_p`` and returns
-  ``fun``'s results. Under ``jax.jit`` on several devices the op is one XLA
-  custom call partitioned by ``def_partition``'s callbacks; on one device,
+  ``fun``'s results. Under ``jax.jit`` on several devices the op is
+  partitioned by ``def_partition``'s callbacks: under Shardy while jax
+  lowers the program (``partition`` asked with the placements Shardy's
+  propagation gives, the op then a manual computation of ``lower_fn``; on
+  every backend, TPU included), under GSPMD as one XLA custom call whose
+  callbacks XLA calls while compiling, as upstream; on one device,
   in a ``shard_map`` manual over every mesh axis and under
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
@@ -401,7 +416,9 @@ class custom_partitioning:
         lower_fn, result_shardings, arg_shardings)``: XLA reshards the
         operands to ``arg_shardings``; ``lower_fn(*local_args)`` computes
         one shard (collectives may name the returned mesh's axes) sharded
-        as ``result_shardings``. That mesh is ``mesh``, another over the
+        as ``result_shardings``. With a rule's ``need_replication_factors``,
+        a dimension of such a factor is given unsharded (upstream: as it
+        arrives). That mesh is ``mesh``, another over the
         same devices, or an ``AbstractMesh`` (it and shardings on it made
         concrete on the op's devices). If no mesh could be recovered,
         ``mesh`` is empty and ``lower_fn`` has no mesh axes (naming one
@@ -416,20 +433,19 @@ class custom_partitioning:
         ``fun`` on its local arrays, so the rule must hold shard-wise. None
         without a rule: ``fun`` runs on one device; on several the call
         raises ``ValueError``.
-      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes,
-        for a body jax cannot type): ``(*static, mesh, arg_shapes,
-        result_shape) -> result sharding(s)``; ``result_shape`` has no
-        shardings, nor has an operand XLA has not placed yet (``.sharding``
-        None). Default: derived from ``sharding_rule``. Under Shardy,
-        without a ``sharding_rule``, it is probed to derive one (where
-        upstream raises ``NotImplementedError``): once per operand
-        dimension, that dimension alone sharded over a mesh axis that
-        divides it, on the author's shapes and the op's mesh (cached per
-        both; an exception is a probe it does not support). The rule ties
-        that dimension to each result dimension the axis lands on (same
-        size). It is logged at ``DEBUG`` and reported by
-        ``check_partitioning``; a ``UserWarning`` says when no probe could
-        be answered.
+      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes, for a
+        body jax cannot type): ``(*static, mesh, arg_shapes, result_shape) ->
+        result sharding(s)`` on ``mesh`` (another mesh raises ``ValueError``,
+        under either partitioner); ``result_shape`` has no shardings, nor has an
+        operand XLA has not placed yet (``.sharding`` None). Default: derived
+        from ``sharding_rule``. Under Shardy, without a ``sharding_rule``, it is
+        probed to derive one (where upstream raises ``NotImplementedError``):
+        once per operand dimension, that dimension alone sharded over a mesh
+        axis that divides it, on the author's shapes and the op's mesh (cached
+        per both; an exception is a probe it does not support). The rule ties
+        that dimension to each result dimension the axis lands on (same size).
+        It is logged at ``DEBUG`` and reported by ``check_partitioning``; a
+        ``UserWarning`` says when no probe could be answered.
       propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
         result sharding(s)`` preferred given the user's; default: the user's.
         Shardy propagates through the rule both ways and never asks it.
@@ -473,8 +489,9 @@ class custom_partitioning:
       pytree unlike the operands or results, other devices than the op's);
       ``ValueError`` naming the result for ``lower_fn`` results of the
       wrong number, per-shard shape or dtype, and for the ``check_vma``
-      checks; on the custom-call path, ``NotImplementedError`` for host
-      callbacks in ``lower_fn`` and for ``jax.export``; under
+      checks; under GSPMD, ``NotImplementedError`` for host callbacks in
+      ``lower_fn``, for ``jax.export`` and for lowering for TPU (which
+      calls no Python partitioner: Shardy is the fix); under
       ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a returned
       mesh shaped unlike the op's or a sharding without a ``PartitionSpec``.
     """
@@ -600,8 +617,15 @@ class custom_partitioning:
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
-      # Partitioned at lowering: fun, which no device runs, need not type.
-      call, out_tree, _ = _typed_trace(self, args, flat)
+      # Off the shard_map path no device runs fun: typed if jax can (the
+      # result types), else untyped (a Pallas kernel, q @ k.T), as upstream.
+      try:
+        call, out_tree = self._traced(args, flat)
+      except Exception:  # noqa: BLE001 - its own error, if any, recurs
+        with _no_ambient_mesh():
+          call, out_tree = self._trace_fun(args, flat.in_tree, [
+              _jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+              for a in flat.in_avals])
       out_flat = custom_partitioning_p.bind(
           *flat.leaves, **self._params(args, flat, call, out_tree))
       return jax.tree_util.tree_unflatten(out_tree, out_flat)
@@ -1704,14 +1728,6 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
     handed = False
     if on == op.place.auto:  # seam: a partly manual shard_map (II.2)
       handed = _handed_back(op, sharding)
-    elif (callback != "partition" and isinstance(
-        sharding, jax.sharding.NamedSharding) and not on.empty and (
-            sharding.mesh.axis_names != on.axis_names or
-            sharding.mesh.devices.shape != on.devices.shape)):
-      raise _ForeignMesh(
-          f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
-          f"mesh, which it was given, is {dict(on.shape)}: return shardings "
-          "on the mesh passed to it.")
     if not handed and sharding.device_set != set(op.place.devices):
       raise ValueError(
           f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
@@ -1724,6 +1740,15 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
+    if spec is None and callback != "partition" and isinstance(
+        sharding, jax.sharding.NamedSharding) and not on.empty and (
+            dict(sharding.mesh.shape) != dict(on.shape)):
+      # (A renamed mesh of the op's shape decodes: it places alike.)
+      raise _ForeignMesh(
+          f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
+          f"mesh, which it was given, is {dict(on.shape)}, and no "
+          "PartitionSpec of the op's mesh places the value so: return "
+          "shardings on the mesh passed to it.")
     if spec is None and op.steps:  # seam: a derived op (II.4)
       raise NotImplementedError(
           f"{where}, which has no PartitionSpec on the mesh "
@@ -2949,7 +2974,10 @@ def _explicit_values(op: _Op, in_avals, call, mesh, type_error):
     typed = [_Value(a.shape, a.dtype, _spec_of(a)) for a in call.out_avals]
     return operands, [v._replace(spec=_as_xla_spec(v.spec, mesh))
                       for v in typed], typed
-  inferred = _ask_infer(op, operands, results)
+  try:
+    inferred = _ask_infer(op, operands, results)
+  except _ForeignMesh:  # a device order the op's mesh cannot state:
+    inferred = None     # only types here, which partition's answer gives
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_infer(op, operands, inferred, _SHARD_MAP)
   if inferred is not None and all(v.spec is not None for v in inferred):

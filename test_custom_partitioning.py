@@ -9387,7 +9387,8 @@ class NeedReplicationTest(CPTestCase):
                      need_replication_factors=("k",))
     xh = _data((16, 8)) * np.arange(8)  # the max differs per column block
     if self.shardy:
-      skip_without_special_factors(self, lambda: jax.jit(op)(xh))
+      skip_without_special_factors(self, lambda: jax.jit(op)(jax.device_put(
+          xh, NamedSharding(self.mesh((4, 2), ("x", "y")), P("x", "y")))))
     for shape in ((4, 2), (2, 4)):
       with self.subTest(shape=shape):
         seen.clear()
@@ -11368,6 +11369,23 @@ class ReadmeTest(unittest.TestCase):
     self.assertEqual(sorted("jax._src." + n for n in
                             re.findall(r"`([\w.]+)`", listed)),
                      sorted(private))
+
+  def test_readme_minimal_copy_size(self):
+    """README's size of the minimal copy (``.ci/sections.py --write core``,
+    where the tool is beside the tests) holds within 10%."""
+    readme, _ = _readme()
+    size = int(re.search(r"\(and the imports only\s+they used\): ([\d,]+) "
+                         r"lines", readme).group(1).replace(",", ""))
+    tool = os.path.join(HERE, ".ci", "sections.py")
+    if not os.path.exists(tool):
+      return
+    spec = importlib.util.spec_from_file_location("_sections", tool)
+    sections = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sections)
+    with open(cp.__file__) as f:
+      core = sections.core(f.read())
+    self.assertLess(abs(core.count("\n") - size), size / 10)
+    compile(core, "core.py", "exec")
 
   def test_readme_trimming_table_is_the_sections(self):
     """README's table of what a copy can drop names each removable section

@@ -40,7 +40,8 @@ SEAM = re.compile(r"#.*\bseam:.*\((" + REMOVABLE + r")\)")
 # The core set (.ci/matrix's), and per section the tests of what it adds,
 # skipped in a copy without it (a test id containing one of the strings).
 CORE = ["ElementwiseTest", "FrontendTest", "ShardyRuleTest", "RuleToMlirTest",
-        "FFTTest", "CallbackContractTest", "GspmdEraOpsTest", "TransformTest",
+        "FFTTest", "CallbackContractTest", "GspmdEraOpsTest", "AtLoweringTest",
+        "TransformTest",
         "HijaxTest", "ImportTest",
         "test_cholesky_batch_sharded_has_no_collective",
         "test_readme_quickstart_runs"]

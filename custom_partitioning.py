@@ -379,6 +379,9 @@ class custom_partitioning:
     self._defined = False  # def_partition called
     self._traces, self._programs = _LRU(), _LRU()  # _traced, _explicit_call
     self._generation = 0  # def_partition calls, in _eager_call's key
+    # (cache epoch, compiled fun): what an eager call of single-device
+    # arrays, no statics, no keywords runs (_eager_call's answer for them).
+    self._fast = None
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
@@ -523,6 +526,7 @@ class custom_partitioning:
     self._traces.clear()
     self._programs.clear()
     self._generation += 1
+    self._fast = None
     return partition
 
   def _split(self, args: tuple, kwargs: dict) -> _CallArgs:
@@ -582,6 +586,10 @@ class custom_partitioning:
         return run(base._replace(dyn_args=dyn))
       fn = jax.jit(call)
       _eager.put(key, fn)
+    if (not sharded and leaves is args.dyn_args and args.key == () and
+        not args.defaults_at and not args.static_argnums and
+        all(type(x.sharding) is _SingleDevice for x in leaves)):
+      self._fast = (_cache_epoch(), fn)  # the same key for every such call
     return fn(*args.dyn_args)
 
   def _run_body(self, args: _CallArgs):
@@ -592,6 +600,15 @@ class custom_partitioning:
         out_tree, _jax.jaxpr_as_fun(call)(*leaves))
 
   def __call__(self, *args, **kwargs):
+    fast = self._fast  # the hot path: inlined checks, cheap ones first
+    if (fast is not None and not kwargs and
+        len(args) == self._signature.plain and fast[0] is _cache_epoch() and
+        _jax.trace_state_clean() and not _jax.disable_jit.value):
+      for x in args:
+        if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
+          break
+      else:
+        return fast[1](*args)
     if not self._defined:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
@@ -617,19 +634,18 @@ class custom_partitioning:
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
-      # Off the shard_map path no device runs fun: typed if jax can (the
-      # result types), else untyped (a Pallas kernel, q @ k.T), as upstream.
-      try:
-        call, out_tree = self._traced(args, flat)
-      except Exception:  # noqa: BLE001 - its own error, if any, recurs
-        with _no_ambient_mesh():
-          call, out_tree = self._trace_fun(args, flat.in_tree, [
-              _jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
-              for a in flat.in_avals])
-      out_flat = custom_partitioning_p.bind(
-          *flat.leaves, **self._params(args, flat, call, out_tree))
-      return jax.tree_util.tree_unflatten(out_tree, out_flat)
-    call, out_tree = self._traced(args, flat)
+    try:
+      call, out_tree = self._traced(args, flat)
+    except Exception:
+      if all(_aval_mesh(a) is None for a in flat.in_avals):
+        raise
+      # Sharded types (Explicit axes off the shard_map path): typed where
+      # jax can (the result types), else untyped, as upstream traces it (a
+      # Pallas kernel, q @ k.T): partition's lower_fn runs, not fun.
+      with _no_ambient_mesh():
+        call, out_tree = self._trace_fun(args, flat.in_tree, [
+            _jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in flat.in_avals])
     out_flat = custom_partitioning_p.bind(
         *flat.leaves, **self._params(args, flat, call, out_tree))
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
@@ -910,6 +926,7 @@ def _key_of(static_args: tuple):
 
 # jax's array class (C++): ``type(x) is`` it costs a tenth of isinstance.
 _ArrayImpl = _jax.ArrayImpl
+_SingleDevice = jax.sharding.SingleDeviceSharding
 
 
 def _any_sharded(xs) -> bool:
@@ -1095,7 +1112,10 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
   if lowering is not None and index < len(lowering.rules):
-    rule, rule_attr = lowering.rules[index]  # asked in the first pass
+    # Asked in the first pass (whose MLIR context held its attribute: a
+    # custom call falling back here, below, goes without, partition alone
+    # placing it).
+    rule = lowering.rules[index]
   elif callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
       rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
@@ -1117,9 +1137,18 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
       "sdy.sharding_rule": rule_attr}
   if lowering is not None:
     if lowering.decided is None:
-      lowering.rules.append((rule, rule_attr))
+      lowering.rules.append(rule)
       return _tagged_call(ctx, call, values, rule_attr, index)
-    return _lowered_manual(ctx, params, op, values, lowering, index)
+    lowered = _lowered_manual(ctx, params, op, values, lowering, index)
+    if lowered is not None:
+      return lowered
+    if "tpu" in mc.platforms:
+      raise NotImplementedError(
+          f"custom_partitioning op {name} cannot be lowered for TPU: its "
+          f"partition returns a mesh other than the op's, whose manual "
+          f"computation jax {jax.__version__} cannot lower (jax 0.7 can). "
+          f"{_TPU_ADVICE}.")
+    op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
   return _jax.custom_call(
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
       operands=list(values), backend_config=_register(ctx, op, params),
@@ -1890,8 +1919,9 @@ def _partition(op: _Op, operands: list, results: list, on):
   if op.check_vma:  # seam: per-shard checks (II.1)
     _check_per_shard(op, answer, operands + results, closed)
   # At lowering the per-shard code joins the program, callbacks and all
-  # (jax 0.5.0 made host callbacks lower under Shardy).
-  if (not op.at_lowering or _JAX_VERSION < (0, 5, 0)) and _calls_host(closed):
+  # (jax 0.5.3 cannot lower a debug callback in a manual computation under
+  # Shardy; 0.7.2 can).
+  if (not op.at_lowering or _JAX_VERSION < (0, 7, 0)) and _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
 
@@ -2415,6 +2445,12 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   if program is None:
     with _config_entered(op.config):
       shard = _shard_of(op, operands, results, op.mesh)
+    if _JAX_VERSION < (0, 7, 0) and (
+        shard.mesh.axis_names != op.mesh.axis_names or
+        shard.mesh.devices.tolist() != op.mesh.devices.tolist()):
+      # jax 0.5.3 lowers a shard_map on a mesh other than the program's
+      # with the program's mesh (0.7.2 does not): XLA's callbacks instead.
+      return None
     program = _manual_program(op, shard)
     op.lowered.put(request, program)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)

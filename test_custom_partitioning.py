@@ -8993,6 +8993,32 @@ class PersistentCacheTest(CPTestCase):
             (" and returned the old program's result" if stale else ""))
         self.assertOut(result, want, f"after changing the {name}")
 
+  def test_changed_lower_fn_gives_its_own_values_at_lowering(self):
+    """At lowering the cache keys the program itself: whatever changes the
+    per-shard program misses, an unchanged one may hit (``fun``'s body,
+    which no device runs), and no run returns another program's values."""
+    if not self.at_lowering:
+      self.skipTest("the custom call's keys: test_changed_program_misses")
+    x = _CACHE_X
+    cache = self._cache_dir()
+    seeded, = self._run([(self._script(), cache)])
+    self.assertOut(seeded, np.sin(x) * 4.0, "base")
+    variants = {
+        "lower_fn code": (dict(LOWER="jnp.sin(x) * SCALE * k + 1.0"),
+                          np.sin(x) * 4.0 + 1.0, 0),
+        "global used by lower_fn": (dict(SCALE="3.0"), np.sin(x) * 6.0, 0),
+        "static arg": (dict(STATIC="3"), np.sin(x) * 6.0, 0),
+        "body alone": (dict(BODY="jnp.cos(x) * 2.0 * k"), np.sin(x) * 4.0,
+                       None),
+    }
+    results = self._run([(self._script(**changes), cache)
+                         for changes, _, _ in variants.values()])
+    for (name, (_, want, hits)), result in zip(variants.items(), results):
+      with self.subTest(change=name):
+        self.assertOut(result, want, f"after changing the {name}")
+        if hits is not None:
+          self.assertEqual(result["hits"], hits, name)
+
   def test_matmul_precision_is_part_of_the_key(self):
     lower = "jnp.sin(x @ jnp.eye(4, dtype=x.dtype)) * SCALE * k"
     bf16 = self._script(LOWER=lower, PRECISION='"bfloat16"')

@@ -1146,7 +1146,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
       raise NotImplementedError(
           f"custom_partitioning op {name} cannot be lowered for TPU: its "
           f"partition returns a mesh other than the op's, whose manual "
-          f"computation jax {jax.__version__} cannot lower (jax 0.7 can). "
+          f"computation jax {jax.__version__} cannot lower (jax 0.7 to 0.10 "
+          "can; return the op's mesh). "
           f"{_TPU_ADVICE}.")
     op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
   return _jax.custom_call(
@@ -2445,12 +2446,8 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   if program is None:
     with _config_entered(op.config):
       shard = _shard_of(op, operands, results, op.mesh)
-    if _JAX_VERSION < (0, 7, 0) and (
-        shard.mesh.axis_names != op.mesh.axis_names or
-        shard.mesh.devices.tolist() != op.mesh.devices.tolist()):
-      # jax 0.5.3 lowers a shard_map on a mesh other than the program's
-      # with the program's mesh (0.7.2 does not): XLA's callbacks instead.
-      return None
+    if _foreign_mesh_fails(shard.mesh, op.mesh):
+      return None  # XLA's callbacks instead
     program = _manual_program(op, shard)
     op.lowered.put(request, program)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
@@ -2462,6 +2459,16 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
                                       for a in ctx.avals_in])
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+
+
+def _foreign_mesh_fails(mesh, op_mesh) -> bool:
+  """Whether jax cannot lower a shard_map on ``mesh`` (partition's) in a
+  program on ``op_mesh``: jax 0.5.3 lowers one of other axis names with the
+  program's mesh, 0.12.0.1 one of another shape or device order (XLA then
+  aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both."""
+  if mesh.devices.tolist() != op_mesh.devices.tolist():
+    return not (0, 7, 0) <= _JAX_VERSION < (0, 11, 0)
+  return mesh.axis_names != op_mesh.axis_names and _JAX_VERSION < (0, 7, 0)
 
 
 def _decided_spec(spec, aval, mesh) -> tuple:

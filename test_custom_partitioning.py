@@ -9625,7 +9625,10 @@ class ExplicitPathTest(CPTestCase):
         f = jax.jit(op)
         np.testing.assert_allclose(
             f(x), np.sin(xh) * other.shape[first], rtol=1e-6)
-        self.assertOpLowered(f.lower(x).as_text())
+        if cp._foreign_mesh_fails(other, m):  # XLA's callbacks instead
+          self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
+        else:
+          self.assertOpLowered(f.lower(x).as_text())
 
   def test_an_inferred_sharding_without_a_spec_leaves_typing_to_partition(
       self):

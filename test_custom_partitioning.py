@@ -7593,6 +7593,35 @@ class CoexistenceTest(CPTestCase):
     np.testing.assert_allclose(jax.jit(our_op)(x), xh + 3, rtol=1e-6)
 
 
+  def test_two_copies_and_upstream_at_lowering(self):
+    """Two copies partition at lowering in one program (each wraps jax's
+    lowering: the outer lowers the inner's passes), beside upstream's
+    custom call."""
+    cp2 = _copy2()
+    if not self.at_lowering:
+      self.skipTest("partitioning at lowering is Shardy's")
+    # The copy read the switch when first loaded (maybe under @callbacks).
+    self.addCleanup(setattr, cp2, "_PARTITION_AT_LOWERING",
+                    cp2._PARTITION_AT_LOWERING)
+    cp2._PARTITION_AT_LOWERING = True
+    up_op = self._make(_up_cp.custom_partitioning, lambda x: x * 2.0)
+    our_op = self._make(custom_partitioning, lambda x: x + 3.0)
+    copy_op = self._make(cp2.custom_partitioning, lambda x: jnp.sin(x))
+    self.put_data((16, 4))
+    x, xh = self.x, self.xh
+    f = jax.jit(lambda x: copy_op(our_op(copy_op(up_op(our_op(x))))),
+                in_shardings=self.s, out_shardings=self.s)
+    np.testing.assert_allclose(f(x), np.sin(np.sin((xh + 3) * 2) + 3),
+                               rtol=1e-5)
+    text = f.lower(x).as_text()
+    self.assertIn("@CustomSPMDPartitioning(", text)  # upstream's
+    for t in (cp._TARGET, cp2._TARGET):
+      self.assertNotIn(f"@{t}(", text)
+    # One per distinct op: equal ops call one function.
+    self.assertEqual(text.count("sdy.manual_computation"), 2)
+    self.assertCollectives(self.hlo(f, x), absent=("all-gather",))
+
+
 both_partitioners(CoexistenceTest)
 del CoexistenceTest
 

@@ -1139,16 +1139,13 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     if lowering.decided is None:
       lowering.rules.append(rule)
       return _tagged_call(ctx, call, values, rule_attr, index)
-    lowered = _lowered_manual(ctx, params, op, values, lowering, index)
-    if lowered is not None:
-      return lowered
-    if "tpu" in mc.platforms:
-      raise NotImplementedError(
-          f"custom_partitioning op {name} cannot be lowered for TPU: its "
-          f"partition returns a mesh other than the op's, whose manual "
-          f"computation jax {jax.__version__} cannot lower (jax 0.7 to 0.10 "
-          "can; return the op's mesh). "
-          f"{_TPU_ADVICE}.")
+    try:
+      return _lowered_manual(ctx, params, op, values, lowering, index)
+    except _KeepCallbacks as e:
+      if "tpu" in mc.platforms:
+        raise NotImplementedError(
+            f"custom_partitioning op {name} cannot be lowered for TPU: its "
+            f"partition {e}. {_TPU_ADVICE}.") from None
     op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
   return _jax.custom_call(
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
@@ -2428,8 +2425,11 @@ def _ir_is(value, kind) -> bool:
 def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
                     index: int):
   """The op as a manual computation of its per-shard program, placed as
-  the first pass's propagation decided (unplaced: replicated)."""
-  # Equal ops of one lowering share their answers (as _register's keys).
+  the first pass's propagation decided (unplaced: replicated); raises
+  ``_KeepCallbacks`` where jax cannot lower that."""
+  # Equal ops of one lowering share one _Op, whose answers (op.lowered, by
+  # the placements asked) are a fresh partition's: the lowering's config
+  # and equal parameters are one; they live and die with the lowering.
   op = lowering.ops.setdefault(
       (_params_key(params), op.platforms, op.backend), op)
   decided = lowering.decided.get(index)
@@ -2447,7 +2447,11 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     with _config_entered(op.config):
       shard = _shard_of(op, operands, results, op.mesh)
     if _foreign_mesh_fails(shard.mesh, op.mesh):
-      return None  # XLA's callbacks instead
+      raise _KeepCallbacks(
+          f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
+          f"computation jax {jax.__version__} cannot lower inside the op's "
+          f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 can; return the op's "
+          "mesh)")
     program = _manual_program(op, shard)
     op.lowered.put(request, program)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
@@ -2459,6 +2463,11 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
                                       for a in ctx.avals_in])
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+
+
+class _KeepCallbacks(Exception):
+  """Why an op's answer cannot become a manual computation: off TPU, XLA's
+  callbacks partition it instead."""
 
 
 def _foreign_mesh_fails(mesh, op_mesh) -> bool:
@@ -2488,10 +2497,10 @@ def _manual_program(op: _Op, shard: _Answer) -> Callable:
   for what, side in (("operand", shard.args), ("result", shard.results)):
     for i, v in enumerate(side):
       if v.spec is None:
-        raise NotImplementedError(
-            f"partition of {op.name} returned a sharding for {what} {i} "
-            f"that has no PartitionSpec on the mesh {dict(mesh.shape)}, "
-            "which partitioning at lowering needs.")
+        raise _KeepCallbacks(
+            f"returns a sharding for {what} {i} that has no PartitionSpec "
+            f"on the mesh {dict(mesh.shape)}, which a manual computation "
+            "needs")
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
       for v in side] for side in (shard.args, shard.results)]

@@ -2514,11 +2514,13 @@ def _manual_program(op: _Op, shard: _Answer) -> Callable:
                       [spec(*v.spec) for v in shard.results])
 
   def program(*xs):
-    xs = [x if x.shape == shape else jax.numpy.pad(
-        x, [(0, p - s) for s, p in zip(x.shape, shape)])
-        for x, shape in zip(xs, padded[0])]
-    return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
-            for y, v in zip(mapped(*xs), shard.results)]
+    # jax 0.7.2's jit traces under set_mesh's mesh again: cleared here.
+    with _no_ambient_mesh():
+      xs = [x if x.shape == shape else jax.numpy.pad(
+          x, [(0, p - s) for s, p in zip(x.shape, shape)])
+          for x, shape in zip(xs, padded[0])]
+      return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
+              for y, v in zip(mapped(*xs), shard.results)]
   program.__name__ = op.name if op.name.isidentifier() else "op"
   return jax.jit(program)
 

@@ -9210,6 +9210,8 @@ class AtLoweringTest(CPTestCase):
   def setUp(self):
     super().setUp()
     self.put_data((16, 8))
+    self.seen = []
+    self.op = _recording_rows_op(lambda x: x * 2.0, self.seen)
 
   def test_no_custom_call_values_and_collectives_as_shard_map(self):
     seen = []
@@ -9357,10 +9359,15 @@ class AtLoweringTest(CPTestCase):
     op = elementwise_op()
     with self.assertLogs(cp._log, "DEBUG") as cm:
       jax.jit(op, in_shardings=self.s).lower(self.x)
-    paths = [r.custom_partitioning["path"] for r in cm.records
-             if hasattr(r, "custom_partitioning")]
+    records = [r for r in cm.records if hasattr(r, "custom_partitioning")]
+    paths = [r.custom_partitioning["path"] for r in records]
     self.assertIn(cp._AT_LOWERING_PATH, paths)
     self.assertNotIn(cp._CUSTOM_CALL, paths)
+    path, = [r.getMessage() for r in records
+             if r.custom_partitioning["question"] == "path"]
+    self.assertIn("[manual computation at lowering, Shardy] on mesh "
+                  "{'x': 8}; asked with operands [PartitionSpec('x', None)]"
+                  ", results [PartitionSpec('x', None)]", path)
 
   def test_explicit_axes_without_set_mesh(self):
     if NO_EXPLICIT_PATH:
@@ -9374,6 +9381,80 @@ class AtLoweringTest(CPTestCase):
     np.testing.assert_allclose(f(x), np.cumsum(self.xh, 0), rtol=1e-5)
     self.assertEqual(seen, [(("x", None),)])
     self.assertOpLowered(f.lower(x).as_text())
+
+  def test_placements_are_read_through_loops_calls_and_shard_maps(self):
+    """What partition is asked where the operand comes from a while loop's
+    carry, after another custom call, from a shard_map, or inside a jit
+    called twice (one function: the first caller's placement)."""
+    xh = self.xh
+    cases = {
+        "while carry": (lambda v: jax.lax.while_loop(
+            lambda c: c[1] < 2, lambda c: (self.op(c[0]), c[1] + 1),
+            (v, 0))[0], (self.s,), ("x", None), xh * 4.0),
+        "after a LAPACK custom call": (lambda v: self.op(
+            v * jnp.linalg.cholesky(jnp.eye(4) * 4.0)[0, 0]), (self.s,),
+            ("x", None), xh * 4.0),
+        "from a replicated shard_map": (lambda v: self.op(shard_map(
+            lambda a: a * 2.0, mesh=self.m, in_specs=P(), out_specs=P())(v)),
+            (NamedSharding(self.m, P()),), (None, None), xh * 4.0),
+    }
+    for name, (fn, shardings, want, value) in cases.items():
+      with self.subTest(name):
+        self.seen.clear()
+        out = jax.jit(fn, in_shardings=shardings)(jax.device_put(
+            xh, shardings[0]))
+        np.testing.assert_allclose(out, value, rtol=1e-6)
+        self.assertEqual(self.seen, [(want,)])
+    self.seen.clear()
+    inner = jax.jit(self.op)
+    a_s, b_s = self.s, NamedSharding(self.m, P(None, "x"))
+    f = jax.jit(lambda a, b: (inner(a), inner(b)), in_shardings=(a_s, b_s))
+    ra, rb = f(jax.device_put(xh, a_s), jax.device_put(xh, b_s))
+    np.testing.assert_allclose(ra, xh * 2.0)
+    np.testing.assert_allclose(rb, xh * 2.0)
+    self.assertEqual(self.seen, [(("x", None),)])
+
+  def test_rows_over_two_axes_and_fewer_rows_than_devices(self):
+    seen = []
+    op = _recording_rows_op(lambda x: x * 2.0 + 1.0, seen)
+    self.put_data((16, 8), P(("x", "y"), None), (4, 2), ("x", "y"))
+    f = jax.jit(op, in_shardings=self.s)
+    np.testing.assert_allclose(f(self.x), self.xh * 2.0 + 1.0)
+    self.assertEqual(seen, [((("x", "y"), None),)])
+    xh = _data((3, 8))  # padded to 8 rows: 5 of padding
+    rows = NamedSharding(self.m, P(("x", "y"), None))
+    g = jax.jit(lambda v: op(jax.lax.with_sharding_constraint(v, rows)))
+    np.testing.assert_allclose(g(xh), xh * 2.0 + 1.0)
+
+  def test_an_answer_without_a_partition_spec_keeps_the_callbacks(self):
+    """partition's sharding on its mesh's devices in an order no
+    PartitionSpec of that mesh states: XLA's callbacks partition the op
+    (off TPU), and lowered for TPU it is refused by name."""
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
+    body = lambda x: x * 2.0  # noqa: E731
+    op = custom_partitioning(body)
+    s = NamedSharding(grid, P("q"))
+    op.def_partition(lambda m, a, r: (m, body, s, (s,)),
+                     sharding_rule="i j -> i j")
+    f = jax.jit(op, in_shardings=self.s)
+    np.testing.assert_allclose(f(self.x), self.xh * 2.0)
+    self.assertIn("CustomSPMDPartitioning", f.lower(self.x).as_text())
+    self.assertRaisesNaming(
+        NotImplementedError, ["cannot be lowered for TPU", "no PartitionSpec"],
+        _tpu_text, op, self.x)
+
+  def test_the_switch_is_read_from_the_environment(self):
+    code = """
+    op = custom_partitioning(lambda v: v * 2.0)
+    op.def_partition(sharding_rule="i j -> i j")
+    f = jax.jit(op, in_shardings=s)
+    np.testing.assert_allclose(f(x), xh * 2.0)
+    print("RESULT", "CustomSPMDPartitioning" in f.lower(x).as_text())
+    """
+    with callback_path():  # CUSTOM_PARTITIONING_AT_LOWERING=0 for the child
+      self.assertIn("RESULT True", _run_snippet(self, True, code))
+    if os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING") is None:
+      self.assertIn("RESULT False", _run_snippet(self, True, code))
 
   def test_a_propagated_sharding_over_a_sub_axis_is_asked_replicated(self):
     self.assertEqual(cp._spec_from_sdy('{"x":(1)2}, {"y"}, {}, {?}', ""),

@@ -201,9 +201,9 @@ _NAMES = {
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
     "jax.monitoring": "register_event_duration_secs_listener",
     "jax.sharding": "AbstractMesh Mesh",
-    # jax 0.6.0 made shard_map public (jax.shard_map).
+    # jax 0.6.1 made shard_map public (jax.shard_map).
     **({"jax.experimental.shard_map": "shard_map"}
-       if _JAX_VERSION < (0, 6) else {}),
+       if _JAX_VERSION < (0, 6, 1) else {}),
     "jax._src.api_util": "argnums_partial debug_info flatten_fun_nokwargs",
     "jax._src.compiler": "register_xla_runtime_error_handler",
     "jax._src.config": "State compilation_cache_dir config disable_jit "
@@ -2527,8 +2527,8 @@ def _manual_program(op: _Op, shard: _Answer) -> Callable:
 
 def _shard_map(fun, mesh, in_specs, out_specs):
   """``jax.shard_map`` unchecked (the per-shard checks ran already)."""
-  # jax 0.6.0 made shard_map public, its check_rep renamed check_vma.
-  if _JAX_VERSION >= (0, 6, 0):
+  # jax 0.6.1 made shard_map public, its check_rep renamed check_vma.
+  if _JAX_VERSION >= (0, 6, 1):
     return jax.shard_map(fun, mesh=mesh, in_specs=in_specs,
                          out_specs=out_specs, check_vma=False)
   return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=False)

@@ -9110,6 +9110,22 @@ class CallbackMeshTest(CPTestCase):
         jax.jit(op), x)
     self.assertNotIn("IndivisibleError", type(e).__name__)
 
+  def test_infer_on_a_renamed_or_reordered_mesh_of_its_shape_runs(self):
+    """Only a mesh of another shape is refused: a renamed one places alike,
+    and one of the op's shape in another device order reaches XLA as its
+    HloSharding (GSPMD) or is not asked (Shardy)."""
+    m = self.mesh()
+    x = jax.device_put(_data((16, 4)), NamedSharding(m, P("x")))
+    for other in (Mesh(m.devices, ("b",)), Mesh(m.devices[::-1], ("b",))):
+      with self.subTest(devices=[d.id for d in other.devices]):
+        op = custom_partitioning(lambda v: v * 2.0)
+        op.def_partition(
+            lambda mesh, a, r: (mesh, lambda v: v * 2.0, a[0].sharding,
+                                (a[0].sharding,)),
+            infer_sharding_from_operands=lambda mesh, a, r, o=other: (
+                NamedSharding(o, P("b"))))
+        np.testing.assert_allclose(jax.jit(op)(x), _data((16, 4)) * 2.0)
+
   def test_lower_fn_of_the_wrong_arity_is_named(self):
     op = custom_partitioning(lambda x, y: x + y)
     op.def_partition(

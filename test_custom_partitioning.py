@@ -7617,9 +7617,11 @@ class CoexistenceTest(CPTestCase):
     self.assertIn("@CustomSPMDPartitioning(", text)  # upstream's
     for t in (cp._TARGET, cp2._TARGET):
       self.assertNotIn(f"@{t}(", text)
-    # One per distinct op: equal ops call one function.
-    self.assertEqual(text.count("sdy.manual_computation"), 2)
-    self.assertCollectives(self.hlo(f, x), absent=("all-gather",))
+    # From jax 0.10, one per distinct op (equal ops call one function).
+    self.assertEqual(text.count("sdy.manual_computation"),
+                     2 if JAX_VERSION >= (0, 10) else 4)
+    if JAX_VERSION >= (0, 10):  # older Shardy places the nested mix worse
+      self.assertCollectives(self.hlo(f, x), absent=("all-gather",))
 
 
 both_partitioners(CoexistenceTest)

@@ -9465,7 +9465,9 @@ class AtLoweringTest(CPTestCase):
   def test_the_switch_is_read_from_the_environment(self):
     code = """
     op = custom_partitioning(lambda v: v * 2.0)
-    op.def_partition(sharding_rule="i j -> i j")
+    op.def_partition(lambda m, a, r: (m, lambda v: v * 2.0, a[0].sharding,
+                                      (a[0].sharding,)),
+                     sharding_rule="i j -> i j")
     f = jax.jit(op, in_shardings=s)
     np.testing.assert_allclose(f(x), xh * 2.0)
     print("RESULT", "CustomSPMDPartitioning" in f.lower(x).as_text())

@@ -9412,9 +9412,11 @@ class AtLoweringTest(CPTestCase):
         "after a LAPACK custom call": (lambda v: self.op(
             v * jnp.linalg.cholesky(jnp.eye(4) * 4.0)[0, 0]), (self.s,),
             ("x", None), xh * 4.0),
-        "from a replicated shard_map": (lambda v: self.op(shard_map(
-            lambda a: a * 2.0, mesh=self.m, in_specs=P(), out_specs=P())(v)),
-            (NamedSharding(self.m, P()),), (None, None), xh * 4.0),
+        # Its in_shardings say rows over "x", its out_shardings replicated.
+        "from a shard_map's replicated result": (lambda v: self.op(
+            shard_map(lambda a: jax.lax.psum(a, "x"), mesh=self.m,
+                      in_specs=P("x"), out_specs=P())(v)),
+            (self.s,), (None, None), xh.reshape(8, 2, 8).sum(0) * 2.0),
     }
     for name, (fn, shardings, want, value) in cases.items():
       with self.subTest(name):

@@ -2300,6 +2300,11 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
     return "its mesh is unknown"
   if _current_pass() is None:
     return "it is lowered outside jax's lowering of a module"
+  if _jax.use_abstract_mesh is None and _ambient_mesh(
+      "get_abstract_mesh") is not None:
+    # jax 0.5.1 added use_abstract_mesh, which the per-shard code needs.
+    return (f"jax {jax.__version__} cannot clear the ambient mesh "
+            "(jax.sharding.use_mesh) around its per-shard code")
   if not (_PARTITION_AT_LOWERING or "tpu" in platforms):
     return "partitioning at lowering is off on this platform"
   return None
@@ -2390,8 +2395,11 @@ def _spec_from_sdy(dims: str, _rest: str) -> tuple | None:
 def _value_specs(value) -> tuple | None:
   """The placement of an operand: its producer's, its function's argument
   attribute, or its while loop's (None: unknown, taken as replicated)."""
-  if _ir_is(value, _jax.ir.OpResult):
+  try:  # a cast from a plain Value (jaxlib 0.9's bindings give no subclass)
     result = _jax.ir.OpResult(value)
+  except ValueError:
+    result = None
+  if result is not None:
     owner = result.owner.operation
     # Shardy's own ops name their results' shardings otherwise.
     name = {"sdy.sharding_constraint": "sharding", "sdy.reshard": "sharding",
@@ -2414,12 +2422,6 @@ def _value_specs(value) -> tuple | None:
     return _placements_of(parent, "sdy.sharding", len(parent.results))[
         arg.arg_number]
   return None
-
-
-def _ir_is(value, kind) -> bool:
-  # MLIR's bindings in jaxlib 0.10 dropped ``Kind.isinstance`` for Python's.
-  check = getattr(kind, "isinstance", None)
-  return check(value) if check is not None else isinstance(value, kind)
 
 
 def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,

@@ -2300,9 +2300,9 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
     return "its mesh is unknown"
   if _current_pass() is None:
     return "it is lowered outside jax's lowering of a module"
-  if _jax.use_abstract_mesh is None and _ambient_mesh(
-      "get_abstract_mesh") is not None:
-    # jax 0.5.1 added use_abstract_mesh, which the per-shard code needs.
+  if _jax.use_abstract_mesh is None and not getattr(_ambient_mesh(
+      "get_abstract_mesh"), "empty", True):
+    # jax 0.5.3 has use_abstract_mesh, which the per-shard code needs.
     return (f"jax {jax.__version__} cannot clear the ambient mesh "
             "(jax.sharding.use_mesh) around its per-shard code")
   if not (_PARTITION_AT_LOWERING or "tpu" in platforms):

@@ -2252,6 +2252,11 @@ def _padded(values: list, mesh) -> bool:
 _PARTITION_AT_LOWERING = os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING",
                                         "1") != "0"
 
+# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
+# with another custom call (a LAPACK one) or a function of two callers;
+# 0.9.1 and 0.10.2 do not. There XLA's callbacks partition every op.
+_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
+
 _TPU_ADVICE = (
     "XLA's TPU compiler cannot call a Python partitioner (jax#38196); this "
     "module partitions at lowering instead, which needs Shardy "
@@ -2300,6 +2305,9 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
     return "its mesh is unknown"
   if _current_pass() is None:
     return "it is lowered outside jax's lowering of a module"
+  if not _PROPAGATES:
+    return ("jaxlib 0.9.2's Shardy propagation, run in-process, crashes on "
+            "some programs (0.9.1 and 0.10 do not): upgrade jaxlib")
   if _jax.use_abstract_mesh is None and not getattr(_ambient_mesh(
       "get_abstract_mesh"), "empty", True):
     # jax 0.5.3 has use_abstract_mesh, which the per-shard code needs.

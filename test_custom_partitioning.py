@@ -304,7 +304,7 @@ class CPTestCase(unittest.TestCase):
     """Whether the test's ops are partitioned at lowering (Shardy's
     default), else by XLA's partition callback."""
     return bool(jax.config.jax_use_shardy_partitioner and
-                cp._PARTITION_AT_LOWERING)
+                cp._PARTITION_AT_LOWERING and cp._PROPAGATES)
 
   @staticmethod
   def mesh(shape=(8,), names=("x",)):
@@ -9227,6 +9227,9 @@ class AtLoweringTest(CPTestCase):
 
   def setUp(self):
     super().setUp()
+    if not cp._PROPAGATES:
+      self.skipTest("jaxlib 0.9.2's in-process Shardy propagation crashes: "
+                    "XLA's callbacks partition every op there")
     self.put_data((16, 8))
     self.seen = []
     self.op = _recording_rows_op(lambda x: x * 2.0, self.seen)
@@ -11449,7 +11452,8 @@ class ReadmeTest(unittest.TestCase):
                                   " op cholesky: partition [")]
     self.assertTrue(records, proc.stderr[-3000:])
     record = records[0]
-    if "Shardy]" in record:  # README quotes Shardy's (at lowering)
+    # README quotes Shardy's at lowering (jaxlib 0.9.2: XLA's callbacks).
+    if "[manual computation at lowering, Shardy]" in record:
       self.assertIn(f"    {record}\n", readme)
 
   def test_readme_snippets(self):

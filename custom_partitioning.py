@@ -2359,7 +2359,7 @@ def _propagated(module) -> dict:
       # A function Shardy copied for several callers: the first one's.
       decided.setdefault(index, (
           [_value_specs(v) for v in op.operands],
-          _placements_of(op, "sdy.sharding", len(op.results))))
+          _placements_of(op.attributes, "sdy.sharding", len(op.results))))
   return decided
 
 
@@ -2371,12 +2371,12 @@ def _operations(op):
         yield from _operations(inner.operation)
 
 
-def _placements_of(op, name: str, count: int) -> list:
-  """The placements ``op``'s attribute ``name`` gives its ``count`` values
-  (None: unplaced, i.e. replicated)."""
-  if name not in op.attributes:
+def _placements_of(attributes, name: str, count: int) -> list:
+  """The placements ``attributes[name]`` gives ``count`` values (None:
+  unplaced, i.e. replicated)."""
+  if name not in attributes:
     return [None] * count
-  found = _SDY_SHARDING.findall(str(op.attributes[name]))
+  found = _SDY_SHARDING.findall(str(attributes[name]))
   return [_spec_from_sdy(*m) for m in found] if len(found) == count else (
       [None] * count)
 
@@ -2413,7 +2413,7 @@ def _value_specs(value) -> tuple | None:
     name = {"sdy.sharding_constraint": "sharding", "sdy.reshard": "sharding",
             "sdy.manual_computation": "out_shardings"}.get(owner.name,
                                                            "sdy.sharding")
-    return _placements_of(owner, name, len(owner.results))[
+    return _placements_of(owner.attributes, name, len(owner.results))[
         result.result_number]
   arg = _jax.ir.BlockArgument(value)
   parent = arg.owner.owner
@@ -2422,13 +2422,10 @@ def _value_specs(value) -> tuple | None:
   parent = parent.operation
   if parent.name == "func.func" and "arg_attrs" in parent.attributes:
     attrs = _jax.ir.ArrayAttr(parent.attributes["arg_attrs"])[arg.arg_number]
-    attrs = _jax.ir.DictAttr(attrs)
-    if "sdy.sharding" in attrs:
-      found = _SDY_SHARDING.findall(str(attrs["sdy.sharding"]))
-      return _spec_from_sdy(*found[0]) if len(found) == 1 else None
+    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1)[0]
   if parent.name == "stablehlo.while":
-    return _placements_of(parent, "sdy.sharding", len(parent.results))[
-        arg.arg_number]
+    return _placements_of(parent.attributes, "sdy.sharding",
+                          len(parent.results))[arg.arg_number]
   return None
 
 

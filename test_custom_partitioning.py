@@ -11410,6 +11410,17 @@ def _bare_signature(fn):
                          return_annotation=inspect.Signature.empty))
 
 
+def _sections_tool():
+  """.ci/sections.py as a module, where it is beside the tests, else None."""
+  tool = os.path.join(HERE, ".ci", "sections.py")
+  if not os.path.exists(tool):
+    return None
+  spec = importlib.util.spec_from_file_location("_sections", tool)
+  sections = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sections)
+  return sections
+
+
 class ReadmeTest(unittest.TestCase):
 
   def test_readme_quickstart_runs(self):
@@ -11577,12 +11588,9 @@ class ReadmeTest(unittest.TestCase):
     readme, _ = _readme()
     size = int(re.search(r"\(and the imports only\s+they used\): ([\d,]+) "
                          r"lines", readme).group(1).replace(",", ""))
-    tool = os.path.join(HERE, ".ci", "sections.py")
-    if not os.path.exists(tool):
+    sections = _sections_tool()
+    if sections is None:
       return
-    spec = importlib.util.spec_from_file_location("_sections", tool)
-    sections = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sections)
     with open(cp.__file__) as f:
       core = sections.core(f.read())
     self.assertLess(abs(core.count("\n") - size), size / 10)
@@ -11601,12 +11609,9 @@ class ReadmeTest(unittest.TestCase):
     self.assertEqual(table, banners)
     seams = set(re.findall(r"# seam:.*\((II\.\d+|III\.\d+)\)", source))
     self.assertLessEqual(seams, {number for number, _ in table})
-    tool = os.path.join(HERE, ".ci", "sections.py")
-    if not os.path.exists(tool):
+    sections = _sections_tool()
+    if sections is None:
       return
-    spec = importlib.util.spec_from_file_location("_sections", tool)
-    sections = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sections)
     self.assertEqual(sections.removable(source.split("\n")),
                      [number for number, _ in table])
     self.assertLessEqual(set(sections.SKIPS), {number for number, _ in table})

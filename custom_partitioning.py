@@ -36,7 +36,7 @@ is in the docstrings of ``custom_partitioning``, ``def_partition`` and
 
 Version
 -------
-1.4.0 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+1.4.1 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
 Every change a user can notice bumps it, in the same commit.
@@ -123,7 +123,7 @@ from typing import Any, NamedTuple
 import warnings
 import weakref
 
-__version__ = "1.4.0"
+__version__ = "1.4.1"
 __all__ = [  # jax's six names, then this module's own (III.2 adds two)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
@@ -2452,14 +2452,12 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   program = op.lowered.get(request)
   if program is None:
     with _config_entered(op.config):
-      shard = _shard_of(op, operands, results, op.mesh)
-    if _foreign_mesh_fails(shard.mesh, op.mesh):
-      raise _KeepCallbacks(
-          f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
-          f"computation jax {jax.__version__} cannot lower inside the op's "
-          f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 can; return the op's "
-          "mesh)")
-    program = _manual_program(op, shard)
+      if op.steps:  # seam: jax's transposition of a derived op (II.4)
+        program = _transposed_program(op, operands, results)
+      if program is None:
+        shard = _shard_of(op, operands, results, op.mesh)
+        _check_lowerable(op, shard)
+        program = _manual_program(op, shard)
     op.lowered.put(request, program)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -2475,6 +2473,24 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
 class _KeepCallbacks(Exception):
   """Why an op's answer cannot become a manual computation: off TPU, XLA's
   callbacks partition it instead."""
+
+
+def _check_lowerable(op: _Op, shard: _Answer):
+  """Raises ``_KeepCallbacks`` where jax cannot lower ``shard`` (an answer
+  of ``op``'s) as a manual computation."""
+  if _foreign_mesh_fails(shard.mesh, op.mesh):
+    raise _KeepCallbacks(
+        f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
+        f"computation jax {jax.__version__} cannot lower inside the op's "
+        f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 can; return the op's mesh)")
+  mesh = shard.mesh
+  for what, side in (("operand", shard.args), ("result", shard.results)):
+    for i, v in enumerate(side):
+      if v.spec is None:
+        raise _KeepCallbacks(
+            f"returns a sharding for {what} {i} that has no PartitionSpec "
+            f"on the mesh {dict(mesh.shape)}, which a manual computation "
+            "needs")
 
 
 def _foreign_mesh_fails(mesh, op_mesh) -> bool:
@@ -2497,17 +2513,13 @@ def _decided_spec(spec, aval, mesh) -> tuple:
   return tuple(map(entry_of, spec[:len(aval.shape)]))
 
 
-def _manual_program(op: _Op, shard: _Answer) -> Callable:
-  """The jitted pad -> ``shard_map`` of ``shard``'s per-shard program ->
-  slice (XLA pads uneven shards on the callback path; here jax does)."""
+def _manual_program(op: _Op, shard: _Answer, per_shard=None,
+                    jit: bool = True) -> Callable:
+  """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
+  (XLA pads uneven shards on the callback path; here jax does), jitted if
+  ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
+  checked by jax's typing of shard_map (II.4's transposition needs it)."""
   mesh, on = shard.mesh, shard.on
-  for what, side in (("operand", shard.args), ("result", shard.results)):
-    for i, v in enumerate(side):
-      if v.spec is None:
-        raise _KeepCallbacks(
-            f"returns a sharding for {what} {i} that has no PartitionSpec "
-            f"on the mesh {dict(mesh.shape)}, which a manual computation "
-            "needs")
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
       for v in side] for side in (shard.args, shard.results)]
@@ -2515,16 +2527,20 @@ def _manual_program(op: _Op, shard: _Answer) -> Callable:
     # Operands traced unsharded: on Explicit axes shard_map would refuse.
     mesh = _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=(
         jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  # Transposed, a real row as padding keeps 0 * inf out of the sums
+  # (its cotangent is zero); XLA pads with unspecified values.
+  mode = "constant" if per_shard is None else "edge"
   spec = jax.sharding.PartitionSpec
-  mapped = _shard_map(_jax.jaxpr_as_fun(shard.jaxpr), mesh,
-                      tuple(spec(*v.spec) for v in shard.args),
-                      [spec(*v.spec) for v in shard.results])
+  mapped = _shard_map(
+      per_shard or _jax.jaxpr_as_fun(shard.jaxpr), mesh,
+      tuple(spec(*v.spec) for v in shard.args),
+      [spec(*v.spec) for v in shard.results], checked=per_shard is not None)
 
   def program(*xs):
     # jax 0.7.2's jit traces under set_mesh's mesh again: cleared here.
     with _no_ambient_mesh():
       xs = [x if x.shape == shape else jax.numpy.pad(
-          x, [(0, p - s) for s, p in zip(x.shape, shape)])
+          x, [(0, p - s) for s, p in zip(x.shape, shape)], mode=mode)
           for x, shape in zip(xs, padded[0])]
       return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
               for y, v in zip(mapped(*xs), shard.results)]
@@ -2532,16 +2548,17 @@ def _manual_program(op: _Op, shard: _Answer) -> Callable:
   # Jitted, equal ops share one function (lowered once); jax 0.7.2's Shardy
   # leaves a function of several callers unplaced (an all-gather at each
   # call), 0.10.2's places it: inlined before.
-  return jax.jit(program) if _JAX_VERSION >= (0, 10) else program
+  return jax.jit(program) if jit and _JAX_VERSION >= (0, 10) else program
 
 
-def _shard_map(fun, mesh, in_specs, out_specs):
-  """``jax.shard_map`` unchecked (the per-shard checks ran already)."""
+def _shard_map(fun, mesh, in_specs, out_specs, checked: bool = False):
+  """``jax.shard_map``, unchecked unless ``checked`` (the per-shard checks
+  ran already)."""
   # jax 0.6.1 made shard_map public, its check_rep renamed check_vma.
   if _JAX_VERSION >= (0, 6, 1):
     return jax.shard_map(fun, mesh=mesh, in_specs=in_specs,
-                         out_specs=out_specs, check_vma=False)
-  return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=False)
+                         out_specs=out_specs, check_vma=checked)
+  return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=checked)
 
 
 _lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
@@ -3278,6 +3295,11 @@ class _Step:
   def transposed(self):
     return None
 
+  def transform(self, fn, entry):
+    """``fn``, of global values, transformed as jax does this step (a
+    batch dimension on the axes of ``entry``)."""
+    return self.lower(fn)
+
 
 def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
   """The ops from the author's to the top one, whose values are given."""
@@ -3336,6 +3358,9 @@ class _Batch(_Step):
 
   def lower(self, fn, *_):
     return jax.vmap(fn)
+
+  def transform(self, fn, entry):
+    return jax.vmap(fn, spmd_axis_name=entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3404,6 +3429,13 @@ class _Vjp(_Step):
   def rule_up(self, level, sizes, ops, res, reduction):
     return (*self.up(ops, res), [])
 
+  def transform(self, fn, entry):
+    def vjp_fn(*xs):
+      n = len(self.mask)
+      partial_fn, chosen = _masked(fn, xs[:n], self.mask)
+      return list(jax.vjp(partial_fn, *chosen)[1](list(xs[n:])))
+    return vjp_fn
+
   def lower(self, fn, op, answer, below, batched):
     """``fn`` transposed per shard. Along a mesh axis that no collective of
     ``fn`` runs over and that every result is replicated over if an operand
@@ -3412,9 +3444,12 @@ class _Vjp(_Step):
     so a custom backward rule that is not linear (a clip) sees what plain
     jax gives it. Along the other axes the pullback runs as jax transposes
     ``pmap`` code (a ``psum``'s transpose is a ``psum``), then corrected:
-    each of a result's ``r`` copies gets ``1/r`` of its cotangent, and an
+    one of a result's copies gets its cotangent, the others zero, and an
     operand's cotangent is summed over the axes it is replicated over,
-    which is exact for pullbacks linear in their cotangents."""
+    which is exact for pullbacks linear in their cotangents and for
+    backward rules that map a zero cotangent to zero (a clip or a sign
+    after a collective: each copy's rule sees the whole cotangent or
+    none). At lowering, ``_transposed_program`` serves first."""
     copies = functools.partial(_copies_over, op, answer.on, batched=batched)
     results = [set(copies(v)) for v in below.results]
     operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
@@ -3433,22 +3468,63 @@ class _Vjp(_Step):
                                 set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}
-      scales = [math.prod(answer.mesh.shape[a] for a in r if a in shared)
-                for r in results]
+      copies = [tuple(a for a in r if a in shared) for r in results]
       _, pullback = jax.vjp(partial_fn, *chosen)
-      grads = pullback(_scaled(xs[n:], scales))
+      grads = pullback(_on_one_copy(xs[n:], copies))
       if padded:  # a first slice whose derivative is infinite
-        grads = _finite_padding(pullback, grads, _scaled([
+        grads = _finite_padding(pullback, grads, _on_one_copy([
             _without_padding(ct, v, answer.on, True)
-            for ct, v in zip(xs[n:], below.results)], scales))
+            for ct, v in zip(xs[n:], below.results)], copies))
       psums = [tuple(a for a in axes if a in shared) for axes in operands]
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(grads, psums)]
     return vjp_fn
 
 
-def _scaled(cts: list, scales: list) -> list:
-  return [ct / r if r > 1 else ct for ct, r in zip(cts, scales)]
+def _transposed_program(op: _Op, operands: list, results: list):
+  """At lowering, an op derived through a transposition as jax's own
+  transformations of the author's op as a checked ``jax.shard_map``, or
+  None where there is no transposition or jax cannot type ``lower_fn``.
+
+  Typed, jax transposes a collective as its dual (a ``psum``'s cotangent
+  reaches each device whole), so a backward rule after a collective that
+  is not linear in its cotangents (a clip, a sign) sees what plain jax
+  gives it, which ``_Vjp.lower``'s correction of pmap's transposition
+  cannot give."""
+  if not any(isinstance(s, _Vjp) for s in op.steps):
+    return None
+  levels = _levels(op.steps, operands, results)
+  answer, closed = _partition(op, levels[0].operands, levels[0].results,
+                              op.mesh)
+  _check_lowerable(op, answer)
+
+  def per_shard(*xs):
+    return jax.tree_util.tree_leaves(answer.lower_fn(*op.in_tree.unflatten(
+        xs)))
+  fn = _manual_program(op, answer, per_shard, jit=False)
+  for level in _specs_up(levels, answer, closed)[1:]:
+    fn = level.step.transform(fn, level.entry)
+  try:  # jax types lower_fn here, or the per-shard transposition serves
+    with _no_ambient_mesh():
+      jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.shape, v.dtype)
+                           for v in levels[-1].operands])
+  except Exception as e:  # noqa: BLE001 - the other path reports real errors
+    _log.debug("%s: jax cannot type lower_fn (%s): transposed per shard",
+               op.name, e)
+    return None
+  return jax.jit(fn) if _JAX_VERSION >= (0, 10) else fn
+
+
+def _on_one_copy(cts: list, copies: list) -> list:
+  """Each of ``cts`` kept on the first of the devices along its axes in
+  ``copies`` (which hold equal copies of its result), zero on the others."""
+  def kept(ct, axes):
+    if not axes or ct.dtype == jax.dtypes.float0:
+      return ct
+    first = functools.reduce(jax.numpy.logical_and, [
+        jax.lax.axis_index(a) == 0 for a in axes])
+    return jax.numpy.where(first, ct, jax.numpy.zeros_like(ct))
+  return [kept(ct, axes) for ct, axes in zip(cts, copies)]
 
 
 def _finite_padding(pullback, grads: list, real_cts: list) -> list:

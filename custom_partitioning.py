@@ -3195,11 +3195,25 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
   call = params["call"]
   in_avals = tuple(_typeof(x) for x in operands)
   key = (call, tag, in_avals, _jax.trace_context())
-  derived = _derived.cached(key, lambda: _trace_to_jaxpr(
-      fun, in_avals, jax.tree_util.tree_structure(in_avals), in_avals,
-      f"{tag[0]} of {_fun_name(call)}")[0])
+
+  def traced(avals):
+    return _trace_to_jaxpr(fun, avals, jax.tree_util.tree_structure(avals),
+                           avals, f"{tag[0]} of {_fun_name(call)}")[0]
+
+  def derive():
+    try:
+      return traced(in_avals)
+    except Exception:
+      if all(_aval_mesh(a) is None for a in in_avals):
+        raise
+      # Explicit axes off the shard_map path: untyped where jax cannot type
+      # the body (q @ k.T), as the op itself was bound (``_bind``).
+      with _no_ambient_mesh():
+        return traced(tuple(_jax.ShapedArray(a.shape, a.dtype,
+                                             weak_type=a.weak_type)
+                            for a in in_avals))
   return custom_partitioning_p.bind(*operands, **dict(
-      params, call=derived, transform=transform))
+      params, call=_derived.cached(key, derive), transform=transform))
 
 
 def _masked(fn: Callable, primals, mask):
@@ -3491,7 +3505,10 @@ def _transposed_program(op: _Op, operands: list, results: list):
   is not linear in its cotangents (a clip, a sign) sees what plain jax
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
-  if not any(isinstance(s, _Vjp) for s in op.steps):
+  # Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
+  # on jax's transposed shard_map (a result of its body used twice).
+  if _JAX_VERSION < (0, 5, 3) or not any(isinstance(s, _Vjp)
+                                          for s in op.steps):
     return None
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results,

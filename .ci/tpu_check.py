@@ -104,6 +104,31 @@ matmul.def_partition(_mm_part, sharding_rule="i k, k j -> i j",
                      reduction_factors=("k",))
 
 
+@jax.custom_vjp
+def clip_grad(v):  # a backward rule not linear in its cotangent
+  return v
+
+
+clip_grad.defvjp(lambda v: (v, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+
+@custom_partitioning
+def clipped_matmul(x, w):
+  return clip_grad(x @ w)
+
+
+clipped_matmul.def_partition(
+    lambda mesh, a, r: (
+        mesh, lambda x, w: clip_grad(jax.lax.psum(x @ w, "y")),
+        NamedSharding(mesh, P("x", None)),
+        (NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P("y", None)))),
+    sharding_rule="i k, k j -> i j")
+
+
+def _clipped_loss(f):
+  return jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w)) * 100.0))
+
+
 @custom_partitioning
 def two(x):  # two results
   return x + 1, jnp.sum(x, axis=1)
@@ -187,6 +212,10 @@ CASES = {
             lambda x: x / np.cosh(x) ** 2, [(64, 128)], np.float32, None),
     "2-D mesh matmul (psum)": (matmul, lambda x, w: x @ w,
                                [(64, 128), (128, 128)], np.float32, None),
+    "2-D grad, clip after psum": (
+        _clipped_loss(clipped_matmul),
+        _clipped_loss(lambda x, w: clip_grad(x @ w)),
+        [(64, 128), (128, 128)], np.float32, None),
     "Pallas kernel as lower_fn": (pallas_op, lambda x: x * 2, [(64, 128)],
                                   np.float32, pallas_double),
 }
@@ -194,7 +223,8 @@ CASES = {
 
 # What the minimal copy lacks: rule-only ops (II.5), derived ops (II.4).
 EXTRAS = {"rule-only op", "two results", "static argument",
-          "several ops, scan, cond", "vmap", "grad", "jvp"}
+          "several ops, scan, cond", "vmap", "grad", "jvp",
+          "2-D grad, clip after psum"}
 if len(sys.argv) > 1:
   CASES = {k: v for k, v in CASES.items() if k not in EXTRAS}
 

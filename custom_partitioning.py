@@ -3526,8 +3526,9 @@ def _transposed_program(op: _Op, operands: list, results: list):
       jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.shape, v.dtype)
                            for v in levels[-1].operands])
   except Exception as e:  # noqa: BLE001 - the other path reports real errors
-    _log.debug("%s: jax cannot type lower_fn (%s): transposed per shard",
-               op.name, e)
+    if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+      _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
+             why=f"transposed per shard: jax's types refuse lower_fn ({e})")
     return None
   return jax.jit(fn) if _JAX_VERSION >= (0, 10) else fn
 

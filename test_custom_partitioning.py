@@ -6505,6 +6505,27 @@ class NonlinearRulesTest(CPTestCase):
             jax.jit(gots[name], in_shardings=put)(self.xh, self.wh),
             jax.jit(wants[name])(self.xh, self.wh))
 
+  def test_the_log_says_where_jax_cannot_type_lower_fn(self):
+    """From jax 0.7 an all_gather's result varies over its axis in jax's
+    types, so a result declared replicated is refused there: transposed per
+    shard, which the log says."""
+    if not self.at_lowering or JAX_VERSION < (0, 7):
+      self.skipTest("at lowering, with jax's varying types (jax 0.7)")
+    m = self.mesh((2, 4), ("x", "y"))
+    for where, refused in (("after all_gather", True), ("after psum", False)):
+      plain, lower_fn, in_specs = _collective_programs(
+          _clip_rule, "x", "y", 4)[where]
+      op = _collective_op(plain, lower_fn, in_specs, P("x", None))
+      f = jax.jit(jax.grad(lambda x, w, op=op: jnp.sum(op(x, w))),
+                  in_shardings=tuple(NamedSharding(m, s) for s in in_specs))
+      with self.subTest(where), self.assertLogs(cp._log, "DEBUG") as logs:
+        f.lower(self.xh, self.wh)
+        cp._log.debug("end")  # assertLogs needs one record
+      said = [r for r in logs.output if "jax's types refuse lower_fn" in r]
+      self.assertEqual(bool(said), refused, logs.output)
+      if refused:
+        self.assertIn("transposed per shard", said[0])
+
   def test_explicit_axes_are_plain_jax_where_jax_types_lower_fn(self):
     if NO_EXPLICIT_PATH:
       self.skipTest(NO_EXPLICIT_PATH)

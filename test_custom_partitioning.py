@@ -9705,6 +9705,22 @@ class AtLoweringTest(CPTestCase):
     g = jax.jit(lambda v: op(jax.lax.with_sharding_constraint(v, rows)))
     np.testing.assert_allclose(g(xh), xh * 2.0 + 1.0)
 
+  def test_grad_on_partition_s_reordered_devices(self):
+    """partition's mesh holds the op's devices in another order: where
+    jax cannot lower that manual computation (before 0.7, from 0.11), the
+    transposed op keeps XLA's callbacks as the op does; values right."""
+    other = Mesh(self.m.devices[::-1], ("x",))
+    op = custom_partitioning(lambda v: v * 2.0)
+    s = NamedSharding(other, P("x", None))
+    op.def_partition(lambda m, a, r: (other, lambda v: v * 2.0, s, (s,)),
+                     sharding_rule="i j -> i j")
+    g = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(op(v)))),
+                in_shardings=self.s)
+    np.testing.assert_allclose(g(self.x), 2.0 * np.cos(2.0 * self.xh),
+                               rtol=1e-5)
+    self.assertEqual("CustomSPMDPartitioning" in g.lower(self.x).as_text(),
+                     cp._foreign_mesh_fails(other, self.m))
+
   def test_an_answer_without_a_partition_spec_keeps_the_callbacks(self):
     """partition's sharding on its mesh's devices in an order no
     PartitionSpec of that mesh states: XLA's callbacks partition the op

@@ -6565,6 +6565,32 @@ class NonlinearRulesTest(CPTestCase):
           self.assertPlainJax(jax.jit(gots[name])(x, w),
                               jax.jit(wants[name])(self.xh, self.wh))
 
+  def test_explicit_axes_where_jax_types_refuse_lower_fn(self):
+    """A clip after an all_gather whose result is declared replicated:
+    jax's types refuse it, the op runs as jax's unchecked shard_map and
+    differentiates as that shard_map does (README: a documented limit)."""
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    m = jax.make_mesh((2, 4), ("x", "y"), axis_types=(
+        jax.sharding.AxisType.Explicit,) * 2)
+    plain, lower_fn, in_specs = _collective_programs(
+        _clip_rule, "x", "y", 4)["after all_gather"]
+    op = _collective_op(plain, lower_fn, in_specs, P("x", None))
+    unchecked = jax.shard_map(lower_fn, mesh=m, in_specs=in_specs,
+                              out_specs=P("x", None), check_vma=False)
+    with jax.set_mesh(m):
+      x, w = (jax.device_put(v, NamedSharding(m, s))
+              for v, s in zip((self.xh, self.wh), in_specs))
+      got = jax.jit(self.derivatives(op)["grad"])(x, w)
+      self.assertPlainJax(got, jax.jit(self.derivatives(unchecked)["grad"])(
+          x, w))
+    # Auto axes: plain jax's values.
+    auto = self.mesh((2, 4), ("x", "y"))
+    self.assertPlainJax(
+        jax.jit(self.derivatives(op)["grad"], in_shardings=tuple(
+            NamedSharding(auto, s) for s in in_specs))(self.xh, self.wh),
+        jax.jit(self.derivatives(plain)["grad"])(self.xh, self.wh))
+
   def test_a_rule_reached_twice_at_second_order_is_jax_checkpoint_s(self):
     """Documented limit (README, "Transformations"): on Auto axes each
     derived op runs the body again, as jax.checkpoint of it does, so a

@@ -3506,9 +3506,11 @@ def _transposed_program(op: _Op, operands: list, results: list):
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
   # Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
-  # on jax's transposed shard_map (a result of its body used twice).
-  if _JAX_VERSION < (0, 5, 3) or not any(isinstance(s, _Vjp)
-                                          for s in op.steps):
+  # on jax's transposed shard_map (a result of its body used twice); jax
+  # 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
+  # body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
+  if (_JAX_VERSION < (0, 5, 3) or (0, 6, 1) <= _JAX_VERSION < (0, 7) or
+      not any(isinstance(s, _Vjp) for s in op.steps)):
     return None
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results,

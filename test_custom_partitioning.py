@@ -6488,9 +6488,10 @@ class NonlinearRulesTest(CPTestCase):
     """At lowering the transposition is jax's, typed: the rule runs once per
     cotangent. XLA's callbacks run it on every copy (the others with a zero
     cotangent), exact only for rules that map zero to zero."""
-    if not self.at_lowering or JAX_VERSION < (0, 5, 3):
-      self.skipTest("XLA's callbacks, or jax before 0.5.3 at lowering: rules "
-                    "must map a zero cotangent to zero")
+    if not self.at_lowering or JAX_VERSION < (0, 5, 3) or (
+        (0, 6, 1) <= JAX_VERSION < (0, 7)):
+      self.skipTest("XLA's callbacks, or at lowering before jax 0.5.3 and on "
+                    "0.6.1 and 0.6.2: rules must map a zero cotangent to zero")
     m = self.mesh((2, 4), ("x", "y"))
     plain, lower_fn, in_specs = _collective_programs(
         _affine_rule, "x", "y", 4)["after psum"]

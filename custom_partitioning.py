@@ -634,18 +634,10 @@ class custom_partitioning:
       explicit = _explicit_call(self, args, flat, eager_mesh)
       if explicit is not None:
         return explicit
-    try:
-      call, out_tree = self._traced(args, flat)
-    except Exception:
-      if all(_aval_mesh(a) is None for a in flat.in_avals):
-        raise
-      # Sharded types (Explicit axes off the shard_map path): typed where
-      # jax can (the result types), else untyped, as upstream traces it (a
-      # Pallas kernel, q @ k.T): partition's lower_fn runs, not fun.
-      with _no_ambient_mesh():
-        call, out_tree = self._trace_fun(args, flat.in_tree, [
-            _jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
-            for a in flat.in_avals])
+    call, out_tree = _typed_where_jax_can(
+        lambda: self._traced(args, flat),
+        lambda avals: self._trace_fun(args, flat.in_tree, avals),
+        flat.in_avals)
     out_flat = custom_partitioning_p.bind(
         *flat.leaves, **self._params(args, flat, call, out_tree))
     return jax.tree_util.tree_unflatten(out_tree, out_flat)
@@ -777,6 +769,22 @@ def _cache_epoch() -> object:
 
 _call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weak_lock = threading.Lock()
+
+
+def _typed_where_jax_can(typed: Callable, untyped: Callable, avals):
+  """``typed()``; where that fails on ``avals`` sharded on a mesh
+  (Explicit axes off the shard_map path), ``untyped`` of them without
+  shardings, as upstream traces (a Pallas kernel, q @ k.T): partition's
+  lower_fn runs, not the body traced here."""
+  try:
+    return typed()
+  except Exception:
+    if all(_aval_mesh(a) is None for a in avals):
+      raise
+    with _no_ambient_mesh():
+      return untyped(tuple(_jax.ShapedArray(a.shape, a.dtype,
+                                            weak_type=a.weak_type)
+                           for a in avals))
 
 
 def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
@@ -3200,20 +3208,11 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
     return _trace_to_jaxpr(fun, avals, jax.tree_util.tree_structure(avals),
                            avals, f"{tag[0]} of {_fun_name(call)}")[0]
 
-  def derive():
-    try:
-      return traced(in_avals)
-    except Exception:
-      if all(_aval_mesh(a) is None for a in in_avals):
-        raise
-      # Explicit axes off the shard_map path: untyped where jax cannot type
-      # the body (q @ k.T), as the op itself was bound (``_bind``).
-      with _no_ambient_mesh():
-        return traced(tuple(_jax.ShapedArray(a.shape, a.dtype,
-                                             weak_type=a.weak_type)
-                            for a in in_avals))
+  # Untyped where jax cannot type the body, as the op itself was bound.
+  derived = _derived.cached(key, lambda: _typed_where_jax_can(
+      lambda: traced(in_avals), traced, in_avals))
   return custom_partitioning_p.bind(*operands, **dict(
-      params, call=_derived.cached(key, derive), transform=transform))
+      params, call=derived, transform=transform))
 
 
 def _masked(fn: Callable, primals, mask):
@@ -3482,13 +3481,13 @@ class _Vjp(_Step):
                                 set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}
-      copies = [tuple(a for a in r if a in shared) for r in results]
+      kept_along = [tuple(a for a in r if a in shared) for r in results]
       _, pullback = jax.vjp(partial_fn, *chosen)
-      grads = pullback(_on_one_copy(xs[n:], copies))
+      grads = pullback(_on_one_copy(xs[n:], kept_along))
       if padded:  # a first slice whose derivative is infinite
         grads = _finite_padding(pullback, grads, _on_one_copy([
             _without_padding(ct, v, answer.on, True)
-            for ct, v in zip(xs[n:], below.results)], copies))
+            for ct, v in zip(xs[n:], below.results)], kept_along))
       psums = [tuple(a for a in axes if a in shared) for axes in operands]
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(grads, psums)]
@@ -3497,8 +3496,9 @@ class _Vjp(_Step):
 
 def _transposed_program(op: _Op, operands: list, results: list):
   """At lowering, an op derived through a transposition as jax's own
-  transformations of the author's op as a checked ``jax.shard_map``, or
-  None where there is no transposition or jax cannot type ``lower_fn``.
+  transformations of the author's op as a checked ``jax.shard_map``; where
+  jax cannot type ``lower_fn``, as transposed per shard (``partition``
+  asked once for both); None where there is no transposition.
 
   Typed, jax transposes a collective as its dual (a ``psum``'s cotangent
   reaches each device whole), so a backward rule after a collective that
@@ -3531,7 +3531,8 @@ def _transposed_program(op: _Op, operands: list, results: list):
     if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
       _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
              why=f"transposed per shard: jax's types refuse lower_fn ({e})")
-    return None
+    return _manual_program(op, _partition_derived(
+        op, operands, results, op.mesh, (answer, closed)))
   return jax.jit(fn) if _JAX_VERSION >= (0, 10) else fn
 
 
@@ -3559,15 +3560,18 @@ def _finite_padding(pullback, grads: list, real_cts: list) -> list:
           for g, h in zip(grads, again)]
 
 
-def _partition_derived(op: _Op, operands: list, results: list, on) -> _Answer:
-  """The author's answer about the op below, walked up ``op.steps``."""
+def _partition_derived(op: _Op, operands: list, results: list, on,
+                       asked=None) -> _Answer:
+  """The author's answer about the op below (``asked``, if given: what
+  ``_partition`` answered), walked up ``op.steps``."""
   if op.mesh.empty:
     raise NotImplementedError(
         f"{op.name} is lowered for several devices without a mesh; jax.vmap, "
         "jax.jvp and jax.grad of a custom_partitioning op need one (jit with "
         "NamedSharding arguments, jax.set_mesh or `with mesh:`).")
   levels = _levels(op.steps, operands, results)
-  answer, closed = _partition(op, levels[0].operands, levels[0].results, on)
+  answer, closed = asked or _partition(op, levels[0].operands,
+                                       levels[0].results, on)
   levels = _specs_up(levels, answer, closed)
   # lower_fn transformed by each step (given batch dimensions above it).
   fn = _jax.jaxpr_as_fun(closed)

@@ -6527,6 +6527,29 @@ class NonlinearRulesTest(CPTestCase):
       if refused:
         self.assertIn("transposed per shard", said[0])
 
+  def test_partition_is_asked_once_where_jax_types_refuse_lower_fn(self):
+    """The typed attempt's answer serves the per-shard transposition:
+    partition is asked once for the forward op and once for its
+    transposition, not again for the fallback."""
+    if not self.at_lowering or JAX_VERSION < (0, 7):
+      self.skipTest("at lowering, with jax's varying types (jax 0.7)")
+    m = self.mesh((2, 4), ("x", "y"))
+    plain, lower_fn, in_specs = _collective_programs(
+        _clip_rule, "x", "y", 4)["after all_gather"]
+    asked = []
+
+    def partition(mesh, arg_shapes, result_shape):
+      asked.append(tuple(a.sharding.spec for a in arg_shapes))
+      return (mesh, lower_fn, NamedSharding(mesh, P("x", None)),
+              tuple(NamedSharding(mesh, s) for s in in_specs))
+    op = custom_partitioning(plain)
+    op.def_partition(partition, sharding_rule="i k, k j -> i j")
+    got = jax.jit(self.derivatives(op)["grad"], in_shardings=tuple(
+        NamedSharding(m, s) for s in in_specs))(self.xh, self.wh)
+    self.assertPlainJax(got, jax.jit(self.derivatives(plain)["grad"])(
+        self.xh, self.wh))
+    self.assertEqual(len(asked), 2, asked)
+
   def test_explicit_axes_are_plain_jax_where_jax_types_lower_fn(self):
     if NO_EXPLICIT_PATH:
       self.skipTest(NO_EXPLICIT_PATH)

@@ -27,16 +27,16 @@ of gathering its operands. Under Shardy (jax's default) the op is
 partitioned while jax lowers the program, on every backend, Cloud TPU
 included: Shardy's propagation, run in-process, places its operands,
 ``partition`` is asked, and the op becomes a manual computation of the
-per-shard program (I.6). Under GSPMD it is one XLA custom call, as upstream:
-while compiling, XLA asks this module (through Python callbacks) for the
-result's sharding and a per-shard program lowered from the author's
-``lower_fn``. The contract
+per-shard program (I.6). Under GSPMD (jax 0.12.0.1 and older; 0.12.1
+removed it) it is one XLA custom call, as upstream: while compiling, XLA
+asks this module (through Python callbacks) for the result's sharding and
+a per-shard program lowered from the author's ``lower_fn``. The contract
 is in the docstrings of ``custom_partitioning``, ``def_partition`` and
 ``check_partitioning``; ``python custom_partitioning.py`` runs ``_demo``.
 
 Version
 -------
-1.4.1 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+1.5.0 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
 Every change a user can notice bumps it, in the same commit.
@@ -62,20 +62,24 @@ Shardy too, except on TPU).
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 through 0.12.0.1, each with the Shardy and the GSPMD
-partitioner; CI (``.ci/run``) tests every change. The whole suite runs on
-0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 and 0.12.0.1 (Python
-3.12, which 0.11 needs; 0.12.0.1 on 3.13 too), and on the newest release
+jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy and, through
+0.12.0.1, the GSPMD partitioner: jax 0.12.1 removed GSPMD (its flag stays,
+with no effect), so there Shardy partitions every op, GSPMD-era ones too
+(upstream refuses those there). CI (``.ci/run``) tests every change.
+The whole suite runs on 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11),
+0.11.2 (Python 3.12, which 0.11 needs) and 0.12.1 (Python 3.13), and on
+the newest release
 the registry offers, with the names jax keeps only as legacy shims withdrawn
 from this module (``.ci/withdrawn``), so the release that deletes them finds
 nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1,
 0.6.0, 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0,
-0.9.0.1, 0.9.1, 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1 and 0.12.0 (also jax
-0.12.0 on jaxlib 0.11.2): core test classes, the README quickstart and the
-self-demo. Older releases raise ``ImportError``, and so does any release that
-lacks a jax name this module reads: every one is looked up at import in the
-table below the imports (``_NAMES``), naming what is missing. A newer
-release is not refused; CI's newest-release run says whether it works.
+0.9.0.1, 0.9.1, 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1
+(also jax 0.12.0 on jaxlib 0.11.2): core test classes, the README
+quickstart and the self-demo. Older releases raise ``ImportError``, and so
+does any release that lacks a jax name this module reads: every one is
+looked up at import in the table below the imports (``_NAMES``), naming
+what is missing. A newer release is not refused; CI's newest-release run
+says whether it works.
 
 Reading order
 -------------
@@ -123,7 +127,7 @@ from typing import Any, NamedTuple
 import warnings
 import weakref
 
-__version__ = "1.4.1"
+__version__ = "1.5.0"
 __all__ = [  # jax's six names, then this module's own (III.2 adds two)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
@@ -162,7 +166,7 @@ import numpy as np
 # public one. A release lacking a required name fails here, at import, by
 # name; ``grep -n "_jax\."`` lists every use. What jax's source says it
 # plans for a name (legacy, deprecated, to be removed) stands beside it,
-# read in jax 0.12.0.1's source; a name without a note has none there. A
+# read in jax 0.12.1's source; a name without a note has none there. A
 # shim with a successor is not read, which CI proves on the newest release
 # with the shims withdrawn (``.ci/withdrawn/sitecustomize.py`` lists them).
 # --------------------------------------------------------------------------
@@ -206,9 +210,12 @@ _NAMES = {
        if _JAX_VERSION < (0, 6, 1) else {}),
     "jax._src.api_util": "argnums_partial debug_info flatten_fun_nokwargs",
     "jax._src.compiler": "register_xla_runtime_error_handler",
+    # jax 0.12.1 removed GSPMD; use_shardy_partitioner stays, "DEPRECATED:
+    # ... no effect" (_SHARDY).
     "jax._src.config": "State compilation_cache_dir config disable_jit "
-                       "enable_compilation_cache trace_context "
-                       "use_shardy_partitioner",
+                       "enable_compilation_cache trace_context" + (
+                           " use_shardy_partitioner"
+                           if _JAX_VERSION < (0, 12, 1) else ""),
     "jax._src.core": "extend_axis_env_nd jaxprs_in_params subjaxprs "
                      "trace_state_clean AxisEnv? ShardingTypeError? "
                      "get_aval? raise_to_shaped? typeof?",
@@ -227,7 +234,10 @@ _NAMES = {
     "jax._src.mesh": "thread_resources empty_abstract_mesh? "
                      "get_abstract_mesh? get_concrete_mesh? "
                      "use_abstract_mesh?",
+    # jax 0.12.1 deprecated jax.sharding.SingleDeviceSharding for a function
+    # (is_single_device_sharding); the hot path compares types: the class.
     "jax._src.sharding_impls": "GSPMDSharding SPMDAxisContext "
+                               "SingleDeviceSharding "
                                "parse_flatten_op_sharding",
     "jax._src.source_info_util": "new_name_stack",
     "jax._src.util": "cache",
@@ -246,8 +256,8 @@ def _look_up(names: dict) -> types.SimpleNamespace:
       if value is None and not optional:
         raise ImportError(
             f"{__name__} needs {path}, which jax {jax.__version__} does not "
-            "have; this file is tested with jax 0.4.35 to 0.12.0.1. Install "
-            "one of those releases (pip install -U 'jax==0.12.0.1'), or use "
+            "have; this file is tested with jax 0.4.35 to 0.12.1. Install "
+            "one of those releases (pip install -U 'jax==0.12.1'), or use "
             "jax.experimental.custom_partitioning.")
   return types.SimpleNamespace(**found)
 
@@ -324,9 +334,10 @@ class custom_partitioning:
   partitioned by ``def_partition``'s callbacks: under Shardy while jax
   lowers the program (``partition`` asked with the placements Shardy's
   propagation gives, the op then a manual computation of ``lower_fn``; on
-  every backend, TPU included), under GSPMD as one XLA custom call whose
-  callbacks XLA calls while compiling, as upstream; on one device,
-  in a ``shard_map`` manual over every mesh axis and under
+  every backend, TPU included), under GSPMD (jax 0.12.0.1 and older) as
+  one XLA custom call whose callbacks XLA calls while compiling, as
+  upstream; on one device, in a ``shard_map`` manual over every mesh axis
+  and under
   ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
   ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
   transformed on the same local shards (II.4; upstream supports none
@@ -934,7 +945,7 @@ def _key_of(static_args: tuple):
 
 # jax's array class (C++): ``type(x) is`` it costs a tenth of isinstance.
 _ArrayImpl = _jax.ArrayImpl
-_SingleDevice = jax.sharding.SingleDeviceSharding
+_SingleDevice = _jax.SingleDeviceSharding
 
 
 def _any_sharded(xs) -> bool:
@@ -1075,7 +1086,9 @@ def _drop_pending(event=_jax.BACKEND_COMPILE_EVENT, *_, **__) -> None:
 
 
 # ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
-_SHARDY = _jax.use_shardy_partitioner
+# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
+_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
+           types.SimpleNamespace(value=True))
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
 
@@ -4591,8 +4604,9 @@ def _split_size(size: int, where: str | None = None) -> list[int] | None:
     raise ValueError((
         "{where} has size {size}, which is not a product of factors of at most "
         "{limit} (2**31 - 1), the largest factor size a Shardy sharding rule "
-        "can hold. Use the GSPMD partitioner for this op, or reshape the "
-        "dimension.").format(where=where, size=size, limit=_MAX_FACTOR_SIZE))
+        "can hold. Reshape the dimension, or (jax 0.12.0.1 and older) use the "
+        "GSPMD partitioner for this op.").format(
+            where=where, size=size, limit=_MAX_FACTOR_SIZE))
   parts: list[int] = []
   for p in primes + ([rest] if rest > 1 else []):  # ascending
     for i, part in enumerate(parts):
@@ -5302,8 +5316,10 @@ def _demo() -> None:
   host = (real + 1j * imag).astype(np.complex64)
   # What ran decides what the lines below prove: say it first.
   print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; partitioner " +
-        ("Shardy (JAX_USE_SHARDY_PARTITIONER=0 for GSPMD)" if _SHARDY.value
-         else "GSPMD (JAX_USE_SHARDY_PARTITIONER=1 for Shardy)"))
+        ("GSPMD (JAX_USE_SHARDY_PARTITIONER=1 for Shardy)"
+         if not _SHARDY.value else "Shardy (JAX_USE_SHARDY_PARTITIONER=0 for "
+         "GSPMD)" if _JAX_VERSION < (0, 12, 1) else "Shardy (the only one "
+         "since jax 0.12.1)"))
   print(f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
         f"input {host.shape} {host.dtype} sharded over rows")
   # The gradient is partitioned by the same callbacks: still no collective.

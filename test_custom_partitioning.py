@@ -130,6 +130,10 @@ CUSTOM = ", custom" if JAXLIB_VERSION >= (0, 6, 1) else ""
 SPECIAL_FACTORS = JAXLIB_VERSION >= (0, 5, 0)
 NO_SPECIAL_FACTORS = (f"jaxlib {'.'.join(map(str, JAXLIB_VERSION))}: Shardy "
                       "special factors need jaxlib 0.5.0")
+# jax 0.12.1 removed GSPMD: its flag stays, with no effect. Tests of GSPMD
+# skip there; so does every GSPMD variant of a class (CPTestCase.setUp).
+NO_GSPMD = (f"{JAX}: jax 0.12.1 removed GSPMD (Shardy always partitions)"
+            if JAX_VERSION >= (0, 12, 1) else None)
 # jax.sharding.AxisType (typed mesh axes) arrived in jax 0.5.3.
 HAS_AXIS_TYPE = hasattr(jax.sharding, "AxisType")
 
@@ -291,6 +295,8 @@ class CPTestCase(unittest.TestCase):
 
   def setUp(self):
     super().setUp()
+    if self.shardy is False and NO_GSPMD:
+      self.skipTest(NO_GSPMD)
     if self.shardy is not None:
       old = jax.config.jax_use_shardy_partitioner
       jax.config.update("jax_use_shardy_partitioner", self.shardy)
@@ -508,6 +514,8 @@ x = jax.device_put(xh, s)
 
 def _run_snippet(test, shardy, code, timeout=120):
   """Runs ``code`` in a fresh process; returns stdout. Fails on a crash."""
+  if not shardy and NO_GSPMD:
+    test.skipTest(NO_GSPMD)
   src = _SUBPROCESS_PRELUDE.format(
       shardy=bool(shardy), here=HERE,
       shard_map_src=inspect.getsource(shard_map)) + textwrap.dedent(code)
@@ -2702,6 +2710,8 @@ class GspmdRuleInferenceTest(CPTestCase):
 @contextlib.contextmanager
 def _partitioner(shardy):
   """Shardy (True) or GSPMD (False) within the block."""
+  if not shardy and NO_GSPMD:
+    raise unittest.SkipTest(NO_GSPMD)
   old = jax.config.jax_use_shardy_partitioner
   jax.config.update("jax_use_shardy_partitioner", shardy)
   try:
@@ -2862,6 +2872,8 @@ class GspmdEraOpsTest(CPTestCase):
     # compiled programs' gathers are GSPMD's, the results placed alike.
     if not self.shardy:
       self.skipTest("compares Shardy's program with GSPMD's (Shardy variant)")
+    if NO_GSPMD:
+      self.skipTest(NO_GSPMD)
     for name in _GSPMD_ERA_CASES:
       with self.subTest(name):
         op, host, x, mesh, out_spec, _ = self.case(name)
@@ -6912,6 +6924,21 @@ class ImportTest(unittest.TestCase):
     self.assertLessEqual({name.rstrip("?") for names in cp._NAMES.values()
                           for name in names.split()}, listed)
 
+  def test_the_import_warns_of_nothing(self):
+    """No name the module reads is deprecated (jax warns as one is read,
+    jax.sharding.SingleDeviceSharding from 0.12.1): imported in a fresh
+    process after jax, the module warns of nothing."""
+    code = ("import warnings, jax\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "  warnings.simplefilter('always')\n"
+            "  import custom_partitioning\n"
+            "print([str(w.message) for w in caught])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE,
+                          env=_child_env(8), capture_output=True, text=True,
+                          timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertEqual(proc.stdout.splitlines()[-1:], ["[]"], proc.stdout)
+
   def test_a_missing_name_fails_the_import_by_name(self):
     for module, name in (("jax._src.core", "subjaxprs"),
                          ("jax.interpreters.mlir", "lower_fun")):
@@ -6934,7 +6961,7 @@ class ImportTest(unittest.TestCase):
         self.assertIn(f"ImportError: custom_partitioning needs "
                       f"{module}.{name}, which jax {jax.__version__} does "
                       "not have; this file is tested with jax 0.4.35 to "
-                      "0.12.0.1.", proc.stdout)
+                      "0.12.1.", proc.stdout)
 
 
 # --------------------------------------------------------------------------
@@ -8752,6 +8779,8 @@ class DropInTest(CPTestCase):
   def test_trace_cache_keys_on_the_partitioner(self):
     """A body may read the partitioner (libraries do); traces must not be
     shared between the two."""
+    if NO_GSPMD:  # (and jax's trace context no longer holds the flag)
+      self.skipTest(NO_GSPMD)
     op = _same_sharding_op(
         lambda x: x * (2.0 if jax.config.jax_use_shardy_partitioner else 3.0))
     f = jax.jit(lambda x: op(x), in_shardings=self.s)
@@ -9639,11 +9668,34 @@ class AtLoweringTest(CPTestCase):
         self.assertNotIn("all-gather", self.hlo(f, self.x))
 
   def test_gspmd_for_tpu_names_shardy(self):
+    if NO_GSPMD:
+      self.skipTest(NO_GSPMD)
     jax.config.update("jax_use_shardy_partitioner", False)
     self.assertRaisesNaming(
         NotImplementedError, ["cannot be lowered for TPU", "Shardy",
                               "jax#38196", "jax_use_shardy_partitioner"],
         _tpu_text, elementwise_op(), self.x)
+
+  def test_the_partitioner_flag_has_no_effect_from_jax_0_12_1(self):
+    """jax 0.12.1 removed GSPMD: with its flag off, an op (a GSPMD-era one
+    too, which upstream refuses there) is partitioned under Shardy at
+    lowering, for every platform, as jax lowers the rest."""
+    if not NO_GSPMD:
+      self.skipTest(f"{JAX} still has GSPMD")
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    self.addCleanup(jax.config.update, "jax_use_shardy_partitioner", old)
+    self.put_data((16, 8), P("x", "y"), (4, 2), ("x", "y"))
+    for op, want in ((_transpose_op(), self.xh.T),
+                     (elementwise_op(), np.sin(self.xh) * 2.0)):
+      with self.subTest(op=op._name):
+        f = jax.jit(op, in_shardings=self.s)
+        np.testing.assert_allclose(f(self.x), want, rtol=1e-6)
+        text = f.lower(self.x).as_text()
+        self.assertNotIn("CustomSPMDPartitioning", text)
+        self.assertIn("sdy.manual_computation", text)
+        self.assertNotIn("all-gather", self.hlo(f, self.x))
+        self.assertNotIn("CustomSPMDPartitioning", _tpu_text(f, self.x))
 
   def test_partly_manual_shard_map_for_tpu_is_named(self):
     if not HAS_AXIS_TYPE:
@@ -9738,8 +9790,10 @@ class AtLoweringTest(CPTestCase):
     ra, rb = f(jax.device_put(xh, a_s), jax.device_put(xh, b_s))
     np.testing.assert_allclose(ra, xh * 2.0)
     np.testing.assert_allclose(rb, xh * 2.0)
-    # Shardy before jaxlib 0.7 leaves a function of two callers unplaced.
-    self.assertIn(self.seen, ([(("x", None),)], [((None, None),)]))
+    # Shardy before jaxlib 0.7 leaves a function of two callers unplaced;
+    # jaxlib 0.12.1's places it as its second caller's operand.
+    self.assertIn(self.seen, ([(("x", None),)], [((None, None),)],
+                              [((None, "x"),)]))
 
   def test_rows_over_two_axes_and_fewer_rows_than_devices(self):
     seen = []
@@ -11888,9 +11942,11 @@ class ReadmeTest(unittest.TestCase):
     self.assertEqual(imported, [])  # every jax name is in the table
     private = {m: names.split() for m, names in cp._NAMES.items()
                if m.startswith("jax._src.")}
-    names, modules = (int(n) for n in re.search(
-        r"reads (\d+) names from (\d+) private `jax._src` modules",
-        readme).groups())
+    names, modules, newer = (int(n) for n in re.search(
+        r"reads (\d+) names from (\d+) private `jax._src` modules "
+        r"\((\d+) from jax 0\.12\.1\)", readme).groups())
+    if JAX_VERSION >= (0, 12, 1):  # (use_shardy_partitioner is not read)
+      names = newer
     self.assertEqual((names, modules),
                      (sum(map(len, private.values())), len(private)))
     listed = re.search(r"else from these\s+`jax._src.` modules: (.*?); and",

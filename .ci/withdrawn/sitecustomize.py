@@ -31,6 +31,8 @@ WITHDRAWN = [
      "remove"),
     ("jax._src.core.Jaxpr", "replace(jaxpr=...)",
      "Legacy ClosedJaxpr.replace(jaxpr=..., consts=...) form ... remove"),
+    ("jax._src.config", "use_shardy_partitioner",
+     "DEPRECATED: Shardy is now always enabled; this flag has no effect"),
 ]
 
 
@@ -48,7 +50,13 @@ def _refuse(what: str, why: str):
 
 def _withdraw() -> None:
   import jax  # noqa: F401  (the module imports it next anyway)
-  from jax._src import core
+  from jax._src import config, core
+  # From jax 0.12.1 the flag is a name only (jax.config.update still sets
+  # it, by name, for users' code); jax's own code no longer reads it.
+  version = tuple(int("".join(filter(str.isdigit, p)) or 0)
+                  for p in jax.__version__.split(".")[:3])
+  if version >= (0, 12, 1) and hasattr(config, "use_shardy_partitioner"):
+    delattr(config, "use_shardy_partitioner")
   if not hasattr(core.Jaxpr, "with_consts"):
     return  # before jax 0.11 these names are the real thing, not shims
   import jax.extend.core

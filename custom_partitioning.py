@@ -62,24 +62,22 @@ Shardy too, except on TPU).
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy and, through
-0.12.0.1, the GSPMD partitioner: jax 0.12.1 removed GSPMD (its flag stays,
-with no effect), so there Shardy partitions every op, GSPMD-era ones too
-(upstream refuses those there). CI (``.ci/run``) tests every change.
-The whole suite runs on 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11),
-0.11.2 (Python 3.12, which 0.11 needs) and 0.12.1 (Python 3.13), and on
-the newest release
-the registry offers, with the names jax keeps only as legacy shims withdrawn
-from this module (``.ci/withdrawn``), so the release that deletes them finds
-nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1,
-0.6.0, 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0,
-0.9.0.1, 0.9.1, 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1
-(also jax 0.12.0 on jaxlib 0.11.2): core test classes, the README
-quickstart and the self-demo. Older releases raise ``ImportError``, and so
-does any release that lacks a jax name this module reads: every one is
-looked up at import in the table below the imports (``_NAMES``), naming
-what is missing. A newer release is not refused; CI's newest-release run
-says whether it works.
+jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy and, through 0.12.0.1,
+the GSPMD partitioner: jax 0.12.1 removed GSPMD (its flag stays, with no
+effect), so there Shardy partitions every op, GSPMD-era ones too (upstream
+refuses those there). CI (``.ci/run``) tests every change. The whole suite
+runs on 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 (Python 3.12,
+which 0.11 needs) and 0.12.1 (Python 3.13), and on the newest release the
+registry offers, with the names jax keeps only as legacy shims withdrawn from
+this module (``.ci/withdrawn``), so the release that deletes them finds
+nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1, 0.6.0,
+0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0, 0.9.0.1, 0.9.1,
+0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1 (also jax 0.12.0 on
+jaxlib 0.11.2): core test classes, the README quickstart and the self-demo.
+Older releases raise ``ImportError``, and so does any release that lacks a jax
+name this module reads: every one is looked up at import in the table below
+the imports (``_NAMES``), naming what is missing. A newer release is not
+refused; CI's newest-release run says whether it works.
 
 Reading order
 -------------
@@ -331,23 +329,21 @@ class custom_partitioning:
   ``custom_partitioning(fun, static_argnums=())`` wraps ``fun`` (pytrees of
   arrays in and out); a call binds ``custom_partitioning_p`` and returns
   ``fun``'s results. Under ``jax.jit`` on several devices the op is
-  partitioned by ``def_partition``'s callbacks: under Shardy while jax
-  lowers the program (``partition`` asked with the placements Shardy's
-  propagation gives, the op then a manual computation of ``lower_fn``; on
-  every backend, TPU included), under GSPMD (jax 0.12.0.1 and older) as
-  one XLA custom call whose callbacks XLA calls while compiling, as
-  upstream; on one device, in a ``shard_map`` manual over every mesh axis
-  and under
-  ``jax.disable_jit()``, ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and
-  ``jax.grad`` the callbacks see the op untransformed and ``lower_fn`` runs
-  transformed on the same local shards (II.4; upstream supports none
-  of the three). An eager call is compiled: partitioned if an operand is a
-  ``jax.Array`` sharded over several devices, else ``fun`` runs unasked
-  (as upstream does for every eager call). Under Explicit mesh axes (jax
-  0.7+, ``jax.set_mesh``) ``partition`` is asked while tracing and the op
-  becomes ``lower_fn`` under ``jax.shard_map`` between two reshards
-  (II.3). Lowered inside another primitive's lowering rule
-  (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
+  partitioned by ``def_partition``'s callbacks: under Shardy while jax lowers
+  the program (``partition`` asked with the placements Shardy's propagation
+  gives, the op then a manual computation of ``lower_fn``; on every backend,
+  TPU included), under GSPMD (jax 0.12.0.1 and older) as one XLA custom call
+  whose callbacks XLA calls while compiling, as upstream; on one device, in a
+  ``shard_map`` manual over every mesh axis and under ``jax.disable_jit()``,
+  ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks
+  see the op untransformed and ``lower_fn`` runs transformed on the same local
+  shards (II.4; upstream supports none of the three). An eager call is
+  compiled: partitioned if an operand is a ``jax.Array`` sharded over several
+  devices, else ``fun`` runs unasked (as upstream does for every eager call).
+  Under Explicit mesh axes (jax 0.7+, ``jax.set_mesh``) ``partition`` is asked
+  while tracing and the op becomes ``lower_fn`` under ``jax.shard_map``
+  between two reshards (II.3). Lowered inside another primitive's lowering
+  rule (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
   around the call (``jax.set_mesh`` or ``with mesh:``).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static

@@ -166,6 +166,17 @@ def compiles_padded_results(shardy):
   return JAX_VERSION[:2] != (0, 9) or not shardy
 
 
+def foreign_mesh_lowers(other, mesh):
+  """Whether jax lowers a manual computation on ``partition``'s mesh
+  ``other`` inside a program on ``mesh`` (else XLA's callbacks partition
+  the op): other devices' layout from jax 0.7 to 0.10 but 0.9.1 (whose jit
+  cannot read such a result's placement back), other axis names from 0.7.
+  Known here, not asked of the module."""
+  if other.devices.tolist() != mesh.devices.tolist():
+    return (0, 7, 0) <= JAX_VERSION < (0, 11, 0) and JAX_VERSION != (0, 9, 1)
+  return other.axis_names == mesh.axis_names or JAX_VERSION >= (0, 7, 0)
+
+
 NO_PADDED_RESULTS = (f"{JAX} under Shardy cannot compile a padded result: "
                      "no padded placement")
 # What check_partitioning's report says where that is so.
@@ -9834,7 +9845,7 @@ class AtLoweringTest(CPTestCase):
     np.testing.assert_allclose(g(self.x), 2.0 * np.cos(2.0 * self.xh),
                                rtol=1e-5)
     self.assertEqual("CustomSPMDPartitioning" in g.lower(self.x).as_text(),
-                     cp._foreign_mesh_fails(other, self.m))
+                     not foreign_mesh_lowers(other, self.m))
 
   def test_an_answer_without_a_partition_spec_keeps_the_callbacks(self):
     """partition's sharding on its mesh's devices in an order no
@@ -10147,7 +10158,7 @@ class ExplicitPathTest(CPTestCase):
         f = jax.jit(op)
         np.testing.assert_allclose(
             f(x), np.sin(xh) * other.shape[first], rtol=1e-6)
-        if cp._foreign_mesh_fails(other, m):  # XLA's callbacks instead
+        if not foreign_mesh_lowers(other, m):  # XLA's callbacks instead
           self.assertIn("CustomSPMDPartitioning", f.lower(x).as_text())
         else:
           self.assertOpLowered(f.lower(x).as_text())

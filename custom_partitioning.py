@@ -2499,7 +2499,8 @@ def _check_lowerable(op: _Op, shard: _Answer):
     raise _KeepCallbacks(
         f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
         f"computation jax {jax.__version__} cannot lower inside the op's "
-        f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 can; return the op's mesh)")
+        f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 but 0.9.1 can; return the "
+        "op's mesh)")
   mesh = shard.mesh
   for what, side in (("operand", shard.args), ("result", shard.results)):
     for i, v in enumerate(side):

@@ -5315,11 +5315,14 @@ def _demo() -> None:
   real, imag = np.random.default_rng(0).standard_normal((2, 1024, 512))
   host = (real + 1j * imag).astype(np.complex64)
   # What ran decides what the lines below prove: say it first.
-  print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; partitioner " +
-        ("GSPMD (JAX_USE_SHARDY_PARTITIONER=1 for Shardy)"
-         if not _SHARDY.value else "Shardy (JAX_USE_SHARDY_PARTITIONER=0 for "
-         "GSPMD)" if _JAX_VERSION < (0, 12, 1) else "Shardy (the only one "
-         "since jax 0.12.1)"))
+  if not _SHARDY.value:
+    partitioner = "GSPMD (JAX_USE_SHARDY_PARTITIONER=1 for Shardy)"
+  elif _JAX_VERSION < (0, 12, 1):
+    partitioner = "Shardy (JAX_USE_SHARDY_PARTITIONER=0 for GSPMD)"
+  else:
+    partitioner = "Shardy (the only one since jax 0.12.1)"
+  print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; partitioner "
+        f"{partitioner}")
   print(f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
         f"input {host.shape} {host.dtype} sharded over rows")
   # The gradient is partitioned by the same callbacks: still no collective.

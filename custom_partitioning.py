@@ -74,10 +74,11 @@ nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1, 0.6.0,
 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0, 0.9.0.1, 0.9.1,
 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1 (also jax 0.12.0 on
 jaxlib 0.11.2): core test classes, the README quickstart and the self-demo.
-Older releases raise ``ImportError``, and so does any release that lacks a jax
-name this module reads: every one is looked up at import in the table below
-the imports (``_NAMES``), naming what is missing. A newer release is not
-refused; CI's newest-release run says whether it works.
+Older releases raise ``ImportError``, and so does any release that lacks a
+name this module reads from jax's internals: every one is looked up at
+import in the table below the imports (``_NAMES``), naming what is missing.
+A newer release is not refused; CI's newest-release run says whether it
+works.
 
 Reading order
 -------------
@@ -156,12 +157,15 @@ if _JAX_VERSION < (0, 4, 35):
 import numpy as np
 
 # --------------------------------------------------------------------------
-# jax's names: every one this module reads, looked up once, here
+# jax's names: every internal one this module reads, looked up once, here
 #
 # Each module, then the names read from it; ``name?`` is optional (None
 # where the release lacks it: a version branch reads it, beside its owner).
 # Public and jax.extend names first, then jax._src where jax offers no
-# public one. A release lacking a required name fails here, at import, by
+# public one. Every name from jax._src, jax.core, jax.extend and
+# jax.interpreters is here (ReadmeTest holds the rest of the file to that);
+# jax's stable API (jax.jit, jax.numpy, jax.sharding, ...) is read where it
+# is used. A release lacking a required name fails here, at import, by
 # name; ``grep -n "_jax\."`` lists every use. What jax's source says it
 # plans for a name (legacy, deprecated, to be removed) stands beside it,
 # read in jax 0.12.1's source; a name without a note has none there. A
@@ -311,7 +315,7 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 # names the release that forced it (``grep -n "jax 0\."``): Python
 # internals are gated on jax's version, C++ bindings (Shardy, XLA) on
 # jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1). Unbranched private names
-# hold from jax 0.4.35 to 0.11.
+# hold on every supported release, 0.4.35 to 0.12.1.
 # ==========================================================================
 
 # --------------------------------------------------------------------------
@@ -1018,12 +1022,13 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # --------------------------------------------------------------------------
 # I.2 The primitive and its lowering
 #
-# ``custom_partitioning_p`` carries upstream's parameters plus ``transform``
-# (a derived op's steps, II.4) and ``check_vma``, both read with a default,
-# so binding upstream's alone works. Lowered on several devices it is one
-# custom call carrying its ``_Op``'s key; under Shardy it carries the rule,
-# resolved against the op's shapes here (III.1 parses it). A compile that
-# ends drops what its callbacks kept (``_drop_pending``).
+# ``custom_partitioning_p`` carries upstream's parameters through jax
+# 0.12.0.1 (0.12.1 dropped infer and propagate) plus ``transform`` (a
+# derived op's steps, II.4) and ``check_vma``, both read with a default.
+# Lowered on several devices it is one custom call carrying its ``_Op``'s
+# key; under Shardy it carries the rule, resolved against the op's shapes
+# here (III.1 parses it). A compile that ends drops what its callbacks kept
+# (``_drop_pending``).
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
@@ -1575,7 +1580,7 @@ _jax.register_lowering(custom_partitioning_p, _lowering)
 # Lowering needs the concrete devices (to pick the mesh and key the op).
 _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
-# backend compile that succeeds, 0.4.35 to 0.11.
+# backend compile that succeeds, 0.4.35 to 0.12.1.
 _jax.register_event_duration_secs_listener(_drop_pending)
 
 

@@ -6,8 +6,8 @@ Tests whose behaviour depends on the partitioner run once per partitioner:
 each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 ``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
 
-The whole file takes about two minutes on two cores (README says how much
-when). Its time goes to XLA compiling each distinct program (a few tenths of
+The whole file takes about two minutes on two cores (.ci/RESULTS.md says how
+long, when). Its time goes to XLA compiling each distinct program (a few tenths of
 a second each) and to starting child pythons (half a second or more each,
 about a fifth of the total): a new test should reuse programs its class
 already builds (setUpClass) and add its check to an existing child script
@@ -11861,11 +11861,16 @@ class ReadmeTest(unittest.TestCase):
       self.assertIn(f"    {record}\n", readme)
 
   def test_readme_snippets(self):
-    """Every code block parses; the reduction snippet is right on 10 rows
-    (not divisible: kept whole) and on 16 (sharded, one all-reduce)."""
+    """Every code block parses and is one a test runs (the quickstart with
+    the log's block, here, and check_partitioning's example test in
+    CheckPartitioningTest); the reduction snippet is right on 10 rows (not
+    divisible: kept whole) and on 16 (sharded, one all-reduce)."""
     readme, blocks = _readme()
+    run = ("# was: from jax.experimental.custom_",
+           'getLogger("custom_partitioning")', "def col_max", "class FftTest")
     for block in blocks:
       compile(block, "README.md", "exec")
+      self.assertEqual(sum(marker in block for marker in run), 1, block)
     snippet = _block(blocks, "def col_max")
     names = {"jax": jax, "jnp": jnp, "NamedSharding": NamedSharding, "P": P,
              "custom_partitioning": custom_partitioning}
@@ -11962,6 +11967,13 @@ class ReadmeTest(unittest.TestCase):
       self.assertEqual(lines, upstream)
     imported = sorted(_jax_src_imports(source))
     self.assertEqual(imported, [])  # every jax name is in the table
+    # README: outside the table only jax's stable API is read.
+    table_end = source.index("\ndef _look_up(")
+    internal = sorted(name for name in _jax_dotted_names(
+        source[table_end:]) if name.split(".")[1] in (
+            "_src", "core", "extend", "interpreters", "experimental", "lib"))
+    self.assertEqual(internal, [])
+    self.assertIn("jax's stable API (`jax.jit`", " ".join(readme.split()))
     private = {m: names.split() for m, names in cp._NAMES.items()
                if m.startswith("jax._src.")}
     names, modules, newer = (int(n) for n in re.search(
@@ -11981,8 +11993,8 @@ class ReadmeTest(unittest.TestCase):
     """README's size of the minimal copy (``.ci/sections.py --write core``,
     where the tool is beside the tests) holds within 10%."""
     readme, _ = _readme()
-    size = int(re.search(r"\(and the imports only\s+they used\): ([\d,]+) "
-                         r"lines", readme).group(1).replace(",", ""))
+    size = int(re.search(r"\(and the imports only\s+they used\):\s+about\s+"
+                         r"([\d,]+) lines", readme).group(1).replace(",", ""))
     sections = _sections_tool()
     if sections is None:
       return
@@ -11993,10 +12005,17 @@ class ReadmeTest(unittest.TestCase):
 
   def test_readme_trimming_table_is_the_sections(self):
     """README's table of what a copy can drop names each removable section
-    of the module by its banner, and .ci/sections.py (where it is beside
-    the tests) removes just those and skips tests only of those."""
+    of the module by its banner and the README sections that describe it
+    by their headings, and .ci/sections.py (where it is beside the tests)
+    removes just those and skips tests only of those."""
     readme, _ = _readme()
-    table = re.findall(r"^\| (II\.\d+|III\.\d+) \| (.+?) \|$", readme, re.M)
+    rows = re.findall(r"^\| (II\.\d+|III\.\d+) (.+?) \| (.+?) \| .+ \|$",
+                      readme, re.M)
+    table = [(number, title) for number, title, _ in rows]
+    headings = re.findall(r"^## (.+)$", readme, re.M)
+    for _, _, described in rows:
+      for heading in described.split("; "):
+        self.assertIn(heading, headings)
     with open(cp.__file__) as f:
       source = f.read()
     banners = re.findall(r"^# -{74}\n# (II\.\d+|III\.[24]) (.+)$", source,
@@ -12014,12 +12033,16 @@ class ReadmeTest(unittest.TestCase):
   def test_readme_test_counts(self):
     """README's counts of the suite, of one partitioner's run and of the
     core set (``.ci/matrix``'s, where it is beside the tests) are this
-    file's."""
+    file's, within 10%."""
     readme, _ = _readme()
     total, one, core = (int(n.replace(",", "")) for n in re.search(
-        r"The suite holds ([\d,]+) tests; ([\d,]+) run with\s+"
-        r"`JAX_USE_SHARDY_PARTITIONER` set, (\d+) of them the core set",
+        r"The suite holds about ([\d,]+) tests; about ([\d,]+) run with\s+"
+        r"`JAX_USE_SHARDY_PARTITIONER` set, about (\d+) of them the core set",
         readme).groups())
+
+    def near(measured, claimed):
+      self.assertLessEqual(abs(measured - claimed), claimed / 10,
+                           (measured, claimed))
 
     def leaves(suite):
       for test in suite:
@@ -12031,16 +12054,71 @@ class ReadmeTest(unittest.TestCase):
                    if t.split(".")[-2].endswith(label)), None) for t in ids]
     alone = kinds.count(None)
     twice = max(kinds.count("Shardy"), kinds.count("GSPMD"))
-    self.assertEqual((total, one), (alone + 2 * twice, alone + twice))
+    near(alone + 2 * twice, total)
+    near(alone + twice, one)
     matrix = os.path.join(HERE, ".ci", "matrix")
     if os.path.exists(matrix):
       with open(matrix) as f:
         patterns = re.findall(r"-k (\S+)", f.read().split("quick_tests=(")[1]
                               .split(")")[0])
       label = "Shardy" if kinds.count("Shardy") else "GSPMD"
-      self.assertEqual(core, sum(
-          any(p in t for p in patterns) for t, k in zip(ids, kinds)
-          if k in (None, label)))
+      near(sum(any(p in t for p in patterns) for t, k in zip(ids, kinds)
+               if k in (None, label)), core)
+
+  def test_readme_length_links_and_commands(self):
+    """README stays within 500 lines; each link to one of its sections
+    names a heading; its install and test commands are what .ci/matrix
+    runs (where it is beside the tests), on a release it runs; its
+    benchmark's chain and repeat are .ci/bench.py's defaults."""
+    readme, _ = _readme()
+    self.assertLessEqual(readme.count("\n"), 500)
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", readme, re.M)}
+    for link in re.findall(r"\]\(#([\w-]+)\)", readme):
+      self.assertIn(link, anchors)
+    install, command = re.search(
+        r"\n    (pip install jax==\S+ jaxlib==\S+)\n    (python .+)\n",
+        readme).groups()
+    self.assertEqual(command, "python -m unittest -v")
+    matrix = os.path.join(HERE, ".ci", "matrix")
+    if not os.path.exists(matrix):
+      self.skipTest("no .ci/matrix beside the tests")
+    with open(matrix) as f:
+      text = f.read()
+    self.assertIn('-m unittest -v \\\n        >"$log"', text)
+    self.assertIn('reqs=("jax==$v" "jaxlib==$lib")', text)
+    version = re.fullmatch(r"pip install jax==(\S+) jaxlib==\1",
+                           install).group(1)
+    default = re.search(r"\|\| versions=\((.*?)\)", text, re.S).group(1)
+    self.assertIn(version, default.replace("\\", " ").split())
+    with open(os.path.join(HERE, ".ci", "bench.py")) as f:
+      bench = f.read()
+    chain = re.search(r"a chain of (\d+) element-wise ops", readme).group(1)
+    self.assertIn(f'"--chain", type=int, default={chain})', bench)
+    repeat = re.search(r"median of (\d+)", readme).group(1)
+    self.assertIn(f'"--repeat", type=int, default={repeat})', bench)
+
+
+def _jax_dotted_names(source):
+  """The dotted names ``jax.a.b`` read in ``source`` (comments and strings
+  aside)."""
+  import io
+  import tokenize
+  tokens = [tok for tok in tokenize.generate_tokens(
+      io.StringIO(source).readline) if tok.type in (
+          tokenize.NAME, tokenize.OP)]
+  found = set()
+  for i, tok in enumerate(tokens):
+    if tok.string != "jax" or (i and tokens[i - 1].string == "."):
+      continue
+    parts, j = ["jax"], i + 1
+    while (j + 1 < len(tokens) and tokens[j].string == "." and
+           tokens[j + 1].type == tokenize.NAME):
+      parts.append(tokens[j + 1].string)
+      j += 2
+    if len(parts) > 1:
+      found.add(".".join(parts))
+  return found
 
 
 def _code_lines(source):

@@ -13,7 +13,8 @@ where jax has no TPU backend.
 
 With DIR, the ``custom_partitioning.py`` there is checked (the minimal
 copy, ``.ci/sections.py --write core DIR``), on the programs its core
-runs (no rule-only ops, no vmap, jvp or grad).
+runs (no rule-only ops, no vmap, jvp or grad). Past runs' tables are kept,
+dated, in .ci/RESULTS.md.
 """
 import os
 import re

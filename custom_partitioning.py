@@ -2634,7 +2634,33 @@ def _check_per_shard(op: _Op, answer: _Answer, values: list,
     return True  # every result is sharded over every axis
   return _check_replicated_results(
       op.name, _open(closed), [v.spec for v in answer.args], specs,
-      _real_axes(on))
+      _real_axes(on), _unreplicated(op, values, answer.args))
+
+
+def _unreplicated(op: _Op, values: list, args: list) -> dict:
+  """Mesh axis -> why: where ``args`` (partition's operand placements)
+  shard a dimension of a factor the rule says needs replication, the
+  likely cause of a result varying over that axis."""
+  rule = op.sharding_rule
+  if not (isinstance(rule, SdyShardingRule) and
+          rule.need_replication_factors):
+    return {}
+  try:  # a rule that does not fit the op fails elsewhere, with its cause
+    _, dims = _resolve_rule(rule, [v.shape for v in values], len(args))
+  except ValueError:
+    return {}
+  needed, why = set(rule.need_replication_factors), {}
+  for i, (value_dims, v) in enumerate(zip(dims, args)):
+    for d, (factors, entry) in enumerate(zip(value_dims, v.spec or ())):
+      for factor in sorted(needed.intersection(factors)):
+        for axis in _entry_axes(entry):
+          why.setdefault(axis, (
+              f" Here partition's arg sharding shards operand {i} dimension "
+              f"{d} over {axis!r}, but that dimension is factor {factor!r}, "
+              "which the sharding rule lists in need_replication_factors "
+              "(partition is asked with it unsharded): give it unsharded in "
+              "arg_shardings, or gather it in lower_fn."))
+  return why
 
 
 def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
@@ -2663,10 +2689,11 @@ def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
 
 
 def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
-                              out_specs: list, axes) -> bool:
+                              out_specs: list, axes, why=None) -> bool:
   """Raises if a result replicated over one of ``axes`` (no size-1 axes)
   may vary over it; returns whether every such result was proven equal.
-  ``in_specs``/``out_specs``: lower_fn's (None: unknown, which never raises)."""
+  ``in_specs``/``out_specs``: lower_fn's (None: unknown, which never raises);
+  ``why``: mesh axis -> a known cause, said in the error."""
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -2682,8 +2709,9 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
             f"axis {axis!r} (its result sharding has spec {spec}), but its "
             f"value differs between the devices along {axis!r}: it is computed "
             f"from an operand sharded over {axis!r} (or from axis_index) and "
-            "no collective over that axis makes it equal. Likely fix: a "
-            f"missing jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, "
+            "no collective over that axis makes it equal."
+            f"{(why or {}).get(axis, '')} Likely fix: a missing"
+            f" jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, "
             f"or a result sharding over {axis!r}. If the value is equal by "
             "construction, pass check_vma=False to def_partition.")
   return proven
@@ -3005,14 +3033,20 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
               None if callable(rule) else rule)
   operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
                                               type_error)
+  if callable(rule):  # asked as the custom call's lowering asks it
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      op = dataclasses.replace(op, sharding_rule=_asked_rule(
+          None, params, mesh, _Level(None, operands, results)))
   if rule is not None and (
       _SHARDY.value or op.infer_sharding_from_operands is None):
     # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
     with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      _resolve_rule(_asked_rule(None, params, mesh, _Level(
-          None, operands, results)) if callable(rule) else rule,
-          [v.shape for v in operands + results], len(operands),
-          isinstance(op.partition, _FromRule))
+      _resolve_rule(op.sharding_rule, [v.shape for v in operands + results],
+                    len(operands), isinstance(op.partition, _FromRule))
+  if isinstance(op.sharding_rule, SdyShardingRule) and (
+      op.sharding_rule.need_replication_factors):
+    # As the custom call asks it (_partition); typed keeps the result types.
+    operands, results = _replicated_as_needed(op, operands, results)
   answer = None
   if isinstance(op.partition, _FromRule) and callable(rule):
     why = NotImplementedError("its partition is derived from a callable "

@@ -9988,6 +9988,105 @@ class NeedReplicationTest(CPTestCase):
         self.assertTrue(seen)
         self.assertTrue(all(spec[1] is None for spec in seen), seen)
 
+  def placements(self):
+    """``(label, mesh, context)`` per kind of mesh this jax has and per way
+    the op may be partitioned (at lowering, XLA's callbacks, shard_map);
+    ``context()`` enters it."""
+    meshes = [("Auto", self.mesh((4, 2), ("x", "y")), False)]
+    if HAS_AXIS_TYPE:
+      explicit = jax.make_mesh((4, 2), ("x", "y"), axis_types=(
+          jax.sharding.AxisType.Explicit,) * 2)
+      meshes.append(("Explicit", explicit, False))
+      if NO_EXPLICIT_PATH is None:  # the shard_map path
+        meshes.append(("Explicit under set_mesh", explicit, True))
+    for label, m, ambient in meshes:
+      for callback in (False, True) if self.shardy and not ambient else (
+          False,):
+        yield (label + (", callbacks" if callback else ""), m,
+               functools.partial(mesh_context, m) if ambient else
+               callback_path if callback else contextlib.ExitStack)
+
+  def test_a_sharded_need_replication_operand_reaches_partition_unsharded(self):
+    """Issue 64: rows summed over k, k sharded over 'y' on arrival; a
+    partition that hands back what it is given must be asked with k
+    unsharded on every path (the shard_map path asked ('x', 'y') and a
+    lower_fn the check cannot see summed half of each row)."""
+    def body(x):
+      return jnp.sum(x, axis=1)
+    rules = {"string": "i k -> i", "callable": lambda mesh, a, r: (
+        "i k -> i", {"need_replication_factors": ("k",)})}
+    xh = _data((16, 8)) * np.arange(1, 9)  # half a row's sum differs
+    for label, m, context in self.placements():
+      for kind, rule in rules.items():
+        with self.subTest(label, rule=kind), context():
+          seen = []
+          op = custom_partitioning(body)
+
+          def partition(mesh, arg_shapes, result_shape, seen=seen):
+            s = arg_shapes[0].sharding  # handed back, as a library's does
+            seen.append(_spec(s, 2))
+            return mesh, body, result_shape.sharding, (s,)
+          kw = {} if kind == "callable" else {
+              "need_replication_factors": ("k",)}
+          op.def_partition(partition, sharding_rule=rule, **kw)
+          x = jax.device_put(xh, NamedSharding(m, P("x", "y")))
+          self.skipWithoutSpecialFactors(lambda: jax.jit(op)(x))
+          np.testing.assert_allclose(jax.jit(op)(x), jax.jit(body)(x),
+                                     rtol=1e-6)
+          self.assertTrue(seen)
+          self.assertEqual(set(seen), {("x", None)})
+
+  def test_an_arg_sharding_on_a_need_replication_factor_is_named(self):
+    """A partition that shards k although the rule says it needs
+    replication: the replicated result varies over 'y', and the error
+    names the factor, not only the axis."""
+    def body(x):
+      return jnp.sum(x, axis=1)
+    for label, m, context in self.placements():
+      with self.subTest(label), context():
+        op = custom_partitioning(body)
+        op.def_partition(
+            lambda mesh, a, r: (mesh, body, NamedSharding(mesh, P("x")),
+                                (NamedSharding(mesh, P("x", "y")),)),
+            sharding_rule="i k -> i", need_replication_factors=("k",))
+        x = jax.device_put(_data((16, 8)), NamedSharding(m, P("x", "y")))
+        self.skipWithoutSpecialFactors(lambda: jax.jit(op)(x))
+        self.assertRaisesNaming(
+            ValueError, ["operand 0 dimension 1 over 'y'", "factor 'k'",
+                         "need_replication_factors"], jax.jit(op), x)
+
+  def test_a_result_placed_on_a_need_replication_factor_reaches_partition_unsharded(self):
+    """Issue 65: the result placed (None, 'x') by out_shardings (on the
+    shard_map path: typed so from its operand), j needing replication:
+    partition is asked with the result's j unsharded, as documented, and
+    the jit's placement still holds."""
+    def body(x):
+      return x * 2.0
+    xh = _data((16, 8))
+    for label, m, context in self.placements():
+      for spec in (P(), P(None, "x")):
+        with self.subTest(label, operand=spec), context():
+          seen = []
+          op = custom_partitioning(body)
+
+          def partition(mesh, arg_shapes, result_shape, seen=seen):
+            seen.append((_spec(arg_shapes[0].sharding, 2),
+                         _spec(result_shape.sharding, 2)))
+            return (mesh, body, result_shape.sharding,
+                    (arg_shapes[0].sharding,))
+          op.def_partition(partition, sharding_rule="i j -> i j",
+                           need_replication_factors=("j",))
+          x = jax.device_put(xh, NamedSharding(m, spec))
+          out_s = NamedSharding(m, P(None, "x"))
+          f = jax.jit(op, out_shardings=out_s)
+          self.skipWithoutSpecialFactors(lambda: f(x))
+          out = f(x)
+          np.testing.assert_allclose(
+              out, jax.jit(body, out_shardings=out_s)(x), rtol=1e-6)
+          self.assertEqual(_spec(out.sharding, 2), (None, "x"))
+          self.assertTrue(seen)
+          self.assertEqual(set(seen), {((None, None), (None, None))})
+
 
 both_partitioners(NeedReplicationTest)
 del NeedReplicationTest

@@ -181,6 +181,31 @@ def _pl_part(mesh, arg_shapes, result_shape):
 pallas_op.def_partition(_pl_part, sharding_rule="i j -> i j")
 
 
+def need_replication_op(body, rule):
+  """An op whose rule says its operand's last dimension needs replication;
+  partition hands back what it is given, refusing to be asked with that
+  dimension (or a result's) sharded: a kernel the module's check cannot
+  see would compute on half of each row (issues 64, 65)."""
+  op = custom_partitioning(body)
+
+  def part(mesh, arg_shapes, result_shape):
+    given = [arg_shapes[0].sharding, result_shape.sharding]
+    specs = [tuple(s.spec) + (None,) * (2 - len(s.spec)) for s in given]
+    asked.append(specs)
+    if any(spec[1] is not None for spec, v in zip(
+        specs, (arg_shapes[0], result_shape)) if len(v.shape) == 2):
+      raise AssertionError(f"partition asked with {specs}: the rule's "
+                           "need-replication dimension sharded")
+    return mesh, body, given[1], (given[0],)
+  op.def_partition(part, sharding_rule=rule,
+                   need_replication_factors=(rule.split()[1],))
+  return op
+
+
+row_sums = need_replication_op(lambda x: jnp.sum(x, axis=1), "i k -> i")
+doubled_rows = need_replication_op(lambda x: x * 2.0, "i j -> i j")
+
+
 def scan_cond(x):
   def body(c, _):
     return jax.lax.cond(jnp.sum(c) > 0, double, rule_only, c), None
@@ -217,6 +242,10 @@ CASES = {
         _clipped_loss(clipped_matmul),
         _clipped_loss(lambda x, w: clip_grad(x @ w)),
         [(64, 128), (128, 128)], np.float32, None),
+    "2-D need_replication (k sharded)": (row_sums, lambda x: x.sum(1),
+                                         [(64, 128)], np.float32, None),
+    "2-D need_replication result": (doubled_rows, lambda x: x * 2,
+                                    [(64, 128)], np.float32, None),
     "Pallas kernel as lower_fn": (pallas_op, lambda x: x * 2, [(64, 128)],
                                   np.float32, pallas_double),
 }

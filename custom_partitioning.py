@@ -1176,6 +1176,13 @@ def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
         ctx.module_context.axis_context, "mesh", None),
            why=f"fun is compiled as it is: {why}")
+  if (any(_aval_mesh(a) is not None for a in ctx.avals_in) and
+      all(_aval_mesh(a) is None for a in call.in_avals)):
+    # fun was traced without shardings, jax refusing to type it on the
+    # operands' (a Pallas kernel on a one-device Explicit mesh,
+    # _typed_where_jax_can); lower_fun re-traces it on ctx's avals, which
+    # jax would refuse alike, so it gets the avals fun was traced on.
+    ctx = ctx.replace(avals_in=call.in_avals, avals_out=call.out_avals)
   return _jax.lower_fun(_jax.jaxpr_as_fun(call),
                         multiple_results=True)(ctx, *values)
 

@@ -9953,6 +9953,52 @@ class PallasTest(CPTestCase):
         jax.jit(op.fun)(x, y)
       np.testing.assert_allclose(jax.jit(op)(x, y), np.where(xh > 0, xh, yh))
 
+  def test_one_device_mesh_kernel_on_a_named_axis(self):
+    # pallas_call refuses an operand typed as sharded over any mesh axis
+    # (jax 0.10.2, 0.12.1), so a kernel on P("b", None) of a one-device
+    # Explicit mesh cannot be typed; on one device the op is its body and
+    # must run it, as on P(None, None) and on Auto axes.
+    pl = self.pl
+
+    def kernel_double(x):
+      def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+      return pl.pallas_call(kernel, interpret=True, out_shape=(
+          jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
+    # pallas_call has no reverse-mode rule; a kernel's author gives one.
+    double = jax.custom_vjp(kernel_double)
+    double.defvjp(lambda x: (kernel_double(x), None),
+                  lambda _, g: (kernel_double(g),))
+    op = custom_partitioning(double)
+    op.def_partition(
+        lambda mesh, a, r: (mesh, double, a[0].sharding, (a[0].sharding,)),
+        sharding_rule="i j -> i j")
+    xh = _data((8, 4))
+    loss = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(op(x)))))
+    want_grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x * 2.0))))(xh)
+    at = getattr(jax.sharding, "AxisType", None)
+    cases = [("Auto, no axis types", False, None)]
+    if at is not None and hasattr(jax, "set_mesh"):
+      cases += [("Auto", set_mesh, at.Auto) for set_mesh in (True, False)]
+    if not NO_EXPLICIT_PATH:
+      cases += [("Explicit", set_mesh, at.Explicit)
+                for set_mesh in (True, False)]
+    for axes, set_mesh, axis_type in cases:
+      m = Mesh(np.array(jax.devices()[:1]), ("b",), **(
+          {} if axis_type is None else {"axis_types": (axis_type,)}))
+      for spec in (P(None, None), P("b", None)):
+        if axes == "Explicit" and not set_mesh and spec == P(None, None):
+          # Pallas's interpreter itself fails there (plain jax alike, jax
+          # 0.10.2 and 0.12.1): its buffers, made without a set mesh, are
+          # typed on none, and its dynamic_update_slice refuses the mix.
+          continue
+        with self.subTest(axes=axes, set_mesh=set_mesh, spec=spec), (
+            jax.set_mesh(m) if set_mesh else contextlib.nullcontext()):
+          x = jax.device_put(xh, NamedSharding(m, spec))
+          np.testing.assert_allclose(jax.jit(op)(x), xh * 2.0)
+          np.testing.assert_allclose(op(x), xh * 2.0)
+          np.testing.assert_allclose(loss(x), want_grad, rtol=1e-6)
+
 
 both_partitioners(PallasTest)
 del PallasTest

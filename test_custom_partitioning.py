@@ -50,6 +50,7 @@ import threading
 import time
 import types
 import unittest
+import unittest.mock
 import warnings
 
 import jax
@@ -611,10 +612,21 @@ def _result_line(test, result, tag="RESULT "):
             f"{out[-2000:]}\nstderr:\n{err[-4000:]}")
 
 
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
+def _free_port(test):
+  """A free TCP port on 127.0.0.1; ``test`` skipped, naming why, where this
+  machine refuses such sockets, which jax.distributed and gloo need (a
+  sandbox: OSError errno 97, address family not supported)."""
+  try:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+      sock.bind(("127.0.0.1", 0))
+      sock.listen(1)
+      port = sock.getsockname()[1]
+      with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+      return port
+  except OSError as e:
+    test.skipTest(f"this machine refuses a TCP connection on 127.0.0.1, "
+                  f"which jax.distributed and gloo need: {e}")
 
 
 # --------------------------------------------------------------------------
@@ -9132,7 +9144,7 @@ class MultiProcessTest(CPTestCase):
       script = os.path.join(tmp, "multiprocess_child.py")
       with open(script, "w") as f:
         f.write(_MULTIPROCESS_SCRIPT)
-      port = str(_free_port())
+      port = str(_free_port(self))
       flag = "1" if self.shardy else "0"
       results = _run_pythons(
           [(script, [port, str(i), flag], 4) for i in range(2)],
@@ -9148,6 +9160,15 @@ class MultiProcessTest(CPTestCase):
     # Together the two processes hold one shard on each of the 8 devices.
     self.assertEqual(outs[0]["all_devices"], outs[1]["all_devices"])
     self.assertEqual(sorted(seen), outs[0]["all_devices"])
+
+  def test_skipped_where_sockets_are_refused(self):
+    refused = OSError(97, "Address family not supported by protocol")
+    result = unittest.TestResult()
+    with unittest.mock.patch.object(socket, "socket", side_effect=refused):
+      type(self)("test_two_processes_one_mesh").run(result)
+    self.assertEqual((result.errors, result.failures), ([], []))
+    ((_, why),) = result.skipped
+    self.assertIn("[Errno 97] Address family not supported", why)
 
 
 both_partitioners(MultiProcessTest)

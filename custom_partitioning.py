@@ -1578,7 +1578,12 @@ def _params_key(params: dict) -> tuple:
 custom_partitioning_p.def_abstract_eval(_abstract_eval)
 custom_partitioning_p.def_impl(_impl)
 custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
-_jax.register_lowering(custom_partitioning_p, _lowering)
+# jax 0.12.1's jax_partitioning flag lowers each primitive on an Explicit
+# mesh as a shard_map by its rule, refusing one without; None lowers the op
+# as without the flag: it partitions itself.
+_jax.register_lowering(custom_partitioning_p, _lowering, **(
+    {"shard_map_collective_rule": lambda *_, **__: None}
+    if _JAX_VERSION >= (0, 12, 1) else {}))
 # Lowering needs the concrete devices (to pick the mesh and key the op).
 _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each

@@ -10793,6 +10793,96 @@ both_partitioners(ExplicitPathTest)
 del ExplicitPathTest
 
 
+class PartitioningFlagTest(CPTestCase):
+  """jax 0.12.1's experimental jax_partitioning flag lowers every primitive
+  on an Explicit mesh as a shard_map by its own rule, refusing a primitive
+  without one, and refuses every primitive under an ambient Auto mesh."""
+
+  def setUp(self):
+    super().setUp()
+    if not hasattr(jax.config, "jax_partitioning"):
+      self.skipTest(f"{JAX}: no jax_partitioning flag (jax 0.12.1 added it)")
+    old = jax.config.jax_partitioning
+    jax.config.update("jax_partitioning", True)
+    self.addCleanup(jax.config.update, "jax_partitioning", old)
+
+  @staticmethod
+  def centered():
+    """x minus the sum of all of x: lower_fn needs a psum over the rows."""
+    op = custom_partitioning(lambda x: x - jnp.sum(x))
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      rows = s.spec[0] if len(s.spec) else None
+      return (mesh, lambda x: x - jax.lax.psum(jnp.sum(x), rows) if rows
+              else x - jnp.sum(x), s, (s,))
+    op.def_partition(partition, sharding_rule="i j -> i j")
+    return op
+
+  def test_explicit_axes_run_right(self):
+    xh = _data((16, 4))
+    want = jax.jit(lambda x: x - jnp.sum(x))(xh)
+    want_grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x - jnp.sum(x)))))(
+        xh)
+    explicit = jax.sharding.AxisType.Explicit
+    for n, set_mesh, path in itertools.product(
+        (8, 1), (True, False), ("at lowering", "XLA's callbacks")):
+      m = Mesh(np.array(jax.devices()[:n]), ("x",), axis_types=(explicit,))
+      with self.subTest(devices=n, set_mesh=set_mesh, path=path), (
+          jax.set_mesh(m) if set_mesh else contextlib.nullcontext()), (
+          contextlib.nullcontext() if path == "at lowering"
+          else callback_path()):
+        op = self.centered()  # a fresh op: nothing jax cached for the last
+        loss = jax.grad(lambda x: jnp.sum(jnp.sin(op(x))))
+        x = jax.device_put(xh, NamedSharding(m, P("x", None)))
+        f = jax.jit(op)
+        np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(op(x), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax.jit(loss)(x), want_grad, rtol=1e-5,
+                                   atol=1e-5)
+        if n > 1:
+          self.assertCollectives(self.hlo(f, x), present=("all-reduce",))
+
+  def test_explicit_axes_where_the_op_keeps_its_primitive(self):
+    # Under set_mesh the op binds its primitive where jax.shard_map cannot
+    # run partition's answer: a jax.vmap batch sharded over a mesh axis, a
+    # partition on a mesh of another shape (README: "Explicit mesh axes:
+    # two paths").
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((8,), ("x",), axis_types=(explicit,))
+    other = Mesh(np.array(jax.devices()).reshape(4, 2), ("p", "q"),
+                 axis_types=(explicit,) * 2)
+    xh = _data((8, 16, 4))
+    for path in ("at lowering", "XLA's callbacks"):
+      op = custom_partitioning(lambda x: jnp.sin(x) * 2.0)
+      op.def_partition(lambda mesh, a, r: (
+          other, lambda x: jnp.sin(x) * 2.0, NamedSharding(other, P("p")),
+          (NamedSharding(other, P("p")),)), sharding_rule="i j -> i j")
+      batched = _same_sharding_op(lambda x: jnp.sin(x) * 2.0)
+      with jax.set_mesh(m), (contextlib.nullcontext() if path == "at lowering"
+                             else callback_path()):
+        for name, f, x in (
+            ("vmap", jax.vmap(batched), jax.device_put(xh, NamedSharding(
+                m, P("x", None, None)))),
+            ("other mesh", op, jax.device_put(xh[0], NamedSharding(
+                m, P("x", None))))):
+          with self.subTest(name, path=path):
+            np.testing.assert_allclose(jax.jit(f)(x),
+                                       np.sin(np.asarray(x)) * 2, rtol=1e-6)
+
+  def test_auto_axes_refused_naming_the_flag(self):
+    op, xh = self.centered(), _data((16, 4))
+    m = Mesh(np.array(jax.devices()), ("x",),
+             axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(xh, NamedSharding(m, P("x", None)))
+    with jax.set_mesh(m):
+      self.assertRaisesNaming(ValueError, ["jax_partitioning", "Auto"],
+                              jax.jit(op), x)
+    # Without an ambient mesh the flag has nothing to lower by.
+    np.testing.assert_allclose(jax.jit(op)(x), xh - xh.sum(), rtol=1e-5,
+                               atol=1e-5)
+
+
 class RuleFitTest(CPTestCase):
   """A sharding rule is checked against the op's operands and results where
   the op meets them, on Auto and Explicit axes alike, with one message:

@@ -1181,6 +1181,13 @@ def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
         ctx.module_context.axis_context, "mesh", None),
            why=f"fun is compiled as it is: {why}")
+  if (any(_aval_mesh(a) is not None for a in ctx.avals_in) and
+      all(_aval_mesh(a) is None for a in call.in_avals)):
+    # fun was traced without shardings, jax refusing to type it on the
+    # operands' (a Pallas kernel on a one-device Explicit mesh,
+    # _typed_where_jax_can); lower_fun re-traces it on ctx's avals, which
+    # jax would refuse alike, so it gets the avals fun was traced on.
+    ctx = ctx.replace(avals_in=call.in_avals, avals_out=call.out_avals)
   return _jax.lower_fun(_jax.jaxpr_as_fun(call),
                         multiple_results=True)(ctx, *values)
 
@@ -1576,7 +1583,12 @@ def _params_key(params: dict) -> tuple:
 custom_partitioning_p.def_abstract_eval(_abstract_eval)
 custom_partitioning_p.def_impl(_impl)
 custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
-_jax.register_lowering(custom_partitioning_p, _lowering)
+# jax 0.12.1's jax_partitioning flag lowers each primitive on an Explicit
+# mesh as a shard_map by its rule, refusing one without; None lowers the op
+# as without the flag: it partitions itself.
+_jax.register_lowering(custom_partitioning_p, _lowering, **(
+    {"shard_map_collective_rule": lambda *_, **__: None}
+    if _JAX_VERSION >= (0, 12, 1) else {}))
 # Lowering needs the concrete devices (to pick the mesh and key the op).
 _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each

@@ -50,6 +50,7 @@ import threading
 import time
 import types
 import unittest
+import unittest.mock
 import warnings
 
 import jax
@@ -611,10 +612,21 @@ def _result_line(test, result, tag="RESULT "):
             f"{out[-2000:]}\nstderr:\n{err[-4000:]}")
 
 
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
+def _free_port(test):
+  """A free TCP port on 127.0.0.1; ``test`` skipped, naming why, where this
+  machine refuses such sockets, which jax.distributed and gloo need (a
+  sandbox: OSError errno 97, address family not supported)."""
+  try:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+      sock.bind(("127.0.0.1", 0))
+      sock.listen(1)
+      port = sock.getsockname()[1]
+      with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+      return port
+  except OSError as e:
+    test.skipTest(f"this machine refuses a TCP connection on 127.0.0.1, "
+                  f"which jax.distributed and gloo need: {e}")
 
 
 # --------------------------------------------------------------------------
@@ -9132,7 +9144,7 @@ class MultiProcessTest(CPTestCase):
       script = os.path.join(tmp, "multiprocess_child.py")
       with open(script, "w") as f:
         f.write(_MULTIPROCESS_SCRIPT)
-      port = str(_free_port())
+      port = str(_free_port(self))
       flag = "1" if self.shardy else "0"
       results = _run_pythons(
           [(script, [port, str(i), flag], 4) for i in range(2)],
@@ -9148,6 +9160,15 @@ class MultiProcessTest(CPTestCase):
     # Together the two processes hold one shard on each of the 8 devices.
     self.assertEqual(outs[0]["all_devices"], outs[1]["all_devices"])
     self.assertEqual(sorted(seen), outs[0]["all_devices"])
+
+  def test_skipped_where_sockets_are_refused(self):
+    refused = OSError(97, "Address family not supported by protocol")
+    result = unittest.TestResult()
+    with unittest.mock.patch.object(socket, "socket", side_effect=refused):
+      type(self)("test_two_processes_one_mesh").run(result)
+    self.assertEqual((result.errors, result.failures), ([], []))
+    ((_, why),) = result.skipped
+    self.assertIn("[Errno 97] Address family not supported", why)
 
 
 both_partitioners(MultiProcessTest)
@@ -9952,6 +9973,52 @@ class PallasTest(CPTestCase):
       with self.assertRaises((cp._ShardingTypeError, TypeError, ValueError)):
         jax.jit(op.fun)(x, y)
       np.testing.assert_allclose(jax.jit(op)(x, y), np.where(xh > 0, xh, yh))
+
+  def test_one_device_mesh_kernel_on_a_named_axis(self):
+    # pallas_call refuses an operand typed as sharded over any mesh axis
+    # (jax 0.10.2, 0.12.1), so a kernel on P("b", None) of a one-device
+    # Explicit mesh cannot be typed; on one device the op is its body and
+    # must run it, as on P(None, None) and on Auto axes.
+    pl = self.pl
+
+    def kernel_double(x):
+      def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+      return pl.pallas_call(kernel, interpret=True, out_shape=(
+          jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
+    # pallas_call has no reverse-mode rule; a kernel's author gives one.
+    double = jax.custom_vjp(kernel_double)
+    double.defvjp(lambda x: (kernel_double(x), None),
+                  lambda _, g: (kernel_double(g),))
+    op = custom_partitioning(double)
+    op.def_partition(
+        lambda mesh, a, r: (mesh, double, a[0].sharding, (a[0].sharding,)),
+        sharding_rule="i j -> i j")
+    xh = _data((8, 4))
+    loss = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(op(x)))))
+    want_grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x * 2.0))))(xh)
+    at = getattr(jax.sharding, "AxisType", None)
+    cases = [("Auto, no axis types", False, None)]
+    if at is not None and hasattr(jax, "set_mesh"):
+      cases += [("Auto", set_mesh, at.Auto) for set_mesh in (True, False)]
+    if not NO_EXPLICIT_PATH:
+      cases += [("Explicit", set_mesh, at.Explicit)
+                for set_mesh in (True, False)]
+    for axes, set_mesh, axis_type in cases:
+      m = Mesh(np.array(jax.devices()[:1]), ("b",), **(
+          {} if axis_type is None else {"axis_types": (axis_type,)}))
+      for spec in (P(None, None), P("b", None)):
+        if axes == "Explicit" and not set_mesh and spec == P(None, None):
+          # Pallas's interpreter itself fails there (plain jax alike, jax
+          # 0.10.2 and 0.12.1): its buffers, made without a set mesh, are
+          # typed on none, and its dynamic_update_slice refuses the mix.
+          continue
+        with self.subTest(axes=axes, set_mesh=set_mesh, spec=spec), (
+            jax.set_mesh(m) if set_mesh else contextlib.nullcontext()):
+          x = jax.device_put(xh, NamedSharding(m, spec))
+          np.testing.assert_allclose(jax.jit(op)(x), xh * 2.0)
+          np.testing.assert_allclose(op(x), xh * 2.0)
+          np.testing.assert_allclose(loss(x), want_grad, rtol=1e-6)
 
 
 both_partitioners(PallasTest)
@@ -10823,6 +10890,96 @@ class ExplicitPathTest(CPTestCase):
 
 both_partitioners(ExplicitPathTest)
 del ExplicitPathTest
+
+
+class PartitioningFlagTest(CPTestCase):
+  """jax 0.12.1's experimental jax_partitioning flag lowers every primitive
+  on an Explicit mesh as a shard_map by its own rule, refusing a primitive
+  without one, and refuses every primitive under an ambient Auto mesh."""
+
+  def setUp(self):
+    super().setUp()
+    if not hasattr(jax.config, "jax_partitioning"):
+      self.skipTest(f"{JAX}: no jax_partitioning flag (jax 0.12.1 added it)")
+    old = jax.config.jax_partitioning
+    jax.config.update("jax_partitioning", True)
+    self.addCleanup(jax.config.update, "jax_partitioning", old)
+
+  @staticmethod
+  def centered():
+    """x minus the sum of all of x: lower_fn needs a psum over the rows."""
+    op = custom_partitioning(lambda x: x - jnp.sum(x))
+
+    def partition(mesh, arg_shapes, result_shape):
+      s = arg_shapes[0].sharding
+      rows = s.spec[0] if len(s.spec) else None
+      return (mesh, lambda x: x - jax.lax.psum(jnp.sum(x), rows) if rows
+              else x - jnp.sum(x), s, (s,))
+    op.def_partition(partition, sharding_rule="i j -> i j")
+    return op
+
+  def test_explicit_axes_run_right(self):
+    xh = _data((16, 4))
+    want = jax.jit(lambda x: x - jnp.sum(x))(xh)
+    want_grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x - jnp.sum(x)))))(
+        xh)
+    explicit = jax.sharding.AxisType.Explicit
+    for n, set_mesh, path in itertools.product(
+        (8, 1), (True, False), ("at lowering", "XLA's callbacks")):
+      m = Mesh(np.array(jax.devices()[:n]), ("x",), axis_types=(explicit,))
+      with self.subTest(devices=n, set_mesh=set_mesh, path=path), (
+          jax.set_mesh(m) if set_mesh else contextlib.nullcontext()), (
+          contextlib.nullcontext() if path == "at lowering"
+          else callback_path()):
+        op = self.centered()  # a fresh op: nothing jax cached for the last
+        loss = jax.grad(lambda x: jnp.sum(jnp.sin(op(x))))
+        x = jax.device_put(xh, NamedSharding(m, P("x", None)))
+        f = jax.jit(op)
+        np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(op(x), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax.jit(loss)(x), want_grad, rtol=1e-5,
+                                   atol=1e-5)
+        if n > 1:
+          self.assertCollectives(self.hlo(f, x), present=("all-reduce",))
+
+  def test_explicit_axes_where_the_op_keeps_its_primitive(self):
+    # Under set_mesh the op binds its primitive where jax.shard_map cannot
+    # run partition's answer: a jax.vmap batch sharded over a mesh axis, a
+    # partition on a mesh of another shape (README: "Explicit mesh axes:
+    # two paths").
+    explicit = jax.sharding.AxisType.Explicit
+    m = jax.make_mesh((8,), ("x",), axis_types=(explicit,))
+    other = Mesh(np.array(jax.devices()).reshape(4, 2), ("p", "q"),
+                 axis_types=(explicit,) * 2)
+    xh = _data((8, 16, 4))
+    for path in ("at lowering", "XLA's callbacks"):
+      op = custom_partitioning(lambda x: jnp.sin(x) * 2.0)
+      op.def_partition(lambda mesh, a, r: (
+          other, lambda x: jnp.sin(x) * 2.0, NamedSharding(other, P("p")),
+          (NamedSharding(other, P("p")),)), sharding_rule="i j -> i j")
+      batched = _same_sharding_op(lambda x: jnp.sin(x) * 2.0)
+      with jax.set_mesh(m), (contextlib.nullcontext() if path == "at lowering"
+                             else callback_path()):
+        for name, f, x in (
+            ("vmap", jax.vmap(batched), jax.device_put(xh, NamedSharding(
+                m, P("x", None, None)))),
+            ("other mesh", op, jax.device_put(xh[0], NamedSharding(
+                m, P("x", None))))):
+          with self.subTest(name, path=path):
+            np.testing.assert_allclose(jax.jit(f)(x),
+                                       np.sin(np.asarray(x)) * 2, rtol=1e-6)
+
+  def test_auto_axes_refused_naming_the_flag(self):
+    op, xh = self.centered(), _data((16, 4))
+    m = Mesh(np.array(jax.devices()), ("x",),
+             axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(xh, NamedSharding(m, P("x", None)))
+    with jax.set_mesh(m):
+      self.assertRaisesNaming(ValueError, ["jax_partitioning", "Auto"],
+                              jax.jit(op), x)
+    # Without an ambient mesh the flag has nothing to lower by.
+    np.testing.assert_allclose(jax.jit(op)(x), xh - xh.sum(), rtol=1e-5,
+                               atol=1e-5)
 
 
 class RuleFitTest(CPTestCase):

@@ -6,8 +6,9 @@ under Shardy (XLA's TPU compiler, which never calls a Python partitioner),
 checks that ``partition`` was asked, that the lowered module holds no custom
 call and that the compiled program has no more collectives than
 ``jax.shard_map`` of the same per-shard code; then runs each on the
-attached chip against numpy. Prints a table. Exits 0, printing "skipped",
-where jax has no TPU backend.
+attached chip against numpy, and the Pallas op on a named axis of a
+one-device mesh (Explicit, with and without set_mesh; Auto). Prints a
+table. Exits 0, printing "skipped", where jax has no TPU backend.
 
     python .ci/tpu_check.py [DIR]
 
@@ -380,9 +381,34 @@ def main():
           f"{', '.join(a + 'x' for a in asked) or '-'} | {coll or '-'} | "
           f"{ran[:60]} |")
   print(gspmd)
+  one = one_device_named_axis(chip)
+  failed += one.count("FAIL")
+  print(one)
   print(bench(devices["v5e:2x4"], chip))
   print(f"tpu_check: {failed} failures")
   return 1 if failed or "FAIL" in gspmd else 0
+
+
+def one_device_named_axis(chip):
+  """The Pallas op on P("b", None) of a one-device mesh: the op is its body
+  there, which pallas_call refuses to type on a named axis (Explicit)."""
+  x = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+  cells = []
+  for label, types, setm in (("Explicit", EXPLICIT, True),
+                             ("Explicit, no set_mesh", EXPLICIT, False),
+                             ("Auto", AUTO, False)):
+    mesh = jax.sharding.Mesh(np.array(chip), ("b",), axis_types=types)
+    try:
+      with jax.set_mesh(mesh) if setm else _null():
+        arg = jax.device_put(x, NamedSharding(mesh, P("b", None)))
+        for out in (jax.jit(pallas_op)(arg), pallas_op(arg)):
+          np.testing.assert_allclose(np.asarray(out), x * 2)
+      cells.append(f"{label}: right")
+    except Exception as e:  # noqa: BLE001 - reported in the line
+      cells.append(f"{label}: FAIL {type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200]}")
+  return ("Pallas kernel as lower_fn, one-device mesh, P('b', None) (jit "
+          "and eager): " + "; ".join(cells))
 
 
 def bench(devices, chip):

@@ -8082,15 +8082,17 @@ class CoexistenceTest(CPTestCase):
       for i in range(len(ops)):
         want = np.sin(want) + i
       want = np.sin(want) * 2.0
-      out = {}
-      for name, fun in (("ops", f), ("none", lambda x: jnp.sin(x) * 2.0)):
+      out = {"custom calls": 0, "error": 0.0}
+      for name, fun, want in (("ops", f, want),
+                              ("first copy's", ops[0], np.sin(xh)),
+                              ("none", lambda x: jnp.sin(x) * 2.0, None)):
         del lowerings[:]
         lowered = jax.jit(fun).lower(x)
         out[name] = len(lowerings)
-      out["custom calls"] = lowered.as_text().count("stablehlo.custom_call")
-      out["custom calls"] += jax.jit(f).lower(x).as_text().count(
-          "stablehlo.custom_call")
-      out["error"] = float(np.abs(np.asarray(jax.jit(f)(x)) - want).max())
+        out["custom calls"] += lowered.as_text().count("stablehlo.custom_call")
+        if want is not None:
+          out["error"] = max(out["error"], float(np.abs(
+              np.asarray(jax.jit(fun)(x)) - want).max()))
       import jax.interpreters.mlir as public
       out["one name"] = (public.lower_jaxpr_to_module is
                          mlir.lower_jaxpr_to_module)
@@ -8124,8 +8126,9 @@ class CoexistenceTest(CPTestCase):
     every op partitioned at lowering with right values, and jax's public
     name for the lowering is the one wrapped."""
     out = self._copies("cp_a", "cp_b", "cp_c")
-    self.assertEqual(out, {"ops": 2, "none": 1, "custom calls": 0,
-                           "error": out["error"], "one name": True})
+    self.assertEqual(out, {"ops": 2, "first copy's": 2, "none": 1,
+                           "custom calls": 0, "error": out["error"],
+                           "one name": True})
     self.assertLess(out["error"], 1e-5)
 
   def test_a_copy_of_another_protocol_wraps_and_still_partitions(self):
@@ -8133,9 +8136,66 @@ class CoexistenceTest(CPTestCase):
     the file) wraps the shared lowering instead of joining it: more
     lowerings, the same partitions and values."""
     out = self._copies("cp_a", "cp_b", "cp_c", older=("cp_b",))
-    self.assertEqual(out, {"ops": 4, "none": 1, "custom calls": 0,
-                           "error": out["error"], "one name": True})
+    self.assertEqual(out, {"ops": 4, "first copy's": 2, "none": 1,
+                           "custom calls": 0, "error": out["error"],
+                           "one name": True})
     self.assertLess(out["error"], 1e-5)
+
+  def test_a_party_that_does_not_ask_takes_part_in_a_second_lowering(self):
+    """The shared lowering's contract with a party of another version: one
+    that does not ask for a second lowering is inside it where another
+    party asks, and is sent each lowering's result; the lowering's
+    arguments are its own."""
+    if not self.at_lowering:
+      self.skipTest("partitioning at lowering is Shardy's")
+    seen = []
+
+    def party(*args, **kwargs):
+      seen.append(("called", type(args[0]).__name__))
+      lowered = yield
+      seen.append(("sent", hasattr(lowered, "module")))
+      lowered = yield False
+      seen.append(("sent", hasattr(lowered, "module")))
+
+    parties = getattr(_jax_mlir.lower_jaxpr_to_module, cp._PARTIES_ATTR)
+    parties["another version"] = party  # after this module's: asks last
+    self.addCleanup(parties.pop, "another version")
+    self.put_data((16, 4))
+    op = elementwise_op()
+    np.testing.assert_allclose(jax.jit(op)(self.x), np.sin(self.xh) * 2,
+                               rtol=1e-5)
+    self.assertEqual(seen, [("called", "str"), ("sent", True),
+                            ("sent", True)])
+    del seen[:]
+    jax.jit(lambda x: x * 3.0).lower(self.x)
+    self.assertEqual(seen, [("called", "str"), ("sent", True)])
+
+  def test_a_failed_lowering_leaves_no_pass_behind(self):
+    """An error in either lowering (a refused rule in the first, a raising
+    partition in the second) leaves this module outside any lowering, even
+    while the error is kept."""
+    if not self.at_lowering:
+      self.skipTest("partitioning at lowering is Shardy's")
+    self.put_data((16, 4))
+    bad_rule = elementwise_op(rule="i -> i")
+    raising = custom_partitioning(lambda x: x)
+
+    def partition(mesh, arg_shapes, result_shape):
+      raise ZeroDivisionError("partition raised")
+    raising.def_partition(partition, sharding_rule="i j -> i j")
+    for op, error in ((bad_rule, ValueError), (raising, ZeroDivisionError)):
+      with self.subTest(error=error.__name__):
+        try:
+          jax.jit(op).lower(self.x)
+        except error as e:
+          kept = e  # with its traceback, which holds the lowering's frames
+        else:
+          self.fail(f"no {error.__name__}")
+        self.assertIsNone(cp._current_pass())
+        del kept
+    # and the next lowering partitions as ever
+    np.testing.assert_allclose(jax.jit(elementwise_op())(self.x),
+                               np.sin(self.xh) * 2, rtol=1e-5)
 
 
 both_partitioners(CoexistenceTest)

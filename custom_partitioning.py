@@ -2621,10 +2621,11 @@ def _shared_lowering(lower: Callable, parties: dict) -> Callable:
 # another's wrapper would lower a module 2^k times for k copies). The first
 # copy installs it; a later one finds the parties' table on it and joins.
 # The attribute's name is the protocol, kept by every version of this file:
-# a party is called with the lowering's arguments and returns a generator,
-# which sits at a ``yield`` during each lowering, is sent its result, and
-# yields a true value to ask for a second lowering. Where an older copy
-# (without the table) installed its wrapper, this one wraps it.
+# a party is called with the lowering's arguments and returns a generator;
+# the module is lowered while every party sits at a ``yield``, then each is
+# sent the result. A party that yields a true value asks for a second
+# lowering (at most two); one that returns takes part no further. Where an
+# older copy (without the table) installed its wrapper, this one wraps it.
 _PARTIES_ATTR = "custom_partitioning_parties_v1"
 _lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
 if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:

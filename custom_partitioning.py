@@ -54,11 +54,13 @@ turning this module's tagged compile errors back into the author's
 exception, a listener for jax's compile events, and the decorator type with
 jax's custom-decorator registry (each registered at the end of the section
 that owns it); and it wraps jax's ``lower_jaxpr_to_module`` (in
-``jax._src.interpreters.mlir``), which then lowers a module holding an op
-of this module twice and any other module as before (I.6: jax has no hook
-after lowering). It changes no jax option and no environment variable; it
-reads ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under
-Shardy too, except on TPU).
+``jax._src.interpreters.mlir`` and ``jax.interpreters.mlir``; a later copy
+of this file joins the first copy's wrapper), which then lowers a module
+holding an op of any copy twice and any other module as before, this
+file's frames left out of its source locations as jax leaves out its own
+(I.6: jax has no hook after lowering). It changes no jax option and no
+environment variable; it reads ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``:
+XLA's callbacks under Shardy too, except on TPU).
 
 Supported jax versions
 ----------------------
@@ -241,7 +243,7 @@ _NAMES = {
     "jax._src.sharding_impls": "GSPMDSharding SPMDAxisContext "
                                "SingleDeviceSharding "
                                "parse_flatten_op_sharding",
-    "jax._src.source_info_util": "new_name_stack",
+    "jax._src.source_info_util": "new_name_stack register_exclusion",
     "jax._src.util": "cache",
     "jax._src.xla_bridge": "register_plugin_callbacks",
 }
@@ -1222,11 +1224,12 @@ def _partitioned_placement(ctx, steps):
   am = getattr(axis_context, "abstract_mesh", None)
   if am is None or am.empty:
     am = _ambient_mesh("get_abstract_mesh")
+  if isinstance(axis_context, _jax.SPMDAxisContext) and set(
+      axis_context.manual_axes) == set(axis_context.mesh.axis_names):
+    return None, ("inside a shard_map manual over every mesh axis (one "
+                  "shard's code)")
   if isinstance(axis_context, _jax.SPMDAxisContext):  # seam: shard_map (II.2)
     place = _shard_map_placement(axis_context)
-    if place is None:
-      return None, ("inside a shard_map manual over every mesh axis (one "
-                    "shard's code)")
   elif devices is None:  # seam: jax did not say the devices (II.2)
     place = _placement_without_devices(axis_context, am, ctx.avals_in)
   else:
@@ -2270,7 +2273,8 @@ def _padded(values: list, mesh) -> bool:
 # XLA's TPU compiler never calls a Python partitioner (libtpu lacks PJRT's
 # custom-partitioner extension, jax#38196), so under Shardy the op is
 # partitioned before XLA sees it, on every backend. jax has no hook after a
-# module is lowered, so ``lower_jaxpr_to_module`` is wrapped (``_lower``):
+# module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for
+# every copy of this file (``_lower`` is this copy's part, at the end):
 # a module holding ops is lowered once with each op a custom call carrying
 # its rule and its index in lowering order, Shardy's own propagation runs
 # on that module in-process (``_propagated``) and places each op's
@@ -2353,14 +2357,15 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
 
 
 def _lower(*args, **kwargs):
-  """jax's ``lower_jaxpr_to_module``, lowering twice where the module holds
-  ops partitioned at lowering (its result otherwise unchanged)."""
+  """This copy's part in jax's lowering of a module (a party, I.6's end):
+  the module is lowered at each ``yield``; where the first lowering met ops
+  partitioned at lowering, it asks for a second."""
   with _in_pass(_Pass()) as first:
-    lowered = _lower_jaxpr_to_module(*args, **kwargs)
+    lowered = yield
   if not first.count:
-    return lowered
+    return
   with _in_pass(_Pass(_propagated(lowered.module), first.rules)):
-    return _lower_jaxpr_to_module(*args, **kwargs)
+    yield True
 
 
 def _tagged_call(ctx, call, values, rule_attr, index: int):
@@ -2599,9 +2604,57 @@ def _shard_map(fun, mesh, in_specs, out_specs, checked: bool = False):
   return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=checked)
 
 
+def _shared_lowering(lower: Callable, parties: dict) -> Callable:
+  """``lower`` (jax's ``lower_jaxpr_to_module``) with every party in
+  ``parties`` inside each lowering: one, and a second where any asks."""
+  @functools.wraps(lower)
+  def lower_jaxpr_to_module(*args, **kwargs):
+    running = []
+    try:
+      for party in list(parties.values()):
+        running.append(party(*args, **kwargs))
+        next(running[-1])
+      for _ in range(2):
+        lowered = lower(*args, **kwargs)
+        again = False
+        for party in list(running):
+          try:
+            again = bool(party.send(lowered)) or again
+          except StopIteration:
+            running.remove(party)
+        if not again:
+          break
+      return lowered
+    finally:
+      for party in running:
+        party.close()
+  setattr(lower_jaxpr_to_module, _PARTIES_ATTR, parties)
+  return lower_jaxpr_to_module
+
+
+# Every copy of this file in a process (each a module of its own name)
+# takes part in one shared lowering, so that all copies' ops are tagged in
+# one first lowering and partitioned in one second (a copy wrapping
+# another's wrapper would lower a module 2^k times for k copies). The first
+# copy installs it; a later one finds the parties' table on it and joins.
+# The attribute's name is the protocol, kept by every version of this file:
+# a party is called with the lowering's arguments and returns a generator;
+# the module is lowered while every party sits at a ``yield``, then each is
+# sent the result. A party that yields a true value asks for a second
+# lowering (at most two); one that returns takes part no further. Where an
+# older copy (without the table) installed its wrapper, this one wraps it.
+_PARTIES_ATTR = "custom_partitioning_parties_v1"
 _lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
-_jax.mlir.lower_jaxpr_to_module = functools.wraps(_lower_jaxpr_to_module)(
-    _lower)
+if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
+  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(_lower_jaxpr_to_module,
+                                                     {})
+getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _lower
+# Libraries lower through the public name too (jax.interpreters.mlir).
+jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
+# jax leaves its own files out of the source locations it records; this
+# file's frames (the lowering above, the per-shard programs) stay out too,
+# so a program without ops lowers byte for byte as without this module.
+_jax.register_exclusion(__file__)
 
 
 # ==========================================================================
@@ -2815,11 +2868,10 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 # kept for partition.
 # --------------------------------------------------------------------------
 
-def _shard_map_placement(axis_context) -> _Placement | None:
-  """Inside a shard_map: its mesh, manual axes typed Manual; or None."""
+def _shard_map_placement(axis_context) -> _Placement:
+  """Inside a shard_map manual over some mesh axes: its mesh, the manual
+  ones typed Manual."""
   whole, manual = axis_context.mesh, axis_context.manual_axes
-  if set(manual) == set(whole.axis_names):
-    return None
   if not manual:
     return _Placement(whole, tuple(whole.devices.flat))
   return _Placement(_with_manual_axes(whole, manual), tuple(whole.devices.flat),

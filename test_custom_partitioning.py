@@ -6995,6 +6995,80 @@ class ImportTest(unittest.TestCase):
                       "not have; this file is tested with jax 0.4.35 to "
                       "0.12.1.", proc.stdout)
 
+  # A program without ops: a shard_map (a psum), jnp and a nested jit.
+  _NO_OP_PROGRAM = textwrap.dedent("""
+      import sys
+      import numpy as np
+      import jax, jax.numpy as jnp
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      if sys.argv[1] == "with":
+        import custom_partitioning  # noqa: F401
+      {shard_map_src}
+      mesh = Mesh(np.array(jax.devices()), ("x",))
+      x = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4),
+                         NamedSharding(mesh, P("x")))
+      def f(x):
+        y = shard_map(lambda b: jax.lax.psum(jnp.sin(b), "x"), mesh=mesh,
+                      in_specs=P("x"), out_specs=P())(x)
+        return y @ y.T + jnp.linalg.norm(x)
+      lowered = jax.jit(f).lower(x)
+      print(lowered.compiler_ir("stablehlo").operation.get_asm(
+          enable_debug_info=True))
+      print(lowered.compile().as_text())  # metadata: source file and line
+      try:
+        import jax.export  # jax.export imports absl before jax 0.8
+      except ImportError:
+        sys.exit()
+      exported = jax.export.export(jax.jit(f))(x)
+      print(exported.mlir_module_serialized.hex())
+      try:  # needs flatbuffers, which jax does not install
+        print(exported.serialize().hex())
+      except ImportError:
+        pass
+      """)
+
+  def test_a_program_without_ops_lowers_as_without_the_module(self):
+    """Imported, the module leaves a program without its ops as jax lowers
+    it, byte for byte: its locations (printed with debug info, in the
+    compiled HLO's metadata, in jax.export's bytes) name no frame of the
+    module's lowering."""
+    code = self._NO_OP_PROGRAM.format(
+        shard_map_src=inspect.getsource(shard_map))
+    outputs = {}
+    for imported in ("without", "with"):
+      proc = subprocess.run([sys.executable, "-c", code, imported], cwd=HERE,
+                            env=_child_env(8), capture_output=True,
+                            text=True, timeout=300)
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+      outputs[imported] = proc.stdout
+    self.assertIn("loc(", outputs["without"])  # locations were printed
+    self.assertEqual(outputs["with"], outputs["without"])
+
+  def test_locations_of_a_program_with_ops_name_no_frame_of_the_module(self):
+    """A program holding an op is located at the caller's code, as jax
+    locates its own: no frame of this module's (its lowering, its per-shard
+    program) on either path."""
+    body = lambda x: jnp.sin(x) * 2.0
+    op = custom_partitioning(body)
+    op.def_partition(
+        lambda m, a, r: (m, body, a[0].sharding, (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+        sharding_rule="i j -> i j")
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    xh = _data((16, 4))
+    x = jax.device_put(xh, NamedSharding(mesh, P("x")))
+    for path in ("at lowering", "callbacks"):
+      with self.subTest(path=path), (
+          callback_path() if path == "callbacks" else contextlib.nullcontext()):
+        f = jax.jit(lambda x: op(x) + 1.0)
+        lowered = f.lower(x)
+        text = lowered.compiler_ir("stablehlo").operation.get_asm(
+            enable_debug_info=True)
+        self.assertIn("test_custom_partitioning.py", text)  # the caller's
+        self.assertNotIn(f'"{cp.__file__}"', text)
+        self.assertNotIn(cp.__file__, lowered.compile().as_text())
+        np.testing.assert_allclose(f(x), np.sin(xh) * 2 + 1, rtol=1e-5)
+
 
 # --------------------------------------------------------------------------
 # The batched FFT (the module's demo op)
@@ -7982,6 +8056,157 @@ class CoexistenceTest(CPTestCase):
                      2 if JAX_VERSION >= (0, 10) else 4)
     if JAX_VERSION >= (0, 10):  # older Shardy places the nested mix worse
       self.assertCollectives(self.hlo(f, x), absent=("all-gather",))
+
+  # Imports the copies named in argv in that order, after a counter of
+  # jax's own lowerings; one op of each (and one of the second whose
+  # per-shard code calls the first's) in one program.
+  _COPIES_PROGRAM = textwrap.dedent("""
+      import importlib, json, sys
+      import numpy as np
+      import jax, jax.numpy as jnp
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      jax.config.update("jax_use_shardy_partitioner", True)
+      from jax._src.interpreters import mlir
+      jax_lower, lowerings = mlir.lower_jaxpr_to_module, []
+      def counted(*args, **kwargs):
+        lowerings.append(1)
+        return jax_lower(*args, **kwargs)
+      mlir.lower_jaxpr_to_module = counted
+      copies = [importlib.import_module(name) for name in sys.argv[1:]]
+      def make(copy, body):
+        op = copy.custom_partitioning(body)
+        op.def_partition(
+            lambda m, a, r: (m, body, a[0].sharding, (a[0].sharding,)),
+            infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+            sharding_rule="i j -> i j")
+        return op
+      ops = [make(copy, lambda x, i=i: jnp.sin(x) + i)
+             for i, copy in enumerate(copies)]
+      nested = make(copies[1], lambda x: ops[0](x) * 2.0)
+      def f(x):
+        for op in ops:
+          x = op(x)
+        return nested(x)
+      mesh = Mesh(np.array(jax.devices()), ("x",))
+      xh = np.arange(64, dtype=np.float32).reshape(16, 4) / 7.0
+      x = jax.device_put(xh, NamedSharding(mesh, P("x")))
+      chained = xh
+      for i in range(len(ops)):
+        chained = np.sin(chained) + i
+      out = {"custom calls": 0, "error": 0.0}
+      for name, fun, want in (("ops", f, np.sin(chained) * 2.0),
+                              ("first copy's", ops[0], np.sin(xh)),
+                              ("none", lambda x: jnp.sin(x) * 2.0, None)):
+        del lowerings[:]
+        lowered = jax.jit(fun).lower(x)
+        out[name] = len(lowerings)
+        out["custom calls"] += lowered.as_text().count("stablehlo.custom_call")
+        if want is not None:
+          out["error"] = max(out["error"], float(np.abs(
+              np.asarray(jax.jit(fun)(x)) - want).max()))
+      import jax.interpreters.mlir as public
+      out["one name"] = (public.lower_jaxpr_to_module is
+                         mlir.lower_jaxpr_to_module)
+      print(json.dumps(out))
+      """)
+
+  def _copies(self, *names, older=()):
+    """What ``_COPIES_PROGRAM`` prints, the module copied as each of
+    ``names`` (those in ``older`` as a copy of another protocol version,
+    one that finds no parties' table of its own)."""
+    if not self.at_lowering:
+      self.skipTest("partitioning at lowering is Shardy's")
+    with open(cp.__file__) as f:
+      source = f.read()
+    with tempfile.TemporaryDirectory() as d:
+      for name in names:
+        text = source if name not in older else source.replace(
+            cp._PARTIES_ATTR, cp._PARTIES_ATTR + "_other")
+        with open(os.path.join(d, name + ".py"), "w") as f:
+          f.write(text)
+      proc = subprocess.run(
+          [sys.executable, "-c", self._COPIES_PROGRAM, *names], cwd=d,
+          env=_child_env(8, (d,)), capture_output=True, text=True,
+          timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+  def test_copies_share_one_lowering(self):
+    """Vendored copies take part in one lowering: a program holding ops of
+    three copies is lowered twice (not 2^3 times), one without ops once,
+    every op partitioned at lowering with right values, and jax's public
+    name for the lowering is the one wrapped."""
+    out = self._copies("cp_a", "cp_b", "cp_c")
+    self.assertEqual(out, {"ops": 2, "first copy's": 2, "none": 1,
+                           "custom calls": 0, "error": out["error"],
+                           "one name": True})
+    self.assertLess(out["error"], 1e-5)
+
+  def test_a_copy_of_another_protocol_wraps_and_still_partitions(self):
+    """A copy that does not know the parties' table (another version of
+    the file) wraps the shared lowering instead of joining it: more
+    lowerings, the same partitions and values."""
+    out = self._copies("cp_a", "cp_b", "cp_c", older=("cp_b",))
+    self.assertEqual(out, {"ops": 4, "first copy's": 2, "none": 1,
+                           "custom calls": 0, "error": out["error"],
+                           "one name": True})
+    self.assertLess(out["error"], 1e-5)
+
+  def test_a_party_that_does_not_ask_takes_part_in_a_second_lowering(self):
+    """The shared lowering's contract with a party of another version: one
+    that does not ask for a second lowering is inside it where another
+    party asks, and is sent each lowering's result; the lowering's
+    arguments are its own."""
+    if not self.at_lowering:
+      self.skipTest("partitioning at lowering is Shardy's")
+    seen = []
+
+    def party(*args, **kwargs):
+      seen.append(("called", type(args[0]).__name__))
+      lowered = yield
+      seen.append(("sent", hasattr(lowered, "module")))
+      lowered = yield False
+      seen.append(("sent", hasattr(lowered, "module")))
+
+    parties = getattr(_jax_mlir.lower_jaxpr_to_module, cp._PARTIES_ATTR)
+    parties["another version"] = party  # after this module's: asks last
+    self.addCleanup(parties.pop, "another version")
+    self.put_data((16, 4))
+    op = elementwise_op()
+    np.testing.assert_allclose(jax.jit(op)(self.x), np.sin(self.xh) * 2,
+                               rtol=1e-5)
+    self.assertEqual(seen, [("called", "str"), ("sent", True),
+                            ("sent", True)])
+    del seen[:]
+    jax.jit(lambda x: x * 3.0).lower(self.x)
+    self.assertEqual(seen, [("called", "str"), ("sent", True)])
+
+  def test_a_failed_lowering_leaves_no_pass_behind(self):
+    """An error in either lowering (a refused rule in the first, a raising
+    partition in the second) leaves this module outside any lowering, even
+    while the error is kept."""
+    if not self.at_lowering:
+      self.skipTest("partitioning at lowering is Shardy's")
+    self.put_data((16, 4))
+    bad_rule = elementwise_op(rule="i -> i")
+    raising = custom_partitioning(lambda x: x)
+
+    def partition(mesh, arg_shapes, result_shape):
+      raise ZeroDivisionError("partition raised")
+    raising.def_partition(partition, sharding_rule="i j -> i j")
+    for op, error in ((bad_rule, ValueError), (raising, ZeroDivisionError)):
+      with self.subTest(error=error.__name__):
+        try:
+          jax.jit(op).lower(self.x)
+        except error as e:
+          kept = e  # with its traceback, which holds the lowering's frames
+        else:
+          self.fail(f"no {error.__name__}")
+        self.assertIsNone(cp._current_pass())
+        del kept
+    # and the next lowering partitions as ever
+    np.testing.assert_allclose(jax.jit(elementwise_op())(self.x),
+                               np.sin(self.xh) * 2, rtol=1e-5)
 
 
 both_partitioners(CoexistenceTest)

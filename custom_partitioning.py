@@ -2548,10 +2548,19 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
     # Operands traced unsharded: on Explicit axes shard_map would refuse.
     mesh = _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=(
         jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-  # Transposed, a real row as padding keeps 0 * inf out of the sums
-  # (its cotangent is zero); XLA pads with unspecified values.
-  mode = "constant" if per_shard is None else "edge"
   spec = jax.sharding.PartitionSpec
+
+  def padded_to(x, shape):
+    widths = [(0, p - s) for s, p in zip(x.shape, shape)]
+    if per_shard is None:  # XLA pads with unspecified values; here zeros
+      return jax.numpy.pad(x, widths)
+    # Transposed: a copy of a real row as padding keeps 0 * inf out of the
+    # sums (its cotangent is zero); a constant copy, as a collective of
+    # lower_fn can move a real result's cotangent onto the padding (a
+    # shift), which must not reach the row copied: padding has no
+    # derivative.
+    return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
+        jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
   mapped = _shard_map(
       per_shard or _jax.jaxpr_as_fun(shard.jaxpr), mesh,
       tuple(spec(*v.spec) for v in shard.args),
@@ -2560,9 +2569,8 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   def program(*xs):
     # jax 0.7.2's jit traces under set_mesh's mesh again: cleared here.
     with _no_ambient_mesh():
-      xs = [x if x.shape == shape else jax.numpy.pad(
-          x, [(0, p - s) for s, p in zip(x.shape, shape)], mode=mode)
-          for x, shape in zip(xs, padded[0])]
+      xs = [x if x.shape == shape else padded_to(x, shape)
+            for x, shape in zip(xs, padded[0])]
       return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
               for y, v in zip(mapped(*xs), shard.results)]
   program.__name__ = op.name if op.name.isidentifier() else "op"

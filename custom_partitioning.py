@@ -1125,6 +1125,15 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         "but its def_partition was given partition=None and no sharding_rule "
         "to derive a partition from: give either.")
   lowering = None if why_not is not None else _current_pass()
+  if lowering is not None and not all(map(math.prod, (
+      a.shape for a in ctx.avals_in))):
+    # XLA refuses a manual computation whose operands are empty (as it does
+    # jax.shard_map's). An empty operand holds no values: the results
+    # depend on its shape and the other operands alone, and fun, the op's
+    # values on global operands (plain jax's), computes them; lower_fn is
+    # code for shards inside a manual computation. In both passes, so
+    # that propagation places around the body XLA will see.
+    return _lowered_body(ctx, call, "an operand is empty", values)
   if lowering is not None:  # partitioned at lowering (I.6)
     index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
@@ -2943,6 +2952,9 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
                   "one with jax.set_mesh)")
   if mesh.size == 1:  # the body, inlined
     return None, None
+  if not all(map(math.prod, (a.shape for a in flat.in_avals))):
+    # XLA refuses a shard_map whose operands are empty (see _lowering).
+    return None, "an operand is empty"
   if any(map(_vmapped_over_mesh_axis, flat.leaves)):
     return None, ("under a jax.vmap whose batch dimension is sharded over "
                   "a mesh axis")

@@ -5988,46 +5988,43 @@ class PaddingInGradientsTest(CPTestCase):
     """Issue 62: with 10 rows, ``_shift_op``'s lower_fn moves padding into
     the real ``y[9]``. The transposition padded ``x`` with copies of
     ``x[9]``, so the cotangent of ``y[9]`` reached ``x[9]``: its gradient
-    was off by ``2 * ct[9]``. Plain jax's values on both paths; with 16
-    rows also jax.shard_map's of the same lower_fn."""
+    was off by ``2 * ct[9]``. Values are plain jax's on one device (jax
+    0.4.35's own sharded concatenate on the (4, 2) mesh is off), on both
+    paths; with 16 rows also jax.shard_map's of the same lower_fn."""
+    fns = {  # of the op (or body) and the operand's placement
+        "value": lambda f, c: lambda x: f(c(x)),
+        "grad": lambda f, c: jax.grad(lambda x: (f(c(x)) * self.ct).sum()),
+        "vjp": lambda f, c: lambda x: jax.vjp(lambda v: f(c(v)), x)[1](
+            self.ct)[0],
+        "jvp": lambda f, c: lambda x: jax.jvp(lambda v: f(c(v)), (x,),
+                                              (self.ct,))[1],
+    }
     for rows, (mesh_name, (shape, names)) in itertools.product(
         (10, 16), self.meshes.items()):
       m = self.mesh(shape, names)
-      rows_s = NamedSharding(m, P("x", None))
+      c = functools.partial(jax.lax.with_sharding_constraint,
+                            shardings=NamedSharding(m, P("x", None)))
       xh = _data((rows, 3))
-      ct = np.cos(np.arange(rows * 3, dtype=np.float32)).reshape(rows, 3)
+      self.ct = np.cos(np.arange(rows * 3, dtype=np.float32)).reshape(rows, 3)
+      # Replicated: jax 0.12.1's jit cannot read back the placement that
+      # Shardy gives a gradient of 10 rows (IndivisibleError; plain jax's
+      # too).
+      jit = functools.partial(jax.jit, out_shardings=NamedSharding(m, P()))
       for path, ctx in (("at lowering", contextlib.nullcontext),
                         ("callbacks", callback_path)):
         op, body = _shift_op()  # fresh: jax's caches ignore the path
-        c = functools.partial(jax.lax.with_sharding_constraint,
-                              shardings=rows_s)
-        fns = {
-            "value": (lambda f: lambda x: f(c(x)), lambda x: body(x)),
-            "grad": (lambda f: jax.grad(lambda x: (f(c(x)) * ct).sum()),
-                     lambda x: 2 * np.concatenate([0 * x[:1], ct[:-1]])),
-            "vjp": (lambda f: lambda x: jax.vjp(lambda v: f(c(v)), x)[1](ct)[0],
-                    lambda x: 2 * np.concatenate([0 * x[:1], ct[:-1]])),
-            "jvp": (lambda f: lambda x: jax.jvp(lambda v: f(c(v)), (x,),
-                                                (ct,))[1],
-                    lambda x: body(ct)),
-        }
-        # Replicated: jax 0.12.1's jit cannot read back the placement that
-        # Shardy gives a gradient of 10 rows (IndivisibleError; plain jax's
-        # too).
-        jit = functools.partial(jax.jit, out_shardings=NamedSharding(m, P()))
         with ctx():
-          for name, (of, want) in fns.items():
+          for name, of in fns.items():
             with self.subTest(rows=rows, mesh=mesh_name, path=path, fn=name):
-              f = jit(of(op))
-              np.testing.assert_allclose(f(xh), want(xh), rtol=1e-6)
-              np.testing.assert_allclose(f(xh), jit(of(body))(xh), rtol=1e-6)
+              want = jax.jit(of(body, lambda x: x))(xh)
+              f = jit(of(op, c))
+              np.testing.assert_allclose(f(xh), want, rtol=1e-6)
               self.assertOpLowered(f.lower(xh).as_text())
               if rows == 16:
                 sm = shard_map(_shift_lower_fn(shape[0]), mesh=m,
                                in_specs=P("x", None), out_specs=P("x", None))
-                np.testing.assert_allclose(jit(of(sm))(xh), want(xh),
+                np.testing.assert_allclose(jit(of(sm, c))(xh), want,
                                            rtol=1e-6)
-
 
 both_partitioners(PaddingInGradientsTest)
 del PaddingInGradientsTest

@@ -334,7 +334,8 @@ class custom_partitioning:
   gives, the op then a manual computation of ``lower_fn``; on every backend,
   TPU included), under GSPMD (jax 0.12.0.1 and older) as one XLA custom call
   whose callbacks XLA calls while compiling, as upstream; on one device, in a
-  ``shard_map`` manual over every mesh axis and under ``jax.disable_jit()``,
+  ``shard_map`` manual over every mesh axis, under ``jax.disable_jit()`` and
+  (partitioned at lowering or under Explicit axes) with an empty operand,
   ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks
   see the op untransformed and ``lower_fn`` runs transformed on the same local
   shards (II.4; upstream supports none of the three). An eager call is

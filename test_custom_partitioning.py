@@ -6020,6 +6020,7 @@ class PaddingInGradientsTest(CPTestCase):
               f = jit(of(op, c))
               np.testing.assert_allclose(f(xh), want, rtol=1e-6)
               self.assertOpLowered(f.lower(xh).as_text())
+              self.assertCollectives(self.hlo(f, xh), ["collective-permute"])
               if rows == 16:
                 sm = shard_map(_shift_lower_fn(shape[0]), mesh=m,
                                in_specs=P("x", None), out_specs=P("x", None))

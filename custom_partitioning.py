@@ -340,7 +340,8 @@ class custom_partitioning:
   gives, the op then a manual computation of ``lower_fn``; on every backend,
   TPU included), under GSPMD (jax 0.12.0.1 and older) as one XLA custom call
   whose callbacks XLA calls while compiling, as upstream; on one device, in a
-  ``shard_map`` manual over every mesh axis and under ``jax.disable_jit()``,
+  ``shard_map`` manual over every mesh axis, under ``jax.disable_jit()`` and
+  (partitioned at lowering or under Explicit axes) with an empty operand,
   ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks
   see the op untransformed and ``lower_fn`` runs transformed on the same local
   shards (II.4; upstream supports none of the three). An eager call is
@@ -1132,6 +1133,15 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         "but its def_partition was given partition=None and no sharding_rule "
         "to derive a partition from: give either.")
   lowering = None if why_not is not None else _current_pass()
+  if lowering is not None and not all(map(math.prod, (
+      a.shape for a in ctx.avals_in))):
+    # XLA refuses a manual computation whose operands are empty (as it does
+    # jax.shard_map's). An empty operand holds no values: the results
+    # depend on its shape and the other operands alone, and fun, the op's
+    # values on global operands (plain jax's), computes them; lower_fn is
+    # code for shards inside a manual computation. In both passes, so
+    # that propagation places around the body XLA will see.
+    return _lowered_body(ctx, call, "an operand is empty", values)
   if lowering is not None:  # partitioned at lowering (I.6)
     index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
@@ -2570,10 +2580,19 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
     # Operands traced unsharded: on Explicit axes shard_map would refuse.
     mesh = _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=(
         jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-  # Transposed, a real row as padding keeps 0 * inf out of the sums
-  # (its cotangent is zero); XLA pads with unspecified values.
-  mode = "constant" if per_shard is None else "edge"
   spec = jax.sharding.PartitionSpec
+
+  def padded_to(x, shape):
+    widths = [(0, p - s) for s, p in zip(x.shape, shape)]
+    if per_shard is None:  # XLA pads with unspecified values; here zeros
+      return jax.numpy.pad(x, widths)
+    # Transposed: a copy of a real row as padding keeps 0 * inf out of the
+    # sums (its cotangent is zero); a constant copy, as a collective of
+    # lower_fn can move a real result's cotangent onto the padding (a
+    # shift), which must not reach the row copied: padding has no
+    # derivative.
+    return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
+        jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
   mapped = _shard_map(
       per_shard or _jax.jaxpr_as_fun(shard.jaxpr), mesh,
       tuple(spec(*v.spec) for v in shard.args),
@@ -2582,9 +2601,8 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   def program(*xs):
     # jax 0.7.2's jit traces under set_mesh's mesh again: cleared here.
     with _no_ambient_mesh():
-      xs = [x if x.shape == shape else jax.numpy.pad(
-          x, [(0, p - s) for s, p in zip(x.shape, shape)], mode=mode)
-          for x, shape in zip(xs, padded[0])]
+      xs = [x if x.shape == shape else padded_to(x, shape)
+            for x, shape in zip(xs, padded[0])]
       return [y if y.shape == v.shape else y[tuple(map(slice, v.shape))]
               for y, v in zip(mapped(*xs), shard.results)]
   program.__name__ = op.name if op.name.isidentifier() else "op"
@@ -3032,6 +3050,9 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
                   "one with jax.set_mesh)")
   if mesh.size == 1:  # the body, inlined
     return None, None
+  if not all(map(math.prod, (a.shape for a in flat.in_avals))):
+    # XLA refuses a shard_map whose operands are empty (see _lowering).
+    return None, "an operand is empty"
   if any(map(_vmapped_over_mesh_axis, flat.leaves)):
     return None, ("under a jax.vmap whose batch dimension is sharded over "
                   "a mesh axis")

@@ -5866,6 +5866,30 @@ _PADDING_BODIES = {  # each right on real (positive) rows, not on zeros
 }
 
 
+def _shift_lower_fn(n: int):
+  """Per shard of ``_shift_op`` on ``n`` devices along "x"."""
+  def lower_fn(x):
+    first = jax.lax.ppermute(x[:1], "x", [(i, i - 1) for i in range(1, n)])
+    return 2 * jnp.concatenate([x[1:], first])
+  return lower_fn
+
+
+def _shift_op():
+  """``y[i] = 2 x[i + 1]``, ``y[-1] = 0``: lower_fn shifts each shard's
+  first row to the previous device along "x" (the last receives zeros)."""
+  def body(x):
+    return jnp.concatenate([2 * x[1:], jnp.zeros_like(x[:1])])
+  op = custom_partitioning(body)
+
+  def partition(mesh, arg_shapes, result_shape):
+    s = NamedSharding(mesh, P("x", None))
+    return mesh, _shift_lower_fn(mesh.shape["x"]), s, (s,)
+  op.def_partition(partition, sharding_rule="i j -> i j",
+                   infer_sharding_from_operands=lambda m, a, r: (
+                       NamedSharding(m, P("x", None))))
+  return op, body
+
+
 class PaddingInGradientsTest(CPTestCase):
   """Found by a breaker: 10 rows over 8 devices (or over a 4-device axis)
   are padded with zeros, where ``log``, ``1/x`` are infinite; the cotangent
@@ -5972,6 +5996,48 @@ class PaddingInGradientsTest(CPTestCase):
                           jax.tree_util.tree_leaves(want[name])):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
+  def test_padding_a_collective_moves_takes_no_cotangent_from_a_real_row(self):
+    """Issue 62: with 10 rows, ``_shift_op``'s lower_fn moves padding into
+    the real ``y[9]``. The transposition padded ``x`` with copies of
+    ``x[9]``, so the cotangent of ``y[9]`` reached ``x[9]``: its gradient
+    was off by ``2 * ct[9]``. Values are plain jax's on one device (jax
+    0.4.35's own sharded concatenate on the (4, 2) mesh is off), on both
+    paths; with 16 rows also jax.shard_map's of the same lower_fn."""
+    fns = {  # of the op (or body) and the operand's placement
+        "value": lambda f, c: lambda x: f(c(x)),
+        "grad": lambda f, c: jax.grad(lambda x: (f(c(x)) * self.ct).sum()),
+        "vjp": lambda f, c: lambda x: jax.vjp(lambda v: f(c(v)), x)[1](
+            self.ct)[0],
+        "jvp": lambda f, c: lambda x: jax.jvp(lambda v: f(c(v)), (x,),
+                                              (self.ct,))[1],
+    }
+    for rows, (mesh_name, (shape, names)) in itertools.product(
+        (10, 16), self.meshes.items()):
+      m = self.mesh(shape, names)
+      c = functools.partial(jax.lax.with_sharding_constraint,
+                            shardings=NamedSharding(m, P("x", None)))
+      xh = _data((rows, 3))
+      self.ct = np.cos(np.arange(rows * 3, dtype=np.float32)).reshape(rows, 3)
+      # Replicated: jax 0.12.1's jit cannot read back the placement that
+      # Shardy gives a gradient of 10 rows (IndivisibleError; plain jax's
+      # too).
+      jit = functools.partial(jax.jit, out_shardings=NamedSharding(m, P()))
+      for path, ctx in (("at lowering", contextlib.nullcontext),
+                        ("callbacks", callback_path)):
+        op, body = _shift_op()  # fresh: jax's caches ignore the path
+        with ctx():
+          for name, of in fns.items():
+            with self.subTest(rows=rows, mesh=mesh_name, path=path, fn=name):
+              want = jax.jit(of(body, lambda x: x))(xh)
+              f = jit(of(op, c))
+              np.testing.assert_allclose(f(xh), want, rtol=1e-6)
+              self.assertOpLowered(f.lower(xh).as_text())
+              self.assertCollectives(self.hlo(f, xh), ["collective-permute"])
+              if rows == 16:
+                sm = shard_map(_shift_lower_fn(shape[0]), mesh=m,
+                               in_specs=P("x", None), out_specs=P("x", None))
+                np.testing.assert_allclose(jit(of(sm, c))(xh), want,
+                                           rtol=1e-6)
 
 both_partitioners(PaddingInGradientsTest)
 del PaddingInGradientsTest
@@ -10131,6 +10197,112 @@ class AtLoweringTest(CPTestCase):
     self.assertEqual(cp._spec_from_sdy('{"x", "y"}, {"z", ?}', ""),
                      (("x", "y"), "z"))
 
+
+def _matmul_ops(rule="i k, k j -> i j"):
+  """``a @ b`` (plus ``c``, given a third operand) as a rule-only op and as
+  an op whose partition shards i over "x" and replicates the rest."""
+  def body(a, b, *c):
+    return a @ b + sum(c)
+  op = custom_partitioning(body)
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows, whole = NamedSharding(mesh, P("x", None)), NamedSharding(mesh, P())
+    return mesh, body, rows, (rows, whole, rows)[:len(arg_shapes)]
+  op.def_partition(partition, sharding_rule=rule,
+                   infer_sharding_from_operands=lambda m, a, r: (
+                       NamedSharding(m, P("x", None))))
+  return {"rule-only": _rule_only(body, rule), "partition": op}, body
+
+
+class EmptyOperandsTest(CPTestCase):
+  """Issue 62: a matmul whose contraction k has size 0 (plain jax: zeros,
+  or ``c`` where added) failed at lowering: XLA refuses a manual
+  computation of empty operands ("expected at least one operand of
+  @xla.sdy.manual_computation_body ... GlobalToLocalShape"; jax.shard_map
+  alike). Values, gradients and tangents are plain jax's on both paths
+  and under Explicit axes; at lowering, an op with an empty operand is its
+  body (no manual computation)."""
+
+  cases = {  # rule, operand shapes
+      "k = 0": ("i k, k j -> i j", ((16, 0), (0, 4))),
+      "k = 0, plus c": ("i k, k j, i j -> i j", ((16, 0), (0, 4), (16, 4))),
+      "j = 0": ("i k, k j -> i j", ((16, 3), (3, 0))),
+  }
+
+  def check(self, fns, args, want_text=None):
+    for name, (f, want) in fns.items():
+      with self.subTest(fn=name):
+        for g, w in zip(jax.tree_util.tree_leaves(f(*args)),
+                        jax.tree_util.tree_leaves(want(*args))):
+          self.assertEqual(g.shape, w.shape)
+          np.testing.assert_allclose(g, w, rtol=1e-6)
+        if want_text is not None:
+          want_text(f.lower(*args).as_text())
+
+  def fns(self, op, body, rows, shapes):
+    loss = lambda f: lambda *xs: jnp.sin(  # noqa: E731
+        f(jax.lax.with_sharding_constraint(xs[0], rows), *xs[1:])).sum()
+    tangents = tuple(_data(s) + 1.0 for s in shapes)
+    argnums = tuple(range(len(shapes)))
+    return {
+        "value": tuple(jax.jit(lambda *xs, f=f: f(
+            jax.lax.with_sharding_constraint(xs[0], rows), *xs[1:]))
+                       for f in (op, body)),
+        "grad": tuple(jax.jit(jax.grad(loss(f), argnums)) for f in (op, body)),
+        "jvp": tuple(jax.jit(lambda *xs, f=f: jax.jvp(
+            lambda *v: f(jax.lax.with_sharding_constraint(v[0], rows),
+                         *v[1:]), xs, tangents)[1]) for f in (op, body)),
+    }
+
+  def test_empty_operands_on_both_paths(self):
+    m = self.mesh()
+    rows = NamedSharding(m, P("x", None))
+    for (case, (rule, shapes)), path in itertools.product(
+        self.cases.items(), ("at lowering", "callbacks")):
+      args = [_data(s) for s in shapes]
+      with callback_path() if path == "callbacks" else (
+          contextlib.nullcontext()):
+        ops, body = _matmul_ops(rule)  # fresh: jax's caches ignore the path
+        for label, op in ops.items():
+          def text(t, empty=0 in shapes[0] + shapes[1]):
+            if not self.at_lowering:
+              self.assertIn("CustomSPMDPartitioning", t)
+            else:
+              self.assertNotIn("CustomSPMDPartitioning", t)
+              self.assertEqual("sdy.manual_computation" in t, not empty)
+          with self.subTest(case=case, op=label, path=path):
+            self.check(self.fns(op, body, rows, shapes), args, text)
+
+  def test_empty_operands_under_explicit_axes(self):
+    if NO_EXPLICIT_PATH:
+      self.skipTest(NO_EXPLICIT_PATH)
+    e = jax.make_mesh((8,), ("x",),
+                      axis_types=(jax.sharding.AxisType.Explicit,))
+    rows, whole = NamedSharding(e, P("x", None)), NamedSharding(e, P())
+    for case, (rule, shapes) in self.cases.items():
+      if case == "j = 0":  # jax 0.10.2's own empty result is unreadable
+        continue
+      ops, body = _matmul_ops(rule)
+      hosts = [_data(s) for s in shapes]
+      want = hosts[0] @ hosts[1] + sum(hosts[2:])
+      for label, op in ops.items():
+        with self.subTest(case=case, op=label), jax.set_mesh(e):
+          args = [jax.device_put(x, s) for x, s in zip(
+              hosts, (rows, whole, rows))]
+          for how, f in (("jit", jax.jit(op)), ("eager", op)):
+            got = f(*args)
+            self.assertEqual(got.shape, want.shape, how)
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=how)
+          grads = jax.jit(jax.grad(lambda *xs, op=op: jnp.sin(op(*xs)).sum(),
+                                   tuple(range(len(args)))))(*args)
+          wants = jax.grad(lambda *xs: jnp.sin(body(*xs)).sum(),
+                           tuple(range(len(args))))(*hosts)
+          for g, w in zip(grads, wants):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+both_partitioners(EmptyOperandsTest)
+del EmptyOperandsTest
 
 class PallasTest(CPTestCase):
   """Pallas kernels (interpret mode here) as per-shard code: their

@@ -176,6 +176,9 @@ import numpy as np
 # --------------------------------------------------------------------------
 
 _NAMES = {
+    # The package of jax.interpreters.mlir, whose lower_jaxpr_to_module
+    # libraries call: the module's lowering replaces it there too (I.6).
+    "jax": "interpreters",
     "jax.core": "AbstractValue ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
     # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
@@ -2668,7 +2671,7 @@ if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
                                                      {})
 getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _lower
 # Libraries lower through the public name too (jax.interpreters.mlir).
-jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
+_jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
 # jax leaves its own files out of the source locations it records; this
 # file's frames (the lowering above, the per-shard programs) stay out too,
 # so a program without ops lowers byte for byte as without this module.

@@ -9879,11 +9879,95 @@ class AtLoweringTest(CPTestCase):
     if os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING") is None:
       self.assertIn("RESULT False", _run_snippet(self, True, code))
 
-  def test_a_propagated_sharding_over_a_sub_axis_is_asked_replicated(self):
-    self.assertEqual(cp._spec_from_sdy('{"x":(1)2}, {"y"}, {}, {?}', ""),
-                     (None, "y", None, None))
-    self.assertEqual(cp._spec_from_sdy('{"x", "y"}, {"z", ?}', ""),
-                     (("x", "y"), "z"))
+  @staticmethod
+  def _paths():
+    """Shardy's two paths: (name, a context manager entering it)."""
+    return (("at lowering", contextlib.nullcontext),
+            ("callbacks", callback_path))
+
+  def test_a_placement_over_sub_axes_is_asked_as_on_the_callbacks(self):
+    """8 values over "x" (4 devices) reshaped to (2, 4): Shardy places the
+    op's operand over sub-axes of "x" (rows over its major half, columns
+    over its minor one), which no PartitionSpec states: partition is asked
+    with that placement as a GSPMDSharding, as XLA's callbacks ask it, not
+    with the operand replicated."""
+    m = self.mesh((4, 2), ("x", "y"))
+    ah = _data((8,))
+    a = jax.device_put(ah, NamedSharding(m, P("x")))
+    # The device at "x" position i holds a[2i:2i+2]: after the reshape, row
+    # i // 2, columns 2 (i % 2) on; nothing moves.
+    want = {d: (slice(i // 2, i // 2 + 1), slice(2 * (i % 2), 2 * (i % 2) + 2))
+            for (i, _), d in np.ndenumerate(m.devices)}
+    plain = jax.jit(lambda v: jnp.sin(v).reshape(2, 4) * 2.0,
+                    out_shardings=NamedSharding(m, P()))
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          seen.append(arg_shapes[0].sharding)
+          whole = NamedSharding(mesh, P())
+          return mesh, body, whole, (whole,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        f = jax.jit(lambda v, op=op: op(jnp.sin(v).reshape(2, 4)))
+        out = f(a)
+        np.testing.assert_allclose(out, np.sin(ah).reshape(2, 4) * 2.0,
+                                   rtol=1e-6)
+        self.assertTrue(seen)
+        for sharding in seen:
+          self.assertNotIsInstance(sharding, NamedSharding)
+          self.assertEqual(sharding.devices_indices_map((2, 4)), want)
+        # Replicated as partition asked: gathered (at lowering no more than
+        # plain jax gathers for a replicated result; XLA's callbacks more,
+        # and jaxlib 0.4.35's Shardy reshards the unconstrained result).
+        text = self.hlo(f, a)
+        self.assertCollectives(text, present=("all-gather",))
+        if path == "at lowering":
+          self.assertTrue(out.sharding.is_fully_replicated)
+          self.assertLessEqual(_collective_count(text), _collective_count(
+              self.hlo(plain, a)))
+
+  def test_an_ambient_mesh_of_other_axes(self):
+    """The operand on ("x": 8), the program under a mesh of the same
+    devices with other axes ("a": 2, "b": 4 or "x": 4, "y": 2), by `with
+    mesh:` or jax.set_mesh: partition is asked on that mesh with the
+    operand's placement there (its rows over every axis), as on XLA's
+    callbacks; nothing moves."""
+    xh = self.xh
+    ambients = (Mesh(self.m.devices.reshape(2, 4), ("a", "b")),
+                Mesh(self.m.devices.reshape(4, 2), ("x", "y")))
+    for ambient, how, (path, context) in itertools.product(
+        ambients, ("with", "set_mesh"), self._paths()):
+      rows = NamedSharding(ambient, P(ambient.axis_names, None))
+      self.assertTrue(rows.is_equivalent_to(self.s, 2))  # the same places
+      with self.subTest(mesh=dict(ambient.shape), how=how, path=path), (
+          context()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          s = arg_shapes[0].sharding
+          seen.append((dict(mesh.shape), _spec(s, 2)))
+          return mesh, body, s, (s,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        with ambient if how == "with" else mesh_context(ambient):
+          f = jax.jit(op)
+          out = f(self.x)
+          text = self.hlo(f, self.x)
+          lowered = f.lower(self.x).as_text()
+        np.testing.assert_allclose(out, xh * 2.0)
+        self.assertEqual(seen[:1], [(dict(ambient.shape),
+                                     (ambient.axis_names, None))])
+        self.assertTrue(out.sharding.is_equivalent_to(self.s, 2))
+        self.assertCollectives(text, absent=_COLLECTIVES)
+        # (jax before 0.5.3 cannot clear an ambient mesh around the
+        # per-shard code: XLA's callbacks partition there.)
+        if path == "at lowering" and JAX_VERSION >= (0, 5, 3):
+          self.assertNotIn("CustomSPMDPartitioning", lowered)
 
 
 class PallasTest(CPTestCase):
@@ -9987,6 +10071,54 @@ class NeedReplicationTest(CPTestCase):
         np.testing.assert_allclose(jax.jit(op)(x), xh.max(1))
         self.assertTrue(seen)
         self.assertTrue(all(spec[1] is None for spec in seen), seen)
+
+  def test_a_factor_inside_a_compound_dimension(self):
+    """JAX's own test of compound factors (f(x, y) = x.reshape(8) + y,
+    rule "(i k) j, (i k j) -> (i k j)", k needing replication): "x" on
+    x's rows shards i only, so partition is asked with the rows kept over
+    "x" (k is not sharded), not the whole dimension gathered; under Shardy
+    the result stays over "x", on both paths, nothing moved."""
+    m = self.mesh((2, 4), ("x", "y"))
+    xh, yh = _data((4, 2)), _data((8,)) * 3.0
+    x = jax.device_put(xh, NamedSharding(m, P("x", None)))
+    y = jax.device_put(yh, NamedSharding(m, P("x")))
+    rule = dict(sharding_rule="(i k) j, (i k j) -> (i k j)", i=2, k=2,
+                need_replication_factors=("k",))
+
+    def op_of(seen, fun, lower_fn, handed_back):
+      op = custom_partitioning(fun)
+
+      def partition(mesh, arg_shapes, result_shape):
+        seen.append(tuple(_spec(a.sharding, a.ndim) for a in arg_shapes))
+        given = tuple(a.sharding for a in arg_shapes)
+        out = given[1] if handed_back else result_shape.sharding
+        return mesh, lower_fn, out, given
+      op.def_partition(partition, **rule)
+      return op
+    variants = {  # JAX's test, and partition returning result_shape's
+        "arg shardings": (lambda a, b: a.reshape(8) + b,
+                          lambda a, b: a.reshape((4,)) + b, True),
+        "result_shape's": (lambda a, b: a.reshape(-1) + b,
+                           lambda a, b: a.reshape(-1) + b, False)}
+    if self.shardy:
+      skip_without_special_factors(self, lambda: jax.jit(op_of(
+          [], *variants["arg shardings"]))(x, y))
+    paths = (("at lowering", contextlib.nullcontext),
+             ("callbacks", callback_path)) if self.shardy else (
+                 ("callbacks", contextlib.nullcontext),)
+    for (name, variant), (path, context) in itertools.product(
+        variants.items(), paths):
+      if not self.shardy and name == "result_shape's":
+        continue  # GSPMD places no result by the rule: nothing to return
+      with self.subTest(variant=name, path=path), context():
+        seen = []
+        f = jax.jit(op_of(seen, *variant))
+        out = f(x, y)
+        np.testing.assert_allclose(out, xh.reshape(8) + yh, rtol=1e-6)
+        self.assertEqual(seen[:1], [(("x", None), ("x",))])
+        if self.shardy:
+          self.assertEqual(_spec(out.sharding, 1), ("x",))
+          self.assertCollectives(self.hlo(f, x, y), absent=_COLLECTIVES)
 
 
 both_partitioners(NeedReplicationTest)

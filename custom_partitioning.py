@@ -2578,9 +2578,17 @@ def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
   ``mesh`` (the op's, whatever mesh Shardy named; None where no spec
   states it, as a sub-axis that is not a whole axis of ``mesh``)."""
   ndim = len(aval.shape)
-  hlo = _hlo_of_sdy(placed, ndim)
-  return _Value(tuple(aval.shape), np.dtype(aval.dtype),
-                _decode_spec(hlo, mesh, ndim), hlo)
+
+  def decoded():
+    hlo = _hlo_of_sdy(placed, ndim)
+    return _decode_spec(hlo, mesh, ndim), hlo
+  spec, hlo = _decoded_placements.cached((placed, ndim, mesh), decoded)
+  return _Value(tuple(aval.shape), np.dtype(aval.dtype), spec, hlo)
+
+
+# Equal ops of a program share placements: each decoded once (jax's
+# decoding of an HloSharding costs more than the rest of reading it).
+_decoded_placements = _LRU()
 
 
 def _hlo_of_sdy(placed: _Sdy | None, ndim: int) -> _jax.HloSharding:

@@ -9935,7 +9935,6 @@ class AtLoweringTest(CPTestCase):
     mesh:` or jax.set_mesh: partition is asked on that mesh with the
     operand's placement there (its rows over every axis), as on XLA's
     callbacks; nothing moves."""
-    xh = self.xh
     ambients = (Mesh(self.m.devices.reshape(2, 4), ("a", "b")),
                 Mesh(self.m.devices.reshape(4, 2), ("x", "y")))
     for ambient, how, (path, context) in itertools.product(
@@ -9955,13 +9954,14 @@ class AtLoweringTest(CPTestCase):
         op = custom_partitioning(body)
         op.def_partition(partition, sharding_rule="i j -> i j")
         with ambient if how == "with" else mesh_context(ambient):
-          f = jax.jit(op)
-          out = f(self.x)
+          f, plain = jax.jit(op), jax.jit(body)
+          out, want = f(self.x), plain(self.x)
           text = self.hlo(f, self.x)
           lowered = f.lower(self.x).as_text()
-        np.testing.assert_allclose(out, xh * 2.0)
+        np.testing.assert_allclose(out, want)
         self.assertEqual(seen[:1], [(dict(ambient.shape),
                                      (ambient.axis_names, None))])
+        self.assertTrue(out.sharding.is_equivalent_to(want.sharding, 2))
         self.assertTrue(out.sharding.is_equivalent_to(self.s, 2))
         self.assertCollectives(text, absent=_COLLECTIVES)
         # (jax before 0.5.3 cannot clear an ambient mesh around the
@@ -10112,12 +10112,14 @@ class NeedReplicationTest(CPTestCase):
         continue  # GSPMD places no result by the rule: nothing to return
       with self.subTest(variant=name, path=path), context():
         seen = []
-        f = jax.jit(op_of(seen, *variant))
-        out = f(x, y)
-        np.testing.assert_allclose(out, xh.reshape(8) + yh, rtol=1e-6)
+        f, plain = jax.jit(op_of(seen, *variant)), jax.jit(variant[0])
+        out, want = f(x, y), plain(x, y)  # plain jax: rows over "x"
+        np.testing.assert_allclose(out, want, rtol=1e-6)
         self.assertEqual(seen[:1], [(("x", None), ("x",))])
         if self.shardy:
+          self.assertEqual(_spec(out.sharding, 1), _spec(want.sharding, 1))
           self.assertEqual(_spec(out.sharding, 1), ("x",))
+          self.assertCollectives(self.hlo(plain, x, y), absent=_COLLECTIVES)
           self.assertCollectives(self.hlo(f, x, y), absent=_COLLECTIVES)
 
 

@@ -1167,6 +1167,10 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         raise NotImplementedError(
             f"custom_partitioning op {name} cannot be lowered for TPU: its "
             f"partition {e}. {_TPU_ADVICE}.") from None
+      if isinstance(rule, SdyShardingRule) and values and _SHARDY.value:
+        rule_attr = {"sdy.sharding_rule": _rule_attr(
+            rule, _rule_levels(params["call"], steps),
+            isinstance(params["partition"], _FromRule))}
     op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
   return _jax.custom_call(
       _TARGET, result_types=_ir_types(ctx, call.out_avals),

@@ -9929,6 +9929,67 @@ class AtLoweringTest(CPTestCase):
           self.assertLessEqual(_collective_count(text), _collective_count(
               self.hlo(plain, a)))
 
+  def test_axes_out_of_the_mesh_s_order_are_asked_as_placed(self):
+    """Operands over the mesh's axes in another order (the minor axis
+    first, or over the major one's dimension): partition is asked with
+    each as placed, on both paths; nothing moves."""
+    m = self.mesh((4, 2), ("x", "y"))
+    for spec in (P("y", "x"), P(("y", "x"), None), P("y", None),
+                 P(None, ("y", "x"))):
+      x = jax.device_put(self.xh, NamedSharding(m, spec))
+      for path, context in self._paths():
+        with self.subTest(spec=spec, path=path), context():
+          seen = []
+          body = lambda v: jnp.sin(v) * 2.0  # noqa: E731
+
+          def partition(mesh, arg_shapes, result_shape, seen=seen,
+                        body=body):
+            s = arg_shapes[0].sharding
+            seen.append(_spec(s, 2))
+            return mesh, body, s, (s,)
+          op = custom_partitioning(body)
+          op.def_partition(partition, sharding_rule="i j -> i j")
+          f, plain = jax.jit(op), jax.jit(body)
+          out, want = f(x), plain(x)
+          np.testing.assert_allclose(out, want, rtol=1e-6)
+          self.assertEqual(seen[:1], [_spec(x.sharding, 2)])
+          self.assertTrue(out.sharding.is_equivalent_to(want.sharding, 2))
+          self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_a_mesh_of_logical_device_ids_is_read_with_them(self):
+    """An operand whose mesh names its devices in another order (jax's
+    NamedSharding with logical device ids, as its device_put between
+    device orders makes): partition is asked with the placement the ids
+    give (a GSPMDSharding: no PartitionSpec of the op's mesh states it),
+    as on XLA's callbacks; handed back, XLA's callbacks partition the op
+    (Shardy placing it by its rule): nothing moves."""
+    m = self.mesh((4, 2), ("x", "y"))
+    s = NamedSharding(m, P("x", "y"),
+                      _logical_device_ids=(1, 0, 3, 2, 5, 4, 7, 6))
+    x = jax.device_put(self.xh, s)
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: jnp.sin(v) * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          sharding = arg_shapes[0].sharding
+          seen.append(sharding)
+          return mesh, body, sharding, (sharding,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        f, plain = jax.jit(op), jax.jit(body)
+        out, want = f(x), plain(x)
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+        self.assertTrue(seen)
+        for sharding in seen:
+          self.assertNotIsInstance(sharding, NamedSharding)
+          self.assertEqual(sharding.devices_indices_map((16, 8)),
+                           s.devices_indices_map((16, 8)))
+        self.assertTrue(out.sharding.is_equivalent_to(want.sharding, 2))
+        self.assertCollectives(self.hlo(plain, x), absent=_COLLECTIVES)
+        self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
   def test_an_ambient_mesh_of_other_axes(self):
     """The operand on ("x": 8), the program under a mesh of the same
     devices with other axes ("a": 2, "b": 4 or "x": 4, "y": 2), by `with

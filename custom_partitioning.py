@@ -1133,9 +1133,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
   if lowering is not None and index < len(lowering.rules):
-    # Asked in the first pass (whose MLIR context held its attribute: a
-    # custom call falling back here, below, goes without, partition alone
-    # placing it).
+    # Asked in the first pass, whose MLIR context held its attribute (a
+    # custom call falling back here, below, builds it again).
     rule = lowering.rules[index]
   elif callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
@@ -1167,7 +1166,9 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         raise NotImplementedError(
             f"custom_partitioning op {name} cannot be lowered for TPU: its "
             f"partition {e}. {_TPU_ADVICE}.") from None
-      if isinstance(rule, SdyShardingRule) and values and _SHARDY.value:
+      # Placed by its rule, as in the first pass (without, Shardy leaves
+      # the custom call replicated: gathers around it).
+      if isinstance(rule, SdyShardingRule) and values:
         rule_attr = {"sdy.sharding_rule": _rule_attr(
             rule, _rule_levels(params["call"], steps),
             isinstance(params["partition"], _FromRule))}

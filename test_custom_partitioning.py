@@ -10182,6 +10182,16 @@ class NeedReplicationTest(CPTestCase):
           self.assertEqual(_spec(out.sharding, 1), ("x",))
           self.assertCollectives(self.hlo(plain, x, y), absent=_COLLECTIVES)
           self.assertCollectives(self.hlo(f, x, y), absent=_COLLECTIVES)
+    # Rows over ("x", "y"), "y" on k: "y" goes, "x" (on i) stays.
+    m = self.mesh((2, 2, 2), ("x", "y", "z"))
+    x = jax.device_put(xh, NamedSharding(m, P(("x", "y"), None)))
+    y = jax.device_put(yh, NamedSharding(m, P(("x", "y"))))
+    for path, context in paths:
+      with self.subTest(variant="k over y", path=path), context():
+        seen = []
+        out = jax.jit(op_of(seen, *variants["arg shardings"]))(x, y)
+        np.testing.assert_allclose(out, xh.reshape(8) + yh, rtol=1e-6)
+        self.assertEqual(seen[:1], [(("x", None), ("x",))])
 
 
 both_partitioners(NeedReplicationTest)

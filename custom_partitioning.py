@@ -120,7 +120,6 @@ import itertools
 import logging
 import math
 import os
-import re
 import struct
 import threading
 import types
@@ -188,8 +187,12 @@ _NAMES = {
     # jax 0.12.0.1: wrap_init without debug_info is "deprecated"; from jax
     # 0.5.1, when it takes it, the module passes it (_trace_to_jaxpr).
     "jax.extend.linear_util": "wrap_init",
-    "jax.extend.mlir.dialects.sdy": "DimMappingAttr OpShardingRuleAttr "
-                                    "TensorMappingAttr",
+    "jax.extend.mlir.dialects.sdy": "AxisRefAttr DimMappingAttr "
+                                    "DimensionShardingAttr MeshAttr "
+                                    "MeshAxisAttr OpShardingRuleAttr "
+                                    "SubAxisInfoAttr TensorMappingAttr "
+                                    "TensorShardingAttr "
+                                    "TensorShardingPerValueAttr",
     "jax.extend.mlir": "ir passmanager",
     "jax.extend.mlir.ir": "Attribute Location RankedTensorType ShapedType "
                           "Type",
@@ -437,7 +440,8 @@ class custom_partitioning:
         operands to ``arg_shardings``; ``lower_fn(*local_args)`` computes
         one shard (collectives may name the returned mesh's axes) sharded
         as ``result_shardings``. With a rule's ``need_replication_factors``,
-        a dimension of such a factor is given unsharded (upstream: as it
+        a dimension of such a factor is given unsharded, a compound one
+        sharded over its factors before it only (upstream: as it
         arrives). That mesh is ``mesh``, another over the
         same devices, or an ``AbstractMesh`` (it and shardings on it made
         concrete on the op's devices). If no mesh could be recovered,
@@ -1149,9 +1153,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
   if lowering is not None and index < len(lowering.rules):
-    # Asked in the first pass (whose MLIR context held its attribute: a
-    # custom call falling back here, below, goes without, partition alone
-    # placing it).
+    # Asked in the first pass, whose MLIR context held its attribute (a
+    # custom call falling back here, below, builds it again).
     rule = lowering.rules[index]
   elif callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {name}: "):
@@ -1183,6 +1186,12 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         raise NotImplementedError(
             f"custom_partitioning op {name} cannot be lowered for TPU: its "
             f"partition {e}. {_TPU_ADVICE}.") from None
+      # Placed by its rule, as in the first pass (without, Shardy leaves
+      # the custom call replicated: gathers around it).
+      if isinstance(rule, SdyShardingRule) and values:
+        rule_attr = {"sdy.sharding_rule": _rule_attr(
+            rule, _rule_levels(params["call"], steps),
+            isinstance(params["partition"], _FromRule))}
     op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
   return _jax.custom_call(
       _TARGET, result_types=_ir_types(ctx, call.out_avals),
@@ -1976,12 +1985,14 @@ def _partition(op: _Op, operands: list, results: list, on):
 
 def _replicated_as_needed(op: _Op, operands: list, results: list):
   """``operands`` and ``results`` with every dimension of a factor the rule
-  says needs replication unsharded: the rule states what the per-shard
-  code can take, so partition is asked (and XLA reshards) accordingly."""
+  says needs replication unsharded (a compound one from that factor on):
+  the rule states what the per-shard code can take, so partition is asked
+  (and XLA reshards) accordingly."""
   rule = op.sharding_rule
   values = operands + results
   try:  # a rule that does not fit the op fails elsewhere, with its cause
-    _, dims = _resolve_rule(rule, [v.shape for v in values], len(operands))
+    sizes, dims = _resolve_rule(rule, [v.shape for v in values],
+                                len(operands))
   except ValueError:
     return operands, results
   needed = set(rule.need_replication_factors)
@@ -1992,9 +2003,27 @@ def _replicated_as_needed(op: _Op, operands: list, results: list):
         e is not None and needed.intersection(factors)
         for factors, e in zip(value_dims, spec)):
       values[i] = v._replace(hlo=None, spec=tuple(
-          None if needed.intersection(factors) else e
+          _before_needed(factors, e, needed, sizes, op.mesh)
+          if needed.intersection(factors) else e
           for factors, e in zip(value_dims, spec)))
   return values[:len(operands)], values[len(operands):]
+
+
+def _before_needed(factors: tuple, entry, needed: set, sizes: dict, mesh):
+  """``entry``, a dimension's, less the axes that shard its factors from
+  the first that needs replication on (a compound's factors before it stay
+  sharded; an axis that a factor only partly covers, a sub-axis, goes)."""
+  axes, kept = list(_entry_axes(entry)), []
+  for factor in factors:
+    room = sizes.get(factor) or 1
+    if factor in needed:
+      break
+    while axes and room % mesh.shape[axes[0]] == 0:
+      room //= mesh.shape[axes[0]]
+      kept.append(axes.pop(0))
+    if room != 1:  # a factor not sharded whole: none after it can be
+      break
+  return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
 
 
 def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
@@ -2393,12 +2422,17 @@ _AT_LOWERING_TAG = f"{_TARGET}:at-lowering:"
 
 
 def _propagated(module) -> dict:
-  """``{index: (operand specs, result specs)}``: each tagged op's
-  placements after Shardy's propagation of a copy of ``module``."""
+  """``{index: (operand placements, result placements)}``: each tagged
+  op's ``_Sdy`` placements (None: unplaced) after Shardy's propagation of
+  a copy of ``module``."""
   with module.context:
     copy = _jax.ir.Module.parse(_jax.module_to_bytecode(module))
     _jax.passmanager.PassManager.parse(
         "builtin.module(sdy-propagation-pipeline)").run(copy.operation)
+    # A sharding names its mesh by symbol: `sdy.mesh @name = <[...]>`.
+    meshes = {_jax.ir.StringAttr(op.attributes["sym_name"]).value:
+              _jax.MeshAttr(op.attributes["mesh"])
+              for op in copy.body.operations if op.name == "sdy.mesh"}
     decided: dict = {}
     for op in _operations(copy.operation):
       if op.name != "stablehlo.custom_call" or "backend_config" not in (
@@ -2410,8 +2444,9 @@ def _propagated(module) -> dict:
       index = int(config[len(_AT_LOWERING_TAG):])
       # A function Shardy copied for several callers: the first one's.
       decided.setdefault(index, (
-          [_value_specs(v) for v in op.operands],
-          _placements_of(op.attributes, "sdy.sharding", len(op.results))))
+          [_value_placement(v, meshes) for v in op.operands],
+          _placements_of(op.attributes, "sdy.sharding", len(op.results),
+                         meshes)))
   return decided
 
 
@@ -2423,36 +2458,53 @@ def _operations(op):
         yield from _operations(inner.operation)
 
 
-def _placements_of(attributes, name: str, count: int) -> list:
-  """The placements ``attributes[name]`` gives ``count`` values (None:
-  unplaced, i.e. replicated)."""
+class _Sdy(NamedTuple):
+  """A placement Shardy decided, read out of its MLIR context (which dies
+  with the lowering): the mesh it names, as ``axes`` ((name, size), ...)
+  and logical ``device_ids`` (None: in order), and per dimension the axes
+  sharding it, major first, each ``(name, pre_size, size)`` (a sub-axis
+  where ``size`` is less than the axis's)."""
+  axes: tuple
+  device_ids: tuple | None
+  dims: tuple
+
+
+def _placements_of(attributes, name: str, count: int, meshes: dict) -> list:
+  """The ``_Sdy`` placements ``attributes[name]`` gives ``count`` values
+  (None: unplaced, i.e. replicated)."""
   if name not in attributes:
     return [None] * count
-  found = _SDY_SHARDING.findall(str(attributes[name]))
-  return [_spec_from_sdy(*m) for m in found] if len(found) == count else (
-      [None] * count)
+  attr = attributes[name]
+  shardings = (list(_jax.TensorShardingPerValueAttr(attr).shardings)
+               if _jax.TensorShardingPerValueAttr.isinstance(attr) else
+               [attr])
+  if len(shardings) != count:
+    return [None] * count
+  return [_sdy_placement(_jax.TensorShardingAttr(s), meshes)
+          for s in shardings]
 
 
-# A TensorShardingAttr as Shardy prints it: <@mesh, [{"x"}, {}], ...>.
-_SDY_SHARDING = re.compile(r"<@[\w.$-]+\s*,\s*\[([^\]]*)\]([^>]*)>")
+def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
+  ref = sharding.mesh_or_ref  # an inlined mesh, or its symbol's name
+  mesh = (_jax.MeshAttr(ref) if _jax.MeshAttr.isinstance(ref) else
+          meshes.get(_jax.ir.FlatSymbolRefAttr(ref).value))
+  if mesh is None:
+    return None
+  axes = tuple((a.name, a.size) for a in map(_jax.MeshAxisAttr, mesh.axes))
+  sizes = dict(axes)
+  dims = []
+  for dim in map(_jax.DimensionShardingAttr, sharding.dimension_shardings):
+    refs = []
+    for axis in map(_jax.AxisRefAttr, dim.axes):
+      sub = axis.sub_axis_info
+      sub = None if sub is None else _jax.SubAxisInfoAttr(sub)
+      refs.append((axis.name, 1, sizes[axis.name]) if sub is None else
+                  (axis.name, sub.pre_size, sub.size))
+    dims.append(tuple(refs))
+  return _Sdy(axes, tuple(mesh.device_ids) or None, tuple(dims))
 
 
-def _spec_from_sdy(dims: str, _rest: str) -> tuple | None:
-  """PartitionSpec entries of one printed sharding; a dimension over a
-  sub-axis (which no PartitionSpec names) is left unsharded."""
-  spec = []
-  for dim in re.findall(r"\{([^}]*)\}", dims):
-    axes = [a.strip() for a in dim.split(",") if a.strip() not in ("", "?")]
-    if any(not (a.startswith('"') and a.endswith('"')) for a in axes):
-      spec.append(None)
-      continue
-    axes = [a.strip('"') for a in axes]
-    spec.append(None if not axes else axes[0] if len(axes) == 1
-                else tuple(axes))
-  return tuple(spec)
-
-
-def _value_specs(value) -> tuple | None:
+def _value_placement(value, meshes: dict) -> _Sdy | None:
   """The placement of an operand: its producer's, its function's argument
   attribute, or its while loop's (None: unknown, taken as replicated)."""
   try:  # a cast from a plain Value (jaxlib 0.9's bindings give no subclass)
@@ -2465,8 +2517,8 @@ def _value_specs(value) -> tuple | None:
     name = {"sdy.sharding_constraint": "sharding", "sdy.reshard": "sharding",
             "sdy.manual_computation": "out_shardings"}.get(owner.name,
                                                            "sdy.sharding")
-    return _placements_of(owner.attributes, name, len(owner.results))[
-        result.result_number]
+    return _placements_of(owner.attributes, name, len(owner.results),
+                          meshes)[result.result_number]
   arg = _jax.ir.BlockArgument(value)
   parent = arg.owner.owner
   if parent is None:
@@ -2474,10 +2526,11 @@ def _value_specs(value) -> tuple | None:
   parent = parent.operation
   if parent.name == "func.func" and "arg_attrs" in parent.attributes:
     attrs = _jax.ir.ArrayAttr(parent.attributes["arg_attrs"])[arg.arg_number]
-    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1)[0]
+    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1,
+                          meshes)[0]
   if parent.name == "stablehlo.while":
     return _placements_of(parent.attributes, "sdy.sharding",
-                          len(parent.results))[arg.arg_number]
+                          len(parent.results), meshes)[arg.arg_number]
   return None
 
 
@@ -2492,15 +2545,15 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   op = lowering.ops.setdefault(
       (_params_key(params), op.platforms, op.backend), op)
   decided = lowering.decided.get(index)
-  operand_specs, result_specs = decided or ([None] * len(values),
-                                            [None] * len(ctx.avals_out))
-  operands, results = ([
-      _Value(tuple(a.shape), np.dtype(a.dtype), _decided_spec(spec, a, op.mesh))
-      for a, spec in zip(avals, specs)]
-      for avals, specs in ((ctx.avals_in, operand_specs),
-                           (ctx.avals_out, result_specs)))
-  request = ("manual", tuple(v.spec for v in operands),
-             tuple(v.spec for v in results))
+  operand_places, result_places = decided or ([None] * len(values),
+                                              [None] * len(ctx.avals_out))
+  operands, results = ([_decided_value(a, placed, op.mesh)
+                        for a, placed in zip(avals, places)]
+                       for avals, places in ((ctx.avals_in, operand_places),
+                                             (ctx.avals_out, result_places)))
+  request = ("manual", *(tuple(str(v.hlo) if v.spec is None else v.spec
+                               for v in side)
+                         for side in (operands, results)))
   program = op.lowered.get(request)
   if program is None:
     with _config_entered(op.config):
@@ -2559,14 +2612,62 @@ def _foreign_mesh_fails(mesh, op_mesh) -> bool:
   return mesh.axis_names != op_mesh.axis_names and _JAX_VERSION < (0, 7, 0)
 
 
-def _decided_spec(spec, aval, mesh) -> tuple:
-  """``spec`` (one entry per dimension) as the callbacks would be given it
-  (an HloSharding names no size-1 axis), axes the mesh lacks dropped."""
-  spec = tuple(spec or ()) + (None,) * (len(aval.shape) - len(spec or ()))
-  def entry_of(entry):
-    axes = [a for a in _entry_axes(entry) if mesh.shape.get(a, 1) > 1]
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-  return tuple(map(entry_of, spec[:len(aval.shape)]))
+def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
+  """A value placed as Shardy decided, given to ``partition`` as XLA's
+  callbacks would be: as an HloSharding, and the PartitionSpec of that on
+  ``mesh`` (the op's, whatever mesh Shardy named; None where no spec
+  states it, as a sub-axis that is not a whole axis of ``mesh``)."""
+  ndim = len(aval.shape)
+
+  def decoded():
+    hlo = _hlo_of_sdy(placed, ndim)
+    return _decode_spec(hlo, mesh, ndim), hlo
+  spec, hlo = _decoded_placements.cached((placed, ndim, mesh), decoded)
+  return _Value(tuple(aval.shape), np.dtype(aval.dtype), spec, hlo)
+
+
+# Equal ops of a program share placements: each decoded once (jax's
+# decoding of an HloSharding costs more than the rest of reading it).
+_decoded_placements = _LRU()
+
+
+def _hlo_of_sdy(placed: _Sdy | None, ndim: int) -> _jax.HloSharding:
+  """The HloSharding of ``placed`` on its mesh's logical device ids."""
+  if placed is None or not any(placed.dims):
+    return _jax.HloSharding.replicate()
+  # Each axis cut at every sub-axis boundary, its pieces major first: a
+  # grid of the mesh's devices, in which each sub-axis is a run of pieces.
+  cuts = {name: {1, size} for name, size in placed.axes}
+  for name, pre, size in itertools.chain.from_iterable(placed.dims):
+    cuts[name] |= {pre, pre * size}
+  piece, grid = {}, []
+  for name, _ in placed.axes:
+    bounds = sorted(cuts[name])
+    for low, high in zip(bounds, bounds[1:]):
+      piece[name, low] = len(grid)
+      grid.append(high // low)
+  dims = tuple(placed.dims[:ndim]) + ((),) * (ndim - len(placed.dims))
+  order, tiles = [], []
+  for dim in dims:
+    run = [piece[name, low] for name, pre, size in dim
+           for low in sorted(cuts[name]) if pre <= low < pre * size]
+    order += run
+    tiles.append(math.prod(grid[i] for i in run))
+  order += [i for i in range(len(grid)) if i not in order]
+  copies = math.prod(grid) // math.prod(tiles)
+  if placed.device_ids is None:  # the mesh's devices in order: as XLA's
+    devices = (f"<=[{math.prod(grid)}]" if order == sorted(order) else
+               f"<=[{','.join(map(str, grid))}]"
+               f"T({','.join(map(str, order))})")
+  else:
+    devices = ",".join(map(str, np.asarray(placed.device_ids).reshape(
+        grid).transpose(order).ravel()))
+  # HLO's sharding text: every supported jaxlib parses it, where building
+  # one from parts needs xla_client's OpSharding too.
+  shape = ",".join(map(str, tiles + [copies] * (copies > 1)))
+  return _jax.HloSharding.from_string(
+      f"{{devices=[{shape}]{devices}"
+      f"{' last_tile_dim_replicate' if copies > 1 else ''}}}")
 
 
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,

@@ -10191,11 +10191,158 @@ class AtLoweringTest(CPTestCase):
     if os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING") is None:
       self.assertIn("RESULT False", _run_snippet(self, True, code))
 
-  def test_a_propagated_sharding_over_a_sub_axis_is_asked_replicated(self):
-    self.assertEqual(cp._spec_from_sdy('{"x":(1)2}, {"y"}, {}, {?}', ""),
-                     (None, "y", None, None))
-    self.assertEqual(cp._spec_from_sdy('{"x", "y"}, {"z", ?}', ""),
-                     (("x", "y"), "z"))
+  @staticmethod
+  def _paths():
+    """Shardy's two paths: (name, a context manager entering it)."""
+    return (("at lowering", contextlib.nullcontext),
+            ("callbacks", callback_path))
+
+  def test_a_placement_over_sub_axes_is_asked_as_on_the_callbacks(self):
+    """8 values over "x" (4 devices) reshaped to (2, 4): Shardy places the
+    op's operand over sub-axes of "x" (rows over its major half, columns
+    over its minor one), which no PartitionSpec states: partition is asked
+    with that placement as a GSPMDSharding, as XLA's callbacks ask it, not
+    with the operand replicated."""
+    m = self.mesh((4, 2), ("x", "y"))
+    ah = _data((8,))
+    a = jax.device_put(ah, NamedSharding(m, P("x")))
+    # The device at "x" position i holds a[2i:2i+2]: after the reshape, row
+    # i // 2, columns 2 (i % 2) on; nothing moves.
+    want = {d: (slice(i // 2, i // 2 + 1), slice(2 * (i % 2), 2 * (i % 2) + 2))
+            for (i, _), d in np.ndenumerate(m.devices)}
+    plain = jax.jit(lambda v: jnp.sin(v).reshape(2, 4) * 2.0,
+                    out_shardings=NamedSharding(m, P()))
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          seen.append(arg_shapes[0].sharding)
+          whole = NamedSharding(mesh, P())
+          return mesh, body, whole, (whole,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        f = jax.jit(lambda v, op=op: op(jnp.sin(v).reshape(2, 4)))
+        out = f(a)
+        np.testing.assert_allclose(out, np.sin(ah).reshape(2, 4) * 2.0,
+                                   rtol=1e-6)
+        self.assertTrue(seen)
+        for sharding in seen:
+          self.assertNotIsInstance(sharding, NamedSharding)
+          self.assertEqual(sharding.devices_indices_map((2, 4)), want)
+        # Replicated as partition asked: gathered (at lowering no more than
+        # plain jax gathers for a replicated result; XLA's callbacks more,
+        # and jaxlib 0.4.35's Shardy reshards the unconstrained result).
+        text = self.hlo(f, a)
+        self.assertCollectives(text, present=("all-gather",))
+        if path == "at lowering":
+          self.assertTrue(out.sharding.is_fully_replicated)
+          self.assertLessEqual(_collective_count(text), _collective_count(
+              self.hlo(plain, a)))
+
+  def test_axes_out_of_the_mesh_s_order_are_asked_as_placed(self):
+    """Operands over the mesh's axes in another order (the minor axis
+    first, or over the major one's dimension): partition is asked with
+    each as placed, on both paths; nothing moves."""
+    m = self.mesh((4, 2), ("x", "y"))
+    for spec in (P("y", "x"), P(("y", "x"), None), P("y", None),
+                 P(None, ("y", "x"))):
+      x = jax.device_put(self.xh, NamedSharding(m, spec))
+      for path, context in self._paths():
+        with self.subTest(spec=spec, path=path), context():
+          seen = []
+          body = lambda v: jnp.sin(v) * 2.0  # noqa: E731
+
+          def partition(mesh, arg_shapes, result_shape, seen=seen,
+                        body=body):
+            s = arg_shapes[0].sharding
+            seen.append(_spec(s, 2))
+            return mesh, body, s, (s,)
+          op = custom_partitioning(body)
+          op.def_partition(partition, sharding_rule="i j -> i j")
+          f, plain = jax.jit(op), jax.jit(body)
+          out, want = f(x), plain(x)
+          np.testing.assert_allclose(out, want, rtol=1e-6)
+          self.assertEqual(seen[:1], [_spec(x.sharding, 2)])
+          self.assertTrue(out.sharding.is_equivalent_to(want.sharding, 2))
+          self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_a_mesh_of_logical_device_ids_is_read_with_them(self):
+    """An operand whose mesh names its devices in another order (jax's
+    NamedSharding with logical device ids, as its device_put between
+    device orders makes): partition is asked with the placement the ids
+    give (a GSPMDSharding: no PartitionSpec of the op's mesh states it),
+    as on XLA's callbacks; handed back, XLA's callbacks partition the op
+    (Shardy placing it by its rule): nothing moves."""
+    m = self.mesh((4, 2), ("x", "y"))
+    s = NamedSharding(m, P("x", "y"),
+                      _logical_device_ids=(1, 0, 3, 2, 5, 4, 7, 6))
+    x = jax.device_put(self.xh, s)
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: jnp.sin(v) * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          sharding = arg_shapes[0].sharding
+          seen.append(sharding)
+          return mesh, body, sharding, (sharding,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        f, plain = jax.jit(op), jax.jit(body)
+        out, want = f(x), plain(x)
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+        self.assertTrue(seen)
+        for sharding in seen:
+          self.assertNotIsInstance(sharding, NamedSharding)
+          self.assertEqual(sharding.devices_indices_map((16, 8)),
+                           s.devices_indices_map((16, 8)))
+        self.assertTrue(out.sharding.is_equivalent_to(want.sharding, 2))
+        self.assertCollectives(self.hlo(plain, x), absent=_COLLECTIVES)
+        self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
+  def test_an_ambient_mesh_of_other_axes(self):
+    """The operand on ("x": 8), the program under a mesh of the same
+    devices with other axes ("a": 2, "b": 4 or "x": 4, "y": 2), by `with
+    mesh:` or jax.set_mesh: partition is asked on that mesh with the
+    operand's placement there (its rows over every axis), as on XLA's
+    callbacks; nothing moves."""
+    ambients = (Mesh(self.m.devices.reshape(2, 4), ("a", "b")),
+                Mesh(self.m.devices.reshape(4, 2), ("x", "y")))
+    for ambient, how, (path, context) in itertools.product(
+        ambients, ("with", "set_mesh"), self._paths()):
+      rows = NamedSharding(ambient, P(ambient.axis_names, None))
+      self.assertTrue(rows.is_equivalent_to(self.s, 2))  # the same places
+      with self.subTest(mesh=dict(ambient.shape), how=how, path=path), (
+          context()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          s = arg_shapes[0].sharding
+          seen.append((dict(mesh.shape), _spec(s, 2)))
+          return mesh, body, s, (s,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        with ambient if how == "with" else mesh_context(ambient):
+          f, plain = jax.jit(op), jax.jit(body)
+          out, want = f(self.x), plain(self.x)
+          text = self.hlo(f, self.x)
+          lowered = f.lower(self.x).as_text()
+          for_tpu = _tpu_text(op, self.x) if path == "at lowering" else ""
+        np.testing.assert_allclose(out, want)
+        self.assertEqual(seen[:1], [(dict(ambient.shape),
+                                     (ambient.axis_names, None))])
+        self.assertTrue(out.sharding.is_equivalent_to(want.sharding, 2))
+        self.assertTrue(out.sharding.is_equivalent_to(self.s, 2))
+        self.assertCollectives(text, absent=_COLLECTIVES)
+        # (jax before 0.5.3 cannot clear an ambient mesh around the
+        # per-shard code: XLA's callbacks partition there.)
+        if path == "at lowering" and JAX_VERSION >= (0, 5, 3):
+          self.assertNotIn("CustomSPMDPartitioning", lowered)
+          self.assertNotIn("CustomSPMDPartitioning", for_tpu)
 
 
 def _matmul_ops(rule="i k, k j -> i j"):
@@ -10550,6 +10697,66 @@ class NeedReplicationTest(CPTestCase):
           self.assertEqual(_spec(out.sharding, 2), (None, "x"))
           self.assertTrue(seen)
           self.assertEqual(set(seen), {((None, None), (None, None))})
+
+  def test_a_factor_inside_a_compound_dimension(self):
+    """JAX's own test of compound factors (f(x, y) = x.reshape(8) + y,
+    rule "(i k) j, (i k j) -> (i k j)", k needing replication): "x" on
+    x's rows shards i only, so partition is asked with the rows kept over
+    "x" (k is not sharded), not the whole dimension gathered; under Shardy
+    the result stays over "x", on both paths, nothing moved."""
+    m = self.mesh((2, 4), ("x", "y"))
+    xh, yh = _data((4, 2)), _data((8,)) * 3.0
+    x = jax.device_put(xh, NamedSharding(m, P("x", None)))
+    y = jax.device_put(yh, NamedSharding(m, P("x")))
+    rule = dict(sharding_rule="(i k) j, (i k j) -> (i k j)", i=2, k=2,
+                need_replication_factors=("k",))
+
+    def op_of(seen, fun, lower_fn, handed_back):
+      op = custom_partitioning(fun)
+
+      def partition(mesh, arg_shapes, result_shape):
+        seen.append(tuple(_spec(a.sharding, a.ndim) for a in arg_shapes))
+        given = tuple(a.sharding for a in arg_shapes)
+        out = given[1] if handed_back else result_shape.sharding
+        return mesh, lower_fn, out, given
+      op.def_partition(partition, **rule)
+      return op
+    variants = {  # JAX's test, and partition returning result_shape's
+        "arg shardings": (lambda a, b: a.reshape(8) + b,
+                          lambda a, b: a.reshape((4,)) + b, True),
+        "result_shape's": (lambda a, b: a.reshape(-1) + b,
+                           lambda a, b: a.reshape(-1) + b, False)}
+    if self.shardy:
+      skip_without_special_factors(self, lambda: jax.jit(op_of(
+          [], *variants["arg shardings"]))(x, y))
+    paths = (("at lowering", contextlib.nullcontext),
+             ("callbacks", callback_path)) if self.shardy else (
+                 ("callbacks", contextlib.nullcontext),)
+    for (name, variant), (path, context) in itertools.product(
+        variants.items(), paths):
+      if not self.shardy and name == "result_shape's":
+        continue  # GSPMD places no result by the rule: nothing to return
+      with self.subTest(variant=name, path=path), context():
+        seen = []
+        f, plain = jax.jit(op_of(seen, *variant)), jax.jit(variant[0])
+        out, want = f(x, y), plain(x, y)  # plain jax: rows over "x"
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+        self.assertEqual(seen[:1], [(("x", None), ("x",))])
+        if self.shardy:
+          self.assertEqual(_spec(out.sharding, 1), _spec(want.sharding, 1))
+          self.assertEqual(_spec(out.sharding, 1), ("x",))
+          self.assertCollectives(self.hlo(plain, x, y), absent=_COLLECTIVES)
+          self.assertCollectives(self.hlo(f, x, y), absent=_COLLECTIVES)
+    # Rows over ("x", "y"), "y" on k: "y" goes, "x" (on i) stays.
+    m = self.mesh((2, 2, 2), ("x", "y", "z"))
+    x = jax.device_put(xh, NamedSharding(m, P(("x", "y"), None)))
+    y = jax.device_put(yh, NamedSharding(m, P(("x", "y"))))
+    for path, context in paths:
+      with self.subTest(variant="k over y", path=path), context():
+        seen = []
+        out = jax.jit(op_of(seen, *variants["arg shardings"]))(x, y)
+        np.testing.assert_allclose(out, xh.reshape(8) + yh, rtol=1e-6)
+        self.assertEqual(seen[:1], [(("x", None), ("x",))])
 
 
 both_partitioners(NeedReplicationTest)

@@ -9867,12 +9867,12 @@ class AtLoweringTest(CPTestCase):
     once = -(self.xh * 2.0) + 1.0
     wants = (once, once, -self.xh, once, self.xh * 2.0, -(once * 2.0) + 1.0)
     apart = getattr(_jax_mlir, "_uncacheable_primitives", None)
-    for path, context in self._paths():
-      for cached in (True, False):
+    for cached in (True, False):
+      for path, context in self._paths():
         if not cached and (apart is None or path == "callbacks"):
           continue  # (jax 0.4.35 has no such cache)
         with self.subTest(path=path, cached=cached), context():
-          if not cached:
+          if not cached:  # (the last subtest)
             apart.add(custom_partitioning_p)
             self.addCleanup(apart.discard, custom_partitioning_p)
           seen = {name: [] for name in "abc"}
@@ -9894,7 +9894,6 @@ class AtLoweringTest(CPTestCase):
             self.assertEqual(set(seen[name]), {
                 (("x", None),), (("y", None),), ((None, None),)}, name)
           self.assertEqual(_collective_count(self.hlo(f, *args)), 0)
-          apart and apart.discard(custom_partitioning_p)
 
   def test_an_operand_from_result_k_is_asked_as_result_k(self):
     """The op on result 1 (gathered rows, replicated) of a two-result
@@ -9923,13 +9922,14 @@ class AtLoweringTest(CPTestCase):
         np.testing.assert_allclose(a, self.xh + 1.0)
         np.testing.assert_allclose(b, self.xh * 2.0)
         self.assertEqual(seen, [((None, None),)])
-        def plain(v):
+
+        def reference(v):  # plain jax: the op as its body
           a, b = two(v)
           return a, b * 2.0
-        plain = jax.jit(plain, in_shardings=self.s,
-                        out_shardings=(self.s, whole))
+        reference = jax.jit(reference, in_shardings=self.s,
+                            out_shardings=(self.s, whole))
         self.assertEqual(_collective_count(self.hlo(f, self.x)),
-                         _collective_count(self.hlo(plain, self.x)))
+                         _collective_count(self.hlo(reference, self.x)))
 
   def test_equal_ops_placed_by_their_results_are_asked_apart(self):
     """Two calls of one op on one replicated operand, their results

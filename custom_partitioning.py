@@ -2582,12 +2582,11 @@ class _PerSite:
       placements = []
       for i in indices:
         ahead[i] = ahead.get(i, -1) + 1
-        placements.append(lowering.placement(
-            i, lowering.sites.get(i, 0) + ahead[i]))
+        placements.append(lowering.placement(i, lowering.sites[i] + ahead[i]))
       entry = self.variants.get((key, repr(placements)))
       if entry is not None:
         for i, placement in zip(indices, placements):
-          lowering.sites[i] = lowering.sites.get(i, 0) + 1
+          lowering.sites[i] += 1
           self.lowered(i, placement)
         lowering.count = max(lowering.count, end)
         return entry

@@ -9854,10 +9854,11 @@ class AtLoweringTest(CPTestCase):
     over "x", over "y" (its inner lowered again inside it), the inner
     alone then the outer on replicated rows (the outer lowered again
     around the inner's lowering), the outer on "x" in a loop, an equal op
-    alone on "y": each op is asked for each placement (as XLA's callbacks
-    are) and nothing reshards; also where each op is lowered apart (as
-    jax 0.4.35 lowers equal equations), not through jax's cache of equal
-    equations."""
+    alone on "y"; a jit of two equal ops on (x, x) twice, then on (x, y):
+    each op is asked for each placement (as XLA's callbacks are), nothing
+    reshards, and each jit is lowered once per placement of its ops; also
+    where each op is lowered apart (as jax 0.4.35 lowers equal
+    equations), not through jax's cache of equal equations."""
     if JAXLIB_VERSION < (0, 7, 0):
       self.skipTest("Shardy before jaxlib 0.7 leaves a function of two "
                     "callers unplaced")
@@ -9865,7 +9866,8 @@ class AtLoweringTest(CPTestCase):
     rows = [NamedSharding(self.m, P(a, None)) for a in ("x", "y", None)]
     args = [jax.device_put(self.xh, s) for s in rows]
     once = -(self.xh * 2.0) + 1.0
-    wants = (once, once, -self.xh, once, self.xh * 2.0, -(once * 2.0) + 1.0)
+    wants = (once, once, -self.xh, once, self.xh * 2.0,
+             -(once * 2.0) + 1.0) + (self.xh * 2.0,) * 6
     apart = getattr(_jax_mlir, "_uncacheable_primitives", None)
     for cached in (True, False):
       for path, context in self._paths():
@@ -9881,19 +9883,34 @@ class AtLoweringTest(CPTestCase):
                                         ("b", lambda v: v + 1.0),
                                         ("c", lambda v: -v)))
           inner = jax.jit(c)
-          outer = jax.jit(lambda v, a=a, b=b, inner=inner: b(inner(a(v))))
 
-          def program(x, y, r, a=a, inner=inner, outer=outer):
+          @jax.jit
+          def outer(v, a=a, b=b, inner=inner):
+            return b(inner(a(v)))
+
+          @jax.jit
+          def pair(u, w, a=a):
+            return a(u), a(w)
+
+          def program(x, y, r, a=a, inner=inner, outer=outer, pair=pair):
             return (outer(x), outer(y), inner(r), outer(r), a(y),
-                    jax.lax.fori_loop(0, 2, lambda i, v: outer(v), x))
+                    jax.lax.fori_loop(0, 2, lambda i, v: outer(v), x),
+                    *pair(x, x), *pair(x, x), *pair(x, y))
           f = jax.jit(program, in_shardings=tuple(rows), out_shardings=tuple(
-              rows[i] for i in (0, 1, 2, 2, 1, 0)))
-          for out, want in zip(f(*args), wants):
+              rows[i] for i in (0, 1, 2, 2, 1, 0, 0, 0, 0, 0, 0, 1)))
+          outs = f(*args)
+          self.assertEqual(len(outs), len(wants))
+          for out, want in zip(outs, wants):
             np.testing.assert_allclose(out, want)
           for name in "abc":
             self.assertEqual(set(seen[name]), {
                 (("x", None),), (("y", None),), ((None, None),)}, name)
           self.assertEqual(_collective_count(self.hlo(f, *args)), 0)
+          if path == "at lowering":
+            text = f.lower(*args).as_text()
+            for name, copies in (("outer", 3), ("pair", 2)):
+              self.assertEqual(len(re.findall(
+                  rf"func\.func private @{name}(_\d+)?\(", text)), copies)
 
   def test_an_operand_from_result_k_is_asked_as_result_k(self):
     """The op on result 1 (gathered rows, replicated) of a two-result

@@ -1150,6 +1150,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     # that propagation places around the body XLA will see.
     return _lowered_body(ctx, call, "an operand is empty", values)
   if lowering is not None:  # partitioned at lowering (I.6)
+    if lowering.per_site is not None:
+      lowering.per_site.install(mc)
     index, lowering.count = lowering.count, lowering.count + 1
   rule, rule_attr = params["sharding_rule"], None
   if lowering is not None and index < len(lowering.rules):
@@ -2348,13 +2350,35 @@ _TPU_ADVICE = (
 class _Pass:
   """One lowering of a module: the first (``decided`` None) tags the ops
   and keeps their rules; the second finds each op's placements and rule by
-  its index in lowering order, and shares one ``_Op`` (and its answers)
+  its index in lowering order (and its placements by its place, where jax
+  lowered it once for several), and shares one ``_Op`` (and its answers)
   among equal ops (``ops``)."""
   def __init__(self, decided: dict | None = None, rules: list | None = None):
     self.decided = decided
     self.rules = [] if rules is None else rules
     self.ops: dict = {}
     self.count = 0
+    self.sites: dict = {}  # index -> how many of its places were lowered
+    # Where propagation placed one op differently in different places (a
+    # function of several callers, equal ops: jax lowers them once),
+    # jax's caches reuse a lowering only where its ops are placed alike.
+    self.per_site = _PerSite(self) if decided is not None and any(
+        any(s != sites[0] for s in sites) for sites in decided.values()
+    ) else None
+
+  def placement(self, index: int, site: int):
+    """Where propagation placed op ``index`` in its ``site``-th place."""
+    sites = self.decided.get(index) or [None]
+    return sites[min(site, len(sites) - 1)]
+
+  def placed(self, index: int):
+    """The placement of op ``index``'s next place, lowered now."""
+    site = self.sites.get(index, 0)
+    self.sites[index] = site + 1
+    placement = self.placement(index, site)
+    if self.per_site is not None:
+      self.per_site.lowered(index, placement)
+    return placement
 
 
 _passes = threading.local()
@@ -2422,9 +2446,11 @@ _AT_LOWERING_TAG = f"{_TARGET}:at-lowering:"
 
 
 def _propagated(module) -> dict:
-  """``{index: (operand placements, result placements)}``: each tagged
-  op's ``_Sdy`` placements (None: unplaced) after Shardy's propagation of
-  a copy of ``module``."""
+  """``{index: [(operand placements, result placements), ...]}``: each
+  tagged op's ``_Sdy`` placements (None: unplaced) after Shardy's
+  propagation of a copy of ``module``, one per place it runs in, in
+  lowering order (jax lowers a function of several callers, and equal ops,
+  once; Shardy places each caller's copy)."""
   with module.context:
     copy = _jax.ir.Module.parse(_jax.module_to_bytecode(module))
     _jax.passmanager.PassManager.parse(
@@ -2434,7 +2460,7 @@ def _propagated(module) -> dict:
               _jax.MeshAttr(op.attributes["mesh"])
               for op in copy.body.operations if op.name == "sdy.mesh"}
     decided: dict = {}
-    for op in _operations(copy.operation):
+    for op in _in_lowering_order(copy):
       if op.name != "stablehlo.custom_call" or "backend_config" not in (
           op.attributes):
         continue
@@ -2442,12 +2468,39 @@ def _propagated(module) -> dict:
       if not config.startswith(_AT_LOWERING_TAG):
         continue
       index = int(config[len(_AT_LOWERING_TAG):])
-      # A function Shardy copied for several callers: the first one's.
-      decided.setdefault(index, (
+      decided.setdefault(index, []).append((
           [_value_placement(v, meshes) for v in op.operands],
           _placements_of(op.attributes, "sdy.sharding", len(op.results),
                          meshes)))
   return decided
+
+
+def _in_lowering_order(module) -> list:
+  """The operations of ``module``'s ``main`` in the order jax lowered
+  them: a called function's where it is called (once per call)."""
+  functions = {_jax.ir.StringAttr(f.attributes["sym_name"]).value: f
+               for f in (op.operation for op in module.body.operations)
+               if "sym_name" in f.attributes}
+  walked: dict = {}
+
+  def walk(op) -> list:
+    found = []
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          inner = inner.operation
+          found.append(inner)
+          if inner.name == "func.call":
+            callee = _jax.ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
+            if callee not in walked and callee in functions:
+              walked[callee] = []  # (a recursive call finds it empty)
+              walked[callee] = walk(functions[callee])
+            found += walked.get(callee, [])
+          found += walk(inner)
+    return found
+  if "main" not in functions:
+    return list(_operations(module.operation))
+  return walk(functions["main"])
 
 
 def _operations(op):
@@ -2544,7 +2597,7 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   # and equal parameters are one; they live and die with the lowering.
   op = lowering.ops.setdefault(
       (_params_key(params), op.platforms, op.backend), op)
-  decided = lowering.decided.get(index)
+  decided = lowering.placed(index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
   operands, results = ([_decided_value(a, placed, op.mesh)
@@ -2573,6 +2626,104 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
                                       for a in ctx.avals_in])
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+
+
+class _PerSite:
+  """The second pass's view of jax's lowering caches (of equal equations,
+  of called functions) where one op was placed differently in different
+  places: an entry whose lowering lowered ops is reused only where those
+  ops are placed as there; elsewhere it is lowered again, its ops under
+  their first pass's indices, and kept too."""
+
+  def __init__(self, lowering: _Pass):
+    self.lowering = lowering
+    self.start = None  # the index when installed
+    self.since = []  # (index, placement) of each op lowered since then
+    self.open: dict = {}  # key -> the same, since its lowering began
+    self.starts: dict = {}  # key -> the index its lowering began at
+    # key -> (index of its first op, one past its last, its ops' indices)
+    self.spans: dict = {}
+    self.variants: dict = {}  # (key, its ops' placements) -> entry
+    self.resume: dict = {}  # key -> the index to go on from, lowered again
+
+  def install(self, mc):
+    if self.start is None:
+      self.start = self.lowering.count
+    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
+    for name in ("lowering_cache", "cached_primitive_lowerings"):
+      cache = getattr(mc, name, None)
+      if cache is not None and not isinstance(cache, _SiteCache):
+        setattr(mc, name, _SiteCache(cache, self, name))
+
+  def lowered(self, index: int, placement):
+    for frame in (self.since, *self.open.values()):
+      frame.append((index, placement))
+
+  def missed(self, key):
+    """The entry for ``key`` where its ops are placed as here, or None
+    (then jax lowers it here)."""
+    lowering = self.lowering
+    span = self.spans.get(key)
+    if span is not None:
+      first, end, indices = span
+      ahead: dict = {}
+      placements = []
+      for i in indices:
+        ahead[i] = ahead.get(i, -1) + 1
+        placements.append(lowering.placement(i, lowering.sites[i] + ahead[i]))
+      entry = self.variants.get((key, repr(placements)))
+      if entry is not None:
+        for i, placement in zip(indices, placements):
+          lowering.sites[i] += 1
+          self.lowered(i, placement)
+        lowering.count = max(lowering.count, end)
+        return entry
+      self.resume[key] = lowering.count
+      lowering.count = first
+    self.starts[key] = lowering.count
+    self.open[key] = []
+    return None
+
+  def put(self, key, entry) -> bool:
+    """Whether the entry for ``key`` lowered ops (then it is kept here,
+    by their placements, and not in jax's cache)."""
+    lowering = self.lowering
+    # Entries being lowered when installed began before any op.
+    first = self.starts.pop(key, self.start)
+    frame = self.open.pop(key, None)
+    frame = list(self.since) if frame is None else frame
+    if not frame:
+      return False
+    self.spans.setdefault(key, (first, lowering.count,
+                                [i for i, _ in frame]))
+    self.variants[key, repr([p for _, p in frame])] = entry
+    lowering.count = max(lowering.count,
+                         self.resume.pop(key, lowering.count))
+    return True
+
+
+class _SiteCache(dict):
+  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
+
+  def __init__(self, entries: dict, sites: _PerSite, name: str):
+    super().__init__(entries)
+    self.sites, self.name = sites, name
+
+  def get(self, key, default=None):
+    if key in self:
+      return dict.__getitem__(self, key)
+    entry = self.sites.missed((self.name, key))
+    return default if entry is None else entry
+
+  def __missing__(self, key):
+    entry = self.sites.missed((self.name, key))
+    if entry is None:
+      raise KeyError(key)
+    return entry
+
+  def __setitem__(self, key, entry):
+    if not self.sites.put((self.name, key), entry):
+      dict.__setitem__(self, key, entry)
 
 
 class _KeepCallbacks(Exception):

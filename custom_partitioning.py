@@ -1180,6 +1180,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if lowering is not None:
     if lowering.decided is None:
       lowering.rules.append(rule)
+      lowering.tagged.append((ctx, params, op))
       return _tagged_call(ctx, call, values, rule_attr, index)
     try:
       return _lowered_manual(ctx, params, op, values, lowering, index)
@@ -2349,22 +2350,26 @@ _TPU_ADVICE = (
 
 class _Pass:
   """One lowering of a module: the first (``decided`` None) tags the ops
-  and keeps their rules; the second finds each op's placements and rule by
-  its index in lowering order (and its placements by its place, where jax
-  lowered it once for several), and shares one ``_Op`` (and its answers)
-  among equal ops (``ops``)."""
+  and keeps their rules and what ``_manual_ops`` lowers each from
+  (``tagged``: its rule context, parameters and ``_Op``); the second finds
+  each op's placements and rule by its index in lowering order (and its
+  placements by its place, where jax lowered it once for several), and
+  shares one ``_Op`` (and its answers) among equal ops (``ops``;
+  ``repeated``: the keys of those ``_manual_ops`` meets at more than one
+  call, None in a second lowering)."""
   def __init__(self, decided: dict | None = None, rules: list | None = None):
     self.decided = decided
     self.rules = [] if rules is None else rules
+    self.tagged: list = []
     self.ops: dict = {}
+    self.repeated: set | None = None
     self.count = 0
     self.sites: dict = {}  # index -> how many of its places were lowered
     # Where propagation placed one op differently in different places (a
     # function of several callers, equal ops: jax lowers them once),
     # jax's caches reuse a lowering only where its ops are placed alike.
-    self.per_site = _PerSite(self) if decided is not None and any(
-        any(s != sites[0] for s in sites) for sites in decided.values()
-    ) else None
+    self.per_site = _PerSite(self) if decided is not None and _per_site(
+        decided) else None
 
   def placement(self, index: int, site: int):
     """Where propagation placed op ``index`` in its ``site``-th place."""
@@ -2379,6 +2384,11 @@ class _Pass:
     if self.per_site is not None:
       self.per_site.lowered(index, placement)
     return placement
+
+
+def _per_site(decided: dict) -> bool:
+  """Whether propagation placed some op differently in different places."""
+  return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
 
 _passes = threading.local()
@@ -2425,13 +2435,25 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
 def _lower(*args, **kwargs):
   """This copy's part in jax's lowering of a module (a party, I.6's end):
   the module is lowered at each ``yield``; where the first lowering met ops
-  partitioned at lowering, it asks for a second."""
+  partitioned at lowering, their custom calls are replaced in it, or,
+  where one op is placed differently in different places, it asks for a
+  second."""
   with _in_pass(_Pass()) as first:
     lowered = yield
   if not first.count:
     return
-  with _in_pass(_Pass(_propagated(lowered.module), first.rules)):
-    yield True
+  decided = _propagated(lowered.module)
+  asks = _per_site(decided)
+  if not asks:
+    first.decided = decided
+    _manual_ops(lowered.module, first)
+  # Else jax lowered a function (or equal ops) once for places placed
+  # apart: a second lowering lowers it per placement. Where only another
+  # party asks for it, its result is the one kept: this copy's ops are
+  # partitioned in it too, as placed in the first.
+  first.tagged.clear()
+  with _in_pass(_Pass(decided, first.rules)):
+    yield asks
 
 
 def _tagged_call(ctx, call, values, rule_attr, index: int):
@@ -2452,9 +2474,12 @@ def _propagated(module) -> dict:
   lowering order (jax lowers a function of several callers, and equal ops,
   once; Shardy places each caller's copy)."""
   with module.context:
-    copy = _jax.ir.Module.parse(_jax.module_to_bytecode(module))
-    _jax.passmanager.PassManager.parse(
-        "builtin.module(sdy-propagation-pipeline)").run(copy.operation)
+    copy = module.operation.clone()  # a tenth of a bytecode round trip
+    propagation = _jax.passmanager.PassManager.parse(
+        "builtin.module(sdy-propagation-pipeline)")
+    # jax verified the module; verifying after every pass tripled the time.
+    propagation.enable_verifier(False)
+    propagation.run(copy.operation)
     # A sharding names its mesh by symbol: `sdy.mesh @name = <[...]>`.
     meshes = {_jax.ir.StringAttr(op.attributes["sym_name"]).value:
               _jax.MeshAttr(op.attributes["mesh"])
@@ -2473,6 +2498,60 @@ def _propagated(module) -> dict:
           _placements_of(op.attributes, "sdy.sharding", len(op.results),
                          meshes)))
   return decided
+
+
+def _manual_ops(module, lowering: _Pass) -> None:
+  """Lowers each op's manual computation where its tagged custom call
+  stands, in the rule context jax lowered the op in, and drops the call:
+  lowering the whole program again would cost as much as the first time.
+  Off TPU, an op jax cannot lower so keeps its call (and its rule), for
+  XLA's callbacks."""
+  # jax lowers equal equations (and a function of several callers) once:
+  # one index may stand at many calls, all placed alike here.
+  calls = [(op, index) for op in _operations(module.operation)
+           if (index := _tag_index(op)) is not None]
+  # jax's symbol table predates the meshes its lowering lifted last; a
+  # function lowered here must not take one of their names.
+  table = _jax.ir.SymbolTable(module.operation)
+  for ctx, _, _ in lowering.tagged:
+    ctx.module_context.symbol_table = table
+  counts = collections.Counter(
+      _equal_ops_key(*lowering.tagged[index][1:]) for _, index in calls)
+  lowering.repeated = {key for key, n in counts.items() if n > 1}
+  with module.context:
+    for call, index in calls:
+      ctx, params, op = lowering.tagged[index]
+      try:
+        with _jax.ir.InsertionPoint(call), call.location:
+          results = _lowered_manual(ctx, params, op, list(call.operands),
+                                    lowering, index)
+      except _KeepCallbacks as e:
+        if "tpu" in op.platforms:
+          raise NotImplementedError(
+              f"custom_partitioning op {op.name} cannot be lowered for TPU: "
+              f"its partition {e}. {_TPU_ADVICE}.") from None
+        op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
+        call.attributes["backend_config"] = _jax.ir.StringAttr.get(
+            _register(ctx, op, params))
+        continue
+      flat = [v for r in results
+              for v in ([r] if isinstance(r, _jax.ir.Value) else r)]
+      for old, new in zip(call.results, flat):
+        old.replace_all_uses_with(new)
+      call.erase()
+    # As jax's own lowering ends: meshes named inline become module symbols.
+    _jax.passmanager.PassManager.parse(
+        "builtin.module(sdy-lift-inlined-meshes)").run(module.operation)
+
+
+def _tag_index(op) -> int | None:
+  """The lowering-order index of an op's tagged custom call, else None."""
+  if op.name != "stablehlo.custom_call" or "backend_config" not in (
+      op.attributes):
+    return None
+  config = str(op.attributes["backend_config"]).strip('"')
+  return (int(config[len(_AT_LOWERING_TAG):])
+          if config.startswith(_AT_LOWERING_TAG) else None)
 
 
 def _in_lowering_order(module) -> list:
@@ -2595,8 +2674,8 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   # Equal ops of one lowering share one _Op, whose answers (op.lowered, by
   # the placements asked) are a fresh partition's: the lowering's config
   # and equal parameters are one; they live and die with the lowering.
-  op = lowering.ops.setdefault(
-      (_params_key(params), op.platforms, op.backend), op)
+  key = _equal_ops_key(params, op)
+  op = lowering.ops.setdefault(key, op)
   decided = lowering.placed(index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
@@ -2615,7 +2694,10 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
       if program is None:
         shard = _shard_of(op, operands, results, op.mesh)
         _check_lowerable(op, shard)
-        program = _manual_program(op, shard)
+        # Jitted where equal ops share it (lowered once, called by each);
+        # a jit of one caller only adds a tenth to its lowering.
+        program = _manual_program(op, shard, jit=(
+            lowering.repeated is None or key in lowering.repeated))
     op.lowered.put(request, program)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -2626,6 +2708,10 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
                                       for a in ctx.avals_in])
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+
+
+def _equal_ops_key(params, op: _Op) -> tuple:
+  return _params_key(params), op.platforms, op.backend
 
 
 class _PerSite:
@@ -2645,8 +2731,15 @@ class _PerSite:
     self.spans: dict = {}
     self.variants: dict = {}  # (key, its ops' placements) -> entry
     self.resume: dict = {}  # key -> the index to go on from, lowered again
+    self.context = None  # the MLIR context of the lowering installed in
 
   def install(self, mc):
+    if mc.context is not self.context:
+      # A copy of this file of another protocol version, wrapping the
+      # shared lowering, keeps this pass over two lowerings of the module:
+      # the first's entries belong to an MLIR context of their own.
+      self.__init__(self.lowering)
+      self.context = mc.context
     if self.start is None:
       self.start = self.lowering.count
     # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).

@@ -38,6 +38,13 @@ Cases:
             project derives their sharding rule from infer ("project"),
             against the same ops given that rule by hand ("project_rule");
             run with --chain 64. Upstream refuses such ops under Shardy.
+  distinct  jit(...).lower(x) and .compile() of a chain of L distinct
+            elementwise ops (each its own function, so nothing is shared) on
+            the compile case's array (seconds, lower+compile; notes give the
+            median of lower alone, tracing included)
+  step      the same for a training step, jit(value_and_grad) of an L-layer
+            MLP (tanh(x @ w), (64, 128) rows sharded P('x')) holding ONE
+            elementwise op in its middle
   lower_bigconst
             jit(...).lower() of a chain of 32 ops whose lower_fn reads a
             256 MiB module-level numpy table (seconds): the cost of whatever
@@ -284,6 +291,38 @@ def _worker(case: str, impl: str, module_path: str, chain: int) -> dict:
             "collectives": sum(coll.values()),
             "detail": ",".join(f"{k}:{v}" for k, v in coll.items() if v)}
 
+  if case in ("distinct", "step"):
+    def bodies(k):
+      return lambda x: jnp.tanh(x) * (1.0 + k) + jnp.sin(x)
+
+    x = jax.device_put(np.ones((64, 128), np.float32), row)
+    if case == "distinct":
+      ops = [make_op(bodies(k), "i j -> i j") for k in range(chain)]
+
+      def dmodel(x):
+        for op in ops:
+          x = op(x)
+        return x
+      f, args = jax.jit(dmodel, in_shardings=row, out_shardings=row), (x,)
+    else:
+      op = make_op(bodies(0), "i j -> i j")
+
+      def loss(ws, x):
+        for i, w in enumerate(ws):
+          x = jnp.tanh(x @ w)
+          if i == len(ws) // 2:
+            x = op(x)
+        return jnp.sum(x ** 2)
+      ws = [jax.device_put(np.eye(128, dtype=np.float32) * 0.5,
+                           NamedSharding(mesh, P())) for _ in range(chain)]
+      f, args = jax.jit(jax.value_and_grad(loss)), (ws, x)
+    t0 = time.perf_counter()
+    lowered = f.lower(*args)
+    t1 = time.perf_counter()
+    lowered.compile()
+    return {"value": time.perf_counter() - t0, "unit": "s",
+            "lower": t1 - t0}
+
   if case == "lower_bigconst":
     table = np.ones((256 * 1024 * 1024 // 4,), np.float32)
     op = custom_partitioning(body)
@@ -323,6 +362,8 @@ IMPLS = {
     "grad_explicit": ("project", "upstream", "shard_map", "plain"),
     "lower_bigconst": ("project", "upstream"),
     "compile_derived": ("project", "project_rule"),
+    "distinct": ("project", "shard_map"),
+    "step": ("project", "shard_map"),
 }
 
 
@@ -353,6 +394,7 @@ def main() -> int:
   for case in args.cases.split(","):
     impls = IMPLS[case]
     samples: dict = {i: [] for i in impls}
+    lowers: dict = {i: [] for i in impls}  # the lower-alone figures, if any
     extra: dict = {}
     for _ in range(args.repeat):
       for impl in impls:
@@ -367,7 +409,12 @@ def main() -> int:
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
         if rec["value"] is not None:
           samples[impl].append(rec["value"])
-        extra[impl] = {k: v for k, v in rec.items() if k not in ("value",)}
+        if rec.get("lower") is not None:
+          lowers[impl].append(rec["lower"])
+        extra[impl] = {k: v for k, v in rec.items()
+                       if k not in ("value", "lower")}
+        if lowers[impl]:
+          extra[impl]["lower"] = round(statistics.median(lowers[impl]), 4)
     results[case] = {
         impl: {"median": statistics.median(v) if v else None,
                "min": min(v) if v else None, "max": max(v) if v else None,
@@ -378,13 +425,14 @@ def main() -> int:
     return f"{v:10.4g}" if v is not None else f"{'-':>10}"
 
   print(f"{'case':8} {'impl':10} {'median':>10} {'min':>10} {'max':>10}"
-        f" {'vs upstream':>12}  notes")
+        f" {'vs upstream':>12} {'vs shard_map':>12}  notes")
   for case, per in results.items():
     up = per.get("upstream", {}).get("median")
+    twin = per.get("shard_map", {}).get("median")
     for impl, r in per.items():
       med = r["median"]
-      ratio = (f"{med / up:12.3f}" if (med is not None and up) else
-               f"{'-':>12}")
+      ratio = "".join(f"{med / base:12.3f} " if (med is not None and base)
+                      else f"{'-':>12} " for base in (up, twin))[:-1]
       notes = " ".join(f"{k}={v}" for k, v in r.items()
                        if k not in ("median", "min", "max"))
       print(f"{case:8} {impl:10} {fmt(med)} {fmt(r['min'])} {fmt(r['max'])}"

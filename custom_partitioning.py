@@ -55,12 +55,15 @@ exception, a listener for jax's compile events, and the decorator type with
 jax's custom-decorator registry (each registered at the end of the section
 that owns it); and it wraps jax's ``lower_jaxpr_to_module`` (in
 ``jax._src.interpreters.mlir`` and ``jax.interpreters.mlir``; a later copy
-of this file joins the first copy's wrapper), which then lowers a module
-holding an op of any copy twice and any other module as before, this
-file's frames left out of its source locations as jax leaves out its own
-(I.6: jax has no hook after lowering). It changes no jax option and no
-environment variable; it reads ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``:
-XLA's callbacks under Shardy too, except on TPU).
+of this file joins the first copy's wrapper), which then rewrites a
+module holding an op of any copy, replacing each op's custom call by its
+partitioned program (or lowers it a second time where jax lowered one op
+once for places Shardy placed apart), and lowers any other module as
+before, this file's frames left out of its source locations as jax leaves
+out its own (I.6: jax has no hook after lowering). It changes no jax
+option and no environment variable; it reads
+``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under Shardy
+too, except on TPU).
 
 Supported jax versions
 ----------------------
@@ -2320,15 +2323,19 @@ def _padded(values: list, mesh) -> bool:
 # partitioned before XLA sees it, on every backend. jax has no hook after a
 # module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for
 # every copy of this file (``_lower`` is this copy's part, at the end):
-# a module holding ops is lowered once with each op a custom call carrying
-# its rule and its index in lowering order, Shardy's own propagation runs
-# on that module in-process (``_propagated``) and places each op's
-# operands and results as XLA's compile would; then the module is lowered
-# again with each op asked ``partition`` on those placements and emitted
-# as pad -> ``jax.shard_map`` of its per-shard program -> slice: a manual
-# computation over every mesh axis, at whose boundary Shardy reshards to
-# what ``partition`` returned. No custom call, and no Python while XLA
-# compiles.
+# a module holding ops is lowered with each op a custom call carrying its
+# rule and its index in lowering order, Shardy's own propagation runs on a
+# copy of that module in-process (``_propagated``) and places each op's
+# operands and results as XLA's compile would; then each op is asked
+# ``partition`` on those placements and its custom call is replaced, in the
+# same module, by pad -> ``jax.shard_map`` of its per-shard program ->
+# slice (``_manual_ops``): a manual computation over every mesh axis, at
+# whose boundary Shardy reshards to what ``partition`` returned. Where jax
+# lowered one op once for places Shardy placed apart (a function of
+# several callers, equal ops), one lowering cannot hold both: the module
+# is lowered again, each op's manual computation emitted as it is lowered,
+# jax's lowering caches reusing a lowering only where its ops are placed
+# alike (``_PerSite``). No custom call, and no Python while XLA compiles.
 # --------------------------------------------------------------------------
 
 # Off: XLA's partition callback, as upstream, except on TPU (which has none).
@@ -2731,15 +2738,15 @@ class _PerSite:
     self.spans: dict = {}
     self.variants: dict = {}  # (key, its ops' placements) -> entry
     self.resume: dict = {}  # key -> the index to go on from, lowered again
-    self.context = None  # the MLIR context of the lowering installed in
+    self.module = None  # the module being lowered when installed
 
   def install(self, mc):
-    if mc.context is not self.context:
+    if mc.module is not self.module:
       # A copy of this file of another protocol version, wrapping the
       # shared lowering, keeps this pass over two lowerings of the module:
-      # the first's entries belong to an MLIR context of their own.
+      # the first's entries are functions of another module.
       self.__init__(self.lowering)
-      self.context = mc.context
+      self.module = mc.module
     if self.start is None:
       self.start = self.lowering.count
     # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).

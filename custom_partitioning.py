@@ -27,7 +27,7 @@ of gathering its operands. Under Shardy (jax's default) the op is
 partitioned while jax lowers the program, on every backend, Cloud TPU
 included: Shardy's propagation, run in-process, places its operands,
 ``partition`` is asked, and the op becomes a manual computation of the
-per-shard program (I.6). Under GSPMD (jax 0.12.0.1 and older; 0.12.1
+per-shard program (I.2 to I.6). Under GSPMD (jax 0.12.0.1 and older; 0.12.1
 removed it) it is one XLA custom call, as upstream: while compiling, XLA
 asks this module (through Python callbacks) for the result's sharding and
 a per-shard program lowered from the author's ``lower_fn``. The contract
@@ -51,8 +51,9 @@ implementation and any number of copies coexist): the primitive
 ``custom_partitioning_p`` with its rules, the XLA custom-call partitioner
 ``CustomSPMDPartitioning.<module name>`` (also with PJRT plugins), a handler
 turning this module's tagged compile errors back into the author's
-exception, a listener for jax's compile events, and the decorator type with
-jax's custom-decorator registry (each registered at the end of the section
+exception, a listener for jax's compile events (from the first custom
+call on), and the decorator type with jax's custom-decorator registry
+(each registered at the end of the section
 that owns it); and it wraps jax's ``lower_jaxpr_to_module`` (in
 ``jax._src.interpreters.mlir`` and ``jax.interpreters.mlir``; a later copy
 of this file joins the first copy's wrapper), which then rewrites a
@@ -60,7 +61,7 @@ module holding an op of any copy, replacing each op's custom call by its
 partitioned program (or lowers it a second time where jax lowered one op
 once for places Shardy placed apart), and lowers any other module as
 before, this file's frames left out of its source locations as jax leaves
-out its own (I.6: jax has no hook after lowering). It changes no jax
+out its own (I.2: jax has no hook after lowering). It changes no jax
 option and no environment variable; it reads
 ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under Shardy
 too, except on TPU).
@@ -89,19 +90,22 @@ Reading order
 -------------
 First jax's names (``_NAMES``, the head of the internals, with the private
 attributes the module reads), then three parts by owner. Part I, the
-drop-in core: all a plain op (Auto axes, no transformation) runs, in call
-order, each helper beside its first user: I.1 the decorator and how a call
-is bound; I.2 the primitive and its lowering; I.3 the callbacks XLA calls
-(infer, propagate); I.4 the partition callback; I.5 small readers of specs
-and jaxprs that the core and the extras share; I.6 partitioning at
-lowering (Shardy; the path on TPU). Part II, one section per
+drop-in core: all a plain op (Auto axes, no transformation) runs under
+Shardy, in call order, each helper beside its first user: I.1 the
+decorator and how a call is bound; I.2 the primitive, and the module's
+lowering (rewritten in place); I.3 the op's lowering rule (where it runs, the
+release gates that decide the path, its rule); I.4 placements from
+Shardy; I.5 asking ``partition``, and its checks; I.6 the per-shard
+program as a manual computation; I.7 values, specs and jaxprs that the
+core and the extras share. Part II, one section per
 extra, entered only from lines marked ``# seam:`` that name it (a copy
 drops an extra with its section and seam lines; ``.ci/sections.py`` proves
 that each copy works): II.1 checks of the per-shard program; II.2
 placements and errors off the plain path; II.3 the shard_map path (Explicit
 mesh axes); II.4 derived ops (vmap, jvp, transposition); II.5 ops by their
 rule alone; II.6 a rule derived from infer (GSPMD-era ops under Shardy);
-II.7 keys for the persistent cache; II.8 the DEBUG log. Part III, leaves
+II.7 XLA's callbacks (GSPMD before jax 0.12.1, and the fallbacks; with the
+keys for the persistent cache); II.8 the DEBUG log. Part III, leaves
 and tools: III.1 the Shardy rule parser; III.2 ``check_partitioning``;
 III.3 the module's state; III.4 the self-demo. Each section registers
 what it owns with jax and XLA at its end. Each message stands where it is
@@ -184,7 +188,7 @@ _NAMES = {
     "jax.core": "AbstractValue ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
     # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
-    # a legacy shim only (_closed and _open, in I.5).
+    # a legacy shim only (_closed and _open, in I.7).
     "jax.extend.core": "Jaxpr Literal Primitive jaxpr_as_fun" + (
         " ClosedJaxpr" if _JAX_VERSION < (0, 11) else ""),
     # jax 0.12.0.1: wrap_init without debug_info is "deprecated"; from jax
@@ -306,12 +310,6 @@ def _aval_mesh(aval):
   return None if mesh is None or mesh.empty else mesh
 
 
-def _axis_types(mesh) -> tuple | None:
-  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
-  types_ = getattr(mesh, "axis_types", None)
-  return types_ if isinstance(types_, tuple) else None
-
-
 def _gspmd_hlo(sharding) -> _jax.HloSharding:
   return sharding._hlo_sharding
 
@@ -319,8 +317,11 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 # ==========================================================================
 # Part I. The drop-in core
 #
-# What a plain op runs (Auto axes, no transformation), in call order, each
-# helper beside its first user; ``jit(op)(x)`` stays in this part. Every
+# What a plain op runs under Shardy (Auto axes, no transformation), in call
+# order: decorator and bind, primitive, the module's lowering (in place),
+# the op's lowering rule, placements from Shardy, asking ``partition``, the
+# per-shard program as a manual computation; each helper beside its first
+# user; ``jit(op)(x)`` stays in this part. Every
 # extra joins it at a line marked ``# seam:`` naming its section of Part II
 # (``grep -n "seam:"``). A version branch stands beside its owner and
 # names the release that forced it (``grep -n "jax 0\."``): Python
@@ -328,6 +329,7 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 # jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1). Unbranched private names
 # hold on every supported release, 0.4.35 to 0.12.1.
 # ==========================================================================
+
 
 # --------------------------------------------------------------------------
 # I.1 The decorator, and how a call is bound
@@ -720,6 +722,23 @@ class custom_partitioning:
                      _Statics(args.static_args, args.key)),
         check_vma=self.check_vma, transform=())
 
+
+def _typed_where_jax_can(typed: Callable, untyped: Callable, avals):
+  """``typed()``; where that fails on ``avals`` sharded on a mesh
+  (Explicit axes off the shard_map path), ``untyped`` of them without
+  shardings, as upstream traces (a Pallas kernel, q @ k.T): partition's
+  lower_fn runs, not the body traced here."""
+  try:
+    return typed()
+  except Exception:
+    if all(_aval_mesh(a) is None for a in avals):
+      raise
+    with _no_ambient_mesh():
+      return untyped(tuple(_jax.ShapedArray(a.shape, a.dtype,
+                                            weak_type=a.weak_type)
+                           for a in avals))
+
+
 _CACHE_SIZE = 64  # entries kept per cache (per op, for per-op caches)
 
 
@@ -795,22 +814,6 @@ _call_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weak_lock = threading.Lock()
 
 
-def _typed_where_jax_can(typed: Callable, untyped: Callable, avals):
-  """``typed()``; where that fails on ``avals`` sharded on a mesh
-  (Explicit axes off the shard_map path), ``untyped`` of them without
-  shardings, as upstream traces (a Pallas kernel, q @ k.T): partition's
-  lower_fn runs, not the body traced here."""
-  try:
-    return typed()
-  except Exception:
-    if all(_aval_mesh(a) is None for a in avals):
-      raise
-    with _no_ambient_mesh():
-      return untyped(tuple(_jax.ShapedArray(a.shape, a.dtype,
-                                            weak_type=a.weak_type)
-                           for a in avals))
-
-
 def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
                     name: str, static_argnums: tuple = ()):
   """``(call, out_tree)``: ``fun`` of ``args`` (those at ``static_argnums``
@@ -844,15 +847,6 @@ def _typeof_before_053(x) -> _jax.AbstractValue:
 
 # jax 0.5.3 added jax.typeof; 0.10.0 removed get_aval.
 _typeof = _jax.typeof or _typeof_before_053
-
-
-# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
-# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-
 
 # jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
 _ShardingTypeError = _jax.ShardingTypeError or type(
@@ -1033,15 +1027,32 @@ _jax.register_custom_decorator_type(custom_partitioning)
 
 
 # --------------------------------------------------------------------------
-# I.2 The primitive and its lowering
+# I.2 The primitive, and the module's lowering
 #
 # ``custom_partitioning_p`` carries upstream's parameters through jax
 # 0.12.0.1 (0.12.1 dropped infer and propagate) plus ``transform`` (a
 # derived op's steps, II.4) and ``check_vma``, both read with a default.
-# Lowered on several devices it is one custom call carrying its ``_Op``'s
-# key; under Shardy it carries the rule, resolved against the op's shapes
-# here (III.1 parses it). A compile that ends drops what its callbacks kept
-# (``_drop_pending``).
+#
+# Under Shardy the op is partitioned while jax lowers the program, on every
+# backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
+# PJRT's custom-partitioner extension, jax#38196). jax has no hook after a
+# module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for every
+# copy of this file (``_lower`` is this copy's part, installed at the end): a
+# module holding ops is lowered with each op a custom call carrying its rule
+# and its index in lowering order (``_tagged_call``, I.3), Shardy's own
+# propagation runs on a copy of that module in-process (I.4) and places each
+# op's operands and results as XLA's compile would; then each op is asked
+# ``partition`` on those placements (I.5) and its custom call is replaced,
+# in the same module, by pad -> ``jax.shard_map`` of its per-shard program
+# -> slice (``_manual_ops``, I.6): a manual computation over every mesh
+# axis, at whose boundary Shardy reshards to what ``partition`` returned.
+# Where jax lowered one op once for places Shardy placed apart (a function
+# of several callers, equal ops), one module cannot hold both: it is
+# lowered again, each op's manual computation emitted as it is lowered and
+# jax's lowering caches reused only where the ops are placed alike
+# (``_PerSite``). No custom call, and no Python while XLA compiles. Where
+# that cannot be done (the release gates, I.3), XLA's callbacks partition
+# the op (II.7), or, without them, the op's lowering raises.
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
@@ -1081,31 +1092,263 @@ def _to_lojax(*args, call, **params):
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
 
 
+class _PerSite:
+  """The second pass's view of jax's lowering caches (of equal equations,
+  of called functions) where one op was placed differently in different
+  places: an entry whose lowering lowered ops is reused only where those
+  ops are placed as there; elsewhere it is lowered again, its ops under
+  their first pass's indices, and kept too."""
+
+  def __init__(self, lowering: _Pass):
+    self.lowering = lowering
+    self.start = None  # the index when installed
+    self.since = []  # (index, placement) of each op lowered since then
+    self.open: dict = {}  # key -> the same, since its lowering began
+    self.starts: dict = {}  # key -> the index its lowering began at
+    # key -> (index of its first op, one past its last, its ops' indices)
+    self.spans: dict = {}
+    self.variants: dict = {}  # (key, its ops' placements) -> entry
+    self.resume: dict = {}  # key -> the index to go on from, lowered again
+    self.module = None  # the module being lowered when installed
+
+  def install(self, mc):
+    if mc.module is not self.module:
+      # A copy of this file of another protocol version, wrapping the
+      # shared lowering, keeps this pass over two lowerings of the module:
+      # the first's entries are functions of another module.
+      self.__init__(self.lowering)
+      self.module = mc.module
+    if self.start is None:
+      self.start = self.lowering.count
+    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
+    for name in ("lowering_cache", "cached_primitive_lowerings"):
+      cache = getattr(mc, name, None)
+      if cache is not None and not isinstance(cache, _SiteCache):
+        setattr(mc, name, _SiteCache(cache, self, name))
+
+  def lowered(self, index: int, placement):
+    for frame in (self.since, *self.open.values()):
+      frame.append((index, placement))
+
+  def missed(self, key):
+    """The entry for ``key`` where its ops are placed as here, or None
+    (then jax lowers it here)."""
+    lowering = self.lowering
+    span = self.spans.get(key)
+    if span is not None:
+      first, end, indices = span
+      ahead: dict = {}
+      placements = []
+      for i in indices:
+        ahead[i] = ahead.get(i, -1) + 1
+        placements.append(lowering.placement(i, lowering.sites[i] + ahead[i]))
+      entry = self.variants.get((key, repr(placements)))
+      if entry is not None:
+        for i, placement in zip(indices, placements):
+          lowering.sites[i] += 1
+          self.lowered(i, placement)
+        lowering.count = max(lowering.count, end)
+        return entry
+      self.resume[key] = lowering.count
+      lowering.count = first
+    self.starts[key] = lowering.count
+    self.open[key] = []
+    return None
+
+  def put(self, key, entry) -> bool:
+    """Whether the entry for ``key`` lowered ops (then it is kept here,
+    by their placements, and not in jax's cache)."""
+    lowering = self.lowering
+    # Entries being lowered when installed began before any op.
+    first = self.starts.pop(key, self.start)
+    frame = self.open.pop(key, None)
+    frame = list(self.since) if frame is None else frame
+    if not frame:
+      return False
+    self.spans.setdefault(key, (first, lowering.count,
+                                [i for i, _ in frame]))
+    self.variants[key, repr([p for _, p in frame])] = entry
+    lowering.count = max(lowering.count,
+                         self.resume.pop(key, lowering.count))
+    return True
+
+
+class _SiteCache(dict):
+  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
+
+  def __init__(self, entries: dict, sites: _PerSite, name: str):
+    super().__init__(entries)
+    self.sites, self.name = sites, name
+
+  def get(self, key, default=None):
+    if key in self:
+      return dict.__getitem__(self, key)
+    entry = self.sites.missed((self.name, key))
+    return default if entry is None else entry
+
+  def __missing__(self, key):
+    entry = self.sites.missed((self.name, key))
+    if entry is None:
+      raise KeyError(key)
+    return entry
+
+  def __setitem__(self, key, entry):
+    if not self.sites.put((self.name, key), entry):
+      dict.__setitem__(self, key, entry)
+
+
 def _abstract_eval(*avals, call, **_):
   del avals
   return call.out_avals
 
 
-_pending: dict[int, tuple[str, BaseException]] = {}
+def _shared_lowering(lower: Callable, parties: dict) -> Callable:
+  """``lower`` (jax's ``lower_jaxpr_to_module``) with every party in
+  ``parties`` inside each lowering: one, and a second where any asks."""
+  @functools.wraps(lower)
+  def lower_jaxpr_to_module(*args, **kwargs):
+    running = []
+    try:
+      for party in list(parties.values()):
+        running.append(party(*args, **kwargs))
+        next(running[-1])
+      for _ in range(2):
+        lowered = lower(*args, **kwargs)
+        again = False
+        for party in list(running):
+          try:
+            again = bool(party.send(lowered)) or again
+          except StopIteration:
+            running.remove(party)
+        if not again:
+          break
+      return lowered
+    finally:
+      for party in running:
+        party.close()
+  setattr(lower_jaxpr_to_module, _PARTIES_ATTR, parties)
+  return lower_jaxpr_to_module
 
 
-def _drop_pending(event=_jax.BACKEND_COMPILE_EVENT, *_, **__) -> None:
-  """jax's event listener: after a backend compile, failed or not, kept
-  infer/propagate errors go. Called on the caller's thread, it may drop
-  one another thread's compile kept (which goes on as if it was None)."""
-  if event != _jax.BACKEND_COMPILE_EVENT:  # another of jax's events
+def _lower(*args, **kwargs):
+  """This copy's part in jax's lowering of a module (a party, I.2's end):
+  the module is lowered at each ``yield``; where the first lowering met ops
+  partitioned at lowering, their custom calls are replaced in it, or,
+  where one op is placed differently in different places, it asks for a
+  second."""
+  with _in_pass(_Pass()) as first:
+    lowered = yield
+  if not first.count:
     return
-  with _weak_lock:
-    _pending.clear()
+  decided = _propagated(lowered.module)
+  asks = _per_site(decided)
+  if not asks:
+    first.decided = decided
+    _manual_ops(lowered.module, first)
+  # Else jax lowered a function (or equal ops) once for places placed
+  # apart: a second lowering lowers it per placement. Where only another
+  # party asks for it, its result is the one kept: this copy's ops are
+  # partitioned in it too, as placed in the first.
+  first.tagged.clear()
+  with _in_pass(_Pass(decided, first.rules)):
+    yield asks
 
 
-# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
-# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
-_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
-           types.SimpleNamespace(value=True))
+class _Pass:
+  """One lowering of a module: the first (``decided`` None) tags the ops
+  and keeps their rules and what ``_manual_ops`` lowers each from
+  (``tagged``: its rule context, parameters and ``_Op``); the second finds
+  each op's placements and rule by its index in lowering order (and its
+  placements by its place, where jax lowered it once for several), and
+  shares one ``_Op`` (and its answers) among equal ops (``ops``;
+  ``repeated``: the keys of those ``_manual_ops`` meets at more than one
+  call, None in a second lowering)."""
+  def __init__(self, decided: dict | None = None, rules: list | None = None):
+    self.decided = decided
+    self.rules = [] if rules is None else rules
+    self.tagged: list = []
+    self.ops: dict = {}
+    self.repeated: set | None = None
+    self.count = 0
+    self.sites: dict = {}  # index -> how many of its places were lowered
+    # Where propagation placed one op differently in different places (a
+    # function of several callers, equal ops: jax lowers them once),
+    # jax's caches reuse a lowering only where its ops are placed alike.
+    self.per_site = _PerSite(self) if decided is not None and _per_site(
+        decided) else None
 
-_TARGET = f"CustomSPMDPartitioning.{__name__}"
+  def placement(self, index: int, site: int):
+    """Where propagation placed op ``index`` in its ``site``-th place."""
+    sites = self.decided.get(index) or [None]
+    return sites[min(site, len(sites) - 1)]
 
+  def placed(self, index: int):
+    """The placement of op ``index``'s next place, lowered now."""
+    site = self.sites.get(index, 0)
+    self.sites[index] = site + 1
+    placement = self.placement(index, site)
+    if self.per_site is not None:
+      self.per_site.lowered(index, placement)
+    return placement
+
+
+def _per_site(decided: dict) -> bool:
+  """Whether propagation placed some op differently in different places."""
+  return any(any(s != sites[0] for s in sites) for sites in decided.values())
+
+
+_passes = threading.local()
+
+
+@contextlib.contextmanager
+def _in_pass(lowering: _Pass):
+  stack = _passes.__dict__.setdefault("stack", [])
+  stack.append(lowering)
+  try:
+    yield lowering
+  finally:
+    stack.pop()
+
+
+custom_partitioning_p.def_abstract_eval(_abstract_eval)
+custom_partitioning_p.def_impl(_impl)
+custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
+
+# Every copy of this file in a process (each a module of its own name)
+# takes part in one shared lowering, so that all copies' ops are tagged in
+# one first lowering and partitioned in one second (a copy wrapping
+# another's wrapper would lower a module 2^k times for k copies). The first
+# copy installs it; a later one finds the parties' table on it and joins.
+# The attribute's name is the protocol, kept by every version of this file:
+# a party is called with the lowering's arguments and returns a generator;
+# the module is lowered while every party sits at a ``yield``, then each is
+# sent the result. A party that yields a true value asks for a second
+# lowering (at most two); one that returns takes part no further. Where an
+# older copy (without the table) installed its wrapper, this one wraps it.
+_PARTIES_ATTR = "custom_partitioning_parties_v1"
+_lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
+if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
+  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(_lower_jaxpr_to_module,
+                                                     {})
+getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _lower
+# Libraries lower through the public name too (jax.interpreters.mlir).
+_jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
+# jax leaves its own files out of the source locations it records; this
+# file's frames (the lowering above, the per-shard programs) stay out too,
+# so a program without ops lowers byte for byte as without this module.
+_jax.register_exclusion(__file__)
+
+
+# --------------------------------------------------------------------------
+# I.3 The op's lowering rule
+#
+# Where the op runs (its mesh and devices: ``_partitioned_placement``),
+# whether it is partitioned at lowering (``_at_lowering``: every release
+# gate that decides the path stands there), its rule (III.1 parses it,
+# resolved against the op's shapes here) and the ``_Op`` its answers are
+# kept on. The first pass emits a tagged custom call; the second the manual
+# computation (``_lowered_manual``, I.5).
+# --------------------------------------------------------------------------
 
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
@@ -1115,17 +1358,13 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   name = _fun_name(call)
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
-  if why_not is not None and "tpu" in mc.platforms:
-    raise NotImplementedError(
-        f"custom_partitioning op {name} cannot be lowered for TPU: "
-        f"{why_not}. {_TPU_ADVICE}.")
-  if mc.lowering_parameters.for_export and why_not is not None:
-    raise NotImplementedError(
-        f"jax.export cannot serialize the custom_partitioning op {name}: its "
-        "partitioning callbacks are Python functions that XLA calls while "
-        "compiling, and they cannot be stored in a serialized artifact. Export "
-        "on a single device, or export the per-shard code (e.g. with "
-        "jax.shard_map) instead.")
+  if why_not is None:
+    lowering = _current_pass()
+  elif "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
+    _check_exportable(mc, name)
+    lowering = None
+  else:
+    raise _cannot_lower(name, mc.platforms, why_not)
   if place.devices is None:
     raise ValueError(
         f"custom_partitioning op {name} is lowered for several devices, but "
@@ -1142,7 +1381,6 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
         f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
         "but its def_partition was given partition=None and no sharding_rule "
         "to derive a partition from: give either.")
-  lowering = None if why_not is not None else _current_pass()
   if lowering is not None and not all(map(math.prod, (
       a.shape for a in ctx.avals_in))):
     # XLA refuses a manual computation whose operands are empty (as it does
@@ -1152,7 +1390,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     # code for shards inside a manual computation. In both passes, so
     # that propagation places around the body XLA will see.
     return _lowered_body(ctx, call, "an operand is empty", values)
-  if lowering is not None:  # partitioned at lowering (I.6)
+  if lowering is not None:  # partitioned at lowering
     if lowering.per_site is not None:
       lowering.per_site.install(mc)
     index, lowering.count = lowering.count, lowering.count + 1
@@ -1180,29 +1418,19 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
       "sdy.sharding_rule": rule_attr}
-  if lowering is not None:
-    if lowering.decided is None:
-      lowering.rules.append(rule)
-      lowering.tagged.append((ctx, params, op))
-      return _tagged_call(ctx, call, values, rule_attr, index)
-    try:
-      return _lowered_manual(ctx, params, op, values, lowering, index)
-    except _KeepCallbacks as e:
-      if "tpu" in mc.platforms:
-        raise NotImplementedError(
-            f"custom_partitioning op {name} cannot be lowered for TPU: its "
-            f"partition {e}. {_TPU_ADVICE}.") from None
-      # Placed by its rule, as in the first pass (without, Shardy leaves
-      # the custom call replicated: gathers around it).
-      if isinstance(rule, SdyShardingRule) and values:
-        rule_attr = {"sdy.sharding_rule": _rule_attr(
-            rule, _rule_levels(params["call"], steps),
-            isinstance(params["partition"], _FromRule))}
-    op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
-  return _jax.custom_call(
-      _TARGET, result_types=_ir_types(ctx, call.out_avals),
-      operands=list(values), backend_config=_register(ctx, op, params),
-      extra_attributes=rule_attr).results
+  if lowering is None:  # seam: XLA's callbacks (II.7)
+    return _custom_call(ctx, op, params, values, rule_attr)
+  if lowering.decided is None:
+    lowering.rules.append(rule)
+    lowering.tagged.append((ctx, params, op))
+    return _tagged_call(ctx, call, values, rule_attr, index)
+  try:
+    return _lowered_manual(ctx, params, op, values, lowering, index)
+  except _KeepCallbacks as e:
+    if "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
+      return _fallback_call(ctx, params, op, values, rule, rule_attr, steps,
+                            name, e)
+    raise _cannot_lower(name, mc.platforms, f"its partition {e}") from None
 
 
 def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
@@ -1222,11 +1450,10 @@ def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
                         multiple_results=True)(ctx, *values)
 
 
-def _varying_axes(aval) -> frozenset | None:
-  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
-  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
-  mat = getattr(aval, "manual_axis_type", None)
-  return getattr(aval, "vma", None) if mat is None else mat.varying
+def _fun_name(call) -> str:
+  with _weak_lock:
+    name = _call_names.get(call)
+  return name or getattr(_open(call).debug_info, "func_name", None) or "<op>"
 
 
 class _Placement(NamedTuple):
@@ -1272,7 +1499,7 @@ def _partitioned_placement(ctx, steps):
       axis_context, "num_devices", None) == 1:
     return None, "the program runs on one device"
   if steps and place.auto is not None and (  # seam: a derived op (II.4)
-      _JAX_VERSION < (0, 5, 3)):  # see _MANUAL_TYPED
+      not _MANUAL_TYPED):
     return None, ("a derived op inside a partly manual shard_map before jax "
                   "0.5.3, whose shardings cannot be expressed")
   return place, None
@@ -1303,10 +1530,99 @@ def _mesh_from_abstract(devices, am) -> _jax.Mesh:
                        am.axis_names, **kwargs)
 
 
-def _fun_name(call) -> str:
-  with _weak_lock:
-    name = _call_names.get(call)
-  return name or getattr(_open(call).debug_info, "func_name", None) or "<op>"
+# The release gates: each release (and the switch) that decides an
+# op's path, read by _at_lowering or where the path branches.
+
+# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
+# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
+_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
+           types.SimpleNamespace(value=True))
+
+# Off: XLA's partition callback, as upstream, except on TPU (which has none).
+_PARTITION_AT_LOWERING = os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING",
+                                        "1") != "0"
+
+# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
+# with another custom call (a LAPACK one) or a function of two callers;
+# 0.9.1 and 0.10.2 do not. There XLA's callbacks partition every op.
+_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
+
+# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
+# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+
+# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
+# shardings cannot type the manual subgroup XLA needs (it aborts without).
+_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)
+
+# An answer on a mesh other than the op's, as a manual computation inside
+# the op's program: jax 0.5.3 lowers one of other axis names with the
+# program's mesh, 0.12.0.1 one of another shape or device order (XLA then
+# aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both.
+# jax 0.9.1's jit cannot read the placement of such an op's result back
+# (IndivisibleError); 0.9.0.1 can, 0.9.2 partitions by callbacks.
+_LOWERS_REORDERED_MESH = ((0, 7, 0) <= _JAX_VERSION < (0, 11, 0) and
+                          _JAX_VERSION[:3] != (0, 9, 1))
+_LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
+
+
+# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
+# on jax's transposed shard_map (a result of its body used twice); jax
+# 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
+# body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
+# Where it imports, II.4 lowers a transposed derived op as jax's
+# transposition of its manual computation.
+_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or
+                                  (0, 6, 1) <= _JAX_VERSION < (0, 7))
+
+
+def _at_lowering(place: _Placement, platforms) -> str | None:
+  """Why the op cannot be partitioned at lowering, or None if it can."""
+  if not _SHARDY.value:
+    return "GSPMD partitions the program"
+  if place.auto is not None:
+    return "it sits inside a partly manual jax.shard_map"
+  if place.mesh.empty or place.devices is None:
+    return "its mesh is unknown"
+  if _current_pass() is None:
+    return "it is lowered outside jax's lowering of a module"
+  if not _PROPAGATES:
+    return ("jaxlib 0.9.2's Shardy propagation, run in-process, crashes on "
+            "some programs (0.9.1 and 0.10 do not): upgrade jaxlib")
+  if _jax.use_abstract_mesh is None and not getattr(_ambient_mesh(
+      "get_abstract_mesh"), "empty", True):
+    # jax 0.5.3 has use_abstract_mesh, which the per-shard code needs.
+    return (f"jax {jax.__version__} cannot clear the ambient mesh "
+            "(jax.sharding.use_mesh) around its per-shard code")
+  if not (_PARTITION_AT_LOWERING or "tpu" in platforms):
+    return "partitioning at lowering is off on this platform"
+  return None
+
+
+def _current_pass() -> _Pass | None:
+  stack = getattr(_passes, "stack", None)
+  return stack[-1] if stack else None
+
+
+def _cannot_lower(name: str, platforms, why: str) -> NotImplementedError:
+  """The error of an op that cannot be partitioned at lowering, on TPU (or
+  in a copy without XLA's callbacks, II.7, on any platform)."""
+  where = "TPU" if "tpu" in platforms else (
+      f"{', '.join(platforms)} without XLA's callbacks")
+  return NotImplementedError(
+      f"custom_partitioning op {name} cannot be lowered for {where}: {why}. "
+      f"{_TPU_ADVICE}.")
+
+
+_TPU_ADVICE = (
+    "XLA's TPU compiler cannot call a Python partitioner (jax#38196); this "
+    "module partitions at lowering instead, which needs Shardy "
+    "(jax.config.update('jax_use_shardy_partitioner', True)), the op outside "
+    "any partly manual jax.shard_map, and a mesh (NamedSharding operands, "
+    "jax.set_mesh or `with mesh:`)")
 
 
 @contextlib.contextmanager
@@ -1422,6 +1738,11 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   if any(len(factors) > 1 for value_dims in dims for factors in value_dims):
     _check_compounds(sizes, dims, shapes, num_operands)  # III.1
   return sizes, dims
+
+
+def _is_batching(dim) -> bool:
+  return (isinstance(dim, str) and dim.startswith(BATCHING) and
+          (len(dim) == 1 or dim[1:].isdigit()))
 
 
 def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
@@ -1542,7 +1863,7 @@ class _Op:
   # op's key (shapes, dtypes, shardings).
   lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
   mesh: Any = None  # place.mesh, what the callbacks see
-  # Partitioned at lowering (I.6), not by XLA's callbacks.
+  # Partitioned at lowering, not by XLA's callbacks (II.7).
   at_lowering: bool = dataclasses.field(default=False, metadata=_STATE)
 
 
@@ -1562,905 +1883,14 @@ def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
              lowered=_LRU(256), **lowered)
 
 
-def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
-  # jax 0.10.1 made aval_to_ir_types take the module context first.
-  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
-  return [t for aval in avals for t in _jax.aval_to_ir_types(*first, aval)]
+def _varying_axes(aval) -> frozenset | None:
+  """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
+  # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
+  mat = getattr(aval, "manual_axis_type", None)
+  return getattr(aval, "vma", None) if mat is None else mat.varying
 
 
-_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
-
-
-_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-# Kept alive by the lowering's keep-alive list, whose id is the key.
-_lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _register(ctx, op: _Op, params) -> str:
-  """Registers ``op`` under its key, which must tell apart ops that
-  answer differently; returns the key."""
-  if (_jax.compilation_cache_dir.value and  # seam: content keys (II.7)
-      _jax.enable_compilation_cache.value):
-    key = _content_key(ctx, op, params["call"])
-  else:
-    # In one lowering the config is one: equal parameters in one placement
-    # are one op. A new lowering asks anew.
-    ident = (_params_key(params), op.place, op.varying,
-             op.platforms, op.backend, _SHARDY.value)
-    keepalives = ctx.module_context.keepalives
-    with _weak_lock:
-      table = _lowering_ops.get(id(keepalives))
-      if table is None:  # lives as long as the lowering
-        # One lowering's ops by parameters (a UserDict: a dict has no weakref).
-        table = _lowering_ops[id(keepalives)] = collections.UserDict()
-        keepalives.append(table)
-      op = table.setdefault(ident, op)
-    key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
-  with _weak_lock:
-    # Keep the first live entry: lowerings that hold it must keep finding it.
-    op = _registry.setdefault(key, op)
-  ctx.module_context.add_keepalive(op)
-  return key
-
-
-def _params_key(params: dict) -> tuple:
-  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
-  static = params["static_args"]
-  if static and not isinstance(static, _Statics):
-    params = dict(params, static_args=_Statics(static, _key_of(static)))
-  return tuple(sorted(params.items()))  # names unique: values never compared
-
-
-custom_partitioning_p.def_abstract_eval(_abstract_eval)
-custom_partitioning_p.def_impl(_impl)
-custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
-# jax 0.12.1's jax_partitioning flag lowers each primitive on an Explicit
-# mesh as a shard_map by its rule, refusing one without; None lowers the op
-# as without the flag: it partitions itself.
-_jax.register_lowering(custom_partitioning_p, _lowering, **(
-    {"shard_map_collective_rule": lambda *_, **__: None}
-    if _JAX_VERSION >= (0, 12, 1) else {}))
-# Lowering needs the concrete devices (to pick the mesh and key the op).
-_jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
-# jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
-# backend compile that succeeds, 0.4.35 to 0.12.1.
-_jax.register_event_duration_secs_listener(_drop_pending)
-
-
-# --------------------------------------------------------------------------
-# I.3 The callbacks XLA calls: infer and propagate
-#
-# The callbacks find the op by the custom call's key (``_question``).
-# An exception never reaches XLA raw (under GSPMD that aborts): it is parked
-# under a tag in XLA's message, by which ``_reraise_callback_error`` gives
-# jax the original. One from infer or propagate waits in ``_pending`` for
-# the thread's partition callback (XLA compiles one program at a time on a
-# thread, and partitions last). XLA talks in HloShardings on flat lists of
-# shapes, the callbacks in jax shardings on pytrees; in between, each operand
-# and result is a ``_Value``. A question goes XLA (or II.3) -> ``_<q>`` (a
-# derived op's steps, II.4) -> ``_ask_<q>``, the only caller of that
-# author's callback.
-# --------------------------------------------------------------------------
-
-def _question(answer: Callable, default: Callable):
-  """XLA's infer or propagate callback, ``(*xla_args, key) -> answer(op,
-  *xla_args)``, or ``default(*xla_args)``, XLA's own answer, where the
-  op leaves the question to XLA; and where ``answer`` raises, the error kept
-  for the partition callback (which raises it: XLA aborts on one here)."""
-  def question(*args):
-    *xla_args, key = args
-    with _weak_lock:
-      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if op is None:
-      return default(*xla_args)
-    if op.place.auto is not None and _JAX_VERSION < (0, 5, 3):  # seam: (II.2)
-      return default(*xla_args)
-    if op.steps and op.mesh.empty:  # seam: a derived op (II.4)
-      return default(*xla_args)
-    try:
-      return answer(op, *xla_args)
-    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
-      with _weak_lock:  # the first error of this compile
-        _pending.setdefault(threading.get_ident(), (op.name, e))
-      return default(*xla_args)
-  return question
-
-
-def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
-  """The result sharding XLA gets from the operands', or None."""
-  results = _from_xla(*_hlo_parts(result_shape, None), op.mesh)
-  operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
-  if op.steps:  # seam: a derived op (II.4)
-    inferred = _infer(op, _levels(op.steps, operands, results))
-  else:
-    inferred = _ask_infer(op, operands, results)
-  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug_infer(op, operands, inferred)
-  if inferred is None:
-    return None
-  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
-
-
-def _answer_propagate(op: _Op, user_sharding, shape):
-  """The op's result sharding given its user's (kept where the op has no
-  ``propagate_user_sharding``)."""
-  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
-  if op.steps:  # seam: a derived op (II.4)
-    propagated = _propagate_derived(op, results)
-  else:
-    propagated = _ask_propagate(op, results)
-  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug_propagate(op, results, propagated)
-  if propagated is None:
-    return user_sharding
-  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
-
-
-class _Value(NamedTuple):
-  """An operand or result. ``spec``: its PartitionSpec entries (None: none
-  or unknown); ``hlo``: the HloSharding as given (None: by ``spec`` alone
-  or unknown); ``varying``: the manual axes it varies over, if tracked."""
-  shape: tuple
-  dtype: Any
-  spec: tuple | None = None
-  hlo: _jax.HloSharding | None = None
-  varying: frozenset | None = None
-
-  def known(self) -> bool:
-    return self.spec is not None or self.hlo is not None
-
-
-def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
-  if not shape.is_tuple():
-    return [shape], [sharding]
-  shapes = list(shape.tuple_shapes())
-  return shapes, (list(sharding.tuple_elements()) if sharding is not None
-                  else [None] * len(shapes))
-
-
-def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
-  return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
-                 None if h is None or on.empty
-                 else _decode_spec(h, on, len(s.dimensions())), h, v)
-          for s, h, v in zip(shapes, hlo_shardings,
-                             list(varying) or [None] * len(shapes))]
-
-
-def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
-  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
-  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
-    # Also "replicated within a manual subgroup", which jax cannot parse.
-    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
-      return (None,) * ndim
-  try:
-    spec = _jax.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
-    # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
-    spec = tuple(spec.get_partition_spec() if _JAX_VERSION < (0, 5, 3)
-                 else spec)
-  except Exception:  # noqa: BLE001 - not expressible on this mesh
-    return None
-  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
-  return spec[:ndim] + (None,) * (ndim - len(spec))
-
-
-def _ask_infer(op: _Op, operands: list, results: list):
-  """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
-  if op.infer_sharding_from_operands is None:
-    if op.sharding_rule is not None:  # seam: inferred by the rule (II.5)
-      return _infer_by_rule(op, operands, results)
-    return None
-  answer = op.infer_sharding_from_operands(
-      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
-      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
-                             for v in results]))
-  if answer is None:
-    return None
-  return _encode(op, op.out_tree, answer, results,
-                 "infer_sharding_from_operands", "result sharding")
-
-
-def _ask_propagate(op: _Op, results: list) -> list[_Value]:
-  """``propagate_user_sharding``'s answer, or None (the user's stand)."""
-  if op.propagate_user_sharding is None:
-    return None
-  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
-                                      _structs(op, op.out_tree, results))
-  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
-                 "result sharding")
-
-
-def _structs(op: _Op, tree, values, on=None):
-  """The callbacks' view of ``values`` (on ``on``): ShapeDtypeStructs with
-  NamedShardings (``decode_shardings``, a spec) or GSPMDShardings, if known."""
-  on = op.mesh if on is None else on
-  structs = []
-  for v in values:
-    if v.spec is None and v.hlo is None:
-      sharding = None
-    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
-      sharding = jax.sharding.NamedSharding(
-          op.mesh, jax.sharding.PartitionSpec(*v.spec))
-    else:
-      sharding = _jax.GSPMDSharding(
-          op.place.devices if on == op.mesh else tuple(on.devices.flat),
-          _hlo_of(v, on))
-    try:
-      struct = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
-    except NotImplementedError:  # XLA's manual subgroup (a partly manual
-      struct = jax.ShapeDtypeStruct(v.shape, v.dtype)  # shard_map): unshown
-    structs.append(struct)
-  return tree.unflatten(structs)
-
-
-def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
-            on=None) -> list[_Value]:
-  """The author's pytree of shardings for ``like``, checked, as
-  ``_Value``s with specs on ``on``."""
-  on = op.mesh if on is None else on
-  leaves = None  # a list where a tuple is expected is fine
-  for value in [answer, tuple(answer)] if isinstance(answer, list) else [
-      answer]:
-    with contextlib.suppress(ValueError, TypeError):
-      leaves = tree.flatten_up_to(value)
-      break
-  if leaves is None:
-    raise ValueError(f"{callback} of {op.name} returned {what}s {answer!r}, "
-                     f"whose structure does not match {tree}.")
-  out = []
-  for i, (sharding, v) in enumerate(zip(leaves, like)):
-    where = f"{callback} of {op.name} returned {what} {i}"
-    ndim = len(v.shape)
-    if not isinstance(sharding, jax.sharding.Sharding):
-      raise TypeError(f"{where} as a {type(sharding).__name__}; expected a "
-                      "jax.sharding.Sharding.")
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-        sharding.mesh, _jax.AbstractMesh):
-      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
-                                            sharding.spec)
-    handed = False
-    if on == op.place.auto:  # seam: a partly manual shard_map (II.2)
-      handed = _handed_back(op, sharding)
-    if not handed and sharding.device_set != set(op.place.devices):
-      raise ValueError(
-          f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
-          f"but the op runs on {sorted(d.id for d in op.place.devices)}.")
-    if isinstance(sharding, jax.sharding.NamedSharding) and (
-        len(sharding.spec) > ndim):
-      raise ValueError(f"{where} with spec {_spec_text(sharding.spec)} for "
-                       f"a value of rank {ndim}.")
-    if on == op.place.auto and not handed:  # seam: partly manual (II.2)
-      sharding = _onto_auto_axes(op, sharding, where)
-    hlo = sharding._to_xla_hlo_sharding(ndim)
-    spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and callback != "partition" and isinstance(
-        sharding, jax.sharding.NamedSharding) and not on.empty and (
-            dict(sharding.mesh.shape) != dict(on.shape)):
-      # (A renamed mesh of the op's shape decodes: it places alike.)
-      raise _ForeignMesh(
-          f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
-          f"mesh, which it was given, is {dict(on.shape)}, and no "
-          "PartitionSpec of the op's mesh places the value so: return "
-          "shardings on the mesh passed to it.")
-    if spec is None and op.steps:  # seam: a derived op (II.4)
-      raise NotImplementedError(
-          f"{where}, which has no PartitionSpec on the mesh "
-          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
-          "shardings must have one.")
-    out.append(v._replace(spec=spec, hlo=hlo))
-  return out
-
-
-class _ForeignMesh(ValueError):
-  """A callback answered on a mesh other than the one it was given."""
-
-
-def _hlo_of(v: _Value, on) -> _jax.HloSharding:
-  return v.hlo if v.hlo is not None else jax.sharding.NamedSharding(
-      on, jax.sharding.PartitionSpec(*v.spec))._to_xla_hlo_sharding(
-          len(v.shape))
-
-
-def _pack_hlo(shape: _jax.Shape, shardings: list[_jax.HloSharding]):
-  return (_jax.HloSharding.tuple_sharding(shape, shardings)
-          if shape.is_tuple() else shardings[0])
-
-
-# --------------------------------------------------------------------------
-# I.4 The partition callback: asking partition, lowering lower_fn
-#
-# ``op.mesh`` is what the callbacks see; ``on`` names the mesh of a value's
-# spec and HloSharding: ``op.mesh``, inside a partly manual shard_map
-# ``op.place.auto``, or the mesh ``partition`` returned (``_Answer.on``).
-# ``lower_fn`` is traced on per-shard shapes, checked (II.1) and lowered
-# to the module XLA inlines.
-# --------------------------------------------------------------------------
-
-_ERROR_TAG = f"[{_TARGET} error #"
-
-
-def _partitioner(answer: Callable):
-  """XLA's partition callback, ``(*xla_args, key) -> answer(op,
-  *xla_args)``; an error reaches XLA as a ``RuntimeError`` naming the
-  parked original (``_park``), by which jax is given it back."""
-  def partition(*args):
-    *xla_args, key = args
-    with _weak_lock:
-      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
-    if op is None:
-      raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
-                         f"under key {key!r}; was its lowering dropped?")
-    if _pending:  # seam: an infer/propagate error kept (II.2)
-      _raise_pending()
-    try:
-      return answer(op, *xla_args)
-    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
-      raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
-  return partition
-
-
-_parked_errors = _LRU()
-
-
-_parked_counter = itertools.count()
-
-
-def _park(error: BaseException, where: str) -> str:
-  """Parks ``error``; returns a message naming it for the handler."""
-  tag = next(_parked_counter)
-  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
-  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
-
-
-def _reraise_callback_error(xla_error: Exception):
-  """Compile-error handler: gives back the author's original exception."""
-  _drop_pending()
-  text = str(xla_error)
-  start = text.find(_ERROR_TAG)
-  if start < 0:
-    return None
-  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
-  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
-
-
-def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
-                      result_sharding):
-  """``(per-shard module, operand shardings, result sharding)``, cached."""
-  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
-                   for s, h in zip(arg_shapes, arg_shardings)),
-             str(result_shape), str(result_sharding))
-  hit = op.lowered.get(request)
-  if hit is not None:
-    if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
-                              result_sharding, hit)
-    return hit
-  on = op.mesh if op.place.auto is None else op.place.auto
-  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
-  # XLA's thread has none of the lowering thread's context managers:
-  # partition and lower_fn run under the config the op was lowered with.
-  operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
-  results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
-  with _config_entered(op.config):
-    shard = _shard_of(op, operands, results, on)
-    module = _per_shard_module(op, shard)
-  answer = (module, [_hlo_of(v, on) for v in shard.args],
-            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
-  op.lowered.put(request, answer)
-  return answer
-
-
-def _shard_of(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition``'s answer with its per-shard program traced."""
-  if op.steps:  # seam: a derived op (II.4)
-    return _partition_derived(op, operands, results, on)
-  answer, closed = _partition(op, operands, results, on)
-  return answer._replace(jaxpr=closed)
-
-
-@contextlib.contextmanager
-def _config_entered(values: tuple):
-  """Runs the block on this thread under ``values`` (``_config_values``),
-  each option that differs set by its (thread-local) context manager, as
-  the user's ``with`` did."""
-  holders = _jax.config._value_holders
-  with contextlib.ExitStack() as stack:
-    for name, value in values:
-      if holders[name].value != value:
-        stack.enter_context(holders[name](value))
-    yield
-
-
-def _partition(op: _Op, operands: list, results: list, on):
-  """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
-  if isinstance(op.sharding_rule, SdyShardingRule) and (
-      op.sharding_rule.need_replication_factors):
-    operands, results = _replicated_as_needed(op, operands, results)
-  answer = _ask_partition(op, operands, results, on)
-  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
-    _debug_partition(op, operands, results, answer)
-  closed = _trace_lower_fn(op, answer)
-  if op.check_vma:  # seam: per-shard checks (II.1)
-    _check_per_shard(op, answer, operands + results, closed)
-  # At lowering the per-shard code joins the program, callbacks and all
-  # (jax 0.5.3 cannot lower a debug callback in a manual computation under
-  # Shardy; 0.7.2 can).
-  if (not op.at_lowering or _JAX_VERSION < (0, 7, 0)) and _calls_host(closed):
-    raise _host_callback_error(op)
-  return answer, closed
-
-
-def _replicated_as_needed(op: _Op, operands: list, results: list):
-  """``operands`` and ``results`` with every dimension of a factor the rule
-  says needs replication unsharded (a compound one from that factor on):
-  the rule states what the per-shard code can take, so partition is asked
-  (and XLA reshards) accordingly."""
-  rule = op.sharding_rule
-  values = operands + results
-  try:  # a rule that does not fit the op fails elsewhere, with its cause
-    sizes, dims = _resolve_rule(rule, [v.shape for v in values],
-                                len(operands))
-  except ValueError:
-    return operands, results
-  needed = set(rule.need_replication_factors)
-  for i, (v, value_dims) in enumerate(zip(values, dims)):
-    spec = None if v.spec is None else tuple(v.spec) + (None,) * (
-        len(v.shape) - len(v.spec))
-    if spec is not None and any(
-        e is not None and needed.intersection(factors)
-        for factors, e in zip(value_dims, spec)):
-      values[i] = v._replace(hlo=None, spec=tuple(
-          _before_needed(factors, e, needed, sizes, op.mesh)
-          if needed.intersection(factors) else e
-          for factors, e in zip(value_dims, spec)))
-  return values[:len(operands)], values[len(operands):]
-
-
-def _before_needed(factors: tuple, entry, needed: set, sizes: dict, mesh):
-  """``entry``, a dimension's, less the axes that shard its factors from
-  the first that needs replication on (a compound's factors before it stay
-  sharded; an axis that a factor only partly covers, a sub-axis, goes)."""
-  axes, kept = list(_entry_axes(entry)), []
-  for factor in factors:
-    room = sizes.get(factor) or 1
-    if factor in needed:
-      break
-    while axes and room % mesh.shape[axes[0]] == 0:
-      room //= mesh.shape[axes[0]]
-      kept.append(axes.pop(0))
-    if room != 1:  # a factor not sharded whole: none after it can be
-      break
-  return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
-
-
-def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
-  """``partition`` asked about values on ``on``, its answer checked."""
-  if isinstance(op.partition, _FromRule):  # seam: rule-only op (II.5)
-    answer = _partition_from_rule(op, operands, results)
-  else:
-    answer = op.partition(*op.static_args, op.mesh,
-                          _structs(op, op.in_tree, operands, on),
-                          _structs(op, op.out_tree, results, on))
-  mesh, lower_fn, out_shardings, in_shardings = _checked_answer(op, answer)
-  if op.place.auto is None:
-    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
-  return _Answer(mesh, on, lower_fn,
-                 _encode(op, op.in_tree, in_shardings, operands, "partition",
-                         "arg sharding", on),
-                 _encode(op, op.out_tree, out_shardings, results,
-                         "partition", "result sharding", on))
-
-
-def _checked_answer(op: _Op, answer) -> tuple:
-  """``partition``'s answer, ``(mesh, lower_fn, result shardings, arg
-  shardings)``, checked, its mesh concrete (in a shard_map: the whole)."""
-  where, devices = f"partition of {op.name}", op.place.devices
-  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
-    got = (f"a sequence of length {len(answer)}"
-           if isinstance(answer, (tuple, list)) else type(answer).__name__)
-    raise TypeError(f"{where} must return (mesh, lower_fn, result_shardings, "
-                    f"arg_shardings); got {got}.")
-  mesh, lower_fn, out_shardings, in_shardings = answer
-  if not callable(lower_fn):
-    raise TypeError(f"{where} returned a lower_fn of type "
-                    f"{type(lower_fn).__name__}, which is not callable.")
-  if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
-    raise TypeError(f"{where} returned a mesh of type {type(mesh).__name__}; "
-                    "expected a jax.sharding.Mesh.")
-  if op.place.auto is not None:  # collectives name the whole program's devices
-    return op.place.whole, lower_fn, out_shardings, in_shardings
-  real = not mesh.empty  # an empty mesh is the op's
-  if real and isinstance(mesh, _jax.Mesh) and set(mesh.devices.flat) != set(
-      devices):
-    raise ValueError(
-        f"{where} returned a mesh on devices "
-        f"{sorted(d.id for d in mesh.devices.flat)}, but the op runs on "
-        f"{sorted(d.id for d in devices)}.")
-  if real and isinstance(mesh, _jax.AbstractMesh) and mesh.size != len(devices):
-    raise ValueError(f"{where} returned a mesh of {mesh.size} devices, but "
-                     f"the op runs on {len(devices)}.")
-  if isinstance(mesh, _jax.AbstractMesh):
-    mesh = _concrete(op, mesh)
-  if op.steps and dict(mesh.shape) != dict(op.mesh.shape):  # seam: (II.4)
-    raise NotImplementedError(
-        f"{where} returned a mesh with axes {dict(mesh.shape)}, but the op's "
-        f"mesh has {dict(op.mesh.shape)}; under jax.vmap, jax.jvp and "
-        "jax.grad they must be the same.")
-  return mesh, lower_fn, out_shardings, in_shardings
-
-
-class _Answer(NamedTuple):
-  """``partition``'s answer, checked: the mesh ``lower_fn`` runs on, the
-  mesh ``on`` of the specs, the shardings; once traced, the per-shard
-  program (``jaxpr``) XLA gets, with the shardings it takes and gives."""
-  mesh: Any
-  on: Any
-  lower_fn: Callable
-  args: list
-  results: list
-  jaxpr: Any = None
-
-
-def _concrete(op: _Op, mesh: _jax.AbstractMesh):
-  """An AbstractMesh made concrete on the op's devices (as upstream)."""
-  if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
-    return op.mesh
-  return _mesh_from_abstract(op.place.devices, mesh)
-
-
-def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
-  """``lower_fn`` traced on local shapes; its results checked against the
-  shapes and dtypes ``partition``'s result shardings need."""
-  lower_fn, on = answer.lower_fn, answer.on
-  local_args = [_local_struct(v, on) for v in answer.args]
-  local_results = [_local_struct(v, on) for v in answer.results]
-  args = op.in_tree.unflatten(local_args)
-  try:
-    inspect.signature(lower_fn).bind(*args)
-  except TypeError as e:
-    raise TypeError(f"lower_fn of {op.name} cannot take the op's {len(args)} "
-                    f"operand(s): {e}.") from None
-  except ValueError:  # no signature to read (a builtin): let the call tell
-    pass
-  try:
-    with _manual_scope(answer.mesh):
-      closed, out_shape = jax.make_jaxpr(
-          lower_fn, axis_env=list(answer.mesh.shape.items()),
-          return_shape=True)(*args)
-      if getattr(closed, "is_high", False):  # jax 0.11.2 added hijax
-        closed = _lojax(closed, answer.mesh)
-  except NameError as e:  # an unbound axis name
-    if not answer.mesh.empty:
-      raise
-    raise ValueError(
-        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
-        "returned the empty mesh: the op's mesh could not be recovered (the "
-        "program's shardings are not NamedShardings and no mesh is set). "
-        "Return a mesh over the op's devices, or use NamedSharding inputs, "
-        "jax.set_mesh or `with mesh:`.") from e
-  got = jax.tree_util.tree_leaves(out_shape)
-  if len(got) != len(local_results):
-    raise ValueError(
-        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
-        f"{len(local_results)} ({op.out_tree}).")
-  for i, (g, want) in enumerate(zip(got, local_results)):
-    if g.shape != want.shape or g.dtype != want.dtype:
-      raise ValueError(
-          f"lower_fn of {op.name} returned result {i} with local shape "
-          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
-          f"{want.dtype}{list(want.shape)}.")
-  return closed
-
-
-def _shard_count(entry, mesh) -> int:
-  """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
-
-
-def _entry_axes(entry) -> tuple:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  return (() if entry is None else
-          tuple(entry) if isinstance(entry, tuple) else (entry,))
-
-
-def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
-  """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
-  if v.spec is None:
-    tile = v.hlo.tile(_jax.Shape.array_shape(np.dtype(v.dtype), v.shape))
-    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
-  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
-  return jax.ShapeDtypeStruct(
-      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
-      v.dtype)
-
-
-def _manual_scope(mesh):
-  """Where lower_fn is traced: ``mesh`` with every axis Manual, as in
-  jax.shard_map, so that jax.lax.pcast/pvary can mark a loop carry varying
-  (no equation outside check_vma); no mesh where jax has no varying types."""
-  # jax 0.6.0 added varying types (pvary); 0.8.2 pcast.
-  if mesh.empty or not (hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")):
-    return _no_ambient_mesh()
-  am = mesh.abstract_mesh
-  return _jax.use_abstract_mesh(am.update_axis_types(
-      {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
-
-
-def _lojax(closed, mesh=None):
-  """``closed``, a high jaxpr, with its hijax primitives expanded (jax
-  lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
-  with _jax.extend_axis_env_nd(list(mesh.shape.items()) if mesh else []):
-    return _jax.lower_jaxpr2(closed)
-
-
-def _calls_host(jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it, closed or not) calls back
-  to Python."""
-  return any(eqn.primitive.name in {"debug_callback", "pure_callback",
-                                    "io_callback"} for eqn in jaxpr.eqns) or (
-      any(_calls_host(sub) for sub in _jax.subjaxprs(jaxpr)))
-
-
-def _host_callback_error(op: _Op) -> NotImplementedError:
-  return NotImplementedError(
-      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
-      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
-      "cannot run inside a custom-partitioned op. Move the callback out "
-      "of lower_fn, before or after the op.")
-
-
-def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
-  """The per-shard program lowered to the module XLA inlines, as bytecode."""
-  mesh, closed = shard.mesh, shard.jaxpr
-  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
-      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name":
-          op.backend}
-  params: dict[str, Any] = {}
-  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
-    kwargs["name_stack"] = _jax.new_name_stack()
-  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
-    kwargs.update(num_const_args=0, in_avals=closed.in_avals)
-    params["hoist_constants_as_args"] = False
-  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
-    kwargs["out_avals"] = closed.out_avals
-  with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
-    lowered = _jax.lower_jaxpr_to_module(
-        "custom_partitioning_shard", closed, ordered_effects=[],
-        donated_args=[False] * len(closed.in_avals),
-        axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)),
-        platforms=op.platforms,
-        lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
-  # Host callbacks cannot work: XLA finds them by index in the compiled
-  # program's list, fixed before this ran (upstream segfaults).
-  if lowered.host_callbacks:
-    raise _host_callback_error(op)
-  return _jax.module_to_bytecode(lowered.module)
-
-
-def _no_ambient_mesh():
-  """Clears the ambient mesh for lower_fn: under an Explicit one, jax 0.5.3
-  to 0.8.x give the per-shard module constraints XLA cannot export or run."""
-  if _jax.use_abstract_mesh is None:
-    return contextlib.nullcontext()
-  return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
-
-
-def _register_partitioner(name: str, prop_user_sharding, partition,
-                          infer_sharding_from_operands) -> None:
-  register = functools.partial(
-      _jax.register_custom_call_partitioner, name=name,
-      prop_user_sharding=prop_user_sharding, partition=partition,
-      infer_sharding_from_operands=infer_sharding_from_operands,
-      can_side_effecting_have_replicated_sharding=True)
-  register()
-  _jax.register_plugin_callbacks(register)
-
-
-_register_partitioner(
-    _TARGET, _question(_answer_propagate, lambda users, _: users),
-    _partitioner(_answer_partition), _question(_answer_infer, lambda *_: None))
-_jax.register_xla_runtime_error_handler(_reraise_callback_error)
-
-
-# --------------------------------------------------------------------------
-# I.5 Shared by the core and the extras: specs and jaxprs
-#
-# Small readers of PartitionSpec entries and jaxprs that several sections
-# use; here, so that a copy can drop any extra.
-# --------------------------------------------------------------------------
-
-def _with_specs(values: list, specs) -> list[_Value]:
-  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
-
-
-def _spec_text(spec: tuple) -> str:
-  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
-  return f"PartitionSpec({', '.join(map(repr, spec))})"
-
-
-# jax 0.11.0 merged ClosedJaxpr into Jaxpr (a jaxpr holds its consts);
-# 0.12.0.1 keeps ClosedJaxpr, ``<jaxpr>.jaxpr`` and ``Jaxpr(jaxpr, consts)``
-# only as shims "to remove", so from 0.11 the module reads none of them.
-if _JAX_VERSION >= (0, 11):
-  _ClosedJaxpr = _jax.Jaxpr
-  _closed = _jax.Jaxpr.with_consts  # (jaxpr, consts)
-
-  def _open(closed: _jax.Jaxpr) -> _jax.Jaxpr:
-    return closed
-else:
-  _ClosedJaxpr = _closed = _jax.ClosedJaxpr
-
-  def _open(closed: _jax.ClosedJaxpr) -> _jax.Jaxpr:
-    return closed.jaxpr
-
-
-def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
-  values = [eqn.params.get(param) for param in ("axes", "axis_name")]
-  return {axis for v in values
-          for axis in (v if isinstance(v, (tuple, list)) else (v,))
-          if isinstance(axis, str)}
-
-
-def _axes_in(specs) -> set:
-  return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
-
-
-def _real_axes(mesh) -> tuple:
-  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
-  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-
-
-def _padded(values: list, mesh) -> bool:
-  """Whether a value is sharded unevenly (XLA pads the last shards)."""
-  return any(size % _shard_count(entry, mesh)
-             for v in values for size, entry in zip(v.shape, v.spec or ()))
-
-
-# --------------------------------------------------------------------------
-# I.6 Partitioning at lowering (Shardy)
-#
-# XLA's TPU compiler never calls a Python partitioner (libtpu lacks PJRT's
-# custom-partitioner extension, jax#38196), so under Shardy the op is
-# partitioned before XLA sees it, on every backend. jax has no hook after a
-# module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for
-# every copy of this file (``_lower`` is this copy's part, at the end):
-# a module holding ops is lowered with each op a custom call carrying its
-# rule and its index in lowering order, Shardy's own propagation runs on a
-# copy of that module in-process (``_propagated``) and places each op's
-# operands and results as XLA's compile would; then each op is asked
-# ``partition`` on those placements and its custom call is replaced, in the
-# same module, by pad -> ``jax.shard_map`` of its per-shard program ->
-# slice (``_manual_ops``): a manual computation over every mesh axis, at
-# whose boundary Shardy reshards to what ``partition`` returned. Where jax
-# lowered one op once for places Shardy placed apart (a function of
-# several callers, equal ops), one lowering cannot hold both: the module
-# is lowered again, each op's manual computation emitted as it is lowered,
-# jax's lowering caches reusing a lowering only where its ops are placed
-# alike (``_PerSite``). No custom call, and no Python while XLA compiles.
-# --------------------------------------------------------------------------
-
-# Off: XLA's partition callback, as upstream, except on TPU (which has none).
-_PARTITION_AT_LOWERING = os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING",
-                                        "1") != "0"
-
-# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
-# with another custom call (a LAPACK one) or a function of two callers;
-# 0.9.1 and 0.10.2 do not. There XLA's callbacks partition every op.
-_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
-
-_TPU_ADVICE = (
-    "XLA's TPU compiler cannot call a Python partitioner (jax#38196); this "
-    "module partitions at lowering instead, which needs Shardy "
-    "(jax.config.update('jax_use_shardy_partitioner', True)), the op outside "
-    "any partly manual jax.shard_map, and a mesh (NamedSharding operands, "
-    "jax.set_mesh or `with mesh:`)")
-
-
-class _Pass:
-  """One lowering of a module: the first (``decided`` None) tags the ops
-  and keeps their rules and what ``_manual_ops`` lowers each from
-  (``tagged``: its rule context, parameters and ``_Op``); the second finds
-  each op's placements and rule by its index in lowering order (and its
-  placements by its place, where jax lowered it once for several), and
-  shares one ``_Op`` (and its answers) among equal ops (``ops``;
-  ``repeated``: the keys of those ``_manual_ops`` meets at more than one
-  call, None in a second lowering)."""
-  def __init__(self, decided: dict | None = None, rules: list | None = None):
-    self.decided = decided
-    self.rules = [] if rules is None else rules
-    self.tagged: list = []
-    self.ops: dict = {}
-    self.repeated: set | None = None
-    self.count = 0
-    self.sites: dict = {}  # index -> how many of its places were lowered
-    # Where propagation placed one op differently in different places (a
-    # function of several callers, equal ops: jax lowers them once),
-    # jax's caches reuse a lowering only where its ops are placed alike.
-    self.per_site = _PerSite(self) if decided is not None and _per_site(
-        decided) else None
-
-  def placement(self, index: int, site: int):
-    """Where propagation placed op ``index`` in its ``site``-th place."""
-    sites = self.decided.get(index) or [None]
-    return sites[min(site, len(sites) - 1)]
-
-  def placed(self, index: int):
-    """The placement of op ``index``'s next place, lowered now."""
-    site = self.sites.get(index, 0)
-    self.sites[index] = site + 1
-    placement = self.placement(index, site)
-    if self.per_site is not None:
-      self.per_site.lowered(index, placement)
-    return placement
-
-
-def _per_site(decided: dict) -> bool:
-  """Whether propagation placed some op differently in different places."""
-  return any(any(s != sites[0] for s in sites) for sites in decided.values())
-
-
-_passes = threading.local()
-
-
-def _current_pass() -> _Pass | None:
-  stack = getattr(_passes, "stack", None)
-  return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def _in_pass(lowering: _Pass):
-  stack = _passes.__dict__.setdefault("stack", [])
-  stack.append(lowering)
-  try:
-    yield lowering
-  finally:
-    stack.pop()
-
-
-def _at_lowering(place: _Placement, platforms) -> str | None:
-  """Why the op cannot be partitioned at lowering, or None if it can."""
-  if not _SHARDY.value:
-    return "GSPMD partitions the program"
-  if place.auto is not None:
-    return "it sits inside a partly manual jax.shard_map"
-  if place.mesh.empty or place.devices is None:
-    return "its mesh is unknown"
-  if _current_pass() is None:
-    return "it is lowered outside jax's lowering of a module"
-  if not _PROPAGATES:
-    return ("jaxlib 0.9.2's Shardy propagation, run in-process, crashes on "
-            "some programs (0.9.1 and 0.10 do not): upgrade jaxlib")
-  if _jax.use_abstract_mesh is None and not getattr(_ambient_mesh(
-      "get_abstract_mesh"), "empty", True):
-    # jax 0.5.3 has use_abstract_mesh, which the per-shard code needs.
-    return (f"jax {jax.__version__} cannot clear the ambient mesh "
-            "(jax.sharding.use_mesh) around its per-shard code")
-  if not (_PARTITION_AT_LOWERING or "tpu" in platforms):
-    return "partitioning at lowering is off on this platform"
-  return None
-
-
-def _lower(*args, **kwargs):
-  """This copy's part in jax's lowering of a module (a party, I.6's end):
-  the module is lowered at each ``yield``; where the first lowering met ops
-  partitioned at lowering, their custom calls are replaced in it, or,
-  where one op is placed differently in different places, it asks for a
-  second."""
-  with _in_pass(_Pass()) as first:
-    lowered = yield
-  if not first.count:
-    return
-  decided = _propagated(lowered.module)
-  asks = _per_site(decided)
-  if not asks:
-    first.decided = decided
-    _manual_ops(lowered.module, first)
-  # Else jax lowered a function (or equal ops) once for places placed
-  # apart: a second lowering lowers it per placement. Where only another
-  # party asks for it, its result is the one kept: this copy's ops are
-  # partitioned in it too, as placed in the first.
-  first.tagged.clear()
-  with _in_pass(_Pass(decided, first.rules)):
-    yield asks
+_TARGET = f"CustomSPMDPartitioning.{__name__}"
 
 
 def _tagged_call(ctx, call, values, rule_attr, index: int):
@@ -2473,6 +1903,30 @@ def _tagged_call(ctx, call, values, rule_attr, index: int):
 
 _AT_LOWERING_TAG = f"{_TARGET}:at-lowering:"
 
+
+def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
+  # jax 0.10.1 made aval_to_ir_types take the module context first.
+  first = (ctx.module_context,) if _JAX_VERSION >= (0, 10, 1) else ()
+  return [t for aval in avals for t in _jax.aval_to_ir_types(*first, aval)]
+
+
+# jax 0.12.1's jax_partitioning flag lowers each primitive on an Explicit
+# mesh as a shard_map by its rule, refusing one without; None lowers the op
+# as without the flag: it partitions itself.
+_jax.register_lowering(custom_partitioning_p, _lowering, **(
+    {"shard_map_collective_rule": lambda *_, **__: None}
+    if _JAX_VERSION >= (0, 12, 1) else {}))
+# Lowering needs the concrete devices (to pick the mesh and key the op).
+_jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
+
+
+# --------------------------------------------------------------------------
+# I.4 Placements from Shardy
+#
+# Shardy's propagation, run in-process on a copy of the first pass's module,
+# places each tagged op's operands and results; they are read back as
+# PartitionSpec entries by the op's index (unplaced: replicated).
+# --------------------------------------------------------------------------
 
 def _propagated(module) -> dict:
   """``{index: [(operand placements, result placements), ...]}``: each
@@ -2597,6 +2051,36 @@ def _operations(op):
         yield from _operations(inner.operation)
 
 
+def _value_placement(value, meshes: dict) -> _Sdy | None:
+  """The placement of an operand: its producer's, its function's argument
+  attribute, or its while loop's (None: unknown, taken as replicated)."""
+  try:  # a cast from a plain Value (jaxlib 0.9's bindings give no subclass)
+    result = _jax.ir.OpResult(value)
+  except ValueError:
+    result = None
+  if result is not None:
+    owner = result.owner.operation
+    # Shardy's own ops name their results' shardings otherwise.
+    name = {"sdy.sharding_constraint": "sharding", "sdy.reshard": "sharding",
+            "sdy.manual_computation": "out_shardings"}.get(owner.name,
+                                                           "sdy.sharding")
+    return _placements_of(owner.attributes, name, len(owner.results),
+                          meshes)[result.result_number]
+  arg = _jax.ir.BlockArgument(value)
+  parent = arg.owner.owner
+  if parent is None:
+    return None
+  parent = parent.operation
+  if parent.name == "func.func" and "arg_attrs" in parent.attributes:
+    attrs = _jax.ir.ArrayAttr(parent.attributes["arg_attrs"])[arg.arg_number]
+    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1,
+                          meshes)[0]
+  if parent.name == "stablehlo.while":
+    return _placements_of(parent.attributes, "sdy.sharding",
+                          len(parent.results), meshes)[arg.arg_number]
+  return None
+
+
 class _Sdy(NamedTuple):
   """A placement Shardy decided, read out of its MLIR context (which dies
   with the lowering): the mesh it names, as ``axes`` ((name, size), ...)
@@ -2643,35 +2127,15 @@ def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
   return _Sdy(axes, tuple(mesh.device_ids) or None, tuple(dims))
 
 
-def _value_placement(value, meshes: dict) -> _Sdy | None:
-  """The placement of an operand: its producer's, its function's argument
-  attribute, or its while loop's (None: unknown, taken as replicated)."""
-  try:  # a cast from a plain Value (jaxlib 0.9's bindings give no subclass)
-    result = _jax.ir.OpResult(value)
-  except ValueError:
-    result = None
-  if result is not None:
-    owner = result.owner.operation
-    # Shardy's own ops name their results' shardings otherwise.
-    name = {"sdy.sharding_constraint": "sharding", "sdy.reshard": "sharding",
-            "sdy.manual_computation": "out_shardings"}.get(owner.name,
-                                                           "sdy.sharding")
-    return _placements_of(owner.attributes, name, len(owner.results),
-                          meshes)[result.result_number]
-  arg = _jax.ir.BlockArgument(value)
-  parent = arg.owner.owner
-  if parent is None:
-    return None
-  parent = parent.operation
-  if parent.name == "func.func" and "arg_attrs" in parent.attributes:
-    attrs = _jax.ir.ArrayAttr(parent.attributes["arg_attrs"])[arg.arg_number]
-    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1,
-                          meshes)[0]
-  if parent.name == "stablehlo.while":
-    return _placements_of(parent.attributes, "sdy.sharding",
-                          len(parent.results), meshes)[arg.arg_number]
-  return None
-
+# --------------------------------------------------------------------------
+# I.5 Asking partition, and its checks
+#
+# ``partition`` is asked on the placements Shardy decided (``op.mesh`` is
+# what it sees; ``on`` names the mesh of a value's spec and HloSharding:
+# ``op.mesh``, inside a partly manual shard_map ``op.place.auto``, or the
+# mesh ``partition`` returned, ``_Answer.on``); its answer is checked and
+# ``lower_fn`` traced on per-shard shapes and checked (II.1).
+# --------------------------------------------------------------------------
 
 def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
                     index: int):
@@ -2721,146 +2185,12 @@ def _equal_ops_key(params, op: _Op) -> tuple:
   return _params_key(params), op.platforms, op.backend
 
 
-class _PerSite:
-  """The second pass's view of jax's lowering caches (of equal equations,
-  of called functions) where one op was placed differently in different
-  places: an entry whose lowering lowered ops is reused only where those
-  ops are placed as there; elsewhere it is lowered again, its ops under
-  their first pass's indices, and kept too."""
-
-  def __init__(self, lowering: _Pass):
-    self.lowering = lowering
-    self.start = None  # the index when installed
-    self.since = []  # (index, placement) of each op lowered since then
-    self.open: dict = {}  # key -> the same, since its lowering began
-    self.starts: dict = {}  # key -> the index its lowering began at
-    # key -> (index of its first op, one past its last, its ops' indices)
-    self.spans: dict = {}
-    self.variants: dict = {}  # (key, its ops' placements) -> entry
-    self.resume: dict = {}  # key -> the index to go on from, lowered again
-    self.module = None  # the module being lowered when installed
-
-  def install(self, mc):
-    if mc.module is not self.module:
-      # A copy of this file of another protocol version, wrapping the
-      # shared lowering, keeps this pass over two lowerings of the module:
-      # the first's entries are functions of another module.
-      self.__init__(self.lowering)
-      self.module = mc.module
-    if self.start is None:
-      self.start = self.lowering.count
-    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
-    for name in ("lowering_cache", "cached_primitive_lowerings"):
-      cache = getattr(mc, name, None)
-      if cache is not None and not isinstance(cache, _SiteCache):
-        setattr(mc, name, _SiteCache(cache, self, name))
-
-  def lowered(self, index: int, placement):
-    for frame in (self.since, *self.open.values()):
-      frame.append((index, placement))
-
-  def missed(self, key):
-    """The entry for ``key`` where its ops are placed as here, or None
-    (then jax lowers it here)."""
-    lowering = self.lowering
-    span = self.spans.get(key)
-    if span is not None:
-      first, end, indices = span
-      ahead: dict = {}
-      placements = []
-      for i in indices:
-        ahead[i] = ahead.get(i, -1) + 1
-        placements.append(lowering.placement(i, lowering.sites[i] + ahead[i]))
-      entry = self.variants.get((key, repr(placements)))
-      if entry is not None:
-        for i, placement in zip(indices, placements):
-          lowering.sites[i] += 1
-          self.lowered(i, placement)
-        lowering.count = max(lowering.count, end)
-        return entry
-      self.resume[key] = lowering.count
-      lowering.count = first
-    self.starts[key] = lowering.count
-    self.open[key] = []
-    return None
-
-  def put(self, key, entry) -> bool:
-    """Whether the entry for ``key`` lowered ops (then it is kept here,
-    by their placements, and not in jax's cache)."""
-    lowering = self.lowering
-    # Entries being lowered when installed began before any op.
-    first = self.starts.pop(key, self.start)
-    frame = self.open.pop(key, None)
-    frame = list(self.since) if frame is None else frame
-    if not frame:
-      return False
-    self.spans.setdefault(key, (first, lowering.count,
-                                [i for i, _ in frame]))
-    self.variants[key, repr([p for _, p in frame])] = entry
-    lowering.count = max(lowering.count,
-                         self.resume.pop(key, lowering.count))
-    return True
-
-
-class _SiteCache(dict):
-  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
-
-  def __init__(self, entries: dict, sites: _PerSite, name: str):
-    super().__init__(entries)
-    self.sites, self.name = sites, name
-
-  def get(self, key, default=None):
-    if key in self:
-      return dict.__getitem__(self, key)
-    entry = self.sites.missed((self.name, key))
-    return default if entry is None else entry
-
-  def __missing__(self, key):
-    entry = self.sites.missed((self.name, key))
-    if entry is None:
-      raise KeyError(key)
-    return entry
-
-  def __setitem__(self, key, entry):
-    if not self.sites.put((self.name, key), entry):
-      dict.__setitem__(self, key, entry)
-
-
-class _KeepCallbacks(Exception):
-  """Why an op's answer cannot become a manual computation: off TPU, XLA's
-  callbacks partition it instead."""
-
-
-def _check_lowerable(op: _Op, shard: _Answer):
-  """Raises ``_KeepCallbacks`` where jax cannot lower ``shard`` (an answer
-  of ``op``'s) as a manual computation."""
-  if _foreign_mesh_fails(shard.mesh, op.mesh):
-    raise _KeepCallbacks(
-        f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
-        f"computation jax {jax.__version__} cannot lower inside the op's "
-        f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 but 0.9.1 can; return the "
-        "op's mesh)")
-  mesh = shard.mesh
-  for what, side in (("operand", shard.args), ("result", shard.results)):
-    for i, v in enumerate(side):
-      if v.spec is None:
-        raise _KeepCallbacks(
-            f"returns a sharding for {what} {i} that has no PartitionSpec "
-            f"on the mesh {dict(mesh.shape)}, which a manual computation "
-            "needs")
-
-
-def _foreign_mesh_fails(mesh, op_mesh) -> bool:
-  """Whether jax cannot lower a shard_map on ``mesh`` (partition's) in a
-  program on ``op_mesh``: jax 0.5.3 lowers one of other axis names with the
-  program's mesh, 0.12.0.1 one of another shape or device order (XLA then
-  aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both."""
-  if mesh.devices.tolist() != op_mesh.devices.tolist():
-    # jax 0.9.1's jit cannot read the placement of such an op's result back
-    # (IndivisibleError); 0.9.0.1 can, 0.9.2 partitions by callbacks.
-    return (not (0, 7, 0) <= _JAX_VERSION < (0, 11, 0) or
-            _JAX_VERSION[:3] == (0, 9, 1))
-  return mesh.axis_names != op_mesh.axis_names and _JAX_VERSION < (0, 7, 0)
+def _params_key(params: dict) -> tuple:
+  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
+  static = params["static_args"]
+  if static and not isinstance(static, _Statics):
+    params = dict(params, static_args=_Statics(static, _key_of(static)))
+  return tuple(sorted(params.items()))  # names unique: values never compared
 
 
 def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
@@ -2921,6 +2251,407 @@ def _hlo_of_sdy(placed: _Sdy | None, ndim: int) -> _jax.HloSharding:
       f"{' last_tile_dim_replicate' if copies > 1 else ''}}}")
 
 
+def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
+  """PartitionSpec entries of ``hlo_sharding`` on ``mesh``, or None."""
+  if all(d == 1 for d in hlo_sharding.tile_assignment_dimensions()[:ndim]):
+    # Also "replicated within a manual subgroup", which jax cannot parse.
+    if hlo_sharding.is_replicated() or hlo_sharding.is_tiled():
+      return (None,) * ndim
+  try:
+    spec = _jax.parse_flatten_op_sharding(hlo_sharding, mesh)[0]
+    # jax 0.5.3 returns a PartitionSpec; before it, a ParsedPartitionSpec.
+    spec = tuple(spec.get_partition_spec() if _JAX_VERSION < (0, 5, 3)
+                 else spec)
+  except Exception:  # noqa: BLE001 - not expressible on this mesh
+    return None
+  # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
+  return spec[:ndim] + (None,) * (ndim - len(spec))
+
+
+@contextlib.contextmanager
+def _config_entered(values: tuple):
+  """Runs the block on this thread under ``values`` (``_config_values``),
+  each option that differs set by its (thread-local) context manager, as
+  the user's ``with`` did."""
+  holders = _jax.config._value_holders
+  with contextlib.ExitStack() as stack:
+    for name, value in values:
+      if holders[name].value != value:
+        stack.enter_context(holders[name](value))
+    yield
+
+
+def _shard_of(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition``'s answer with its per-shard program traced."""
+  if op.steps:  # seam: a derived op (II.4)
+    return _partition_derived(op, operands, results, on)
+  answer, closed = _partition(op, operands, results, on)
+  return answer._replace(jaxpr=closed)
+
+
+def _partition(op: _Op, operands: list, results: list, on):
+  """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
+  if isinstance(op.sharding_rule, SdyShardingRule) and (
+      op.sharding_rule.need_replication_factors):
+    operands, results = _replicated_as_needed(op, operands, results)
+  answer = _ask_partition(op, operands, results, on)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug_partition(op, operands, results, answer)
+  closed = _trace_lower_fn(op, answer)
+  if op.check_vma:  # seam: per-shard checks (II.1)
+    _check_per_shard(op, answer, operands + results, closed)
+  # At lowering the per-shard code joins the program, callbacks and all
+  # (jax 0.5.3 cannot lower a debug callback in a manual computation under
+  # Shardy; 0.7.2 can).
+  if (not op.at_lowering or _JAX_VERSION < (0, 7, 0)) and _calls_host(closed):
+    raise _host_callback_error(op)
+  return answer, closed
+
+
+def _replicated_as_needed(op: _Op, operands: list, results: list):
+  """``operands`` and ``results`` with every dimension of a factor the rule
+  says needs replication unsharded (a compound one from that factor on):
+  the rule states what the per-shard code can take, so partition is asked
+  (and XLA reshards) accordingly."""
+  rule = op.sharding_rule
+  values = operands + results
+  try:  # a rule that does not fit the op fails elsewhere, with its cause
+    sizes, dims = _resolve_rule(rule, [v.shape for v in values],
+                                len(operands))
+  except ValueError:
+    return operands, results
+  needed = set(rule.need_replication_factors)
+  for i, (v, value_dims) in enumerate(zip(values, dims)):
+    spec = None if v.spec is None else tuple(v.spec) + (None,) * (
+        len(v.shape) - len(v.spec))
+    if spec is not None and any(
+        e is not None and needed.intersection(factors)
+        for factors, e in zip(value_dims, spec)):
+      values[i] = v._replace(hlo=None, spec=tuple(
+          _before_needed(factors, e, needed, sizes, op.mesh)
+          if needed.intersection(factors) else e
+          for factors, e in zip(value_dims, spec)))
+  return values[:len(operands)], values[len(operands):]
+
+
+def _before_needed(factors: tuple, entry, needed: set, sizes: dict, mesh):
+  """``entry``, a dimension's, less the axes that shard its factors from
+  the first that needs replication on (a compound's factors before it stay
+  sharded; an axis that a factor only partly covers, a sub-axis, goes)."""
+  axes, kept = list(_entry_axes(entry)), []
+  for factor in factors:
+    room = sizes.get(factor) or 1
+    if factor in needed:
+      break
+    while axes and room % mesh.shape[axes[0]] == 0:
+      room //= mesh.shape[axes[0]]
+      kept.append(axes.pop(0))
+    if room != 1:  # a factor not sharded whole: none after it can be
+      break
+  return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
+
+
+def _ask_partition(op: _Op, operands: list, results: list, on) -> _Answer:
+  """``partition`` asked about values on ``on``, its answer checked."""
+  if isinstance(op.partition, _FromRule):  # seam: rule-only op (II.5)
+    answer = _partition_from_rule(op, operands, results)
+  else:
+    answer = op.partition(*op.static_args, op.mesh,
+                          _structs(op, op.in_tree, operands, on),
+                          _structs(op, op.out_tree, results, on))
+  mesh, lower_fn, out_shardings, in_shardings = _checked_answer(op, answer)
+  if op.place.auto is None:
+    on = mesh  # lower_fn runs on it: its axis names may differ from the op's
+  return _Answer(mesh, on, lower_fn,
+                 _encode(op, op.in_tree, in_shardings, operands, "partition",
+                         "arg sharding", on),
+                 _encode(op, op.out_tree, out_shardings, results,
+                         "partition", "result sharding", on))
+
+
+def _structs(op: _Op, tree, values, on=None):
+  """The callbacks' view of ``values`` (on ``on``): ShapeDtypeStructs with
+  NamedShardings (``decode_shardings``, a spec) or GSPMDShardings, if known."""
+  on = op.mesh if on is None else on
+  structs = []
+  for v in values:
+    if v.spec is None and v.hlo is None:
+      sharding = None
+    elif op.decode_shardings and v.spec is not None and not op.mesh.empty:
+      sharding = jax.sharding.NamedSharding(
+          op.mesh, jax.sharding.PartitionSpec(*v.spec))
+    else:
+      sharding = _jax.GSPMDSharding(
+          op.place.devices if on == op.mesh else tuple(on.devices.flat),
+          _hlo_of(v, on))
+    try:
+      struct = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+    except NotImplementedError:  # XLA's manual subgroup (a partly manual
+      struct = jax.ShapeDtypeStruct(v.shape, v.dtype)  # shard_map): unshown
+    structs.append(struct)
+  return tree.unflatten(structs)
+
+
+def _checked_answer(op: _Op, answer) -> tuple:
+  """``partition``'s answer, ``(mesh, lower_fn, result shardings, arg
+  shardings)``, checked, its mesh concrete (in a shard_map: the whole)."""
+  where, devices = f"partition of {op.name}", op.place.devices
+  if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+    got = (f"a sequence of length {len(answer)}"
+           if isinstance(answer, (tuple, list)) else type(answer).__name__)
+    raise TypeError(f"{where} must return (mesh, lower_fn, result_shardings, "
+                    f"arg_shardings); got {got}.")
+  mesh, lower_fn, out_shardings, in_shardings = answer
+  if not callable(lower_fn):
+    raise TypeError(f"{where} returned a lower_fn of type "
+                    f"{type(lower_fn).__name__}, which is not callable.")
+  if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
+    raise TypeError(f"{where} returned a mesh of type {type(mesh).__name__}; "
+                    "expected a jax.sharding.Mesh.")
+  if op.place.auto is not None:  # collectives name the whole program's devices
+    return op.place.whole, lower_fn, out_shardings, in_shardings
+  real = not mesh.empty  # an empty mesh is the op's
+  if real and isinstance(mesh, _jax.Mesh) and set(mesh.devices.flat) != set(
+      devices):
+    raise ValueError(
+        f"{where} returned a mesh on devices "
+        f"{sorted(d.id for d in mesh.devices.flat)}, but the op runs on "
+        f"{sorted(d.id for d in devices)}.")
+  if real and isinstance(mesh, _jax.AbstractMesh) and mesh.size != len(devices):
+    raise ValueError(f"{where} returned a mesh of {mesh.size} devices, but "
+                     f"the op runs on {len(devices)}.")
+  if isinstance(mesh, _jax.AbstractMesh):
+    mesh = _concrete(op, mesh)
+  if op.steps and dict(mesh.shape) != dict(op.mesh.shape):  # seam: (II.4)
+    raise NotImplementedError(
+        f"{where} returned a mesh with axes {dict(mesh.shape)}, but the op's "
+        f"mesh has {dict(op.mesh.shape)}; under jax.vmap, jax.jvp and "
+        "jax.grad they must be the same.")
+  return mesh, lower_fn, out_shardings, in_shardings
+
+
+class _Answer(NamedTuple):
+  """``partition``'s answer, checked: the mesh ``lower_fn`` runs on, the
+  mesh ``on`` of the specs, the shardings; once traced, the per-shard
+  program (``jaxpr``) XLA gets, with the shardings it takes and gives."""
+  mesh: Any
+  on: Any
+  lower_fn: Callable
+  args: list
+  results: list
+  jaxpr: Any = None
+
+
+def _concrete(op: _Op, mesh: _jax.AbstractMesh):
+  """An AbstractMesh made concrete on the op's devices (as upstream)."""
+  if not op.mesh.empty and op.mesh.abstract_mesh == mesh:
+    return op.mesh
+  return _mesh_from_abstract(op.place.devices, mesh)
+
+
+def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
+            on=None) -> list[_Value]:
+  """The author's pytree of shardings for ``like``, checked, as
+  ``_Value``s with specs on ``on``."""
+  on = op.mesh if on is None else on
+  leaves = None  # a list where a tuple is expected is fine
+  for value in [answer, tuple(answer)] if isinstance(answer, list) else [
+      answer]:
+    with contextlib.suppress(ValueError, TypeError):
+      leaves = tree.flatten_up_to(value)
+      break
+  if leaves is None:
+    raise ValueError(f"{callback} of {op.name} returned {what}s {answer!r}, "
+                     f"whose structure does not match {tree}.")
+  out = []
+  for i, (sharding, v) in enumerate(zip(leaves, like)):
+    where = f"{callback} of {op.name} returned {what} {i}"
+    ndim = len(v.shape)
+    if not isinstance(sharding, jax.sharding.Sharding):
+      raise TypeError(f"{where} as a {type(sharding).__name__}; expected a "
+                      "jax.sharding.Sharding.")
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, _jax.AbstractMesh):
+      sharding = jax.sharding.NamedSharding(_concrete(op, sharding.mesh),
+                                            sharding.spec)
+    handed = False
+    if on == op.place.auto:  # seam: a partly manual shard_map (II.2)
+      handed = _handed_back(op, sharding)
+    if not handed and sharding.device_set != set(op.place.devices):
+      raise ValueError(
+          f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
+          f"but the op runs on {sorted(d.id for d in op.place.devices)}.")
+    if isinstance(sharding, jax.sharding.NamedSharding) and (
+        len(sharding.spec) > ndim):
+      raise ValueError(f"{where} with spec {_spec_text(sharding.spec)} for "
+                       f"a value of rank {ndim}.")
+    if on == op.place.auto and not handed:  # seam: partly manual (II.2)
+      sharding = _onto_auto_axes(op, sharding, where)
+    hlo = sharding._to_xla_hlo_sharding(ndim)
+    spec = None if on.empty else _decode_spec(hlo, on, ndim)
+    if spec is None and callback != "partition" and isinstance(
+        sharding, jax.sharding.NamedSharding) and not on.empty and (
+            dict(sharding.mesh.shape) != dict(on.shape)):
+      # (A renamed mesh of the op's shape decodes: it places alike.)
+      raise _ForeignMesh(
+          f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
+          f"mesh, which it was given, is {dict(on.shape)}, and no "
+          "PartitionSpec of the op's mesh places the value so: return "
+          "shardings on the mesh passed to it.")
+    if spec is None and op.steps:  # seam: a derived op (II.4)
+      raise NotImplementedError(
+          f"{where}, which has no PartitionSpec on the mesh "
+          f"{dict(op.mesh.shape)}; under jax.vmap, jax.jvp and jax.grad, "
+          "shardings must have one.")
+    out.append(v._replace(spec=spec, hlo=hlo))
+  return out
+
+
+class _ForeignMesh(ValueError):
+  """A callback answered on a mesh other than the one it was given."""
+
+
+def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
+  """``lower_fn`` traced on local shapes; its results checked against the
+  shapes and dtypes ``partition``'s result shardings need."""
+  lower_fn, on = answer.lower_fn, answer.on
+  local_args = [_local_struct(v, on) for v in answer.args]
+  local_results = [_local_struct(v, on) for v in answer.results]
+  args = op.in_tree.unflatten(local_args)
+  try:
+    inspect.signature(lower_fn).bind(*args)
+  except TypeError as e:
+    raise TypeError(f"lower_fn of {op.name} cannot take the op's {len(args)} "
+                    f"operand(s): {e}.") from None
+  except ValueError:  # no signature to read (a builtin): let the call tell
+    pass
+  try:
+    with _manual_scope(answer.mesh):
+      closed, out_shape = jax.make_jaxpr(
+          lower_fn, axis_env=list(answer.mesh.shape.items()),
+          return_shape=True)(*args)
+      if getattr(closed, "is_high", False):  # jax 0.11.2 added hijax
+        closed = _lojax(closed, answer.mesh)
+  except NameError as e:  # an unbound axis name
+    if not answer.mesh.empty:
+      raise
+    raise ValueError(
+        f"lower_fn of {op.name} names a mesh axis ({e}), but partition "
+        "returned the empty mesh: the op's mesh could not be recovered (the "
+        "program's shardings are not NamedShardings and no mesh is set). "
+        "Return a mesh over the op's devices, or use NamedSharding inputs, "
+        "jax.set_mesh or `with mesh:`.") from e
+  got = jax.tree_util.tree_leaves(out_shape)
+  if len(got) != len(local_results):
+    raise ValueError(
+        f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
+        f"{len(local_results)} ({op.out_tree}).")
+  for i, (g, want) in enumerate(zip(got, local_results)):
+    if g.shape != want.shape or g.dtype != want.dtype:
+      raise ValueError(
+          f"lower_fn of {op.name} returned result {i} with local shape "
+          f"{g.dtype}{list(g.shape)}, but its result sharding needs "
+          f"{want.dtype}{list(want.shape)}.")
+  return closed
+
+
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
+
+
+def _entry_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  return (() if entry is None else
+          tuple(entry) if isinstance(entry, tuple) else (entry,))
+
+
+def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
+  """A shard of ``v``, uneven dimensions rounded up (XLA pads)."""
+  if v.spec is None:
+    tile = v.hlo.tile(_jax.Shape.array_shape(np.dtype(v.dtype), v.shape))
+    return jax.ShapeDtypeStruct(tuple(tile.dimensions()), v.dtype)
+  spec = tuple(v.spec) + (None,) * (len(v.shape) - len(v.spec))
+  return jax.ShapeDtypeStruct(
+      tuple(-(-size // _shard_count(e, on)) for size, e in zip(v.shape, spec)),
+      v.dtype)
+
+
+def _manual_scope(mesh):
+  """Where lower_fn is traced: ``mesh`` with every axis Manual, as in
+  jax.shard_map, so that jax.lax.pcast/pvary can mark a loop carry varying
+  (no equation outside check_vma); no mesh where jax has no varying types."""
+  # jax 0.6.0 added varying types (pvary); 0.8.2 pcast.
+  if mesh.empty or not (hasattr(jax.lax, "pcast") or hasattr(jax.lax, "pvary")):
+    return _no_ambient_mesh()
+  am = mesh.abstract_mesh
+  return _jax.use_abstract_mesh(am.update_axis_types(
+      {name: jax.sharding.AxisType.Manual for name in am.axis_names}))
+
+
+def _lojax(closed, mesh=None):
+  """``closed``, a high jaxpr, with its hijax primitives expanded (jax
+  lowers only low jaxprs), collectives bound to ``mesh``'s axes."""
+  with _jax.extend_axis_env_nd(list(mesh.shape.items()) if mesh else []):
+    return _jax.lower_jaxpr2(closed)
+
+
+def _calls_host(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it, closed or not) calls back
+  to Python."""
+  return any(eqn.primitive.name in {"debug_callback", "pure_callback",
+                                    "io_callback"} for eqn in jaxpr.eqns) or (
+      any(_calls_host(sub) for sub in _jax.subjaxprs(jaxpr)))
+
+
+def _host_callback_error(op: _Op) -> NotImplementedError:
+  return NotImplementedError(
+      f"lower_fn of {op.name} calls back to Python (jax.debug.callback, "
+      "jax.debug.print, jax.pure_callback or io_callback), which XLA "
+      "cannot run inside a custom-partitioned op. Move the callback out "
+      "of lower_fn, before or after the op.")
+
+
+# --------------------------------------------------------------------------
+# I.6 The per-shard program as a manual computation
+#
+# pad -> ``jax.shard_map`` of the per-shard program -> slice, jitted, in
+# the program jax lowers; an answer jax cannot lower so raises
+# ``_KeepCallbacks`` (off TPU XLA's callbacks take the op, II.7).
+# --------------------------------------------------------------------------
+
+class _KeepCallbacks(Exception):
+  """Why an op's answer cannot become a manual computation: off TPU, XLA's
+  callbacks partition it instead."""
+
+
+def _check_lowerable(op: _Op, shard: _Answer):
+  """Raises ``_KeepCallbacks`` where jax cannot lower ``shard`` (an answer
+  of ``op``'s) as a manual computation."""
+  if _foreign_mesh_fails(shard.mesh, op.mesh):
+    raise _KeepCallbacks(
+        f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
+        f"computation jax {jax.__version__} cannot lower inside the op's "
+        f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 but 0.9.1 can; return the "
+        "op's mesh)")
+  mesh = shard.mesh
+  for what, side in (("operand", shard.args), ("result", shard.results)):
+    for i, v in enumerate(side):
+      if v.spec is None:
+        raise _KeepCallbacks(
+            f"returns a sharding for {what} {i} that has no PartitionSpec "
+            f"on the mesh {dict(mesh.shape)}, which a manual computation "
+            "needs")
+
+
+def _foreign_mesh_fails(mesh, op_mesh) -> bool:
+  """Whether jax cannot lower a shard_map on ``mesh`` (partition's) in a
+  program on ``op_mesh`` (the releases: I.3's gates)."""
+  if mesh.devices.tolist() != op_mesh.devices.tolist():
+    return not _LOWERS_REORDERED_MESH
+  return mesh.axis_names != op_mesh.axis_names and not _LOWERS_RENAMED_MESH
+
+
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
                     jit: bool = True) -> Callable:
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
@@ -2967,6 +2698,12 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   return jax.jit(program) if jit and _JAX_VERSION >= (0, 10) else program
 
 
+def _axis_types(mesh) -> tuple | None:
+  # jax 0.4.36 added axis types (a dict by type); 0.5.3 made them per axis.
+  types_ = getattr(mesh, "axis_types", None)
+  return types_ if isinstance(types_, tuple) else None
+
+
 def _shard_map(fun, mesh, in_specs, out_specs, checked: bool = False):
   """``jax.shard_map``, unchecked unless ``checked`` (the per-shard checks
   ran already)."""
@@ -2977,57 +2714,131 @@ def _shard_map(fun, mesh, in_specs, out_specs, checked: bool = False):
   return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=checked)
 
 
-def _shared_lowering(lower: Callable, parties: dict) -> Callable:
-  """``lower`` (jax's ``lower_jaxpr_to_module``) with every party in
-  ``parties`` inside each lowering: one, and a second where any asks."""
-  @functools.wraps(lower)
-  def lower_jaxpr_to_module(*args, **kwargs):
-    running = []
-    try:
-      for party in list(parties.values()):
-        running.append(party(*args, **kwargs))
-        next(running[-1])
-      for _ in range(2):
-        lowered = lower(*args, **kwargs)
-        again = False
-        for party in list(running):
-          try:
-            again = bool(party.send(lowered)) or again
-          except StopIteration:
-            running.remove(party)
-        if not again:
-          break
-      return lowered
-    finally:
-      for party in running:
-        party.close()
-  setattr(lower_jaxpr_to_module, _PARTIES_ATTR, parties)
-  return lower_jaxpr_to_module
+def _no_ambient_mesh():
+  """Clears the ambient mesh for lower_fn: under an Explicit one, jax 0.5.3
+  to 0.8.x give the per-shard module constraints XLA cannot export or run."""
+  if _jax.use_abstract_mesh is None:
+    return contextlib.nullcontext()
+  return _jax.use_abstract_mesh(_jax.empty_abstract_mesh)
 
 
-# Every copy of this file in a process (each a module of its own name)
-# takes part in one shared lowering, so that all copies' ops are tagged in
-# one first lowering and partitioned in one second (a copy wrapping
-# another's wrapper would lower a module 2^k times for k copies). The first
-# copy installs it; a later one finds the parties' table on it and joins.
-# The attribute's name is the protocol, kept by every version of this file:
-# a party is called with the lowering's arguments and returns a generator;
-# the module is lowered while every party sits at a ``yield``, then each is
-# sent the result. A party that yields a true value asks for a second
-# lowering (at most two); one that returns takes part no further. Where an
-# older copy (without the table) installed its wrapper, this one wraps it.
-_PARTIES_ATTR = "custom_partitioning_parties_v1"
-_lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
-if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
-  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(_lower_jaxpr_to_module,
-                                                     {})
-getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _lower
-# Libraries lower through the public name too (jax.interpreters.mlir).
-_jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
-# jax leaves its own files out of the source locations it records; this
-# file's frames (the lowering above, the per-shard programs) stay out too,
-# so a program without ops lowers byte for byte as without this module.
-_jax.register_exclusion(__file__)
+# --------------------------------------------------------------------------
+# I.7 Shared by the core and the extras: values, specs, jaxprs
+#
+# An operand or result as the callbacks see it (``_Value``), XLA's view of
+# one, infer and propagate asked (by XLA's callbacks, the shard_map path,
+# derived ops and II.6), and small readers of PartitionSpec entries and
+# jaxprs that several sections use; here, so that a copy can drop any
+# extra.
+# --------------------------------------------------------------------------
+
+class _Value(NamedTuple):
+  """An operand or result. ``spec``: its PartitionSpec entries (None: none
+  or unknown); ``hlo``: the HloSharding as given (None: by ``spec`` alone
+  or unknown); ``varying``: the manual axes it varies over, if tracked."""
+  shape: tuple
+  dtype: Any
+  spec: tuple | None = None
+  hlo: _jax.HloSharding | None = None
+  varying: frozenset | None = None
+
+  def known(self) -> bool:
+    return self.spec is not None or self.hlo is not None
+
+
+def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
+  if not shape.is_tuple():
+    return [shape], [sharding]
+  shapes = list(shape.tuple_shapes())
+  return shapes, (list(sharding.tuple_elements()) if sharding is not None
+                  else [None] * len(shapes))
+
+
+def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
+  return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
+                 None if h is None or on.empty
+                 else _decode_spec(h, on, len(s.dimensions())), h, v)
+          for s, h, v in zip(shapes, hlo_shardings,
+                             list(varying) or [None] * len(shapes))]
+
+
+def _hlo_of(v: _Value, on) -> _jax.HloSharding:
+  return v.hlo if v.hlo is not None else jax.sharding.NamedSharding(
+      on, jax.sharding.PartitionSpec(*v.spec))._to_xla_hlo_sharding(
+          len(v.shape))
+
+
+def _ask_infer(op: _Op, operands: list, results: list):
+  """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
+  if op.infer_sharding_from_operands is None:
+    if op.sharding_rule is not None:  # seam: inferred by the rule (II.5)
+      return _infer_by_rule(op, operands, results)
+    return None
+  answer = op.infer_sharding_from_operands(
+      *op.static_args, op.mesh, _structs(op, op.in_tree, operands),
+      op.out_tree.unflatten([jax.ShapeDtypeStruct(v.shape, v.dtype)
+                             for v in results]))
+  if answer is None:
+    return None
+  return _encode(op, op.out_tree, answer, results,
+                 "infer_sharding_from_operands", "result sharding")
+
+
+def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+  """``propagate_user_sharding``'s answer, or None (the user's stand)."""
+  if op.propagate_user_sharding is None:
+    return None
+  answer = op.propagate_user_sharding(*op.static_args, op.mesh,
+                                      _structs(op, op.out_tree, results))
+  return _encode(op, op.out_tree, answer, results, "propagate_user_sharding",
+                 "result sharding")
+
+
+def _with_specs(values: list, specs) -> list[_Value]:
+  return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
+
+
+def _spec_text(spec: tuple) -> str:
+  """``PartitionSpec(None, 'x')``, also where jax prints ``P(...)``."""
+  return f"PartitionSpec({', '.join(map(repr, spec))})"
+
+
+# jax 0.11.0 merged ClosedJaxpr into Jaxpr (a jaxpr holds its consts);
+# 0.12.0.1 keeps ClosedJaxpr, ``<jaxpr>.jaxpr`` and ``Jaxpr(jaxpr, consts)``
+# only as shims "to remove", so from 0.11 the module reads none of them.
+if _JAX_VERSION >= (0, 11):
+  _ClosedJaxpr = _jax.Jaxpr
+  _closed = _jax.Jaxpr.with_consts  # (jaxpr, consts)
+
+  def _open(closed: _jax.Jaxpr) -> _jax.Jaxpr:
+    return closed
+else:
+  _ClosedJaxpr = _closed = _jax.ClosedJaxpr
+
+  def _open(closed: _jax.ClosedJaxpr) -> _jax.Jaxpr:
+    return closed.jaxpr
+
+
+def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
+  values = [eqn.params.get(param) for param in ("axes", "axis_name")]
+  return {axis for v in values
+          for axis in (v if isinstance(v, (tuple, list)) else (v,))
+          if isinstance(axis, str)}
+
+
+def _axes_in(specs) -> set:
+  return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
+
+
+def _real_axes(mesh) -> tuple:
+  """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
+  return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _padded(values: list, mesh) -> bool:
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
 
 
 # ==========================================================================
@@ -3251,11 +3062,6 @@ def _shard_map_placement(axis_context) -> _Placement:
                     _auto_submesh(whole, manual), whole)
 
 
-# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
-# shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)
-
-
 def _with_manual_axes(mesh, manual_axes):
   if not manual_axes or not _MANUAL_TYPED:
     return mesh
@@ -3285,15 +3091,6 @@ def _placement_without_devices(axis_context, am, avals) -> _Placement:
   if mesh is None:
     return _Placement(_jax.thread_resources.env.physical_mesh, None)
   return _Placement(mesh, tuple(mesh.devices.flat))
-
-
-def _raise_pending() -> None:
-  """Raises (parked) the error infer or propagate kept on this thread."""
-  with _weak_lock:
-    pending = _pending.pop(threading.get_ident(), None)
-  if pending is not None:
-    name, e = pending
-    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
 
 
 def _handed_back(op: _Op, sharding) -> bool:
@@ -3658,121 +3455,6 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
 # --------------------------------------------------------------------------
 
-def _jvp(primals, tangents, **params):
-  """The primals come from a derived op computing them as jax's
-  linearization does, the tangents from a derived jvp op; an op with a
-  non-float result is differentiated through its body."""
-  call = params["call"]
-  mask = tuple(type(t) is not _jax.Zero and
-               jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
-               for p, t in zip(primals, tangents))
-  if not any(mask):
-    return (custom_partitioning_p.bind(*primals, **params),
-            [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals])
-  if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
-             for a in call.out_avals):
-    out = custom_partitioning_p.bind(*primals, **params)
-    tangents = [_jax.instantiate_zeros(t) for t in tangents]
-    return out, jax.jvp(_jax.jaxpr_as_fun(call), list(primals), tangents)[1]
-  # The primal is what jax's linearization computes (a custom_vjp's fwd),
-  # so that an outer jvp or grad differentiates what plain jax does.
-  steps = params.get("transform", ())
-  out = _bind_derived(primals, params, ("primal", mask), _Primal(mask).lower(
-      _jax.jaxpr_as_fun(call)), steps + (_Primal(mask),))
-  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
-  return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
-      _jax.jaxpr_as_fun(call)), steps + (_Jvp(mask),))
-
-
-_derived = _LRU()
-
-
-def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
-  """Binds the op derived by ``transform``, its body ``fun`` (``call``
-  transformed as ``tag`` says) traced for ``operands``."""
-  # A pure function of the key: the body, the tag, the operands' avals
-  # (with the shardings the results inherit) and jax's trace context.
-  call = params["call"]
-  in_avals = tuple(_typeof(x) for x in operands)
-  key = (call, tag, in_avals, _jax.trace_context())
-
-  def traced(avals):
-    return _trace_to_jaxpr(fun, avals, jax.tree_util.tree_structure(avals),
-                           avals, f"{tag[0]} of {_fun_name(call)}")[0]
-
-  # Untyped where jax cannot type the body, as the op itself was bound.
-  derived = _derived.cached(key, lambda: _typed_where_jax_can(
-      lambda: traced(in_avals), traced, in_avals))
-  return custom_partitioning_p.bind(*operands, **dict(
-      params, call=derived, transform=transform))
-
-
-def _masked(fn: Callable, primals, mask):
-  """``fn`` as a function of the primals marked in ``mask`` alone."""
-  def partial_fn(*chosen):
-    it = iter(chosen)
-    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
-  return partial_fn, [p for p, m in zip(primals, mask) if m]
-
-
-def _transpose(cts, *args, **params):
-  """Transposes a jvp op (linear in its tangents) into a vjp op."""
-  steps = params.get("transform", ())
-  k = max((i for i, s in enumerate(steps) if not s.transposed_below),
-          default=None)
-  call, vjp = params["call"], None if k is None else steps[k].transposed()
-  if vjp is None or any(
-      _jax.is_undefined_primal(p) for p in args[:len(vjp.mask)]):
-    raise NotImplementedError(
-        f"{_fun_name(call)}: a custom_partitioning op can be transposed only "
-        "in its tangents, as jax.grad does.")
-  mask = vjp.mask
-  n = len(mask)
-
-  def body(*xs):
-    # Transposed, not linearized again (a custom_vjp's custom_lin has no
-    # jvp), from primals typed as the tangents (shard_map's varying axes).
-    linear = functools.partial(_jax.jaxpr_as_fun(call), *xs[:n])
-    return list(jax.linear_transpose(linear, *(
-        p for p, m in zip(xs, mask) if m))(list(xs[n:])))
-  operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
-  return [None] * n + list(_bind_derived(
-      operands, params, ("transpose",), body,
-      steps[:k] + (vjp,) + steps[k + 1:]))
-
-
-def _batch(args, dims, **params):
-  """Batches the op: every operand gets the batch dimension in front."""
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  call = params["call"]
-  if size == 0:  # nothing to partition (and no item to unbatch below)
-    outs = jax.vmap(_jax.jaxpr_as_fun(call), in_axes=list(dims))(*args)
-    return outs, [0] * len(outs)
-  args = [jax.lax.broadcast(x, (size,)) if d is None
-          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-  batched = tuple(d is not None for d in dims)
-
-  def body(*xs):
-    # Broadcast operands unbatched again: under Explicit axes, vmap wants
-    # all batch dimensions sharded alike.
-    return jax.vmap(_jax.jaxpr_as_fun(call),
-                    in_axes=[0 if b else None for b in batched])(
-                        *[x if b else x[0] for x, b in zip(xs, batched)])
-  outs = _bind_derived(args, params, ("vmap", batched), body,
-                       params.get("transform", ()) + (_Batch(),))
-  return outs, [0] * len(outs)
-
-
-def _batch_rule(axis_data, args, dims, **params):
-  """``_batch`` as jax 0.4.36's batching rules are called: the axis data
-  first, and also when no operand is batched (then the op binds as is)."""
-  del axis_data
-  if all(d is None for d in dims):
-    outs = custom_partitioning_p.bind(*args, **params)
-    return outs, [None] * len(outs)
-  return _batch(args, dims, **params)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Step:
   """A step from an op to one derived from it: the values below it (``down``),
@@ -3806,66 +3488,83 @@ class _Step:
     return self.lower(fn)
 
 
-def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
-  """The ops from the author's to the top one, whose values are given."""
-  if not steps:
-    return [_Level(None, operands, results)]
-  return [*_levels(steps[:-1], *steps[-1].down(operands, results)),
-          _Level(steps[-1], operands, results)]
-
-
-def _unbatched(v: _Value) -> _Value:
-  """``v`` without its batch dimension; a sharding with no PartitionSpec
-  reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
-  spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
-  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None, v.varying)
+def _jvp(primals, tangents, **params):
+  """The primals come from a derived op computing them as jax's
+  linearization does, the tangents from a derived jvp op; an op with a
+  non-float result is differentiated through its body."""
+  call = params["call"]
+  mask = tuple(type(t) is not _jax.Zero and
+               jax.numpy.issubdtype(_typeof(p).dtype, jax.numpy.inexact)
+               for p, t in zip(primals, tangents))
+  if not any(mask):
+    return (custom_partitioning_p.bind(*primals, **params),
+            [_jax.Zero(a.to_tangent_aval()) for a in call.out_avals])
+  if not all(jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+             for a in call.out_avals):
+    out = custom_partitioning_p.bind(*primals, **params)
+    tangents = [_jax.instantiate_zeros(t) for t in tangents]
+    return out, jax.jvp(_jax.jaxpr_as_fun(call), list(primals), tangents)[1]
+  # The primal is what jax's linearization computes (a custom_vjp's fwd),
+  # so that an outer jvp or grad differentiates what plain jax does.
+  steps = params.get("transform", ())
+  out = _bind_derived(primals, params, ("primal", mask), _Primal(mask).lower(
+      _jax.jaxpr_as_fun(call)), steps + (_Primal(mask),))
+  operands = [*primals, *(t for t, m in zip(tangents, mask) if m)]
+  return out, _bind_derived(operands, params, ("jvp", mask), _Jvp(mask).lower(
+      _jax.jaxpr_as_fun(call)), steps + (_Jvp(mask),))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Batch(_Step):
-  """``jax.vmap``: every operand and result gains a leading dimension."""
-  transposed_below = True
+class _Primal(_Step):
+  """The primal results of ``jax.jvp`` of the op below (in the primals in
+  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp``
+  runs its fwd, whose own derivative an outer jvp or grad then takes (plain
+  jax's second order and forward-over-reverse). Same values, same
+  shardings."""
+  mask: tuple
 
   def down(self, operands, results):
-    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
+    return operands, results
 
   def up(self, operands, results, batch_item=None):
-    return [[(batch_item, *v) for v in side] for side in (operands, results)]
-
-  def infer(self, op, level, below, inner):
-    inferred = inner()
-    if inferred is None:
-      return None
-    entry = self.entry(level.operands, functools.partial(
-        _axes_in, [v.spec for v in inferred + below.operands]), op.mesh)
-    return _with_specs(level.results, [(entry, *v.spec) for v in inferred])
-
-  def propagate(self, op, results, inner):
-    preferred = inner([_unbatched(v) for v in results])
-    entry = self.entry(results, functools.partial(
-        _axes_in, [v.spec for v in preferred]), op.mesh)
-    return _with_specs(results, [(entry, *v.spec) for v in preferred])
-
-  def rule_up(self, level, sizes, ops, res, reduction):
-    factor = f"{_BATCH_FACTOR_PREFIX}vmap{len(sizes)}"  # a fresh factor
-    sizes[factor] = level.operands[0].shape[0]
-    return (*self.up(ops, res, (factor,)), reduction)
-
-  def entry(self, values, used, mesh):
-    """The axes the batch dimension arrives on (first in ``values``) that
-    the op below leaves free and that divide the batch size, or None."""
-    entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
-    used = used()
-    axes = [a for a in _entry_axes(entry) if a not in used]
-    while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
-      axes.pop()
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+    return operands, results
 
   def lower(self, fn, *_):
-    return jax.vmap(fn)
+    def primal_fn(*xs):
+      partial_fn, chosen = _masked(fn, xs, self.mask)
+      return jax.linearize(partial_fn, *chosen)[0]
+    return primal_fn
 
-  def transform(self, fn, entry):
-    return jax.vmap(fn, spmd_axis_name=entry)
+
+_derived = _LRU()
+
+
+def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
+  """Binds the op derived by ``transform``, its body ``fun`` (``call``
+  transformed as ``tag`` says) traced for ``operands``."""
+  # A pure function of the key: the body, the tag, the operands' avals
+  # (with the shardings the results inherit) and jax's trace context.
+  call = params["call"]
+  in_avals = tuple(_typeof(x) for x in operands)
+  key = (call, tag, in_avals, _jax.trace_context())
+
+  def traced(avals):
+    return _trace_to_jaxpr(fun, avals, jax.tree_util.tree_structure(avals),
+                           avals, f"{tag[0]} of {_fun_name(call)}")[0]
+
+  # Untyped where jax cannot type the body, as the op itself was bound.
+  derived = _derived.cached(key, lambda: _typed_where_jax_can(
+      lambda: traced(in_avals), traced, in_avals))
+  return custom_partitioning_p.bind(*operands, **dict(
+      params, call=derived, transform=transform))
+
+
+def _masked(fn: Callable, primals, mask):
+  """``fn`` as a function of the primals marked in ``mask`` alone."""
+  def partial_fn(*chosen):
+    it = iter(chosen)
+    return fn(*[next(it) if m else p for p, m in zip(primals, mask)])
+  return partial_fn, [p for p, m in zip(primals, mask) if m]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3890,26 +3589,38 @@ class _Jvp(_Step):
     return jvp_fn
 
 
-@dataclasses.dataclass(frozen=True)
-class _Primal(_Step):
-  """The primal results of ``jax.jvp`` of the op below (in the primals in
-  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp``
-  runs its fwd, whose own derivative an outer jvp or grad then takes (plain
-  jax's second order and forward-over-reverse). Same values, same
-  shardings."""
-  mask: tuple
+def _transpose(cts, *args, **params):
+  """Transposes a jvp op (linear in its tangents) into a vjp op."""
+  steps = params.get("transform", ())
+  k = max((i for i, s in enumerate(steps) if not s.transposed_below),
+          default=None)
+  call, vjp = params["call"], None if k is None else steps[k].transposed()
+  if vjp is None or any(
+      _jax.is_undefined_primal(p) for p in args[:len(vjp.mask)]):
+    raise NotImplementedError(
+        f"{_fun_name(call)}: a custom_partitioning op can be transposed only "
+        "in its tangents, as jax.grad does.")
+  mask = vjp.mask
+  n = len(mask)
 
-  def down(self, operands, results):
-    return operands, results
+  def body(*xs):
+    # Transposed, not linearized again (a custom_vjp's custom_lin has no
+    # jvp), from primals typed as the tangents (shard_map's varying axes).
+    linear = functools.partial(_jax.jaxpr_as_fun(call), *xs[:n])
+    return list(jax.linear_transpose(linear, *(
+        p for p, m in zip(xs, mask) if m))(list(xs[n:])))
+  operands = [*args[:n], *map(_jax.instantiate_zeros, cts)]
+  return [None] * n + list(_bind_derived(
+      operands, params, ("transpose",), body,
+      steps[:k] + (vjp,) + steps[k + 1:]))
 
-  def up(self, operands, results, batch_item=None):
-    return operands, results
 
-  def lower(self, fn, *_):
-    def primal_fn(*xs):
-      partial_fn, chosen = _masked(fn, xs, self.mask)
-      return jax.linearize(partial_fn, *chosen)[0]
-    return primal_fn
+def _levels(steps: tuple, operands: list, results: list) -> list[_Level]:
+  """The ops from the author's to the top one, whose values are given."""
+  if not steps:
+    return [_Level(None, operands, results)]
+  return [*_levels(steps[:-1], *steps[-1].down(operands, results)),
+          _Level(steps[-1], operands, results)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3997,12 +3708,8 @@ def _transposed_program(op: _Op, operands: list, results: list):
   is not linear in its cotangents (a clip, a sign) sees what plain jax
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
-  # Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
-  # on jax's transposed shard_map (a result of its body used twice); jax
-  # 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
-  # body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
-  if (_JAX_VERSION < (0, 5, 3) or (0, 6, 1) <= _JAX_VERSION < (0, 7) or
-      not any(isinstance(s, _Vjp) for s in op.steps)):
+  if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.3
+      isinstance(s, _Vjp) for s in op.steps):
     return None
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results,
@@ -4159,6 +3866,92 @@ def _without_padding(x, v: _Value, on, real: bool = False):
           x, 0, 1, axis=d), 0), axes).astype(x.dtype)
     x = jax.lax.select(keep, x, fill)
   return x
+
+
+def _batch(args, dims, **params):
+  """Batches the op: every operand gets the batch dimension in front."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  call = params["call"]
+  if size == 0:  # nothing to partition (and no item to unbatch below)
+    outs = jax.vmap(_jax.jaxpr_as_fun(call), in_axes=list(dims))(*args)
+    return outs, [0] * len(outs)
+  args = [jax.lax.broadcast(x, (size,)) if d is None
+          else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  batched = tuple(d is not None for d in dims)
+
+  def body(*xs):
+    # Broadcast operands unbatched again: under Explicit axes, vmap wants
+    # all batch dimensions sharded alike.
+    return jax.vmap(_jax.jaxpr_as_fun(call),
+                    in_axes=[0 if b else None for b in batched])(
+                        *[x if b else x[0] for x, b in zip(xs, batched)])
+  outs = _bind_derived(args, params, ("vmap", batched), body,
+                       params.get("transform", ()) + (_Batch(),))
+  return outs, [0] * len(outs)
+
+
+def _batch_rule(axis_data, args, dims, **params):
+  """``_batch`` as jax 0.4.36's batching rules are called: the axis data
+  first, and also when no operand is batched (then the op binds as is)."""
+  del axis_data
+  if all(d is None for d in dims):
+    outs = custom_partitioning_p.bind(*args, **params)
+    return outs, [None] * len(outs)
+  return _batch(args, dims, **params)
+
+
+def _unbatched(v: _Value) -> _Value:
+  """``v`` without its batch dimension; a sharding with no PartitionSpec
+  reads as replicated (XLA reshards to what ``partition`` asks anyway)."""
+  spec = (None,) * len(v.shape) if v.spec is None and v.known() else v.spec
+  return _Value(v.shape[1:], v.dtype, spec and tuple(spec[1:]), None, v.varying)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch(_Step):
+  """``jax.vmap``: every operand and result gains a leading dimension."""
+  transposed_below = True
+
+  def down(self, operands, results):
+    return [_unbatched(v) for v in operands], [_unbatched(v) for v in results]
+
+  def up(self, operands, results, batch_item=None):
+    return [[(batch_item, *v) for v in side] for side in (operands, results)]
+
+  def infer(self, op, level, below, inner):
+    inferred = inner()
+    if inferred is None:
+      return None
+    entry = self.entry(level.operands, functools.partial(
+        _axes_in, [v.spec for v in inferred + below.operands]), op.mesh)
+    return _with_specs(level.results, [(entry, *v.spec) for v in inferred])
+
+  def propagate(self, op, results, inner):
+    preferred = inner([_unbatched(v) for v in results])
+    entry = self.entry(results, functools.partial(
+        _axes_in, [v.spec for v in preferred]), op.mesh)
+    return _with_specs(results, [(entry, *v.spec) for v in preferred])
+
+  def rule_up(self, level, sizes, ops, res, reduction):
+    factor = f"{_BATCH_FACTOR_PREFIX}vmap{len(sizes)}"  # a fresh factor
+    sizes[factor] = level.operands[0].shape[0]
+    return (*self.up(ops, res, (factor,)), reduction)
+
+  def entry(self, values, used, mesh):
+    """The axes the batch dimension arrives on (first in ``values``) that
+    the op below leaves free and that divide the batch size, or None."""
+    entry = next((v.spec[0] for v in values if v.spec and v.spec[0]), None)
+    used = used()
+    axes = [a for a in _entry_axes(entry) if a not in used]
+    while axes and values[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
+      axes.pop()
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+  def lower(self, fn, *_):
+    return jax.vmap(fn)
+
+  def transform(self, fn, entry):
+    return jax.vmap(fn, spmd_axis_name=entry)
 
 
 _jax.primitive_jvps[custom_partitioning_p] = _jvp
@@ -4455,7 +4248,307 @@ def _factor_name(k: int) -> str:
 
 
 # --------------------------------------------------------------------------
-# II.7 Keys that hit across processes
+# II.7 XLA's callbacks: GSPMD before jax 0.12.1, and the fallbacks
+#
+# Under GSPMD, and off TPU where the op cannot be partitioned at lowering
+# (the release gates, I.3: inside a partly manual shard_map, without a
+# mesh, an answer without a PartitionSpec or on a mesh the release cannot
+# lower, jaxlib 0.9.2), the op is one XLA custom call, as upstream: while
+# compiling, XLA asks this module, through Python callbacks, for the
+# result's sharding (infer, propagate) and the per-shard program
+# (partition). Without this section those ops raise the error they raise
+# on TPU. The callbacks find the op by the custom call's key
+# (``_register``; with jax's persistent cache on, a key by content, at the
+# end of this section). An exception never reaches XLA raw (under GSPMD
+# that aborts): it is parked under a tag in XLA's message, by which
+# ``_reraise_callback_error`` gives jax the original. One from infer or
+# propagate waits in ``_pending`` for the thread's partition callback (XLA
+# compiles one program at a time on a thread, and partitions last); a
+# compile that ends drops it (``_drop_pending``). XLA talks in HloShardings
+# on flat lists of shapes, the callbacks in jax shardings on pytrees; in
+# between, each operand and result is a ``_Value``. A question goes XLA ->
+# ``_answer_<q>`` (a derived op's steps, II.4) -> ``_ask_<q>`` (I.7), the
+# only caller of that author's callback. The per-shard program is lowered
+# to the module XLA inlines (``_per_shard_module``).
+# --------------------------------------------------------------------------
+
+def _custom_call(ctx, op, params, values, rule_attr):
+  """The op as one custom call, partitioned by XLA's callbacks (below)."""
+  return _jax.custom_call(
+      _TARGET, result_types=_ir_types(ctx, params["call"].out_avals),
+      operands=list(values), backend_config=_register(ctx, op, params),
+      extra_attributes=rule_attr).results
+
+
+def _fallback_call(ctx, params, op, values, rule, rule_attr, steps, name,
+                   e):
+  """Off TPU, an op whose answer jax cannot lower as a manual computation
+  (``e`` says why): the custom call, partitioned by XLA's callbacks."""
+  # Placed by its rule, as in the first pass (without, Shardy leaves
+  # the custom call replicated: gathers around it).
+  if isinstance(rule, SdyShardingRule) and values:
+    rule_attr = {"sdy.sharding_rule": _rule_attr(
+        rule, _rule_levels(params["call"], steps),
+        isinstance(params["partition"], _FromRule))}
+  return _custom_call(ctx, dataclasses.replace(op, at_lowering=False),
+                      params, values, rule_attr)
+
+
+def _check_exportable(mc, name: str) -> None:
+  if mc.lowering_parameters.for_export:
+    raise NotImplementedError(
+        f"jax.export cannot serialize the custom_partitioning op {name}: its "
+        "partitioning callbacks are Python functions that XLA calls while "
+        "compiling, and they cannot be stored in a serialized artifact. Export "
+        "on a single device, or export the per-shard code (e.g. with "
+        "jax.shard_map) instead.")
+
+
+_PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
+
+
+_registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Kept alive by the lowering's keep-alive list, whose id is the key.
+_lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _register(ctx, op: _Op, params) -> str:
+  """Registers ``op`` under its key, which must tell apart ops that
+  answer differently; returns the key."""
+  _listen_to_compiles()
+  if (_jax.compilation_cache_dir.value and  # keys by content (below)
+      _jax.enable_compilation_cache.value):
+    key = _content_key(ctx, op, params["call"])
+  else:
+    # In one lowering the config is one: equal parameters in one placement
+    # are one op. A new lowering asks anew.
+    ident = (_params_key(params), op.place, op.varying,
+             op.platforms, op.backend, _SHARDY.value)
+    keepalives = ctx.module_context.keepalives
+    with _weak_lock:
+      table = _lowering_ops.get(id(keepalives))
+      if table is None:  # lives as long as the lowering
+        # One lowering's ops by parameters (a UserDict: a dict has no weakref).
+        table = _lowering_ops[id(keepalives)] = collections.UserDict()
+        keepalives.append(table)
+      op = table.setdefault(ident, op)
+    key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
+  with _weak_lock:
+    # Keep the first live entry: lowerings that hold it must keep finding it.
+    op = _registry.setdefault(key, op)
+  ctx.module_context.add_keepalive(op)
+  return key
+
+
+def _question(answer: Callable, default: Callable):
+  """XLA's infer or propagate callback, ``(*xla_args, key) -> answer(op,
+  *xla_args)``, or ``default(*xla_args)``, XLA's own answer, where the
+  op leaves the question to XLA; and where ``answer`` raises, the error kept
+  for the partition callback (which raises it: XLA aborts on one here)."""
+  def question(*args):
+    *xla_args, key = args
+    with _weak_lock:
+      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
+    if op is None:
+      return default(*xla_args)
+    if op.place.auto is not None and not _MANUAL_TYPED:  # seam: (II.2)
+      return default(*xla_args)
+    if op.steps and op.mesh.empty:  # seam: a derived op (II.4)
+      return default(*xla_args)
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      with _weak_lock:  # the first error of this compile
+        _pending.setdefault(threading.get_ident(), (op.name, e))
+      return default(*xla_args)
+  return question
+
+
+def _answer_infer(op: _Op, arg_shapes, arg_shardings, result_shape):
+  """The result sharding XLA gets from the operands', or None."""
+  results = _from_xla(*_hlo_parts(result_shape, None), op.mesh)
+  operands = _from_xla(arg_shapes, arg_shardings, op.mesh)
+  if op.steps:  # seam: a derived op (II.4)
+    inferred = _infer(op, _levels(op.steps, operands, results))
+  else:
+    inferred = _ask_infer(op, operands, results)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug_infer(op, operands, inferred)
+  if inferred is None:
+    return None
+  return _pack_hlo(result_shape, [_hlo_of(v, op.mesh) for v in inferred])
+
+
+def _answer_propagate(op: _Op, user_sharding, shape):
+  """The op's result sharding given its user's (kept where the op has no
+  ``propagate_user_sharding``)."""
+  results = _from_xla(*_hlo_parts(shape, user_sharding), op.mesh)
+  if op.steps:  # seam: a derived op (II.4)
+    propagated = _propagate_derived(op, results)
+  else:
+    propagated = _ask_propagate(op, results)
+  if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+    _debug_propagate(op, results, propagated)
+  if propagated is None:
+    return user_sharding
+  return _pack_hlo(shape, [_hlo_of(v, op.mesh) for v in propagated])
+
+
+def _pack_hlo(shape: _jax.Shape, shardings: list[_jax.HloSharding]):
+  return (_jax.HloSharding.tuple_sharding(shape, shardings)
+          if shape.is_tuple() else shardings[0])
+
+
+_pending: dict[int, tuple[str, BaseException]] = {}
+
+
+def _drop_pending(event=_jax.BACKEND_COMPILE_EVENT, *_, **__) -> None:
+  """jax's event listener: after a backend compile, failed or not, kept
+  infer/propagate errors go. Called on the caller's thread, it may drop
+  one another thread's compile kept (which goes on as if it was None)."""
+  if event != _jax.BACKEND_COMPILE_EVENT:  # another of jax's events
+    return
+  with _weak_lock:
+    _pending.clear()
+
+
+_ERROR_TAG = f"[{_TARGET} error #"
+
+
+def _partitioner(answer: Callable):
+  """XLA's partition callback, ``(*xla_args, key) -> answer(op,
+  *xla_args)``; an error reaches XLA as a ``RuntimeError`` naming the
+  parked original (``_park``), by which jax is given it back."""
+  def partition(*args):
+    *xla_args, key = args
+    with _weak_lock:
+      op = _registry.get(key.decode() if isinstance(key, bytes) else key)
+    if op is None:
+      raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
+                         f"under key {key!r}; was its lowering dropped?")
+    if _pending:  # an infer/propagate error kept
+      _raise_pending()
+    try:
+      return answer(op, *xla_args)
+    except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
+      raise RuntimeError(_park(e, f"custom_partitioning op {op.name}")) from e
+  return partition
+
+
+_parked_errors = _LRU()
+
+
+_parked_counter = itertools.count()
+
+
+def _park(error: BaseException, where: str) -> str:
+  """Parks ``error``; returns a message naming it for the handler."""
+  tag = next(_parked_counter)
+  _parked_errors.put(tag, error)  # bounded: old compiles that never failed
+  return f"{_ERROR_TAG}{tag}] {where}: {type(error).__name__}: {error}"
+
+
+def _reraise_callback_error(xla_error: Exception):
+  """Compile-error handler: gives back the author's original exception."""
+  _drop_pending()
+  text = str(xla_error)
+  start = text.find(_ERROR_TAG)
+  if start < 0:
+    return None
+  tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
+  return _parked_errors.pop(int(tag)) if tag.isdigit() else None
+
+
+def _raise_pending() -> None:
+  """Raises (parked) the error infer or propagate kept on this thread."""
+  with _weak_lock:
+    pending = _pending.pop(threading.get_ident(), None)
+  if pending is not None:
+    name, e = pending
+    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
+
+
+def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
+                      result_sharding):
+  """``(per-shard module, operand shardings, result sharding)``, cached."""
+  request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
+                   for s, h in zip(arg_shapes, arg_shardings)),
+             str(result_shape), str(result_sharding))
+  hit = op.lowered.get(request)
+  if hit is not None:
+    if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
+      _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
+                              result_sharding, hit)
+    return hit
+  on = op.mesh if op.place.auto is None else op.place.auto
+  result_shapes, result_shardings = _hlo_parts(result_shape, result_sharding)
+  # XLA's thread has none of the lowering thread's context managers:
+  # partition and lower_fn run under the config the op was lowered with.
+  operands = _from_xla(arg_shapes, arg_shardings, on, op.varying[0])
+  results = _from_xla(result_shapes, result_shardings, on, op.varying[1])
+  with _config_entered(op.config):
+    shard = _shard_of(op, operands, results, on)
+    module = _per_shard_module(op, shard)
+  answer = (module, [_hlo_of(v, on) for v in shard.args],
+            _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
+  op.lowered.put(request, answer)
+  return answer
+
+
+def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
+  """The per-shard program lowered to the module XLA inlines, as bytecode."""
+  mesh, closed = shard.mesh, shard.jaxpr
+  kwargs: dict[str, Any] = {  # jax 0.5.0 renamed backend_or_name
+      "backend" if _JAX_VERSION >= (0, 5, 0) else "backend_or_name":
+          op.backend}
+  params: dict[str, Any] = {}
+  if _JAX_VERSION < (0, 7, 0):  # jax 0.7.0 dropped name_stack
+    kwargs["name_stack"] = _jax.new_name_stack()
+  if _JAX_VERSION >= (0, 7, 1):  # jax 0.7.1 added these three
+    kwargs.update(num_const_args=0, in_avals=closed.in_avals)
+    params["hoist_constants_as_args"] = False
+  if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
+    kwargs["out_avals"] = closed.out_avals
+  with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
+    lowered = _jax.lower_jaxpr_to_module(
+        "custom_partitioning_shard", closed, ordered_effects=[],
+        donated_args=[False] * len(closed.in_avals),
+        axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)),
+        platforms=op.platforms,
+        lowering_parameters=_jax.LoweringParameters(**params), **kwargs)
+  # Host callbacks cannot work: XLA finds them by index in the compiled
+  # program's list, fixed before this ran (upstream segfaults).
+  if lowered.host_callbacks:
+    raise _host_callback_error(op)
+  return _jax.module_to_bytecode(lowered.module)
+
+
+def _register_partitioner(name: str, prop_user_sharding, partition,
+                          infer_sharding_from_operands) -> None:
+  register = functools.partial(
+      _jax.register_custom_call_partitioner, name=name,
+      prop_user_sharding=prop_user_sharding, partition=partition,
+      infer_sharding_from_operands=infer_sharding_from_operands,
+      can_side_effecting_have_replicated_sharding=True)
+  register()
+  _jax.register_plugin_callbacks(register)
+
+
+_register_partitioner(
+    _TARGET, _question(_answer_propagate, lambda users, _: users),
+    _partitioner(_answer_partition), _question(_answer_infer, lambda *_: None))
+_jax.register_xla_runtime_error_handler(_reraise_callback_error)
+
+
+@functools.cache
+def _listen_to_compiles() -> None:
+  """From the first custom call on, ``_drop_pending`` hears of each compile."""
+  # jax reports dispatch.BACKEND_COMPILE_EVENT (with its duration) after each
+  # backend compile that succeeds, 0.4.35 to 0.12.1.
+  _jax.register_event_duration_secs_listener(_drop_pending)
+
+
+# Keys that hit across processes
 #
 # With jax's persistent compilation cache on, a custom call's key (part of
 # the program's) names the op by content, alike in every process: a digest
@@ -4470,7 +4563,6 @@ def _factor_name(k: int) -> str:
 # program (even in place: each lowering is described anew) never gets an old
 # key. State read through libraries (environment, files, random numbers) is
 # not seen: as in functions jax.jit traces, callbacks must not read it.
-# --------------------------------------------------------------------------
 
 # Code of these packages is identified by name and version, not by content.
 _LIBRARY_PREFIXES = frozenset(
@@ -4836,11 +4928,6 @@ def _check_factor_name(name: str) -> None:
       raise ValueError(f"Unknown character {char!r} in factor {name!r}.")
   if not name[0].isalpha():
     raise ValueError(f"A factor name must start with a letter; got {name!r}.")
-
-
-def _is_batching(dim) -> bool:
-  return (isinstance(dim, str) and dim.startswith(BATCHING) and
-          (len(dim) == 1 or dim[1:].isdigit()))
 
 
 class CompoundFactor(tuple):
@@ -5715,10 +5802,10 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 #   _rules_seen     thread -> rules derived meanwhile (II.6) threads -
 #   _Op.lowered     partition request -> XLA's answer       256/op  C
 #   _pending        thread -> (op, error) of its compile    threads P, F
-#   _registry       custom call key -> _Op (_register)      weak    -
-#   _lowering_ops   lowering -> its ops by parameters       weak    -
-#   _parked_errors  tag -> a callback's exception (I.4)     64      C, R
-#   _parked_counter the next tag (I.4)                      -       -
+#   _registry       custom call key -> _Op (II.7)           weak    -
+#   _lowering_ops   lowering -> its ops by parameters (II.7) weak   -
+#   _parked_errors  tag -> a callback's exception (II.7)    64      C, R
+#   _parked_counter the next tag (II.7)                     -       -
 #   _call_names     body -> name of its function            weak    -
 #   _lapack_ready   jaxlib's LAPACK kernels registered (II.7) -     never
 #
@@ -5731,7 +5818,7 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 #
 # C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:
 # ``def_partition``; P: popped by the thread's next partition callback; F:
-# emptied when a compile ends (I.2); R: popped when the failed compile
+# emptied when a compile ends (II.7); R: popped when the failed compile
 # re-raises it. Lowerings and executables that may still call back keep
 # their ``_registry`` entries alive. The weak tables and ``_pending`` share
 # ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.7), filled at import.
@@ -5740,7 +5827,10 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 def _store_sizes(op=None) -> dict[str, int]:
   """Entries per store (III.3) (and ``op``'s own, if given), for tests."""
   with _weak_lock:
-    sizes = {"registry": len(_registry), "call_names": len(_call_names)}
+    sizes = {"call_names": len(_call_names)}
+    registry = globals().get("_registry")  # None: a copy without II.7
+    if registry is not None:
+      sizes["registry"] = len(registry)
   for name in ("eager", "derived", "parked_errors"):
     store = globals().get(f"_{name}")  # None: a copy without its section
     if store is not None:

@@ -60,6 +60,14 @@ SKIPS: dict[str, list[str]] = {
     # The derived rule, under Shardy.
     "II.6": ["GspmdEraOpsTestShardy",
              "test_gspmd_era_op_and_rule_only_op_on_a_2d_mesh"],
+    # XLA's callbacks: GSPMD, and every fallback (callback_path()).
+    # (Tests that ask for them, callback_path(), skip themselves.)
+    "II.7": ["GSPMD", "test_the_switch_is_read_from_the_environment",
+             "test_the_switch_keeps_xla_callbacks_off_tpu",
+             "test_an_answer_without_a_partition_spec_keeps_the_callbacks",
+             "test_a_mesh_of_logical_device_ids_is_read_with_them",
+             "test_manual_axes_are_not_probed",
+             "test_no_gather_or_all_to_all_that_gspmd_lacks"],
     # The quickstart's log, and the derived rule as the log shows it.
     "II.8": ["test_readme_quickstart_runs", "test_the_log_names_the_path",
              "test_values_placement_and_derived_rule_on_auto_axes",

@@ -10401,6 +10401,44 @@ class AtLoweringTest(CPTestCase):
           self.assertLessEqual(_collective_count(text), _collective_count(
               self.hlo(plain, a)))
 
+  def test_equal_ops_over_other_sub_axes_are_asked_apart(self):
+    """Two equal ops whose operands Shardy places over different sub-axes
+    (8 values over "x", and over "x" and "y", each reshaped to (2, 4)): no
+    PartitionSpec states either placement, and partition is asked with
+    each, as XLA's callbacks ask it, not once for both."""
+    m = self.mesh((4, 2), ("x", "y"))
+    ah, bh = _data((8,)), _data((8,)) + 1.0
+    a = jax.device_put(ah, NamedSharding(m, P("x")))
+    b = jax.device_put(bh, NamedSharding(m, P(("x", "y"))))
+    # Over "x": the device at "x" position i holds row i // 2, columns
+    # 2 (i % 2) on. Over ("x", "y"): the one at (i, j) holds value 2i + j.
+    over_x = {d: (slice(i // 2, i // 2 + 1),
+                  slice(2 * (i % 2), 2 * (i % 2) + 2))
+              for (i, _), d in np.ndenumerate(m.devices)}
+    over_xy = {d: (slice((2 * i + j) // 4, (2 * i + j) // 4 + 1),
+                   slice((2 * i + j) % 4, (2 * i + j) % 4 + 1))
+               for (i, j), d in np.ndenumerate(m.devices)}
+    key = lambda placement: sorted(  # noqa: E731
+        (d.id, str(s)) for d, s in placement.items())
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          seen.append(arg_shapes[0].sharding.devices_indices_map((2, 4)))
+          whole = NamedSharding(mesh, P())
+          return mesh, body, whole, (whole,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        f = jax.jit(lambda u, v, op=op: (op(jnp.sin(u).reshape(2, 4)),
+                                         op(jnp.sin(v).reshape(2, 4))))
+        for out, xh in zip(f(a, b), (ah, bh)):
+          np.testing.assert_allclose(out, np.sin(xh).reshape(2, 4) * 2.0,
+                                     rtol=1e-6)
+        self.assertEqual({repr(key(p)) for p in seen},
+                         {repr(key(over_x)), repr(key(over_xy))})
+
   def test_axes_out_of_the_mesh_s_order_are_asked_as_placed(self):
     """Operands over the mesh's axes in another order (the minor axis
     first, or over the major one's dimension): partition is asked with

@@ -10956,6 +10956,43 @@ class NeedReplicationTest(CPTestCase):
         np.testing.assert_allclose(out, xh.reshape(8) + yh, rtol=1e-6)
         self.assertEqual(seen[:1], [(("x", None), ("x",))])
 
+  def test_an_axis_crossing_factors_before_the_needed_one_stays(self):
+    """Rule "(i j k) -> (i j k)" (2, 4, 2), k needing replication, 16
+    values over "x" (4 devices: blocks of 4, "x" covering i and half of j)
+    or over ("x", "y") (blocks of 2): every block holds whole k, so
+    partition is asked with the placement as it arrives and, as plain jax,
+    nothing moves."""
+    m = self.mesh((4, 2), ("x", "y"))
+    xh = _data((16,))
+    body = lambda v: v * 2.0  # noqa: E731
+
+    def op_of(seen):
+      def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        seen.append(_spec(s, 1))
+        return mesh, body, s, (s,)
+      op = custom_partitioning(body)
+      op.def_partition(partition, sharding_rule="(i j k) -> (i j k)", i=2,
+                       j=4, k=2, need_replication_factors=("k",))
+      return op
+    if self.shardy:
+      skip_without_special_factors(self, lambda: jax.jit(op_of([]))(
+          jax.device_put(xh, NamedSharding(m, P("x")))))
+    paths = (("at lowering", contextlib.nullcontext),
+             ("callbacks", callback_path)) if self.shardy else (
+                 ("callbacks", contextlib.nullcontext),)
+    for spec, (path, context) in itertools.product(
+        (P("x"), P(("x", "y"))), paths):
+      x = jax.device_put(xh, NamedSharding(m, spec))
+      with self.subTest(spec=spec, path=path), context():
+        seen = []
+        f, plain = jax.jit(op_of(seen)), jax.jit(body)
+        np.testing.assert_allclose(f(x), plain(x), rtol=1e-6)
+        self.assertEqual(seen[:1], [tuple(spec)])
+        if self.shardy:  # (GSPMD gathers the result it does not place)
+          self.assertCollectives(self.hlo(plain, x), absent=_COLLECTIVES)
+          self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
 
 both_partitioners(NeedReplicationTest)
 del NeedReplicationTest

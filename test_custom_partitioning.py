@@ -10161,6 +10161,35 @@ class AtLoweringTest(CPTestCase):
                            [(("x", None),), (("y", None),)])
           self.assertEqual(_collective_count(self.hlo(f, *args)), 0)
 
+  def test_ops_after_a_shared_lowering_lowered_again_keep_their_own(self):
+    """A jit of an op on rows over "x", a rank-1 op, the jit again on rows
+    over "y" (lowered again there), then a rank-2 op: each op after the
+    second lowering is asked about its own operands, and every result is
+    plain jax's."""
+    if JAXLIB_VERSION < (0, 7, 0):
+      self.skipTest("Shardy before jaxlib 0.7 leaves a function of two "
+                    "callers unplaced")
+    self.put_data((16, 8), None, (4, 2), ("x", "y"))
+    rows = tuple(NamedSharding(self.m, P(a, None)) for a in ("x", "y"))
+    args = [jax.device_put(self.xh, s) for s in rows]
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = {name: [] for name in "abc"}
+        twice = jax.jit(_recording_rows_op(lambda v: v * 2.0, seen["a"]))
+        one = _recording_rows_op(lambda v: v + 1.0, seen["b"], rule="i -> i",
+                                 asks=P(None))
+        two = _recording_rows_op(lambda v: -v, seen["c"])
+        f = jax.jit(lambda x, y: (twice(x), one(x[:, 0]), twice(y), two(y)),
+                    in_shardings=rows)
+        outs = f(*args)
+        wants = (self.xh * 2.0, self.xh[:, 0] + 1.0, self.xh * 2.0, -self.xh)
+        for out, want in zip(outs, wants):
+          np.testing.assert_allclose(out, want)
+        self.assertEqual(sorted(seen["a"], key=repr),
+                         [(("x", None),), (("y", None),)])
+        self.assertEqual(seen["b"][:1], [(("x",),)])
+        self.assertEqual(seen["c"][:1], [(("y", None),)])
+
   def test_shared_lowerings_inside_shared_lowerings(self):
     """A jit holding ops and a jit of another op: the outer called on rows
     over "x", over "y" (its inner lowered again inside it), the inner
@@ -11414,6 +11443,28 @@ class ExplicitPathTest(CPTestCase):
     self.assertLessEqual(_collective_count(text),
                          _collective_count(self.hlo(gs, q, k)))
     self.assertGreater(_collective_count(text), 0)
+
+  def test_a_callable_rule_is_asked_with_operands_then_results(self):
+    """A callable sharding_rule on Explicit axes is asked with the operands'
+    types, then the results' (a sum over columns: (16, 32), then (16,)),
+    as on the custom call's path; the op then runs as plain jax's sum."""
+    asked = []
+
+    def rule(mesh, operand_types, result_types):
+      asked.append(([tuple(t.shape) for t in operand_types],
+                    [tuple(t.shape) for t in result_types]))
+      return "i j -> i"
+    body = lambda v: jnp.sum(v, axis=1)  # noqa: E731
+
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, body, NamedSharding(mesh, P("x")),
+              (NamedSharding(mesh, P("x", None)),))
+    op = custom_partitioning(body)
+    op.def_partition(partition, sharding_rule=rule)
+    np.testing.assert_allclose(jax.jit(op)(self.x), self.xh.sum(axis=1),
+                               rtol=1e-5)
+    self.assertTrue(asked)
+    self.assertEqual(set(map(repr, asked)), {repr(([(16, 32)], [(16,)]))})
 
   def test_a_callable_rule_alone_that_jax_cannot_type_is_refused(self):
     """A rule-only op whose rule is callable has its partition only while

@@ -10430,6 +10430,35 @@ class AtLoweringTest(CPTestCase):
           self.assertLessEqual(_collective_count(text), _collective_count(
               self.hlo(plain, a)))
 
+  def test_a_placement_over_a_minor_sub_axis_alone_is_asked_with_it(self):
+    """8 values over "x" (4 devices) reshaped to (2, 4), then row 1: Shardy
+    places the op's operand over the minor half of "x" alone (replicated
+    over its major half), and partition is asked with that placement, as
+    XLA's callbacks ask it, not with the operand replicated."""
+    m = self.mesh((4, 2), ("x", "y"))
+    ah = _data((8,))
+    a = jax.device_put(ah, NamedSharding(m, P("x")))
+    # The device at "x" position i holds a[2i:2i+2]: in row 1 (a[4:8]),
+    # columns 2 (i % 2) on.
+    want = {d: (slice(2 * (i % 2), 2 * (i % 2) + 2),)
+            for (i, _), d in np.ndenumerate(m.devices)}
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          seen.append(arg_shapes[0].sharding)
+          whole = NamedSharding(mesh, P())
+          return mesh, body, whole, (whole,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i -> i")
+        f = jax.jit(lambda v, op=op: op(jnp.sin(v).reshape(2, 4)[1]))
+        np.testing.assert_allclose(f(a), np.sin(ah[4:]) * 2.0, rtol=1e-6)
+        self.assertTrue(seen)
+        for sharding in seen:
+          self.assertEqual(sharding.devices_indices_map((4,)), want)
+
   def test_equal_ops_over_other_sub_axes_are_asked_apart(self):
     """Two equal ops whose operands Shardy places over different sub-axes
     (8 values over "x", and over "x" and "y", each reshaped to (2, 4)): no

@@ -2336,18 +2336,18 @@ def _replicated_as_needed(op: _Op, operands: list, results: list):
 
 def _before_needed(factors: tuple, entry, needed: set, sizes: dict, mesh):
   """``entry``, a dimension's, less the axes that shard its factors from
-  the first that needs replication on (a compound's factors before it stay
-  sharded; an axis that a factor only partly covers, a sub-axis, goes)."""
-  axes, kept = list(_entry_axes(entry)), []
-  for factor in factors:
-    room = sizes.get(factor) or 1
-    if factor in needed:
+  the first that needs replication on: its major axes stay while their
+  blocks hold whole rows of that factor on (their sizes' product divides
+  the factors' before it, an axis crossing from one of those into the next
+  included); the rest go."""
+  room = math.prod(sizes.get(f) or 1 for f in itertools.takewhile(
+      lambda f: f not in needed, factors))
+  kept = []
+  for axis in _entry_axes(entry):
+    if room % mesh.shape[axis]:
       break
-    while axes and room % mesh.shape[axes[0]] == 0:
-      room //= mesh.shape[axes[0]]
-      kept.append(axes.pop(0))
-    if room != 1:  # a factor not sharded whole: none after it can be
-      break
+    room //= mesh.shape[axis]
+    kept.append(axis)
   return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
 
 

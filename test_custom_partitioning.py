@@ -10227,6 +10227,35 @@ class AtLoweringTest(CPTestCase):
                            [(("x", None),), (("y", None),)])
           self.assertEqual(_collective_count(self.hlo(f, *args)), 0)
 
+  def test_ops_after_a_shared_lowering_lowered_again_keep_their_own(self):
+    """A jit of an op on rows over "x", a rank-1 op, the jit again on rows
+    over "y" (lowered again there), then a rank-2 op: each op after the
+    second lowering is asked about its own operands, and every result is
+    plain jax's."""
+    if JAXLIB_VERSION < (0, 7, 0):
+      self.skipTest("Shardy before jaxlib 0.7 leaves a function of two "
+                    "callers unplaced")
+    self.put_data((16, 8), None, (4, 2), ("x", "y"))
+    rows = tuple(NamedSharding(self.m, P(a, None)) for a in ("x", "y"))
+    args = [jax.device_put(self.xh, s) for s in rows]
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = {name: [] for name in "abc"}
+        twice = jax.jit(_recording_rows_op(lambda v: v * 2.0, seen["a"]))
+        one = _recording_rows_op(lambda v: v + 1.0, seen["b"], rule="i -> i",
+                                 asks=P(None))
+        two = _recording_rows_op(lambda v: -v, seen["c"])
+        f = jax.jit(lambda x, y: (twice(x), one(x[:, 0]), twice(y), two(y)),
+                    in_shardings=rows)
+        outs = f(*args)
+        wants = (self.xh * 2.0, self.xh[:, 0] + 1.0, self.xh * 2.0, -self.xh)
+        for out, want in zip(outs, wants):
+          np.testing.assert_allclose(out, want)
+        self.assertEqual(sorted(seen["a"], key=repr),
+                         [(("x", None),), (("y", None),)])
+        self.assertEqual(seen["b"][:1], [(("x",),)])
+        self.assertEqual(seen["c"][:1], [(("y", None),)])
+
   def test_shared_lowerings_inside_shared_lowerings(self):
     """A jit holding ops and a jit of another op: the outer called on rows
     over "x", over "y" (its inner lowered again inside it), the inner
@@ -10466,6 +10495,73 @@ class AtLoweringTest(CPTestCase):
           self.assertTrue(out.sharding.is_fully_replicated)
           self.assertLessEqual(_collective_count(text), _collective_count(
               self.hlo(plain, a)))
+
+  def test_a_placement_over_a_minor_sub_axis_alone_is_asked_with_it(self):
+    """8 values over "x" (4 devices) reshaped to (2, 4), then row 1: Shardy
+    places the op's operand over the minor half of "x" alone (replicated
+    over its major half), and partition is asked with that placement, as
+    XLA's callbacks ask it, not with the operand replicated."""
+    m = self.mesh((4, 2), ("x", "y"))
+    ah = _data((8,))
+    a = jax.device_put(ah, NamedSharding(m, P("x")))
+    # The device at "x" position i holds a[2i:2i+2]: in row 1 (a[4:8]),
+    # columns 2 (i % 2) on.
+    want = {d: (slice(2 * (i % 2), 2 * (i % 2) + 2),)
+            for (i, _), d in np.ndenumerate(m.devices)}
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          seen.append(arg_shapes[0].sharding)
+          whole = NamedSharding(mesh, P())
+          return mesh, body, whole, (whole,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i -> i")
+        f = jax.jit(lambda v, op=op: op(jnp.sin(v).reshape(2, 4)[1]))
+        np.testing.assert_allclose(f(a), np.sin(ah[4:]) * 2.0, rtol=1e-6)
+        self.assertTrue(seen)
+        for sharding in seen:
+          self.assertEqual(sharding.devices_indices_map((4,)), want)
+
+  def test_equal_ops_over_other_sub_axes_are_asked_apart(self):
+    """Two equal ops whose operands Shardy places over different sub-axes
+    (8 values over "x", and over "x" and "y", each reshaped to (2, 4)): no
+    PartitionSpec states either placement, and partition is asked with
+    each, as XLA's callbacks ask it, not once for both."""
+    m = self.mesh((4, 2), ("x", "y"))
+    ah, bh = _data((8,)), _data((8,)) + 1.0
+    a = jax.device_put(ah, NamedSharding(m, P("x")))
+    b = jax.device_put(bh, NamedSharding(m, P(("x", "y"))))
+    # Over "x": the device at "x" position i holds row i // 2, columns
+    # 2 (i % 2) on. Over ("x", "y"): the one at (i, j) holds value 2i + j.
+    over_x = {d: (slice(i // 2, i // 2 + 1),
+                  slice(2 * (i % 2), 2 * (i % 2) + 2))
+              for (i, _), d in np.ndenumerate(m.devices)}
+    over_xy = {d: (slice((2 * i + j) // 4, (2 * i + j) // 4 + 1),
+                   slice((2 * i + j) % 4, (2 * i + j) % 4 + 1))
+               for (i, j), d in np.ndenumerate(m.devices)}
+    key = lambda placement: sorted(  # noqa: E731
+        (d.id, str(s)) for d, s in placement.items())
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        body = lambda v: v * 2.0  # noqa: E731
+
+        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
+          seen.append(arg_shapes[0].sharding.devices_indices_map((2, 4)))
+          whole = NamedSharding(mesh, P())
+          return mesh, body, whole, (whole,)
+        op = custom_partitioning(body)
+        op.def_partition(partition, sharding_rule="i j -> i j")
+        f = jax.jit(lambda u, v, op=op: (op(jnp.sin(u).reshape(2, 4)),
+                                         op(jnp.sin(v).reshape(2, 4))))
+        for out, xh in zip(f(a, b), (ah, bh)):
+          np.testing.assert_allclose(out, np.sin(xh).reshape(2, 4) * 2.0,
+                                     rtol=1e-6)
+        self.assertEqual({repr(key(p)) for p in seen},
+                         {repr(key(over_x)), repr(key(over_xy))})
 
   def test_axes_out_of_the_mesh_s_order_are_asked_as_placed(self):
     """Operands over the mesh's axes in another order (the minor axis
@@ -10984,6 +11080,43 @@ class NeedReplicationTest(CPTestCase):
         np.testing.assert_allclose(out, xh.reshape(8) + yh, rtol=1e-6)
         self.assertEqual(seen[:1], [(("x", None), ("x",))])
 
+  def test_an_axis_crossing_factors_before_the_needed_one_stays(self):
+    """Rule "(i j k) -> (i j k)" (2, 4, 2), k needing replication, 16
+    values over "x" (4 devices: blocks of 4, "x" covering i and half of j)
+    or over ("x", "y") (blocks of 2): every block holds whole k, so
+    partition is asked with the placement as it arrives and, as plain jax,
+    nothing moves."""
+    m = self.mesh((4, 2), ("x", "y"))
+    xh = _data((16,))
+    body = lambda v: v * 2.0  # noqa: E731
+
+    def op_of(seen):
+      def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        seen.append(_spec(s, 1))
+        return mesh, body, s, (s,)
+      op = custom_partitioning(body)
+      op.def_partition(partition, sharding_rule="(i j k) -> (i j k)", i=2,
+                       j=4, k=2, need_replication_factors=("k",))
+      return op
+    if self.shardy:
+      skip_without_special_factors(self, lambda: jax.jit(op_of([]))(
+          jax.device_put(xh, NamedSharding(m, P("x")))))
+    paths = (("at lowering", contextlib.nullcontext),
+             ("callbacks", callback_path)) if self.shardy else (
+                 ("callbacks", contextlib.nullcontext),)
+    for spec, (path, context) in itertools.product(
+        (P("x"), P(("x", "y"))), paths):
+      x = jax.device_put(xh, NamedSharding(m, spec))
+      with self.subTest(spec=spec, path=path), context():
+        seen = []
+        f, plain = jax.jit(op_of(seen)), jax.jit(body)
+        np.testing.assert_allclose(f(x), plain(x), rtol=1e-6)
+        self.assertEqual(seen[:1], [tuple(spec)])
+        if self.shardy:  # (GSPMD gathers the result it does not place)
+          self.assertCollectives(self.hlo(plain, x), absent=_COLLECTIVES)
+          self.assertCollectives(self.hlo(f, x), absent=_COLLECTIVES)
+
 
 both_partitioners(NeedReplicationTest)
 del NeedReplicationTest
@@ -11405,6 +11538,28 @@ class ExplicitPathTest(CPTestCase):
     self.assertLessEqual(_collective_count(text),
                          _collective_count(self.hlo(gs, q, k)))
     self.assertGreater(_collective_count(text), 0)
+
+  def test_a_callable_rule_is_asked_with_operands_then_results(self):
+    """A callable sharding_rule on Explicit axes is asked with the operands'
+    types, then the results' (a sum over columns: (16, 32), then (16,)),
+    as on the custom call's path; the op then runs as plain jax's sum."""
+    asked = []
+
+    def rule(mesh, operand_types, result_types):
+      asked.append(([tuple(t.shape) for t in operand_types],
+                    [tuple(t.shape) for t in result_types]))
+      return "i j -> i"
+    body = lambda v: jnp.sum(v, axis=1)  # noqa: E731
+
+    def partition(mesh, arg_shapes, result_shape):
+      return (mesh, body, NamedSharding(mesh, P("x")),
+              (NamedSharding(mesh, P("x", None)),))
+    op = custom_partitioning(body)
+    op.def_partition(partition, sharding_rule=rule)
+    np.testing.assert_allclose(jax.jit(op)(self.x), self.xh.sum(axis=1),
+                               rtol=1e-5)
+    self.assertTrue(asked)
+    self.assertEqual(set(map(repr, asked)), {repr(([(16, 32)], [(16,)]))})
 
   def test_a_callable_rule_alone_that_jax_cannot_type_is_refused(self):
     """A rule-only op whose rule is callable has its partition only while

@@ -1987,14 +1987,11 @@ def _manual_ops(module, lowering: _Pass) -> None:
           results = _lowered_manual(ctx, params, op, list(call.operands),
                                     lowering, index)
       except _KeepCallbacks as e:
-        if "tpu" in op.platforms:
-          raise NotImplementedError(
-              f"custom_partitioning op {op.name} cannot be lowered for TPU: "
-              f"its partition {e}. {_TPU_ADVICE}.") from None
-        op = dataclasses.replace(op, at_lowering=False)  # XLA's callbacks
-        call.attributes["backend_config"] = _jax.ir.StringAttr.get(
-            _register(ctx, op, params))
-        continue
+        if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
+          _keep_call(call, ctx, op, params)
+          continue
+        raise _cannot_lower(op.name, op.platforms,
+                            f"its partition {e}") from None
       flat = [v for r in results
               for v in ([r] if isinstance(r, _jax.ir.Value) else r)]
       for old, new in zip(call.results, flat):
@@ -4292,6 +4289,14 @@ def _fallback_call(ctx, params, op, values, rule, rule_attr, steps, name,
         isinstance(params["partition"], _FromRule))}
   return _custom_call(ctx, dataclasses.replace(op, at_lowering=False),
                       params, values, rule_attr)
+
+
+def _keep_call(call, ctx, op, params) -> None:
+  """Off TPU, a tagged custom call whose answer jax cannot lower as a
+  manual computation stays, carrying its key for XLA's callbacks."""
+  op = dataclasses.replace(op, at_lowering=False)
+  call.attributes["backend_config"] = _jax.ir.StringAttr.get(
+      _register(ctx, op, params))
 
 
 def _check_exportable(mc, name: str) -> None:

@@ -7922,6 +7922,36 @@ class DebugLogTest(CPTestCase):
     with self.assertNoLogs(cp._log, "INFO"):
       jax.jit(op)(x)
 
+  def test_an_op_falling_back_is_logged_on_xla_s_callbacks(self):
+    """Under Shardy, an op whose answer no PartitionSpec states (it hands
+    back an operand placed by logical device ids) is asked at lowering,
+    then kept for XLA's callbacks, which ask it again: that record names
+    the custom call, not the manual computation."""
+    if not (jax.config.jax_use_shardy_partitioner and cp._PROPAGATES and
+            cp._PARTITION_AT_LOWERING):
+      self.skipTest("the op is partitioned at lowering only under Shardy")
+    m = self.mesh((4, 2), ("x", "y"))
+    s = NamedSharding(m, P("x", "y"),
+                      _logical_device_ids=(1, 0, 3, 2, 5, 4, 7, 6))
+    xh = _data((16, 8))
+    x = jax.device_put(xh, s)
+
+    def kept(v):
+      return jnp.sin(v) * 2.0
+
+    def partition(mesh, arg_shapes, result_shape):
+      sharding = arg_shapes[0].sharding
+      return mesh, kept, sharding, (sharding,)
+    op = custom_partitioning(kept)
+    op.def_partition(partition, sharding_rule="i j -> i j")
+    with self.assertLogs(cp._log, "DEBUG") as cm:
+      out = jax.jit(op)(x)
+    np.testing.assert_allclose(out, np.sin(xh) * 2.0, rtol=1e-6)
+    paths = [r.custom_partitioning["path"]
+             for r in self.records(cm, op="kept", question="partition")]
+    self.assertIn("manual computation at lowering, Shardy", paths, cm.output)
+    self.assertIn("custom call", paths, cm.output)
+
   @callbacks
   def test_partition_records_name_the_op_specs_path_and_cache(self):
     def twice(x):

@@ -1241,16 +1241,23 @@ def _lower(*args, **kwargs):
   if not first.count:
     return
   decided = _propagated(lowered.module)
-  asks = _per_site(decided)
+  asks = _per_site(decided) or not _REPLACES_IN_PLACE
   if not asks:
     first.decided = decided
-    _manual_ops(lowered.module, first)
+    try:
+      _manual_ops(lowered.module, first)
+    except _jax.ir.MLIRError:
+      # A release placing the manual computation elsewhere than where the
+      # call stands (as jax 0.7 to 0.10.0 do, _REPLACES_IN_PLACE): the
+      # module is lowered a second time, with the answers given here.
+      asks = True
   # Else jax lowered a function (or equal ops) once for places placed
   # apart: a second lowering lowers it per placement. Where only another
   # party asks for it, its result is the one kept: this copy's ops are
   # partitioned in it too, as placed in the first.
   first.tagged.clear()
-  with _in_pass(_Pass(decided, first.rules)):
+  with _in_pass(_Pass(decided, first.rules)) as second:
+    second.ops = first.ops  # partition asked once per op and placement
     yield asks
 
 
@@ -1577,6 +1584,15 @@ _LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
 # transposition of its manual computation.
 _TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or
                                   (0, 6, 1) <= _JAX_VERSION < (0, 7))
+
+
+# jax 0.7.0 to 0.10.0 lower a manual computation at the end of the caller's
+# block, after its function's return, not where the op's call stands (0.6.2
+# and 0.10.1 at the call; 0.10.1 then emits equal ops' shared per-shard
+# program once per call): there the module is lowered a second time, each
+# op's manual computation emitted as it is lowered, instead of replacing
+# its call in the first lowering's module.
+_REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
 
 
 def _at_lowering(place: _Placement, platforms) -> str | None:

@@ -95,6 +95,12 @@ JAX = f"jax {jax.__version__}"
 # jax 0.4.36 lowers equal equations once for all their places (0.4.35
 # lowers each apart).
 _LOWERS_EQUAL_OPS_ONCE = hasattr(_jax_mlir, "_uncacheable_primitives")
+# jax 0.7.0 to 0.10.0 lower a manual computation at its block's end (after
+# the function's return), not at the insertion point, and 0.10.1 emits
+# equal ops' shared per-shard program once per call: the module holding
+# ops is lowered twice there, not rewritten in place (measured: 0.6.2 and
+# 0.10.2 rewrite it in place).
+_REPLACES_IN_PLACE = not (0, 7) <= JAX_VERSION < (0, 10, 2)
 
 # jax's own rule module, the reference oracle of the rule-parity tests. It
 # appeared in jax 0.4.36 and took the special factors (reduction,
@@ -8251,8 +8257,9 @@ class CoexistenceTest(CPTestCase):
     without ops once, every op partitioned at lowering with right values,
     and jax's public name for the lowering is the one wrapped."""
     out = self._copies("cp_a", "cp_b", "cp_c")
-    self.assertEqual(out, {"ops": 1, "apart": 2 if _LOWERS_EQUAL_OPS_ONCE
-                           else 1, "first copy's": 1, "none": 1,
+    once = 1 if _REPLACES_IN_PLACE else 2
+    self.assertEqual(out, {"ops": once, "apart": 2 if _LOWERS_EQUAL_OPS_ONCE
+                           else 1, "first copy's": once, "none": 1,
                            "custom calls": 0, "error": out["error"],
                            "one name": True})
     self.assertLess(out["error"], 1e-5)
@@ -8263,8 +8270,12 @@ class CoexistenceTest(CPTestCase):
     lowerings where they ask for a second, the same partitions and
     values."""
     out = self._copies("cp_a", "cp_b", "cp_c", older=("cp_b",))
-    self.assertEqual(out, {"ops": 1, "apart": 4 if _LOWERS_EQUAL_OPS_ONCE
-                           else 1, "first copy's": 1, "none": 1,
+    # Where every party asks for a second lowering, the older copy's
+    # wrapper lowers twice the two lowerings of the shared one.
+    self.assertEqual(out, {"ops": 1 if _REPLACES_IN_PLACE else 4,
+                           "apart": 4 if _LOWERS_EQUAL_OPS_ONCE else 1,
+                           "first copy's": 1 if _REPLACES_IN_PLACE else 2,
+                           "none": 1,
                            "custom calls": 0, "error": out["error"],
                            "one name": True})
     self.assertLess(out["error"], 1e-5)
@@ -9973,6 +9984,9 @@ class AtLoweringTest(CPTestCase):
   def test_the_program_around_the_op_is_lowered_once(self):
     # Lowering the program again to emit each op's manual computation ran
     # every other primitive's lowering rule twice (and doubled the time).
+    if not _REPLACES_IN_PLACE:
+      self.skipTest(f"{JAX} lowers a manual computation at its block's end: "
+                    "the module is lowered twice")
     lowered = []
     counted = jax.extend.core.Primitive("cp_test_counted_identity")
     counted.def_abstract_eval(lambda aval: aval)
@@ -10250,9 +10264,9 @@ class AtLoweringTest(CPTestCase):
                       in_shardings=rows, out_shardings=rows)
           for out in f(*args):
             np.testing.assert_allclose(out, self.xh * 2.0)
-          if (how == "a jit called twice" and JAXLIB_VERSION < (0, 7, 0) and
+          if (how == "a jit called twice" and JAXLIB_VERSION < (0, 10, 2) and
               path == "at lowering"):
-            continue  # that Shardy leaves a function of two callers unplaced
+            continue  # that Shardy places a function of two callers once
           self.assertEqual(sorted(seen, key=repr),
                            [(("x", None),), (("y", None),)])
           self.assertEqual(_collective_count(self.hlo(f, *args)), 0)
@@ -10262,9 +10276,9 @@ class AtLoweringTest(CPTestCase):
     over "y" (lowered again there), then a rank-2 op: each op after the
     second lowering is asked about its own operands, and every result is
     plain jax's."""
-    if JAXLIB_VERSION < (0, 7, 0):
-      self.skipTest("Shardy before jaxlib 0.7 leaves a function of two "
-                    "callers unplaced")
+    if JAXLIB_VERSION < (0, 10, 2):
+      self.skipTest("Shardy before jaxlib 0.10.2 places a function of two "
+                    "callers once (0.4.35 and 0.7.2: unplaced)")
     self.put_data((16, 8), None, (4, 2), ("x", "y"))
     rows = tuple(NamedSharding(self.m, P(a, None)) for a in ("x", "y"))
     args = [jax.device_put(self.xh, s) for s in rows]
@@ -10296,9 +10310,9 @@ class AtLoweringTest(CPTestCase):
     reshards, and each jit is lowered once per placement of its ops; also
     where each op is lowered apart (as jax 0.4.35 lowers equal
     equations), not through jax's cache of equal equations."""
-    if JAXLIB_VERSION < (0, 7, 0):
-      self.skipTest("Shardy before jaxlib 0.7 leaves a function of two "
-                    "callers unplaced")
+    if JAXLIB_VERSION < (0, 10, 2):
+      self.skipTest("Shardy before jaxlib 0.10.2 places a function of two "
+                    "callers once (0.4.35 and 0.7.2: unplaced)")
     self.put_data((16, 8), None, (4, 2), ("x", "y"))
     rows = [NamedSharding(self.m, P(a, None)) for a in ("x", "y", None)]
     args = [jax.device_put(self.xh, s) for s in rows]
@@ -10912,6 +10926,15 @@ class PallasTest(CPTestCase):
         with self.subTest(axes=axes, set_mesh=set_mesh, spec=spec), (
             jax.set_mesh(m) if set_mesh else contextlib.nullcontext()):
           x = jax.device_put(xh, NamedSharding(m, spec))
+          if axes == "Explicit":
+            try:
+              jax.jit(kernel_double)(x)
+            except Exception as e:  # noqa: BLE001 (only the one cause skips)
+              if "dynamic_update_slice" in str(e):
+                # jax 0.7.2's Pallas interpreter takes the typed operand
+                # and its own update refuses it: plain jax alike.
+                self.skipTest(f"{JAX}: Pallas's interpreter refuses the "
+                              f"typed operand (plain jax alike): {e}")
           np.testing.assert_allclose(jax.jit(op)(x), xh * 2.0)
           np.testing.assert_allclose(op(x), xh * 2.0)
           np.testing.assert_allclose(loss(x), want_grad, rtol=1e-6)

@@ -10002,6 +10002,25 @@ class AtLoweringTest(CPTestCase):
     self.assertEqual(self.seen, [(("x", None),)])
     np.testing.assert_allclose(f(self.x), self.xh * 2.0, rtol=1e-6)
 
+  def test_a_rewrite_jax_leaves_invalid_lowers_the_module_again(self):
+    """Where jax lowers a manual computation away from the op's call (jax
+    0.7.0 to 0.10.0), a rewrite in place leaves the module invalid: forced
+    there, the module is lowered a second time, partition asked once per
+    op, values right, no custom call."""
+    if _REPLACES_IN_PLACE or JAX_VERSION >= (0, 10, 1):
+      self.skipTest(f"{JAX} lowers a manual computation at the op's call")
+    self.enterContext(unittest.mock.patch.object(cp, "_REPLACES_IN_PLACE",
+                                                 True))
+    self.put_data((16, 8))
+    seen = []
+    op = _recording_rows_op(lambda v: v * 2.0 + 1.0, seen)
+    f = jax.jit(lambda x: jnp.sin(op(x)), in_shardings=self.s,
+                out_shardings=self.s)
+    np.testing.assert_allclose(f(self.x), np.sin(self.xh * 2.0 + 1.0),
+                               rtol=1e-6)
+    self.assertEqual(seen, [(("x", None),)])
+    self.assertOpLowered(f.lower(self.x).as_text())
+
   def test_equal_ops_share_one_lowered_per_shard_program(self):
     # jax lowers equal equations once and copies the custom call: each copy
     # lowering its own manual computation cost 4x a shard_map chain's time.

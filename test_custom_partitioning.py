@@ -9933,6 +9933,12 @@ class EagerFastPathTest(CPTestCase):
     np.testing.assert_allclose(op(np.asarray(xh)), xh * 2.0)
 
 
+# jax 0.9.1's jit raises IndivisibleError reading back a placement over
+# sub-axes that XLA's callbacks leave (as its foreign-mesh results, I.3).
+_SUB_AXES_0_9_1 = ("jax 0.9.1 cannot read back a placement over sub-axes "
+                   "after XLA's callbacks (IndivisibleError)")
+
+
 def _recording_rows_op(body, seen, rule="i j -> i j", asks=None):
   """``body`` row-wise; partition records the specs it is asked with and
   keeps the rows' sharding (or returns ``asks`` for every operand)."""
@@ -10532,6 +10538,8 @@ class AtLoweringTest(CPTestCase):
                     out_shardings=NamedSharding(m, P()))
     for path, context in self._paths():
       with self.subTest(path=path), context():
+        if path == "callbacks" and JAX_VERSION[:3] == (0, 9, 1):
+          self.skipTest(_SUB_AXES_0_9_1)
         seen = []
         body = lambda v: v * 2.0  # noqa: E731
 
@@ -10609,6 +10617,8 @@ class AtLoweringTest(CPTestCase):
         (d.id, str(s)) for d, s in placement.items())
     for path, context in self._paths():
       with self.subTest(path=path), context():
+        if path == "callbacks" and JAX_VERSION[:3] == (0, 9, 1):
+          self.skipTest(_SUB_AXES_0_9_1)
         seen = []
         body = lambda v: v * 2.0  # noqa: E731
 

@@ -10723,7 +10723,11 @@ class AtLoweringTest(CPTestCase):
         op.def_partition(partition, sharding_rule="i j -> i j")
         with ambient if how == "with" else mesh_context(ambient):
           f, plain = jax.jit(op), jax.jit(body)
-          out, want = f(self.x), plain(self.x)
+          try:
+            want = plain(self.x)
+          except ValueError as e:  # jax 0.5.0: context and aval meshes
+            self.skipTest(f"{JAX} refuses plain jax here too: {e}")
+          out = f(self.x)
           text = self.hlo(f, self.x)
           lowered = f.lower(self.x).as_text()
           for_tpu = _tpu_text(op, self.x) if path == "at lowering" else ""

@@ -10712,6 +10712,10 @@ class AtLoweringTest(CPTestCase):
       with self.subTest(mesh=dict(ambient.shape), how=how, path=path), (
           context()), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`
+        if (how == "set_mesh" and path == "at lowering" and
+            JAX_VERSION < (0, 5, 3)):
+          self.skipTest(f"{JAX}: an op under jax.sharding.use_mesh keeps "
+                        "XLA's callbacks (README's fallback list)")
         seen = []
         body = lambda v: v * 2.0  # noqa: E731
 

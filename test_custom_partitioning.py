@@ -10867,7 +10867,8 @@ class PallasTest(CPTestCase):
       self.skipTest(f"{JAX}: no Pallas ({e})")
     self.pl = pl
 
-  def kernel_op(self):
+  def double_kernel(self):
+    """A Pallas kernel (interpreted) that doubles its operand."""
     pl = self.pl
 
     def double(x):
@@ -10875,6 +10876,10 @@ class PallasTest(CPTestCase):
         o_ref[...] = x_ref[...] * 2.0
       return pl.pallas_call(kernel, interpret=True, out_shape=(
           jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
+    return double
+
+  def kernel_op(self):
+    double = self.double_kernel()
     op = custom_partitioning(double)
 
     def partition(mesh, arg_shapes, result_shape):
@@ -10926,13 +10931,7 @@ class PallasTest(CPTestCase):
     # (jax 0.10.2, 0.12.1), so a kernel on P("b", None) of a one-device
     # Explicit mesh cannot be typed; on one device the op is its body and
     # must run it, as on P(None, None) and on Auto axes.
-    pl = self.pl
-
-    def kernel_double(x):
-      def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...] * 2.0
-      return pl.pallas_call(kernel, interpret=True, out_shape=(
-          jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
+    kernel_double = self.double_kernel()
     # pallas_call has no reverse-mode rule; a kernel's author gives one.
     double = jax.custom_vjp(kernel_double)
     double.defvjp(lambda x: (kernel_double(x), None),

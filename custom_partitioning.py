@@ -2896,7 +2896,7 @@ def _check_per_shard(op: _Op, answer: _Answer, values: list,
     return True  # every result is sharded over every axis
   return _check_replicated_results(
       op.name, _open(closed), [v.spec for v in answer.args], specs,
-      _real_axes(on), _unreplicated(op, values, answer.args))
+      _real_axes(on), lambda: _unreplicated(op, values, answer.args))
 
 
 def _unreplicated(op: _Op, values: list, args: list) -> dict:
@@ -2955,7 +2955,8 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
   """Raises if a result replicated over one of ``axes`` (no size-1 axes)
   may vary over it; returns whether every such result was proven equal.
   ``in_specs``/``out_specs``: lower_fn's (None: unknown, which never raises);
-  ``why``: mesh axis -> a known cause, said in the error."""
+  ``why``: called only to raise, mesh axis -> a known cause, said in the
+  error."""
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -2972,7 +2973,7 @@ def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
             f"value differs between the devices along {axis!r}: it is computed "
             f"from an operand sharded over {axis!r} (or from axis_index) and "
             "no collective over that axis makes it equal."
-            f"{(why or {}).get(axis, '')} Likely fix: a missing"
+            f"{why().get(axis, '') if why else ''} Likely fix: a missing"
             f" jax.lax.psum/pmax/all_gather over {axis!r} in lower_fn, "
             f"or a result sharding over {axis!r}. If the value is equal by "
             "construction, pass check_vma=False to def_partition.")

@@ -1141,7 +1141,7 @@ class _PerSite:
       placements = []
       for i in indices:
         ahead[i] = ahead.get(i, -1) + 1
-        placements.append(lowering.placement(i, lowering.sites[i] + ahead[i]))
+        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
       entry = self.variants.get((key, repr(placements)))
       if entry is not None:
         for i, placement in zip(indices, placements):
@@ -1283,25 +1283,6 @@ class _Pass:
     # jax's caches reuse a lowering only where its ops are placed alike.
     self.per_site = _PerSite(self) if decided is not None and _per_site(
         decided) else None
-
-  def placement(self, index: int, site: int):
-    """Where propagation placed op ``index`` in its ``site``-th place."""
-    sites = self.decided.get(index) or [None]
-    return sites[min(site, len(sites) - 1)]
-
-  def placed(self, index: int):
-    """The placement of op ``index``'s next place, lowered now."""
-    site = self.sites.get(index, 0)
-    self.sites[index] = site + 1
-    placement = self.placement(index, site)
-    if self.per_site is not None:
-      self.per_site.lowered(index, placement)
-    return placement
-
-
-def _per_site(decided: dict) -> bool:
-  """Whether propagation placed some op differently in different places."""
-  return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
 
 _passes = threading.local()
@@ -1876,8 +1857,12 @@ class _Op:
   # content key; in one lowering it is one.
   config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
   # Partition request -> answer: the request holds every input not in the
-  # op's key (shapes, dtypes, shardings).
-  lowered: _LRU | None = dataclasses.field(default=None, metadata=_STATE)
+  # op's key (shapes, dtypes, shardings). At lowering a dict, living with
+  # the lowering (its op's placements: at most one entry per op); for
+  # XLA's callbacks, which may ask from several threads as long as an
+  # executable lives, a bounded _LRU (_register).
+  answers: dict | _LRU = dataclasses.field(default_factory=dict,
+                                           metadata=_STATE)
   mesh: Any = None  # place.mesh, what the callbacks see
   # Partitioned at lowering, not by XLA's callbacks (II.7).
   at_lowering: bool = dataclasses.field(default=False, metadata=_STATE)
@@ -1896,7 +1881,7 @@ def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
              static_args=getattr(static, "value", static),
              in_tree=params["in_tree"], out_tree=params["out_tree"],
              steps=params.get("transform", ()), place=place, mesh=place.mesh,
-             lowered=_LRU(256), **lowered)
+             **lowered)
 
 
 def _varying_axes(aval) -> frozenset | None:
@@ -1975,6 +1960,11 @@ def _propagated(module) -> dict:
           _placements_of(op.attributes, "sdy.sharding", len(op.results),
                          meshes)))
   return decided
+
+
+def _per_site(decided: dict) -> bool:
+  """Whether propagation placed some op differently in different places."""
+  return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
 
 def _manual_ops(module, lowering: _Pass) -> None:
@@ -2155,12 +2145,12 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   """The op as a manual computation of its per-shard program, placed as
   the first pass's propagation decided (unplaced: replicated); raises
   ``_KeepCallbacks`` where jax cannot lower that."""
-  # Equal ops of one lowering share one _Op, whose answers (op.lowered, by
+  # Equal ops of one lowering share one _Op, whose answers (op.answers, by
   # the placements asked) are a fresh partition's: the lowering's config
   # and equal parameters are one; they live and die with the lowering.
   key = _equal_ops_key(params, op)
   op = lowering.ops.setdefault(key, op)
-  decided = lowering.placed(index)
+  decided = _next_placement(lowering, index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
   operands, results = ([_decided_value(a, placed, op.mesh)
@@ -2170,7 +2160,7 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
   request = ("manual", *(tuple(str(v.hlo) if v.spec is None else v.spec
                                for v in side)
                          for side in (operands, results)))
-  program = op.lowered.get(request)
+  program = op.answers.get(request)
   if program is None:
     with _config_entered(op.config):
       if op.steps:  # seam: jax's transposition of a derived op (II.4)
@@ -2182,7 +2172,7 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
         # a jit of one caller only adds a tenth to its lowering.
         program = _manual_program(op, shard, jit=(
             lowering.repeated is None or key in lowering.repeated))
-    op.lowered.put(request, program)
+    op.answers[request] = program
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
            asked=_logged(operands, results))
@@ -2192,6 +2182,22 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
                                       for a in ctx.avals_in])
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+
+
+def _next_placement(lowering: _Pass, index: int):
+  """The placement of op ``index``'s next place, lowered now."""
+  site = lowering.sites.get(index, 0)
+  lowering.sites[index] = site + 1
+  placement = _placement(lowering, index, site)
+  if lowering.per_site is not None:
+    lowering.per_site.lowered(index, placement)
+  return placement
+
+
+def _placement(lowering: _Pass, index: int, site: int):
+  """Where propagation placed op ``index`` in its ``site``-th place."""
+  sites = lowering.decided.get(index) or [None]
+  return sites[min(site, len(sites) - 1)]
 
 
 def _equal_ops_key(params, op: _Op) -> tuple:
@@ -2211,18 +2217,18 @@ def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
   callbacks would be: as an HloSharding, and the PartitionSpec of that on
   ``mesh`` (the op's, whatever mesh Shardy named; None where no spec
   states it, as a sub-axis that is not a whole axis of ``mesh``)."""
-  ndim = len(aval.shape)
-
-  def decoded():
-    hlo = _hlo_of_sdy(placed, ndim)
-    return _decode_spec(hlo, mesh, ndim), hlo
-  spec, hlo = _decoded_placements.cached((placed, ndim, mesh), decoded)
+  spec, hlo = _decoded_placement(placed, len(aval.shape), mesh)
   return _Value(tuple(aval.shape), np.dtype(aval.dtype), spec, hlo)
 
 
 # Equal ops of a program share placements: each decoded once (jax's
-# decoding of an HloSharding costs more than the rest of reading it).
-_decoded_placements = _LRU()
+# decoding of an HloSharding costs more than the rest of reading it). The
+# answer is a function of the key alone (a placement, a rank, a mesh: all
+# values); jax's cache keeps 64 and is emptied by jax.clear_caches().
+@_jax.cache(max_size=_CACHE_SIZE, trace_context_in_key=False)
+def _decoded_placement(placed: _Sdy | None, ndim: int, mesh):
+  hlo = _hlo_of_sdy(placed, ndim)
+  return _decode_spec(hlo, mesh, ndim), hlo
 
 
 def _hlo_of_sdy(placed: _Sdy | None, ndim: int) -> _jax.HloSharding:
@@ -4338,6 +4344,7 @@ def _register(ctx, op: _Op, params) -> str:
   """Registers ``op`` under its key, which must tell apart ops that
   answer differently; returns the key."""
   _listen_to_compiles()
+  op = dataclasses.replace(op, answers=_LRU(256))
   if (_jax.compilation_cache_dir.value and  # keys by content (below)
       _jax.enable_compilation_cache.value):
     key = _content_key(ctx, op, params["call"])
@@ -4496,7 +4503,7 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
   request = (tuple((tuple(s.dimensions()), str(s.numpy_dtype()), str(h))
                    for s, h in zip(arg_shapes, arg_shardings)),
              str(result_shape), str(result_sharding))
-  hit = op.lowered.get(request)
+  hit = op.answers.get(request)
   if hit is not None:
     if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
       _debug_cached_partition(op, arg_shapes, arg_shardings, result_shape,
@@ -4513,7 +4520,7 @@ def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
     module = _per_shard_module(op, shard)
   answer = (module, [_hlo_of(v, on) for v in shard.args],
             _pack_hlo(result_shape, [_hlo_of(v, on) for v in shard.results]))
-  op.lowered.put(request, answer)
+  op.answers.put(request, answer)
   return answer
 
 
@@ -5822,7 +5829,10 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 #   _derived_rules  (infer, statics, shapes, mesh, config)  256     C
 #                   -> rule derived from infer (II.6)
 #   _rules_seen     thread -> rules derived meanwhile (II.6) threads -
-#   _Op.lowered     partition request -> XLA's answer       256/op  C
+#   _Op.answers     partition request -> XLA's answer (II.7) 256/op C
+#                   (at lowering: -> manual program; a dict of its lowering)
+#   _decoded_placement (Shardy placement, rank, mesh)       64      C
+#                   -> (PartitionSpec, HloSharding)
 #   _pending        thread -> (op, error) of its compile    threads P, F
 #   _registry       custom call key -> _Op (II.7)           weak    -
 #   _lowering_ops   lowering -> its ops by parameters (II.7) weak   -
@@ -5835,7 +5845,7 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 # op._programs, _derived and _derived_rules key on it; _registry's content
 # keys (II.7) hold
 # it by value, its other keys name an op of one lowering, which has one (so
-# do _Op.lowered's answers); _eager's jax.jit functions key on it themselves
+# do _Op.answers); _eager's jax.jit functions key on it themselves
 # and are built alike under any. _pending is no cache.
 #
 # C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:

@@ -612,10 +612,14 @@ class custom_partitioning:
         return run(base._replace(dyn_args=dyn))
       fn = jax.jit(call)
       _eager.put(key, fn)
-    if (not sharded and leaves is args.dyn_args and args.key == () and
-        not args.defaults_at and not args.static_argnums and
-        all(type(x.sharding) is _SingleDevice for x in leaves)):
-      self._fast = (_cache_epoch(), fn)  # the same key for every such call
+    if (leaves is args.dyn_args and args.key == () and
+        not args.defaults_at and not args.static_argnums):
+      # The key's ``sharded`` and ``mesh`` are functions of the operands'
+      # shardings: equal shardings, the same function (any device, where
+      # each operand is on one and none is sharded).
+      self._fast = (_cache_epoch(), fn, None if not sharded and all(
+          type(x.sharding) is _SingleDevice for x in leaves) else tuple(
+              x.sharding for x in leaves))
     return fn(*args.dyn_args)
 
   def _run_body(self, args: _CallArgs):
@@ -630,11 +634,20 @@ class custom_partitioning:
     if (fast is not None and not kwargs and
         len(args) == self._signature.plain and fast[0] is _cache_epoch() and
         _jax.trace_state_clean() and not _jax.disable_jit.value):
-      for x in args:
-        if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
-          break
+      want = fast[2]  # the operands' shardings, or None: each on one device
+      if want is None:
+        for x in args:
+          if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
+            break
+        else:
+          return fast[1](*args)
       else:
-        return fast[1](*args)
+        for x, s in zip(args, want):
+          if type(x) is not _ArrayImpl or (x.sharding is not s and
+                                           x.sharding != s):
+            break
+        else:
+          return fast[1](*args)
     if not self._defined:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "

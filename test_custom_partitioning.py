@@ -9903,7 +9903,7 @@ del CallbackMeshTest
 
 
 class EagerFastPathTest(CPTestCase):
-  """Eager calls of single-device arrays reuse one compiled function; what
+  """Eager calls of operands sharded alike reuse one compiled function; what
   would change the answer (a new def_partition, jax.clear_caches, a sharded
   operand, keywords, disable_jit, a trace) is seen."""
 
@@ -9931,6 +9931,36 @@ class EagerFastPathTest(CPTestCase):
       np.testing.assert_allclose(op(x), xh * 2.0)
     np.testing.assert_allclose(op(x * 1.0), xh * 2.0)
     np.testing.assert_allclose(op(np.asarray(xh)), xh * 2.0)
+
+  def test_operands_sharded_alike_reuse_the_function_and_others_do_not(self):
+    """An eager call remembers its operands' shardings: equal ones (a
+    one-device mesh's NamedSharding too) reuse its function; another
+    sharding, or a single-device array after a sharded call, takes its
+    own path (partition's lower_fn on several devices, fun on one)."""
+    body = lambda v: v * 2.0  # noqa: E731
+    op = custom_partitioning(body)
+    op.def_partition(lambda m, a, r: (m, lambda v: v * 3.0, a[0].sharding,
+                                      (a[0].sharding,)),
+                     sharding_rule="i j -> i j")
+    xh = _data((16, 4))
+    one = Mesh(np.array(jax.devices()[:1]), ("b",))
+    rows = jax.device_put(xh, NamedSharding(self.mesh(), P("x")))
+    for spec in (P(), P("b", None)):
+      with self.subTest(spec=spec):
+        x = jax.device_put(xh, NamedSharding(one, spec))
+        for _ in range(3):  # on one device the op is its body
+          np.testing.assert_allclose(op(x), xh * 2.0)
+        self.assertEqual(op._fast[2], (x.sharding,))
+        # Another mesh's rows: partition's lower_fn, not one's function.
+        np.testing.assert_allclose(op(rows), xh * 3.0)
+        self.assertEqual(op._fast[2], (rows.sharding,))
+        np.testing.assert_allclose(op(x), xh * 2.0)
+        self.assertEqual(op._fast[2], (x.sharding,))
+    single = jax.device_put(xh)
+    np.testing.assert_allclose(op(single), xh * 2.0)
+    self.assertIsNone(op._fast[2])  # any device, none sharded
+    np.testing.assert_allclose(op(x), xh * 2.0)  # one's axis named: its own
+    self.assertEqual(op._fast[2], (x.sharding,))
 
 
 # jax 0.9.1's jit raises IndivisibleError reading back a placement over

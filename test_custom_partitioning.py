@@ -9932,6 +9932,24 @@ class EagerFastPathTest(CPTestCase):
     np.testing.assert_allclose(op(x * 1.0), xh * 2.0)
     np.testing.assert_allclose(op(np.asarray(xh)), xh * 2.0)
 
+  def test_equal_shardings_take_the_fast_path(self):
+    """The remembered call is reused (not planned again) for operands on
+    one device, and for an equal sharding that is another object."""
+    op = custom_partitioning(lambda v: v * 2.0)
+    op.def_partition(sharding_rule="i j -> i j")
+    xh = _data((16, 4))
+    for make in (lambda a: jax.device_put(a),
+                 lambda a: jax.device_put(a, NamedSharding(Mesh(
+                     np.array(jax.devices()[:1]), ("b",)), P()))):
+      x, y = make(xh), make(xh * 3.0)
+      np.testing.assert_allclose(op(x), xh * 2.0)
+      fast = op._fast
+      np.testing.assert_allclose(op(x), xh * 2.0)
+      np.testing.assert_allclose(op(y), xh * 6.0)
+      self.assertIs(op._fast, fast)  # neither call planned anew
+    self.assertIsNot(y.sharding, x.sharding)
+    self.assertEqual(y.sharding, x.sharding)
+
   def test_operands_sharded_alike_reuse_the_function_and_others_do_not(self):
     """An eager call remembers its operands' shardings: equal ones (a
     one-device mesh's NamedSharding too) reuse its function; another

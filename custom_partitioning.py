@@ -612,7 +612,7 @@ class custom_partitioning:
         return run(base._replace(dyn_args=dyn))
       fn = jax.jit(call)
       _eager.put(key, fn)
-    if (leaves is args.dyn_args and args.key == () and
+    if (leaves is args.dyn_args and
         not args.defaults_at and not args.static_argnums):
       # The key's ``sharded`` and ``mesh`` are functions of the operands'
       # shardings: equal shardings, the same function (any device, where

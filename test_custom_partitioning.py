@@ -10001,6 +10001,21 @@ def _recording_rows_op(body, seen, rule="i j -> i j", asks=None):
   return op
 
 
+def _doubling_op_asking_replicated(seen, rule):
+  """``v * 2``, whose partition records the sharding its operand is asked
+  with (as given: a sub-axis placement has no PartitionSpec) and asks
+  every operand and result replicated."""
+  body = lambda v: v * 2.0  # noqa: E731
+
+  def partition(mesh, arg_shapes, result_shape):
+    seen.append(arg_shapes[0].sharding)
+    whole = NamedSharding(mesh, P())
+    return mesh, body, whole, (whole,)
+  op = custom_partitioning(body)
+  op.def_partition(partition, sharding_rule=rule)
+  return op
+
+
 def _tpu_text(fn, *args):
   """``fn`` jitted and lowered for TPU (which this machine lacks)."""
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
@@ -10596,14 +10611,7 @@ class AtLoweringTest(CPTestCase):
         if path == "callbacks" and JAX_VERSION[:3] == (0, 9, 1):
           self.skipTest(_SUB_AXES_0_9_1)
         seen = []
-        body = lambda v: v * 2.0  # noqa: E731
-
-        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
-          seen.append(arg_shapes[0].sharding)
-          whole = NamedSharding(mesh, P())
-          return mesh, body, whole, (whole,)
-        op = custom_partitioning(body)
-        op.def_partition(partition, sharding_rule="i j -> i j")
+        op = _doubling_op_asking_replicated(seen, "i j -> i j")
         f = jax.jit(lambda v, op=op: op(jnp.sin(v).reshape(2, 4)))
         out = f(a)
         np.testing.assert_allclose(out, np.sin(ah).reshape(2, 4) * 2.0,
@@ -10637,14 +10645,7 @@ class AtLoweringTest(CPTestCase):
     for path, context in self._paths():
       with self.subTest(path=path), context():
         seen = []
-        body = lambda v: v * 2.0  # noqa: E731
-
-        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
-          seen.append(arg_shapes[0].sharding)
-          whole = NamedSharding(mesh, P())
-          return mesh, body, whole, (whole,)
-        op = custom_partitioning(body)
-        op.def_partition(partition, sharding_rule="i -> i")
+        op = _doubling_op_asking_replicated(seen, "i -> i")
         f = jax.jit(lambda v, op=op: op(jnp.sin(v).reshape(2, 4)[1]))
         np.testing.assert_allclose(f(a), np.sin(ah[4:]) * 2.0, rtol=1e-6)
         self.assertTrue(seen)
@@ -10675,20 +10676,14 @@ class AtLoweringTest(CPTestCase):
         if path == "callbacks" and JAX_VERSION[:3] == (0, 9, 1):
           self.skipTest(_SUB_AXES_0_9_1)
         seen = []
-        body = lambda v: v * 2.0  # noqa: E731
-
-        def partition(mesh, arg_shapes, result_shape, seen=seen, body=body):
-          seen.append(arg_shapes[0].sharding.devices_indices_map((2, 4)))
-          whole = NamedSharding(mesh, P())
-          return mesh, body, whole, (whole,)
-        op = custom_partitioning(body)
-        op.def_partition(partition, sharding_rule="i j -> i j")
+        op = _doubling_op_asking_replicated(seen, "i j -> i j")
         f = jax.jit(lambda u, v, op=op: (op(jnp.sin(u).reshape(2, 4)),
                                          op(jnp.sin(v).reshape(2, 4))))
         for out, xh in zip(f(a, b), (ah, bh)):
           np.testing.assert_allclose(out, np.sin(xh).reshape(2, 4) * 2.0,
                                      rtol=1e-6)
-        self.assertEqual({repr(key(p)) for p in seen},
+        self.assertEqual({repr(key(s.devices_indices_map((2, 4))))
+                          for s in seen},
                          {repr(key(over_x)), repr(key(over_xy))})
 
   def test_axes_out_of_the_mesh_s_order_are_asked_as_placed(self):

@@ -2329,15 +2329,30 @@ def _partition(op: _Op, operands: list, results: list, on):
   answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_partition(op, operands, results, answer)
-  closed = _trace_lower_fn(op, answer)
-  if op.check_vma:  # seam: per-shard checks (II.1)
-    _check_per_shard(op, answer, operands + results, closed)
   # At lowering the per-shard code joins the program, callbacks and all
   # (jax 0.5.3 cannot lower a debug callback in a manual computation under
-  # Shardy; 0.7.2 can).
-  if (not op.at_lowering or _JAX_VERSION < (0, 7, 0)) and _calls_host(closed):
+  # Shardy; 0.7.2 can); from there, where no check reads its jaxpr,
+  # lower_fn is traced once, in its manual computation (I.6): a second
+  # trace cost a third of an op's lowering.
+  inside = op.at_lowering and _JAX_VERSION >= (0, 7, 0)
+  if inside and not op.steps and not answer.mesh.empty and (
+      not op.check_vma or _sharded_everywhere(answer)):
+    closed = None
+  else:
+    closed = _trace_lower_fn(op, answer)
+  if op.check_vma:  # seam: per-shard checks (II.1)
+    _check_per_shard(op, answer, operands + results, closed)
+  if not inside and _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
+
+
+def _sharded_everywhere(answer: _Answer) -> bool:
+  """Whether partition shards every result over every mesh axis (none
+  is replicated, so none can vary where it may not)."""
+  on = answer.on
+  return all(v.spec is not None and math.prod(
+      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
 
 
 def _replicated_as_needed(op: _Op, operands: list, results: list):
@@ -2465,7 +2480,8 @@ def _checked_answer(op: _Op, answer) -> tuple:
 class _Answer(NamedTuple):
   """``partition``'s answer, checked: the mesh ``lower_fn`` runs on, the
   mesh ``on`` of the specs, the shardings; once traced, the per-shard
-  program (``jaxpr``) XLA gets, with the shardings it takes and gives."""
+  program (``jaxpr``) XLA gets, with the shardings it takes and gives
+  (None at lowering where no check reads it: I.6 traces ``lower_fn``)."""
   mesh: Any
   on: Any
   lower_fn: Callable
@@ -2546,21 +2562,12 @@ class _ForeignMesh(ValueError):
 def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
   """``lower_fn`` traced on local shapes; its results checked against the
   shapes and dtypes ``partition``'s result shardings need."""
-  lower_fn, on = answer.lower_fn, answer.on
-  local_args = [_local_struct(v, on) for v in answer.args]
-  local_results = [_local_struct(v, on) for v in answer.results]
-  args = op.in_tree.unflatten(local_args)
-  try:
-    inspect.signature(lower_fn).bind(*args)
-  except TypeError as e:
-    raise TypeError(f"lower_fn of {op.name} cannot take the op's {len(args)} "
-                    f"operand(s): {e}.") from None
-  except ValueError:  # no signature to read (a builtin): let the call tell
-    pass
+  args = _lower_fn_args(op, answer.lower_fn,
+                        [_local_struct(v, answer.on) for v in answer.args])
   try:
     with _manual_scope(answer.mesh):
       closed, out_shape = jax.make_jaxpr(
-          lower_fn, axis_env=list(answer.mesh.shape.items()),
+          answer.lower_fn, axis_env=list(answer.mesh.shape.items()),
           return_shape=True)(*args)
       if getattr(closed, "is_high", False):  # jax 0.11.2 added hijax
         closed = _lojax(closed, answer.mesh)
@@ -2573,7 +2580,28 @@ def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
         "program's shardings are not NamedShardings and no mesh is set). "
         "Return a mesh over the op's devices, or use NamedSharding inputs, "
         "jax.set_mesh or `with mesh:`.") from e
-  got = jax.tree_util.tree_leaves(out_shape)
+  _check_lower_fn_results(op, answer, jax.tree_util.tree_leaves(out_shape))
+  return closed
+
+
+def _lower_fn_args(op: _Op, lower_fn: Callable, flat: list) -> tuple:
+  """The op's operands (``flat``, per shard) as ``lower_fn`` takes them;
+  a TypeError where its signature cannot."""
+  args = op.in_tree.unflatten(flat)
+  try:
+    inspect.signature(lower_fn).bind(*args)
+  except TypeError as e:
+    raise TypeError(f"lower_fn of {op.name} cannot take the op's {len(args)} "
+                    f"operand(s): {e}.") from None
+  except ValueError:  # no signature to read (a builtin): let the call tell
+    pass
+  return args
+
+
+def _check_lower_fn_results(op: _Op, answer: _Answer, got: list) -> None:
+  """Raises where ``lower_fn``'s results (``got``, flat) are not the per-shard
+  shapes and dtypes ``partition``'s result shardings need."""
+  local_results = [_local_struct(v, answer.on) for v in answer.results]
   if len(got) != len(local_results):
     raise ValueError(
         f"lower_fn of {op.name} returned {len(got)} outputs; the op has "
@@ -2584,7 +2612,6 @@ def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
           f"lower_fn of {op.name} returned result {i} with local shape "
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
-  return closed
 
 
 def _shard_count(entry, mesh) -> int:
@@ -2689,7 +2716,9 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
   (XLA pads uneven shards on the callback path; here jax does), jitted if
   ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
-  checked by jax's typing of shard_map (II.4's transposition needs it)."""
+  checked by jax's typing of shard_map (II.4's transposition needs it);
+  where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
+  its arguments and results checked as ``_trace_lower_fn`` does."""
   mesh, on = shard.mesh, shard.on
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
@@ -2711,8 +2740,16 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
     # derivative.
     return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
         jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
+
+  def traced(*xs):  # lower_fn traced here, once (I.5 did not)
+    args = _lower_fn_args(op, shard.lower_fn, list(xs))
+    got = [jax.numpy.asarray(y) for y in jax.tree_util.tree_leaves(
+        shard.lower_fn(*args))]
+    _check_lower_fn_results(op, shard, got)
+    return got
   mapped = _shard_map(
-      per_shard or _jax.jaxpr_as_fun(shard.jaxpr), mesh,
+      per_shard or (traced if shard.jaxpr is None else
+                    _jax.jaxpr_as_fun(shard.jaxpr)), mesh,
       tuple(spec(*v.spec) for v in shard.args),
       [spec(*v.spec) for v in shard.results], checked=per_shard is not None)
 
@@ -2907,15 +2944,15 @@ def _check_per_shard(op: _Op, answer: _Answer, values: list,
   ``values`` (operands, then results), would give wrong values: a reduction
   over padding, a replicated result that varies. Returns whether every
   result was proven equal along the axes it is replicated over."""
-  on, specs = answer.on, [v.spec for v in answer.results]
+  on = answer.on
   if op.sharding_rule is not None and _padded(answer.args, on):
     _check_even_reductions(op, values, answer.args, on)
-  if all(spec is not None and math.prod(_shard_count(e, on) for e in spec) ==
-         on.size for spec in specs):
-    return True  # every result is sharded over every axis
+  if _sharded_everywhere(answer):
+    return True
   return _check_replicated_results(
-      op.name, _open(closed), [v.spec for v in answer.args], specs,
-      _real_axes(on), lambda: _unreplicated(op, values, answer.args))
+      op.name, _open(closed), [v.spec for v in answer.args],
+      [v.spec for v in answer.results], _real_axes(on),
+      lambda: _unreplicated(op, values, answer.args))
 
 
 def _unreplicated(op: _Op, values: list, args: list) -> dict:

@@ -10071,6 +10071,37 @@ class AtLoweringTest(CPTestCase):
     self.assertEqual(self.seen, [(("x", None),)])
     np.testing.assert_allclose(f(self.x), self.xh * 2.0, rtol=1e-6)
 
+  def test_lower_fn_is_traced_in_its_manual_computation(self):
+    """lower_fn is traced once, in its manual computation: not first to a
+    jaxpr that shard_map then binds again (a third of an op's lowering),
+    except where a per-shard check reads that jaxpr (a result replicated
+    over an axis, check_vma on) or before jax 0.7."""
+    apart = 0 if JAX_VERSION >= (0, 7) else 1
+    for asks, check_vma, jaxprs in ((P("x", None), True, apart),
+                                    (P(), True, 1), (P(), False, apart)):
+      with self.subTest(asks=asks, check_vma=check_vma):
+        traced = []
+
+        def lower_fn(v):
+          traced.append(v.shape)
+          return v * 2.0
+
+        def partition(mesh, arg_shapes, result_shape, asks=asks,
+                      lower_fn=lower_fn):
+          s = NamedSharding(mesh, asks)
+          return mesh, lower_fn, s, (s,)
+        op = custom_partitioning(lambda v: v * 2.0)
+        op.def_partition(partition, sharding_rule="i j -> i j",
+                         check_vma=check_vma)
+        f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
+        with unittest.mock.patch.object(
+            cp, "_trace_lower_fn", wraps=cp._trace_lower_fn) as apart_:
+          self.assertOpLowered(f.lower(self.x).as_text())
+        self.assertEqual(apart_.call_count, jaxprs)
+        local = (2, 8) if asks == P("x", None) else (16, 8)
+        self.assertEqual(traced, [local])
+        np.testing.assert_allclose(f(self.x), self.xh * 2.0, rtol=1e-6)
+
   def test_a_rewrite_jax_leaves_invalid_lowers_the_module_again(self):
     """Where jax lowers a manual computation away from the op's call (jax
     0.7.0 to 0.10.0), a rewrite in place leaves the module invalid: forced

@@ -2347,14 +2347,6 @@ def _partition(op: _Op, operands: list, results: list, on):
   return answer, closed
 
 
-def _sharded_everywhere(answer: _Answer) -> bool:
-  """Whether partition shards every result over every mesh axis (none
-  is replicated, so none can vary where it may not)."""
-  on = answer.on
-  return all(v.spec is not None and math.prod(
-      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
-
-
 def _replicated_as_needed(op: _Op, operands: list, results: list):
   """``operands`` and ``results`` with every dimension of a factor the rule
   says needs replication unsharded (a compound one from that factor on):
@@ -2612,6 +2604,14 @@ def _check_lower_fn_results(op: _Op, answer: _Answer, got: list) -> None:
           f"lower_fn of {op.name} returned result {i} with local shape "
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
+
+
+def _sharded_everywhere(answer: _Answer) -> bool:
+  """Whether partition shards every result over every mesh axis (none
+  is replicated, so none can vary where it may not)."""
+  on = answer.on
+  return all(v.spec is not None and math.prod(
+      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
 
 
 def _shard_count(entry, mesh) -> int:

@@ -1413,8 +1413,9 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   # jax 0.5.0 renamed the module context's backend_or_name backend.
   op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
               backend=mc.backend if _JAX_VERSION >= (0, 5, 0)
-              else mc.backend_or_name, config=_config_values(),
-              at_lowering=lowering is not None)
+              else mc.backend_or_name, at_lowering=lowering is not None,
+              # At lowering partition runs on this thread, in this config.
+              config=None if lowering is not None else _config_values())
   # Shardy's verifier refuses a rule on an op without operands (where it
   # could only tie results together); partition still decides them all.
   rule_attr = None if rule_attr is None or not values else {
@@ -2307,7 +2308,7 @@ def _config_entered(values: tuple):
   the user's ``with`` did."""
   holders = _jax.config._value_holders
   with contextlib.ExitStack() as stack:
-    for name, value in values:
+    for name, value in values or ():  # None: the caller's, as it is
       if holders[name].value != value:
         stack.enter_context(holders[name](value))
     yield
@@ -4360,14 +4361,15 @@ def _fallback_call(ctx, params, op, values, rule, rule_attr, steps, name,
     rule_attr = {"sdy.sharding_rule": _rule_attr(
         rule, _rule_levels(params["call"], steps),
         isinstance(params["partition"], _FromRule))}
-  return _custom_call(ctx, dataclasses.replace(op, at_lowering=False),
-                      params, values, rule_attr)
+  return _custom_call(ctx, dataclasses.replace(
+      op, at_lowering=False, config=_config_values()), params, values,
+      rule_attr)
 
 
 def _keep_call(call, ctx, op, params) -> None:
   """Off TPU, a tagged custom call whose answer jax cannot lower as a
   manual computation stays, carrying its key for XLA's callbacks."""
-  op = dataclasses.replace(op, at_lowering=False)
+  op = dataclasses.replace(op, at_lowering=False, config=_config_values())
   call.attributes["backend_config"] = _jax.ir.StringAttr.get(
       _register(ctx, op, params))
 

@@ -10601,6 +10601,23 @@ class AtLoweringTest(CPTestCase):
         NotImplementedError, ["cannot be lowered for TPU", "no PartitionSpec"],
         _tpu_text, op, self.x)
 
+  def test_an_answer_kept_for_the_callbacks_runs_in_the_lowering_s_config(self):
+    """An op handed to XLA's callbacks at lowering carries the config it
+    was lowered in: compiled outside enable_x64, lower_fn still builds
+    jax's default integer of x64 (8 bytes wide, 4 without)."""
+    if not hasattr(cp, "_custom_call"):
+      self.skipTest("a copy without XLA's callbacks (II.7)")
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
+    op = custom_partitioning(lambda x: x)
+    s = NamedSharding(grid, P("q"))
+    op.def_partition(
+        lambda m, a, r: (m, lambda v: v + jnp.asarray(0).dtype.itemsize, s,
+                         (s,)), sharding_rule="i j -> i j")
+    with _x64():
+      lowered = jax.jit(op, in_shardings=self.s).lower(self.x)
+    self.assertIn("CustomSPMDPartitioning", lowered.as_text())
+    np.testing.assert_allclose(lowered.compile()(self.x), self.xh + 8)
+
   def test_the_switch_is_read_from_the_environment(self):
     code = """
     op = custom_partitioning(lambda v: v * 2.0)

@@ -2323,7 +2323,8 @@ def _shard_of(op: _Op, operands: list, results: list, on) -> _Answer:
 
 
 def _partition(op: _Op, operands: list, results: list, on):
-  """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced."""
+  """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced
+  (None: where ``_manual_program`` traces it)."""
   if isinstance(op.sharding_rule, SdyShardingRule) and (
       op.sharding_rule.need_replication_factors):
     operands, results = _replicated_as_needed(op, operands, results)
@@ -2336,8 +2337,8 @@ def _partition(op: _Op, operands: list, results: list, on):
   # lower_fn is traced once, in its manual computation (I.6): a second
   # trace cost a third of an op's lowering.
   inside = op.at_lowering and _JAX_VERSION >= (0, 7, 0)
-  if inside and not op.steps and not answer.mesh.empty and (
-      not op.check_vma or _sharded_everywhere(answer)):
+  if inside and not op.steps and (not op.check_vma or
+                                  _sharded_everywhere(answer)):
     closed = None
   else:
     closed = _trace_lower_fn(op, answer)

@@ -3817,7 +3817,7 @@ del FallbackTest
 
 class HostCallbackTest(CPTestCase):
 
-  def _run(self, lower_fn_src):
+  def _run(self, lower_fn_src, sharding="a[0].sharding"):
     code = textwrap.dedent("""
     from jax.experimental import io_callback
     hits = []
@@ -3827,7 +3827,7 @@ class HostCallbackTest(CPTestCase):
     """) + textwrap.dedent(lower_fn_src) + textwrap.dedent("""
     op = custom_partitioning(lambda x: x * 2)
     op.def_partition(
-        lambda m, a, r: (m, lower_fn, a[0].sharding, (a[0].sharding,)),
+        lambda m, a, r: (m, lower_fn, SHARDING, (SHARDING,)),
         infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
         sharding_rule="i j -> i j")
     try:
@@ -3840,7 +3840,7 @@ class HostCallbackTest(CPTestCase):
     except Exception as e:
       print("RESULT CLEAN_ERROR", type(e).__name__,
             str(e)[:200].replace(chr(10), " "))
-    """)
+    """).replace("SHARDING", sharding)
     out = _run_snippet(self, self.shardy, code)
     line = [l for l in out.splitlines() if l.startswith("RESULT")]
     self.assertTrue(line, out)
@@ -3862,6 +3862,15 @@ class HostCallbackTest(CPTestCase):
       jax.debug.callback(lambda v: hits.append(1), x)
       return x * 2
     """)
+
+  def test_debug_callback_with_a_replicated_result(self):
+    # The per-shard checks read lower_fn's jaxpr (a replicated result):
+    # traced apart, its callback still joins the program at lowering.
+    self._run("""
+    def lower_fn(x):
+      jax.debug.callback(lambda v: hits.append(1), x)
+      return x * 2
+    """, sharding="jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())")
 
   def test_pure_callback(self):
     self._run("""
@@ -4117,6 +4126,15 @@ class BadInputTest(CPTestCase):
     op = self.op(self.returning(lambda m, s: (m, lambda x: (x, x), s, (s,))))
     self.assertRaisesNaming(ValueError, ["lower_fn", "2 outputs"],
                             self.run_jit, op)
+
+  def test_lower_fn_taking_another_number_of_operands(self):
+    op = self.op(self.returning(lambda m, s: (m, lambda x, y: x, s, (s,))))
+    for path, context in (("at lowering", contextlib.nullcontext),
+                          ("callbacks", callback_path)):
+      with self.subTest(path=path), context():
+        self.assertRaisesNaming(
+            TypeError, ["lower_fn of sin cannot take the op's 1 operand(s)"],
+            self.run_jit, op)
 
   def test_lower_fn_wrong_local_shape(self):
     op = self.op(self.returning(lambda m, s: (m, lambda x: x[:1], s, (s,))))
@@ -10101,6 +10119,22 @@ class AtLoweringTest(CPTestCase):
         local = (2, 8) if asks == P("x", None) else (16, 8)
         self.assertEqual(traced, [local])
         np.testing.assert_allclose(f(self.x), self.xh * 2.0, rtol=1e-6)
+
+  def test_lower_fn_returning_numpy_values(self):
+    """A lower_fn may return numpy values, as jax.shard_map's body may:
+    float64 ones are jax's default float, as plain jax makes them."""
+    body = lambda v: jnp.ones_like(v)  # noqa: E731
+    op = custom_partitioning(body)
+    rows = NamedSharding(self.m, P("x", None))
+    op.def_partition(lambda m, a, r: (m, lambda v: np.ones((2, 8)), rows,
+                                      (rows,)), sharding_rule="i j -> i j")
+    for path, context in (("at lowering", contextlib.nullcontext),
+                          ("callbacks", callback_path)):
+      with self.subTest(path=path), context():
+        f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
+        out, want = f(self.x), jax.jit(body)(self.x)
+        self.assertEqual(out.dtype, want.dtype)
+        np.testing.assert_array_equal(out, want)
 
   def test_a_rewrite_jax_leaves_invalid_lowers_the_module_again(self):
     """Where jax lowers a manual computation away from the op's call (jax

@@ -36,7 +36,7 @@ is in the docstrings of ``custom_partitioning``, ``def_partition`` and
 
 Version
 -------
-1.6.1 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+1.6.2 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
 Every change a user can notice bumps it, in the same commit.
@@ -134,7 +134,7 @@ from typing import Any, NamedTuple
 import warnings
 import weakref
 
-__version__ = "1.6.1"
+__version__ = "1.6.2"
 __all__ = [  # jax's six names, then this module's own (III.2 adds two)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",

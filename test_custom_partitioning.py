@@ -41,6 +41,7 @@ import inspect
 import itertools
 import json
 import logging
+import operator
 import shutil
 import socket
 import subprocess
@@ -10136,6 +10137,20 @@ class AtLoweringTest(CPTestCase):
         self.assertEqual(out.dtype, want.dtype)
         np.testing.assert_array_equal(out, want)
 
+  def test_lower_fn_without_a_signature(self):
+    """A lower_fn whose signature Python cannot read (operator's
+    methodcaller) is called as it is, on both paths."""
+    op = custom_partitioning(lambda v: -v)
+    rows = NamedSharding(self.m, P("x", None))
+    op.def_partition(lambda m, a, r: (m, operator.methodcaller("__neg__"),
+                                      rows, (rows,)),
+                     sharding_rule="i j -> i j")
+    for path, context in (("at lowering", contextlib.nullcontext),
+                          ("callbacks", callback_path)):
+      with self.subTest(path=path), context():
+        f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
+        np.testing.assert_array_equal(f(self.x), -self.xh)
+
   def test_a_rewrite_jax_leaves_invalid_lowers_the_module_again(self):
     """Where jax lowers a manual computation away from the op's call (jax
     0.7.0 to 0.10.0), a rewrite in place leaves the module invalid: forced
@@ -10642,15 +10657,19 @@ class AtLoweringTest(CPTestCase):
     if not hasattr(cp, "_custom_call"):
       self.skipTest("a copy without XLA's callbacks (II.7)")
     grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
-    op = custom_partitioning(lambda x: x)
     s = NamedSharding(grid, P("q"))
-    op.def_partition(
-        lambda m, a, r: (m, lambda v: v + jnp.asarray(0).dtype.itemsize, s,
-                         (s,)), sharding_rule="i j -> i j")
-    with _x64():
-      lowered = jax.jit(op, in_shardings=self.s).lower(self.x)
-    self.assertIn("CustomSPMDPartitioning", lowered.as_text())
-    np.testing.assert_allclose(lowered.compile()(self.x), self.xh + 8)
+    # check_vma off: XLA's callbacks trace lower_fn whatever it returns.
+    for check_vma in (True, False):
+      with self.subTest(check_vma=check_vma):
+        op = custom_partitioning(lambda x: x)
+        op.def_partition(
+            lambda m, a, r: (m, lambda v: v + jnp.asarray(0).dtype.itemsize,
+                             s, (s,)), sharding_rule="i j -> i j",
+            check_vma=check_vma)
+        with _x64():
+          lowered = jax.jit(op, in_shardings=self.s).lower(self.x)
+        self.assertIn("CustomSPMDPartitioning", lowered.as_text())
+        np.testing.assert_allclose(lowered.compile()(self.x), self.xh + 8)
 
   def test_the_switch_is_read_from_the_environment(self):
     code = """

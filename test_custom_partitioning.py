@@ -297,6 +297,11 @@ def callback_path():
       os.environ["CUSTOM_PARTITIONING_AT_LOWERING"] = old[1]
 
 
+# Shardy's two paths for an op: each name, and a context manager entering it.
+_SHARDY_PATHS = (("at lowering", contextlib.nullcontext),
+                 ("callbacks", callback_path))
+
+
 def callbacks(test):
   """Marks a test (method) of the custom call itself: see CPTestCase."""
   test.callbacks = True
@@ -4130,8 +4135,7 @@ class BadInputTest(CPTestCase):
 
   def test_lower_fn_taking_another_number_of_operands(self):
     op = self.op(self.returning(lambda m, s: (m, lambda x, y: x, s, (s,))))
-    for path, context in (("at lowering", contextlib.nullcontext),
-                          ("callbacks", callback_path)):
+    for path, context in _SHARDY_PATHS:
       with self.subTest(path=path), context():
         self.assertRaisesNaming(
             TypeError, ["lower_fn of sin cannot take the op's 1 operand(s)"],
@@ -6053,8 +6057,7 @@ class PaddingInGradientsTest(CPTestCase):
       # Shardy gives a gradient of 10 rows (IndivisibleError; plain jax's
       # too).
       jit = functools.partial(jax.jit, out_shardings=NamedSharding(m, P()))
-      for path, ctx in (("at lowering", contextlib.nullcontext),
-                        ("callbacks", callback_path)):
+      for path, ctx in _SHARDY_PATHS:
         op, body = _shift_op()  # fresh: jax's caches ignore the path
         with ctx():
           for name, of in fns.items():
@@ -10129,8 +10132,7 @@ class AtLoweringTest(CPTestCase):
     rows = NamedSharding(self.m, P("x", None))
     op.def_partition(lambda m, a, r: (m, lambda v: np.ones((2, 8)), rows,
                                       (rows,)), sharding_rule="i j -> i j")
-    for path, context in (("at lowering", contextlib.nullcontext),
-                          ("callbacks", callback_path)):
+    for path, context in _SHARDY_PATHS:
       with self.subTest(path=path), context():
         f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
         out, want = f(self.x), jax.jit(body)(self.x)
@@ -10145,8 +10147,7 @@ class AtLoweringTest(CPTestCase):
     op.def_partition(lambda m, a, r: (m, operator.methodcaller("__neg__"),
                                       rows, (rows,)),
                      sharding_rule="i j -> i j")
-    for path, context in (("at lowering", contextlib.nullcontext),
-                          ("callbacks", callback_path)):
+    for path, context in _SHARDY_PATHS:
       with self.subTest(path=path), context():
         f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
         np.testing.assert_array_equal(f(self.x), -self.xh)
@@ -10411,8 +10412,7 @@ class AtLoweringTest(CPTestCase):
   @staticmethod
   def _paths():
     """Each path that partitions a Shardy op: its name and its context."""
-    return (("at lowering", contextlib.nullcontext),
-            ("callbacks", callback_path))
+    return _SHARDY_PATHS
 
   def test_each_place_of_a_shared_lowering_is_asked_apart(self):
     """jax lowers a jitted function once for all its callers (and, from
@@ -10685,12 +10685,6 @@ class AtLoweringTest(CPTestCase):
       self.assertIn("RESULT True", _run_snippet(self, True, code))
     if os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING") is None:
       self.assertIn("RESULT False", _run_snippet(self, True, code))
-
-  @staticmethod
-  def _paths():
-    """Shardy's two paths: (name, a context manager entering it)."""
-    return (("at lowering", contextlib.nullcontext),
-            ("callbacks", callback_path))
 
   def test_a_placement_over_sub_axes_is_asked_as_on_the_callbacks(self):
     """8 values over "x" (4 devices) reshaped to (2, 4): Shardy places the
@@ -11291,9 +11285,8 @@ class NeedReplicationTest(CPTestCase):
     if self.shardy:
       skip_without_special_factors(self, lambda: jax.jit(op_of(
           [], *variants["arg shardings"]))(x, y))
-    paths = (("at lowering", contextlib.nullcontext),
-             ("callbacks", callback_path)) if self.shardy else (
-                 ("callbacks", contextlib.nullcontext),)
+    paths = _SHARDY_PATHS if self.shardy else (
+        ("callbacks", contextlib.nullcontext),)
     for (name, variant), (path, context) in itertools.product(
         variants.items(), paths):
       if not self.shardy and name == "result_shape's":
@@ -11342,9 +11335,8 @@ class NeedReplicationTest(CPTestCase):
     if self.shardy:
       skip_without_special_factors(self, lambda: jax.jit(op_of([]))(
           jax.device_put(xh, NamedSharding(m, P("x")))))
-    paths = (("at lowering", contextlib.nullcontext),
-             ("callbacks", callback_path)) if self.shardy else (
-                 ("callbacks", contextlib.nullcontext),)
+    paths = _SHARDY_PATHS if self.shardy else (
+        ("callbacks", contextlib.nullcontext),)
     for spec, (path, context) in itertools.product(
         (P("x"), P(("x", "y"))), paths):
       x = jax.device_put(xh, NamedSharding(m, spec))

@@ -36,7 +36,7 @@ is in the docstrings of ``custom_partitioning``, ``def_partition`` and
 
 Version
 -------
-1.6.2 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+1.6.3 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
 Every change a user can notice bumps it, in the same commit.
@@ -134,7 +134,7 @@ from typing import Any, NamedTuple
 import warnings
 import weakref
 
-__version__ = "1.6.2"
+__version__ = "1.6.3"
 __all__ = [  # jax's six names, then this module's own (III.2 adds two)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
@@ -434,7 +434,12 @@ class custom_partitioning:
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
-    values (zeros on CPU in practice); XLA drops the results' padding. A
+    values (zeros on CPU in practice; at lowering zeros); XLA drops the
+    results' padding. Under ``jax.grad`` the transposed ``lower_fn`` sees
+    zeros as padding too, so a result that reads padding (the next shard's
+    first row, moved by ``ppermute``) is differentiated as the forward
+    computed it (a body infinite at zero, ``log``, still gives plain jax's
+    gradient, not NaN). A
     reduction over a padded dimension is refused (``check_vma``): shard it
     over axes that divide it, or mask the padding in ``lower_fn`` (from
     ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
@@ -1254,7 +1259,8 @@ def _lower(*args, **kwargs):
   if not first.count:
     return
   decided = _propagated(lowered.module)
-  asks = _per_site(decided) or not _REPLACES_IN_PLACE
+  asks = (_per_site(decided) or not _REPLACES_IN_PLACE or
+          _holds_dim_vars(first))
   if not asks:
     first.decided = decided
     try:
@@ -1272,6 +1278,18 @@ def _lower(*args, **kwargs):
   with _in_pass(_Pass(decided, first.rules)) as second:
     second.ops = first.ops  # partition asked once per op and placement
     yield asks
+
+
+def _holds_dim_vars(first: _Pass) -> bool:
+  """Whether a tagged op was lowered with dimension variables: the
+  platform index of a module lowered for several platforms, or shape
+  variables. jax lowers a rule into a function of its own and inlines it
+  (jax 0.10.2 and 0.12 alike); those variables are that function's
+  arguments, gone once it is inlined. A manual computation built later
+  on the kept rule context would read a value no longer in the module
+  (its verifier or the process's exit then crashes), so such a module is
+  lowered a second time, each op partitioned while jax lowers it."""
+  return any(ctx.dim_var_values for ctx, _, _ in first.tagged)
 
 
 class _Pass:
@@ -2714,13 +2732,15 @@ def _foreign_mesh_fails(mesh, op_mesh) -> bool:
 
 
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
-                    jit: bool = True) -> Callable:
+                    jit: bool = True, real_padding: bool = False) -> Callable:
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
   (XLA pads uneven shards on the callback path; here jax does), jitted if
   ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
   checked by jax's typing of shard_map (II.4's transposition needs it);
   where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
-  its arguments and results checked as ``_trace_lower_fn`` does."""
+  its arguments and results checked as ``_trace_lower_fn`` does. Uneven
+  operands are padded with zeros, or if ``real_padding`` (II.4's
+  transposition, where zeros give NaN) with copies of a real row."""
   mesh, on = shard.mesh, shard.on
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
@@ -2733,13 +2753,12 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
 
   def padded_to(x, shape):
     widths = [(0, p - s) for s, p in zip(x.shape, shape)]
-    if per_shard is None:  # XLA pads with unspecified values; here zeros
+    if not real_padding:  # XLA pads with unspecified values; here zeros
       return jax.numpy.pad(x, widths)
-    # Transposed: a copy of a real row as padding keeps 0 * inf out of the
-    # sums (its cotangent is zero); a constant copy, as a collective of
-    # lower_fn can move a real result's cotangent onto the padding (a
-    # shift), which must not reach the row copied: padding has no
-    # derivative.
+    # A copy of a real row as padding keeps 0 * inf out of the sums (its
+    # cotangent is zero); a constant copy, as a collective of lower_fn can
+    # move a real result's cotangent onto the padding (a shift), which
+    # must not reach the row copied: padding has no derivative.
     return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
         jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
 
@@ -3742,27 +3761,39 @@ class _Vjp(_Step):
     results = [set(copies(v)) for v in below.results]
     operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
-    # The transposition sums where the forward broadcast, cotangent times
-    # derivative: 0 * inf is NaN, so primals' padding is made real (where
-    # the body is finite), cotangents' zeroed.
+    # Padding (zeros, as the forward's) is what the transposition
+    # differentiates: a result that read it (a shift of the next shard's
+    # rows) has its derivative there. Cotangents' padding is zeroed.
     values = below.operands + below.results
     padded = _padded(values, answer.on)
 
     def vjp_fn(*xs):
-      xs = [_without_padding(x, v, answer.on, i < n) if padded else x
-            for i, (x, v) in enumerate(zip(xs, values))]
-      partial_fn, chosen = _masked(fn, xs[:n], self.mask)
+      def pullback_on(real: bool):  # primals' padding zeros, or a real row
+        primals = [_without_padding(x, v, answer.on, real) if padded else x
+                   for x, v in zip(xs[:n], below.operands)]
+        return _masked(fn, primals, self.mask)
+      partial_fn, chosen = pullback_on(False)
       shared = _collective_axes(_open(jax.make_jaxpr(partial_fn)(*chosen)),
                                 set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}
       kept_along = [tuple(a for a in r if a in shared) for r in results]
-      _, pullback = jax.vjp(partial_fn, *chosen)
-      grads = pullback(_on_one_copy(xs[n:], kept_along))
-      if padded:  # a first slice whose derivative is infinite
-        grads = _finite_padding(pullback, grads, _on_one_copy([
+      cts = _on_one_copy([_without_padding(ct, v, answer.on) if padded
+                          else ct for ct, v in zip(xs[n:], below.results)],
+                         kept_along)
+      grads = jax.vjp(partial_fn, *chosen)[1](cts)
+      if padded:
+        # The transposition sums where the forward broadcast, cotangent
+        # times derivative: on padding where the body is infinite (log 0)
+        # that is 0 * inf, NaN, which plain jax (no padding) never sums.
+        # There the pullback with a real slice as padding (where the body
+        # is finite) serves.
+        real_fn, real_chosen = pullback_on(True)
+        pullback = jax.vjp(real_fn, *real_chosen)[1]
+        fallback = _finite_padding(pullback, pullback(cts), _on_one_copy([
             _without_padding(ct, v, answer.on, True)
             for ct, v in zip(xs[n:], below.results)], kept_along))
+        grads = _where_nan(grads, fallback)
       psums = [tuple(a for a in axes if a in shared) for axes in operands]
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(grads, psums)]
@@ -3791,9 +3822,21 @@ def _transposed_program(op: _Op, operands: list, results: list):
   def per_shard(*xs):
     return jax.tree_util.tree_leaves(answer.lower_fn(*op.in_tree.unflatten(
         xs)))
-  fn = _manual_program(op, answer, per_shard, jit=False)
-  for level in _specs_up(levels, answer, closed)[1:]:
-    fn = level.step.transform(fn, level.entry)
+  up = _specs_up(levels, answer, closed)[1:]
+
+  def transformed(real_padding: bool):
+    fn = _manual_program(op, answer, per_shard, jit=False,
+                         real_padding=real_padding)
+    for level in up:
+      fn = level.step.transform(fn, level.entry)
+    return fn
+  # Padded as the forward (zeros), what the forward computed is what is
+  # differentiated; where that sums 0 * inf over padding (NaN: the body is
+  # infinite at 0), the program padded with a real row serves.
+  fn = transformed(False)
+  if _padded(answer.args + answer.results, answer.on):
+    fn = functools.partial(lambda zeros, real, *xs: _where_nan(
+        zeros(*xs), real(*xs)), fn, transformed(True))
   try:  # jax types lower_fn here, or the per-shard transposition serves
     with _no_ambient_mesh():
       jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.shape, v.dtype)
@@ -3817,6 +3860,15 @@ def _on_one_copy(cts: list, copies: list) -> list:
         jax.lax.axis_index(a) == 0 for a in axes])
     return jax.numpy.where(first, ct, jax.numpy.zeros_like(ct))
   return [kept(ct, axes) for ct, axes in zip(cts, copies)]
+
+
+def _where_nan(grads, fallback):
+  """``grads`` (a pytree), where NaN, ``fallback``'s (of the same leaves)."""
+  leaves, tree = jax.tree_util.tree_flatten(grads)
+  return tree.unflatten([
+      jax.numpy.where(jax.numpy.isnan(g), h, g)
+      if jax.numpy.issubdtype(g.dtype, jax.numpy.inexact) else g
+      for g, h in zip(leaves, jax.tree_util.tree_leaves(fallback))])
 
 
 def _finite_padding(pullback, grads: list, real_cts: list) -> list:

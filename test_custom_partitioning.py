@@ -78,6 +78,25 @@ from custom_partitioning import (
   str_to_sdy_sharding_rule,
 )
 
+# Every module the file rewrites in place is verified, in every test: a
+# rewrite that MLIR refuses (the module then lowered a second time) may
+# leave values dangling, which crashes the process later, at a
+# verification or at exit. CPTestCase fails a test during which one did.
+# (The author's errors, raised from partition, pass through.)
+_REWRITE_FAILURES: list = []
+
+
+def _verified_rewrite(module, lowering, _rewrite=cp._manual_ops):
+  try:
+    _rewrite(module, lowering)
+    module.operation.verify()
+  except _ir.MLIRError as e:
+    _REWRITE_FAILURES.append(e)
+    raise
+
+
+cp._manual_ops = _verified_rewrite
+
 HERE = os.path.dirname(os.path.abspath(__file__))  # holds the module
 
 
@@ -327,6 +346,8 @@ class CPTestCase(unittest.TestCase):
     super().setUp()
     if self.shardy is False and NO_GSPMD:
       self.skipTest(NO_GSPMD)
+    del _REWRITE_FAILURES[:]
+    self.addCleanup(self._no_failed_rewrite)
     if self.shardy is not None:
       old = jax.config.jax_use_shardy_partitioner
       jax.config.update("jax_use_shardy_partitioner", self.shardy)
@@ -334,6 +355,10 @@ class CPTestCase(unittest.TestCase):
     if self.callbacks or getattr(getattr(self, self._testMethodName),
                                  "callbacks", False):
       self.enterContext(callback_path())
+
+  def _no_failed_rewrite(self):
+    self.assertEqual(_REWRITE_FAILURES, [],
+                     "a module's in-place rewrite failed (_manual_ops)")
 
   @property
   def at_lowering(self):
@@ -6073,6 +6098,74 @@ class PaddingInGradientsTest(CPTestCase):
                 np.testing.assert_allclose(jit(of(sm, c))(xh), want,
                                            rtol=1e-6)
 
+  def test_a_product_with_the_next_row_sees_zeros_in_both_directions(self):
+    """Issue 71: ``y[i] = x[i] * x[i + 1]`` (``x[n] = 0``), whose lower_fn
+    takes the next shard's first row by ``ppermute`` and multiplies without
+    masking the padding. The forward pads with zeros; the transposed
+    program padded with a copy of the last real row, so ``jit(grad)`` was
+    off by ``ct[-1] * x[-1]``. Values are plain jax's, on both paths; with
+    even rows also jax.shard_map's of the same lower_fn."""
+    def body(x):
+      return x * jnp.concatenate([x[1:], jnp.zeros_like(x[:1])])
+
+    def lower_fn_on(n, axes):
+      def lower_fn(x):
+        nxt = jax.lax.ppermute(x[:1], axes, [(i, i - 1) for i in range(1, n)])
+        return x * jnp.concatenate([x[1:], nxt])
+      return lower_fn
+
+    def product_op(axes):
+      op = custom_partitioning(body)
+
+      def partition(mesh, arg_shapes, result_shape):
+        s = NamedSharding(mesh, P(axes, None))
+        n = int(np.prod([mesh.shape[a] for a in (
+            axes if isinstance(axes, tuple) else (axes,))]))
+        return mesh, lower_fn_on(n, axes), s, (s,)
+      op.def_partition(partition, sharding_rule="i j -> i j")
+      return op
+    fns = {
+        "value": lambda f, c: lambda x: f(c(x)),
+        "grad": lambda f, c: jax.grad(lambda x: (f(c(x)) * self.ct).sum()),
+        "value_and_grad": lambda f, c: lambda x: jax.value_and_grad(
+            lambda v: (f(c(v)) * self.ct).sum())(x)[1],
+        "vjp": lambda f, c: lambda x: jax.vjp(lambda v: f(c(v)), x)[1](
+            self.ct)[0],
+        "jvp": lambda f, c: lambda x: jax.jvp(lambda v: f(c(v)), (x,),
+                                              (self.ct,))[1],
+    }
+    cases = [((8,), ("x",), "x", 10, 16),
+             ((2, 4), ("x", "y"), ("x", "y"), 13, 16),
+             ((2, 4), ("x", "y"), "y", 7, 8)]
+    for shape, names, axes, uneven, even in cases:
+      m = self.mesh(shape, names)
+      c = functools.partial(jax.lax.with_sharding_constraint,
+                            shardings=NamedSharding(m, P(axes, None)))
+      jit = functools.partial(jax.jit, out_shardings=NamedSharding(m, P()))
+      for rows, (path, ctx) in itertools.product((uneven, even),
+                                                 _SHARDY_PATHS):
+        xh = np.cos(np.arange(rows * 3, dtype=np.float32)).reshape(rows, 3)
+        xh += 1.5
+        self.ct = np.sin(np.arange(rows * 3, dtype=np.float32)).reshape(
+            rows, 3)
+        op = product_op(axes)  # fresh: jax's caches ignore the path
+        with ctx():
+          for name, of in fns.items():
+            with self.subTest(mesh=shape, axes=axes, rows=rows, path=path,
+                              fn=name):
+              want = jax.jit(of(body, lambda x: x))(xh)
+              f = jit(of(op, c))
+              np.testing.assert_allclose(f(xh), want, rtol=1e-6, atol=1e-6)
+              self.assertOpLowered(f.lower(xh).as_text())
+              if rows == even:
+                n = int(np.prod(shape)) if isinstance(axes, tuple) else (
+                    m.shape[axes])
+                sm = shard_map(lower_fn_on(n, axes), mesh=m,
+                               in_specs=P(axes, None),
+                               out_specs=P(axes, None))
+                np.testing.assert_allclose(jit(of(sm, c))(xh), want,
+                                           rtol=1e-6, atol=1e-6)
+
 both_partitioners(PaddingInGradientsTest)
 del PaddingInGradientsTest
 
@@ -11412,6 +11505,98 @@ class ExportTest(CPTestCase):
 
 both_partitioners(ExportTest)
 del ExportTest
+
+
+# A program holding ops, lowered and exported for two platforms at once, in
+# a child (a corrupt module crashes the process: one test fails, not the
+# run). The child prints one line per case; {case} fills the placeholders.
+_MULTI_PLATFORM_CHILD = """
+import jax.export
+import custom_partitioning as cp
+from jax._src.lib.mlir import ir
+rewrite = cp._manual_ops
+def verified_rewrite(module, lowering):  # a failed rewrite fails the case
+  try:
+    rewrite(module, lowering)
+    module.operation.verify()
+  except ir.MLIRError as e:
+    raise SystemExit(f"in-place rewrite failed: {{e}}")
+cp._manual_ops = verified_rewrite
+if {callbacks}:
+  cp._PARTITION_AT_LOWERING = False
+platforms = {platforms!r}
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))  # Auto axes
+s2 = NamedSharding(mesh, P("x", "y"))
+a = jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) / 9, s2)
+body = lambda v: jnp.sin(v) * 2
+want = np.sin(np.asarray(a)) * 2 + 1
+for kind in ("partition", "rule-only"):
+  op = custom_partitioning(body)
+  if kind == "partition":
+    op.def_partition(
+        lambda m, args, res: (m, body, args[0].sharding, (args[0].sharding,)),
+        sharding_rule="i j -> i j")
+  else:
+    op.def_partition(sharding_rule="i j -> i j")
+  f = jax.jit(lambda v: op(v) + 1)
+  lowered = f.trace(a).lower(lowering_platforms=platforms)
+  module = lowered.compiler_ir()
+  module.operation.verify()
+  text = lowered.as_text()
+  assert ("CustomSPMDPartitioning" in text) == {callbacks}, text
+  assert ("sdy.manual_computation" in text) != {callbacks}, text
+  if {callbacks}:  # a custom call is not exportable: refused by name
+    try:
+      jax.export.export(f, platforms=platforms)(a)
+    except Exception as e:
+      assert "custom_partitioning" in str(e), e
+    else:
+      raise AssertionError("exported a custom call")
+    print(kind, "ok")
+    continue
+  exported = jax.export.export(f, platforms=platforms)(a)
+  assert exported.platforms == platforms, exported.platforms
+  assert "CustomSPMDPartitioning" not in exported.mlir_module()
+  try:  # serialize() needs flatbuffers, which jax does not install
+    exported = jax.export.deserialize(exported.serialize())
+  except ImportError:
+    pass
+  if "cpu" in platforms:
+    np.testing.assert_allclose(exported.call(a), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(f(a), want, rtol=1e-5, atol=1e-6)
+  print(kind, "ok")
+"""
+
+
+class MultiPlatformTest(CPTestCase):
+  """A program holding ops lowered and exported for several platforms (one
+  artifact served to CPU, GPU and TPU): the module verifies, holds no
+  custom call, and runs right on CPU; on XLA's callbacks (off TPU) it
+  lowers, and export is refused by name."""
+
+  shardy = True
+
+  def check(self, platforms, callbacks=False):
+    if NO_EXPORT:
+      self.skipTest(NO_EXPORT)
+    if callbacks and not hasattr(cp, "_custom_call"):
+      self.skipTest("a copy without XLA's callbacks (II.7)")
+    out = _run_snippet(self, True, _MULTI_PLATFORM_CHILD.format(
+        platforms=platforms, callbacks=callbacks), timeout=300)
+    self.assertEqual(out.split("\n")[-3:], ["partition ok", "rule-only ok",
+                                            ""])
+
+  def test_cpu_and_tpu(self):
+    self.check(("cpu", "tpu"))
+
+  def test_tpu_and_cpu(self):
+    self.check(("tpu", "cpu"))
+
+  def test_cpu_and_cuda(self):
+    self.check(("cpu", "cuda"))
+
+  def test_cpu_and_cuda_on_the_callbacks(self):
+    self.check(("cpu", "cuda"), callbacks=True)
 
 
 # --------------------------------------------------------------------------

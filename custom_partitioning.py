@@ -1608,6 +1608,12 @@ _TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or
 _REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
 
 
+# jax 0.5.3's shard_map types the platform index it hands its manual
+# computation when a module is lowered for several platforms; before, one
+# sharding short, MLIR refuses the module.
+_LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
+
+
 def _at_lowering(place: _Placement, platforms) -> str | None:
   """Why the op cannot be partitioned at lowering, or None if it can."""
   if not _SHARDY.value:
@@ -1628,6 +1634,10 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
             "(jax.sharding.use_mesh) around its per-shard code")
   if not (_PARTITION_AT_LOWERING or "tpu" in platforms):
     return "partitioning at lowering is off on this platform"
+  if len(platforms) > 1 and not _LOWERS_FOR_PLATFORMS:
+    return (f"jax {jax.__version__} cannot lower a manual computation for "
+            "several platforms at once (jax 0.5.3 can): lower for one "
+            "platform, or upgrade jax")
   return None
 
 

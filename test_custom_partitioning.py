@@ -11511,7 +11511,11 @@ del ExportTest
 # a child (a corrupt module crashes the process: one test fails, not the
 # run). The child prints one line per case; {case} fills the placeholders.
 _MULTI_PLATFORM_CHILD = """
-import jax.export
+try:  # jax.export imports absl before jax 0.8, which jax does not install
+  import jax.export
+  exports = True
+except ImportError:
+  exports = False
 import custom_partitioning as cp
 from jax._src.lib.mlir import ir
 rewrite = cp._manual_ops
@@ -11539,12 +11543,21 @@ for kind in ("partition", "rule-only"):
   else:
     op.def_partition(sharding_rule="i j -> i j")
   f = jax.jit(lambda v: op(v) + 1)
-  lowered = f.trace(a).lower(lowering_platforms=platforms)
+  try:
+    lowered = f.trace(a).lower(lowering_platforms=platforms)
+  except NotImplementedError as e:  # before jax 0.5.3, for TPU
+    assert "several platforms" in str(e), e
+    print(kind, "refused")
+    continue
   module = lowered.compiler_ir()
   module.operation.verify()
   text = lowered.as_text()
   assert ("CustomSPMDPartitioning" in text) == {callbacks}, text
   assert ("sdy.manual_computation" in text) != {callbacks}, text
+  if not exports:
+    np.testing.assert_allclose(f(a), want, rtol=1e-5, atol=1e-6)
+    print(kind, "ok")
+    continue
   if {callbacks}:  # a custom call is not exportable: refused by name
     try:
       jax.export.export(f, platforms=platforms)(a)
@@ -11577,14 +11590,17 @@ class MultiPlatformTest(CPTestCase):
   shardy = True
 
   def check(self, platforms, callbacks=False):
-    if NO_EXPORT:
-      self.skipTest(NO_EXPORT)
-    if callbacks and not hasattr(cp, "_custom_call"):
+    """Before jax 0.5.3, whose shard_map cannot be lowered for several
+    platforms, XLA's callbacks take the op off TPU; for TPU it is refused
+    by name."""
+    old = JAX_VERSION < (0, 5, 3)
+    if (callbacks or old) and not hasattr(cp, "_custom_call"):
       self.skipTest("a copy without XLA's callbacks (II.7)")
     out = _run_snippet(self, True, _MULTI_PLATFORM_CHILD.format(
-        platforms=platforms, callbacks=callbacks), timeout=300)
-    self.assertEqual(out.split("\n")[-3:], ["partition ok", "rule-only ok",
-                                            ""])
+        platforms=platforms, callbacks=callbacks or old), timeout=300)
+    want = "refused" if old and "tpu" in platforms else "ok"
+    self.assertEqual(out.split("\n")[-3:], [f"partition {want}",
+                                            f"rule-only {want}", ""])
 
   def test_cpu_and_tpu(self):
     self.check(("cpu", "tpu"))

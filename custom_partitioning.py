@@ -1353,10 +1353,10 @@ _jax.register_exclusion(__file__)
 
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   call, steps = params["call"], params.get("transform", ())
-  place, why = _partitioned_placement(ctx, steps)
+  name = _fun_name(call)
+  place, why = _partitioned_placement(ctx, steps, name)
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
-  name = _fun_name(call)
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
   if why_not is None:
@@ -1380,8 +1380,9 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if params["partition"] is None:
     raise ValueError(
         f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
-        "but its def_partition was given partition=None and no sharding_rule "
-        "to derive a partition from: give either.")
+        "but its def_partition was given partition=None, and no partition "
+        "is derived from a sharding_rule (none was given, or this copy of "
+        "the module was trimmed of rule-only ops): give either.")
   if lowering is not None and not all(map(math.prod, (
       a.shape for a in ctx.avals_in))):
     # XLA refuses a manual computation whose operands are empty (as it does
@@ -1469,9 +1470,9 @@ class _Placement(NamedTuple):
   whole: Any = None
 
 
-def _partitioned_placement(ctx, steps):
-  """``(placement, why)``: where the op runs, or None and why its body is
-  inlined. The mesh is the first known of: the enclosing shard_map's
+def _partitioned_placement(ctx, steps, name: str):
+  """``(placement, why)``: where op ``name`` runs, or None and why its body
+  is inlined. The mesh is the first known of: the enclosing shard_map's
   (manual axes typed Manual); one the caller gave on the program's devices
   (without them, one shaped as the program's abstract mesh); that abstract
   mesh on the devices; ``with mesh:``'s, maybe empty (upstream's only)."""
@@ -1489,6 +1490,17 @@ def _partitioned_placement(ctx, steps):
     place = _shard_map_placement(axis_context)
   elif devices is None:  # seam: jax did not say the devices (II.2)
     place = _placement_without_devices(axis_context, am, ctx.avals_in)
+  elif isinstance(axis_context, _jax.SPMDAxisContext) or devices is None:
+    # Reached only in a copy without II.2 (.ci/sections.py writes one).
+    where = ("inside a partly manual jax.shard_map"
+             if isinstance(axis_context, _jax.SPMDAxisContext) else
+             "where jax withholds the program's devices (inside another "
+             "primitive's lowering rule)")
+    raise NotImplementedError(
+        f"custom_partitioning op {name} cannot be lowered {where}: this "
+        f"copy of {__name__} was trimmed of its section II.2 (placements "
+        "off the plain path); call the op outside, or vendor a copy that "
+        "keeps II.2.")
   else:
     devices = tuple(devices)
     mesh = _caller_mesh(lambda m: tuple(m.devices.flat) == devices)

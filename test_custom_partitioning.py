@@ -7171,6 +7171,130 @@ class ImportTest(unittest.TestCase):
 
 
 # --------------------------------------------------------------------------
+# A trimmed copy keeps README's promises (.ci/sections.py's copy lanes)
+# --------------------------------------------------------------------------
+
+class TrimmedCopyTest(CPTestCase):
+  """What README's trimming table says a copy without a section does:
+  each test runs where the module lacks that section (the copies
+  ``.ci/sections.py --check`` writes, which run this class) and skips in
+  the whole file, whose own tests cover the section."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.m = CPTestCase.mesh()
+    cls.s = NamedSharding(cls.m, P("x"))
+    cls.xh = _data((16, 4))
+    cls.x = jax.device_put(cls.xh, cls.s)
+
+  def without(self, section, name):
+    """Skips unless the module lacks ``name``, one of ``section``'s."""
+    if hasattr(cp, name):
+      self.skipTest(f"the module holds {section} ({name})")
+
+  def partitioned(self):
+    """Skips where no op is partitioned: GSPMD without XLA's callbacks."""
+    if not self.shardy and not hasattr(cp, "_custom_call"):
+      self.skipTest("without XLA's callbacks (II.7) GSPMD partitions no op")
+
+  def test_without_ii1_a_forgotten_psum_is_not_refused(self):
+    self.without("II.1", "_check_per_shard")
+    self.partitioned()
+    op = custom_partitioning(lambda x: x.sum(0))
+    op.def_partition(
+        lambda m, a, r: (m, lambda v: v.sum(0), NamedSharding(m, P()),
+                         (NamedSharding(m, P("x")),)),
+        sharding_rule="i j -> j")
+    got = jax.jit(op)(self.x)  # each shard's sum, not the whole's
+    self.assertFalse(np.allclose(got, self.xh.sum(0)))
+
+  def test_without_ii2_an_op_in_a_partly_manual_shard_map_is_refused(self):
+    self.without("II.2", "_shard_map_placement")
+    if not HAS_AXIS_TYPE:
+      self.skipTest(f"{JAX}: a partly manual shard_map needs axis types")
+    mesh = Mesh(self.m.devices.reshape(2, 4), ("a", "b"))
+    f = jax.jit(shard_map(elementwise_op(), mesh=mesh, in_specs=P("a"),
+                          out_specs=P("a"), axis_names={"a"}))
+    self.assertRaisesNaming(
+        NotImplementedError, ["cannot be lowered inside a partly manual "
+                              "jax.shard_map", "trimmed"], f, self.xh)
+
+  def test_without_ii4_no_transformation_of_an_op(self):
+    self.without("II.4", "_Step")
+    op = elementwise_op()
+    for name, fn, arg in (
+        ("grad", jax.grad(lambda x: op(x).sum()), self.x),
+        ("jvp", lambda x: jax.jvp(op, (x,), (x,)), self.x),
+        ("vmap", jax.vmap(op), self.xh.reshape(2, 8, 4))):
+      with self.subTest(name), self.assertRaisesRegex(
+          NotImplementedError, "rule for 'custom_partitioning' not "
+          "implemented"):
+        jax.jit(fn)(arg)
+
+  def test_without_ii5_an_op_needs_a_partition(self):
+    self.without("II.5", "_partition_from_rule")
+    self.partitioned()
+    op = custom_partitioning(lambda x: x * 2.0)
+    op.def_partition(sharding_rule="i j -> i j")
+    self.assertRaisesNaming(ValueError, ["runs on 8 devices",
+                                         "partition=None", "rule-only"],
+                            jax.jit(op), self.x)
+
+  def test_without_ii6_a_gspmd_era_op_has_replicated_results(self):
+    self.without("II.6", "_derived_rule_attr")
+    if not self.shardy:
+      self.skipTest("the derived rule is Shardy's")
+    op = custom_partitioning(lambda x: x * 3.0)
+    op.def_partition(
+        lambda m, a, r: (m, lambda v: v * 3.0, a[0].sharding,
+                         (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+    f = jax.jit(op)
+    np.testing.assert_allclose(f(self.x), self.xh * 3.0)
+    self.assertNotIn("sdy.sharding_rule", f.lower(self.x).as_text())
+
+  def test_without_ii7_what_needs_xla_callbacks_raises(self):
+    self.without("II.7", "_custom_call")
+    named = NotImplementedError, ["cannot be lowered for cpu without XLA's "
+                                  "callbacks"]
+    if not self.shardy:
+      self.assertRaisesNaming(*named[:1], named[1] + ["GSPMD partitions"],
+                              jax.jit(elementwise_op()), self.x)
+      return
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
+    if hasattr(cp, "_shard_map_placement") and HAS_AXIS_TYPE:  # II.2's
+      with self.subTest("a partly manual shard_map"):
+        self.assertRaisesNaming(
+            *named[:1], named[1] + ["partly manual jax.shard_map"], jax.jit(
+                shard_map(elementwise_op(), mesh=grid, in_specs=P("p"),
+                          out_specs=P("p"), axis_names={"p"})), self.xh)
+    with self.subTest("an answer without a PartitionSpec"):
+      odd = NamedSharding(grid, P("q"))
+      op = custom_partitioning(lambda x: x * 2.0)
+      op.def_partition(lambda m, a, r: (m, lambda v: v * 2.0, odd, (odd,)),
+                       sharding_rule="i j -> i j")
+      self.assertRaisesNaming(*named[:1], named[1] + ["no PartitionSpec"],
+                              jax.jit(op, in_shardings=self.s), self.x)
+    with self.subTest("without a mesh"):
+      from jax._src.sharding_impls import GSPMDSharding
+      gs = GSPMDSharding(tuple(self.m.devices.flat),
+                         self.s._to_xla_hlo_sharding(2))
+      x = jax.device_put(self.xh, gs)
+      try:
+        jax.jit(lambda x: x + 1, in_shardings=gs, out_shardings=gs)(x)
+      except NotImplementedError as e:  # e.g. jax 0.4.35 under Shardy
+        self.skipTest(f"{JAX}: jit itself rejects GSPMDSharding here: {e}")
+      self.assertRaisesNaming(
+          *named[:1], named[1] + ["its mesh is unknown"], jax.jit(
+              elementwise_op(), in_shardings=gs, out_shardings=gs), x)
+
+
+both_partitioners(TrimmedCopyTest)
+del TrimmedCopyTest
+
+
+# --------------------------------------------------------------------------
 # The batched FFT (the module's demo op)
 # --------------------------------------------------------------------------
 

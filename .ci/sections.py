@@ -41,7 +41,7 @@ SEAM = re.compile(r"#.*\bseam:.*\((" + REMOVABLE + r")\)")
 # skipped in a copy without it (a test id containing one of the strings).
 CORE = ["ElementwiseTest", "FrontendTest", "ShardyRuleTest", "RuleToMlirTest",
         "FFTTest", "CallbackContractTest", "GspmdEraOpsTest", "AtLoweringTest",
-        "TransformTest",
+        "TransformTest", "TrimmedCopyTest",
         "HijaxTest", "ImportTest", "test_shard_map_all_axes_manual",
         "test_cholesky_batch_sharded_has_no_collective",
         "test_readme_quickstart_runs"]

@@ -6,8 +6,8 @@ Tests whose behaviour depends on the partitioner run once per partitioner:
 each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 ``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
 
-The whole file takes about two minutes on two cores (.ci/RESULTS.md says how
-long, when). Its time goes to XLA compiling each distinct program (a few tenths of
+The whole file takes several minutes on two cores, one partitioner's
+variants about half of it (.ci/RESULTS.md records CI's runs). Its time goes to XLA compiling each distinct program (a few tenths of
 a second each) and to starting child pythons (half a second or more each,
 about a fifth of the total): a new test should reuse programs its class
 already builds (setUpClass) and add its check to an existing child script
@@ -243,7 +243,8 @@ def _x64():
 # Releases without the path (no Explicit axis types, top-level shard_map
 # with check_vma, jax.sharding.reshard, or jax.set_mesh) keep the custom call.
 NO_EXPLICIT_PATH = (
-    None if cp._EXPLICIT_PATH and hasattr(jax, "set_mesh") else
+    None if getattr(cp, "_EXPLICIT_PATH", False) and hasattr(jax, "set_mesh")
+    else
     f"{JAX}: the Explicit-axes path needs Explicit axis types, jax.shard_map "
     "(check_vma), jax.sharding.reshard and jax.set_mesh (jax >= 0.7)")
 
@@ -340,7 +341,8 @@ class CPTestCase(unittest.TestCase):
     """Whether the test's ops are partitioned at lowering (Shardy's
     default), else by XLA's partition callback."""
     return bool(jax.config.jax_use_shardy_partitioner and
-                cp._PARTITION_AT_LOWERING and cp._PROPAGATES)
+                getattr(cp, "_PARTITION_AT_LOWERING", True) and
+                cp._PROPAGATES)
 
   @staticmethod
   def mesh(shape=(8,), names=("x",)):
@@ -3526,7 +3528,9 @@ class CallbackContractTest(CPTestCase):
       out = jax.jit(op)(x)
     np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
     # On the Explicit-axes path jax types the result; infer is not asked.
-    self._check_records(rec, m, typed_by_jax=cp._EXPLICIT_PATH)
+    # (A copy without the path, II.3, partitions Explicit axes as Auto.)
+    self._check_records(rec, m, typed_by_jax=getattr(cp, "_EXPLICIT_PATH",
+                                                     False))
 
   def test_with_mesh_context(self):
     op, rec = self._recording_op()
@@ -7047,13 +7051,17 @@ class ImportTest(unittest.TestCase):
     with open(cp.__file__) as f:
       source = f.read()
     used = set(re.findall(r"\b_jax\.([A-Za-z_]\w*)", source))
-    # Every release's names: a version branch in the table lists another
-    # release's name beside this one's.
-    table = source[source.index("_NAMES = {"):source.index("\n}\n")]
-    listed = {name.rstrip("?") for text in re.findall(r'"([^"]*)"', table)
+    # Every release's names: a version branch in a table lists another
+    # release's name beside this one's. _NAMES, and each extra's own table.
+    tables = dict(re.findall(r"\n(_\w*NAMES) = \{\n(.*?)\n\}\n", source,
+                             re.S))
+    self.assertEqual(sorted(tables), sorted(_names_tables()))
+    listed = {name.rstrip("?") for table in tables.values()
+              for text in re.findall(r'"([^"]*)"', table)
               for name in text.split()}
     self.assertEqual(used - listed, set())
-    self.assertLessEqual({name.rstrip("?") for names in cp._NAMES.values()
+    self.assertLessEqual({name.rstrip("?") for table in _names_tables().values()
+                          for names in table.values()
                           for name in names.split()}, listed)
 
   def test_the_import_warns_of_nothing(self):
@@ -13571,8 +13579,11 @@ class ReadmeTest(unittest.TestCase):
             "_src", "core", "extend", "interpreters", "experimental", "lib"))
     self.assertEqual(internal, [])
     self.assertIn("jax's stable API (`jax.jit`", " ".join(readme.split()))
-    private = {m: names.split() for m, names in cp._NAMES.items()
-               if m.startswith("jax._src.")}
+    private: dict = {}  # every table's (an extra's own too)
+    for table in _names_tables().values():
+      for m, names in table.items():
+        if m.startswith("jax._src."):
+          private.setdefault(m, []).extend(names.split())
     names, modules, newer = (int(n) for n in re.search(
         r"reads (\d+) names from (\d+) private `jax._src` modules "
         r"\((\d+) from jax 0\.12\.1\)", readme).groups())
@@ -13590,7 +13601,7 @@ class ReadmeTest(unittest.TestCase):
     """README's size of the minimal copy (``.ci/sections.py --write core``,
     where the tool is beside the tests) holds within 10%."""
     readme, _ = _readme()
-    size = int(re.search(r"\(and the imports only\s+they used\):\s+about\s+"
+    size = int(re.search(r"[Tt]he\s+minimal\s+copy\*\*\s+\(`--write\s+core\s+DIR`,\s+about\s+"
                          r"([\d,]+) lines", readme).group(1).replace(",", ""))
     sections = _sections_tool()
     if sections is None:
@@ -13697,6 +13708,12 @@ class ReadmeTest(unittest.TestCase):
                               readme).groups()
     if given is None:
       self.assertIn(f'"--repeat", type=int, default={repeat})', bench)
+
+
+def _names_tables():
+  """The module's tables of jax's names: ``_NAMES``, and each extra's."""
+  return {name: table for name, table in vars(cp).items()
+          if name.endswith("_NAMES") and isinstance(table, dict)}
 
 
 def _jax_dotted_names(source):

@@ -336,10 +336,10 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:  # seam: used by (II.7, III.2)
 # order: decorator and bind, primitive, the module's lowering (in place),
 # the op's lowering rule, placements from Shardy, asking ``partition``, the
 # per-shard program as a manual computation; each helper beside its first
-# user; ``jit(op)(x)`` stays in this part, but for the checks of II.1,
-# entered from I.5 (``check_vma``, on by default). Every
-# extra joins it at a line marked ``# seam:`` naming its section of Part II
-# (``grep -n "seam:"``). A version branch stands beside its owner and
+# user; ``jit(op)(x)`` stays in this part.
+# It leaves it only for the per-shard checks, entered from I.5 (II.1).
+# Every extra joins it at a line marked ``# seam:`` naming its section of
+# Part II (``grep -n "seam:"``). A version branch stands beside its owner and
 # names the release that forced it (``grep -n "jax 0\."``): Python
 # internals are gated on jax's version, C++ bindings (Shardy, XLA) on
 # jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1). Unbranched private names
@@ -1082,8 +1082,8 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # Where jax lowered one op once for places Shardy placed apart (a function
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
-# jax's lowering caches reused only where the ops are placed alike
-# (``_PerSite``). No custom call, and no Python while XLA compiles. Where
+# jax's lowering caches reused only where the ops are placed alike (II.9).
+# No custom call, and no Python while XLA compiles. Where
 # that cannot be done (the release gates, I.3), the op's lowering raises
 # ``NotImplementedError`` saying why.
 # Off TPU, XLA's callbacks partition such an op instead (II.7).
@@ -1124,111 +1124,6 @@ def _to_lojax(*args, call, **params):
         f"must be arrays, not hijax types ({high[0]}); hijax primitives "
         "inside fun and lower_fn are supported.")
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
-
-
-class _PerSite:
-  """The second pass's view of jax's lowering caches (of equal equations,
-  of called functions) where one op was placed differently in different
-  places: an entry whose lowering lowered ops is reused only where those
-  ops are placed as there; elsewhere it is lowered again, its ops under
-  their first pass's indices, and kept too."""
-
-  def __init__(self, lowering: _Pass):
-    self.lowering = lowering
-    self.start = None  # the index when installed
-    self.since = []  # (index, placement) of each op lowered since then
-    self.open: dict = {}  # key -> the same, since its lowering began
-    self.starts: dict = {}  # key -> the index its lowering began at
-    # key -> (index of its first op, one past its last, its ops' indices)
-    self.spans: dict = {}
-    self.variants: dict = {}  # (key, its ops' placements) -> entry
-    self.resume: dict = {}  # key -> the index to go on from, lowered again
-    self.module = None  # the module being lowered when installed
-
-  def install(self, mc):
-    if mc.module is not self.module:
-      # A copy of this file of another protocol version, wrapping the
-      # shared lowering, keeps this pass over two lowerings of the module:
-      # the first's entries are functions of another module.
-      self.__init__(self.lowering)
-      self.module = mc.module
-    if self.start is None:
-      self.start = self.lowering.count
-    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
-    for name in ("lowering_cache", "cached_primitive_lowerings"):
-      cache = getattr(mc, name, None)
-      if cache is not None and not isinstance(cache, _SiteCache):
-        setattr(mc, name, _SiteCache(cache, self, name))
-
-  def lowered(self, index: int, placement):
-    for frame in (self.since, *self.open.values()):
-      frame.append((index, placement))
-
-  def missed(self, key):
-    """The entry for ``key`` where its ops are placed as here, or None
-    (then jax lowers it here)."""
-    lowering = self.lowering
-    span = self.spans.get(key)
-    if span is not None:
-      first, end, indices = span
-      ahead: dict = {}
-      placements = []
-      for i in indices:
-        ahead[i] = ahead.get(i, -1) + 1
-        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
-      entry = self.variants.get((key, repr(placements)))
-      if entry is not None:
-        for i, placement in zip(indices, placements):
-          lowering.sites[i] += 1
-          self.lowered(i, placement)
-        lowering.count = max(lowering.count, end)
-        return entry
-      self.resume[key] = lowering.count
-      lowering.count = first
-    self.starts[key] = lowering.count
-    self.open[key] = []
-    return None
-
-  def put(self, key, entry) -> bool:
-    """Whether the entry for ``key`` lowered ops (then it is kept here,
-    by their placements, and not in jax's cache)."""
-    lowering = self.lowering
-    # Entries being lowered when installed began before any op.
-    first = self.starts.pop(key, self.start)
-    frame = self.open.pop(key, None)
-    frame = list(self.since) if frame is None else frame
-    if not frame:
-      return False
-    self.spans.setdefault(key, (first, lowering.count,
-                                [i for i, _ in frame]))
-    self.variants[key, repr([p for _, p in frame])] = entry
-    lowering.count = max(lowering.count,
-                         self.resume.pop(key, lowering.count))
-    return True
-
-
-class _SiteCache(dict):
-  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
-
-  def __init__(self, entries: dict, sites: _PerSite, name: str):
-    super().__init__(entries)
-    self.sites, self.name = sites, name
-
-  def get(self, key, default=None):
-    if key in self:
-      return dict.__getitem__(self, key)
-    entry = self.sites.missed((self.name, key))
-    return default if entry is None else entry
-
-  def __missing__(self, key):
-    entry = self.sites.missed((self.name, key))
-    if entry is None:
-      raise KeyError(key)
-    return entry
-
-  def __setitem__(self, key, entry):
-    if not self.sites.put((self.name, key), entry):
-      dict.__setitem__(self, key, entry)
 
 
 def _abstract_eval(*avals, call, **_):
@@ -1275,7 +1170,9 @@ def _lower(*args, **kwargs):
   if not first.count:
     return
   decided = _propagated(lowered.module)
-  asks = _per_site(decided) or not _REPLACES_IN_PLACE
+  asks = not _REPLACES_IN_PLACE
+  if _per_site(decided):  # seam: ops placed apart (II.9)
+    asks = True
   if not asks:
     first.decided = decided
     try:
@@ -1315,8 +1212,9 @@ class _Pass:
     # Where propagation placed one op differently in different places (a
     # function of several callers, equal ops: jax lowers them once),
     # jax's caches reuse a lowering only where its ops are placed alike.
-    self.per_site = _PerSite(self) if decided is not None and _per_site(
-        decided) else None
+    self.per_site = (  # seam: ops placed apart (II.9)
+        _PerSite(self) if decided is not None and _per_site(decided) else
+        None)
 
 
 _passes = threading.local()
@@ -1401,7 +1299,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     # that propagation places around the body XLA will see.
     return _lowered_body(ctx, call, "an operand is empty", values)
   lowering = _current_pass()
-  if lowering.per_site is not None:
+  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
     lowering.per_site.install(mc)
   index, lowering.count = lowering.count, lowering.count + 1
   if lowering.decided is None:
@@ -1724,7 +1622,7 @@ def _rule_attr(rule, levels: list, one_size: bool):
   sizes, dims = _resolve_rule(
       rule, [v.shape for v in bottom.operands + bottom.results], n, one_size)
   ops, res, reduction = dims[:n], dims[n:], list(rule.reduction_factors)
-  for level in levels[1:]:
+  for level in levels[1:]:  # seam: a derived op's steps (II.4)
     ops, res, reduction = level.step.rule_up(level, sizes, ops, res, reduction)
   return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
                               rule.need_replication_factors,
@@ -1892,13 +1790,14 @@ class _Op:
   steps: tuple  # of _Step: from the author's op to this one
   place: _Placement
   # Per operand and result: the manual axes it varies over, if tracked.
-  varying: tuple = ((), ())
+  varying: tuple = ((), ())  # seam: used by (II.4, II.7)
   platforms: Any = None
   backend: Any = None
   # jax's config where the op was lowered, which partition and lower_fn run
   # under on XLA's thread (None: the caller's). Its keyed part is in the
   # content key; in one lowering it is one.
-  config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
+  config: tuple | None = dataclasses.field(  # seam: (II.7)
+      default=None, metadata=_STATE)
   # Partition request -> answer: the request holds every input not in the
   # op's key (shapes, dtypes, shardings). At lowering a dict, living with
   # the lowering (its op's placements: at most one entry per op); for
@@ -2012,7 +1911,7 @@ def _propagated(module) -> dict:
   return decided
 
 
-def _per_site(decided: dict) -> bool:
+def _per_site(decided: dict) -> bool:  # seam: used by (II.9)
   """Whether propagation placed some op differently in different places."""
   return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
@@ -2238,7 +2137,7 @@ def _next_placement(lowering: _Pass, index: int):
   site = lowering.sites.get(index, 0)
   lowering.sites[index] = site + 1
   placement = _placement(lowering, index, site)
-  if lowering.per_site is not None:
+  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
     lowering.per_site.lowered(index, placement)
   return placement
 
@@ -2471,7 +2370,8 @@ def _checked_answer(op: _Op, answer) -> tuple:
   if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
     raise TypeError(f"{where} returned a mesh of type {type(mesh).__name__}; "
                     "expected a jax.sharding.Mesh.")
-  if op.place.auto is not None:  # collectives name the whole program's devices
+  if op.place.auto is not None:  # seam: a partly manual shard_map (II.2)
+    # Collectives name the whole program's devices.
     return op.place.whole, lower_fn, out_shardings, in_shardings
   real = not mesh.empty  # an empty mesh is the op's
   if real and isinstance(mesh, _jax.Mesh) and set(mesh.devices.flat) != set(
@@ -2553,9 +2453,10 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and callback != "partition" and isinstance(
-        sharding, jax.sharding.NamedSharding) and not on.empty and (
-            dict(sharding.mesh.shape) != dict(on.shape)):
+    if (  # seam: infer's and propagate's (II.3, II.4, II.6, II.7)
+        spec is None and callback != "partition" and isinstance(
+            sharding, jax.sharding.NamedSharding) and not on.empty and
+        dict(sharding.mesh.shape) != dict(on.shape)):
       # (A renamed mesh of the op's shape decodes: it places alike.)
       raise _ForeignMesh(
           f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
@@ -2571,7 +2472,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
   return out
 
 
-class _ForeignMesh(ValueError):
+class _ForeignMesh(ValueError):  # seam: used by (II.3, II.4, II.6, II.7)
   """A callback answered on a mesh other than the one it was given."""
 
 
@@ -5112,6 +5013,130 @@ def _debug_propagate(  # seam: used by (II.7)
   _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
          mesh=op.mesh, asked=_logged(results=users), by=by,
          answered=_logged(results=users if answer is None else answer))
+
+
+# --------------------------------------------------------------------------
+# II.9 Ops placed apart: one lowering per place
+#
+# jax lowers a function of several callers once, and equal equations once
+# (its lowering caches, ``ModuleContext.lowering_cache`` and
+# ``cached_primitive_lowerings``), but Shardy may place each place of such
+# an op apart; one module cannot hold both. ``_lower`` then asks for a
+# second lowering, in which the two caches are wrapped (``_SiteCache``): an
+# entry whose lowering lowered ops is reused only where those ops are
+# placed as there, and is lowered again elsewhere, its ops under their
+# first lowering's indices (``_PerSite``). A copy without this section
+# partitions such an op as its first place asks (XLA reshards at the
+# others). jax reads the two caches with ``.get(key, default)``, ``[key]``
+# (a miss raising ``KeyError``, which ``__missing__`` answers) and writes
+# them with ``[key] = entry``, nothing else (in ``mlir.py`` and ``pjit.py``,
+# 0.4.36 to 0.12.1; jax 0.4.35 has no lowering_cache): what ``_SiteCache``
+# overrides, and what ``SiteCacheTest`` reads jax's source for.
+# --------------------------------------------------------------------------
+
+class _PerSite:
+  """The second pass's view of jax's lowering caches (of equal equations,
+  of called functions) where one op was placed differently in different
+  places: an entry whose lowering lowered ops is reused only where those
+  ops are placed as there; elsewhere it is lowered again, its ops under
+  their first pass's indices, and kept too."""
+
+  def __init__(self, lowering: _Pass):
+    self.lowering = lowering
+    self.start = None  # the index when installed
+    self.since = []  # (index, placement) of each op lowered since then
+    self.open: dict = {}  # key -> the same, since its lowering began
+    self.starts: dict = {}  # key -> the index its lowering began at
+    # key -> (index of its first op, one past its last, its ops' indices)
+    self.spans: dict = {}
+    self.variants: dict = {}  # (key, its ops' placements) -> entry
+    self.resume: dict = {}  # key -> the index to go on from, lowered again
+    self.module = None  # the module being lowered when installed
+
+  def install(self, mc):
+    if mc.module is not self.module:
+      # A copy of this file of another protocol version, wrapping the
+      # shared lowering, keeps this pass over two lowerings of the module:
+      # the first's entries are functions of another module.
+      self.__init__(self.lowering)
+      self.module = mc.module
+    if self.start is None:
+      self.start = self.lowering.count
+    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
+    for name in ("lowering_cache", "cached_primitive_lowerings"):
+      cache = getattr(mc, name, None)
+      if cache is not None and not isinstance(cache, _SiteCache):
+        setattr(mc, name, _SiteCache(cache, self, name))
+
+  def lowered(self, index: int, placement):
+    for frame in (self.since, *self.open.values()):
+      frame.append((index, placement))
+
+  def missed(self, key):
+    """The entry for ``key`` where its ops are placed as here, or None
+    (then jax lowers it here)."""
+    lowering = self.lowering
+    span = self.spans.get(key)
+    if span is not None:
+      first, end, indices = span
+      ahead: dict = {}
+      placements = []
+      for i in indices:
+        ahead[i] = ahead.get(i, -1) + 1
+        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
+      entry = self.variants.get((key, repr(placements)))
+      if entry is not None:
+        for i, placement in zip(indices, placements):
+          lowering.sites[i] += 1
+          self.lowered(i, placement)
+        lowering.count = max(lowering.count, end)
+        return entry
+      self.resume[key] = lowering.count
+      lowering.count = first
+    self.starts[key] = lowering.count
+    self.open[key] = []
+    return None
+
+  def put(self, key, entry) -> bool:
+    """Whether the entry for ``key`` lowered ops (then it is kept here,
+    by their placements, and not in jax's cache)."""
+    lowering = self.lowering
+    # Entries being lowered when installed began before any op.
+    first = self.starts.pop(key, self.start)
+    frame = self.open.pop(key, None)
+    frame = list(self.since) if frame is None else frame
+    if not frame:
+      return False
+    self.spans.setdefault(key, (first, lowering.count,
+                                [i for i, _ in frame]))
+    self.variants[key, repr([p for _, p in frame])] = entry
+    lowering.count = max(lowering.count,
+                         self.resume.pop(key, lowering.count))
+    return True
+
+
+class _SiteCache(dict):
+  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
+
+  def __init__(self, entries: dict, sites: _PerSite, name: str):
+    super().__init__(entries)
+    self.sites, self.name = sites, name
+
+  def get(self, key, default=None):
+    if key in self:
+      return dict.__getitem__(self, key)
+    entry = self.sites.missed((self.name, key))
+    return default if entry is None else entry
+
+  def __missing__(self, key):
+    entry = self.sites.missed((self.name, key))
+    if entry is None:
+      raise KeyError(key)
+    return entry
+
+  def __setitem__(self, key, entry):
+    if not self.sites.put((self.name, key), entry):
+      dict.__setitem__(self, key, entry)
 
 
 # ==========================================================================

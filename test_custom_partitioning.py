@@ -8253,6 +8253,73 @@ def _copy2():
   return _COPY2[0]
 
 
+class SiteCacheTest(unittest.TestCase):
+  """Ops placed apart (II.9) wrap jax's two lowering caches in a dict
+  subclass, ``_SiteCache``, answering ``.get(key, default)``, ``[key]``
+  (a miss through ``__missing__``) and ``[key] = entry``: what it answers,
+  and that jax reads and writes the caches no other way, on the running
+  release."""
+
+  CACHES = ("lowering_cache", "cached_primitive_lowerings")
+
+  def setUp(self):
+    if not hasattr(cp, "_SiteCache"):
+      self.skipTest("a copy without ops placed apart (II.9)")
+
+  def test_the_methods_jax_calls(self):
+    asked, kept = [], {}
+
+    class Sites:  # _PerSite's two questions
+      def missed(self, key):
+        asked.append(key)
+        return kept.get(key)
+
+      def put(self, key, entry):
+        if key[1] == "by place":
+          kept[key] = entry
+          return True
+        return False
+    cache = cp._SiteCache({"old": 1}, Sites(), "lowering_cache")
+    self.assertEqual((cache.get("old"), cache["old"]), (1, 1))
+    self.assertEqual(asked, [])  # a hit asks nothing
+    self.assertIsNone(cache.get("new", None))
+    with self.assertRaises(KeyError):
+      cache["new"]
+    cache["by place"] = 2  # kept by its ops' placements, not in the dict
+    cache["plain"] = 3
+    self.assertEqual((dict(cache), cache.get("by place"), cache["by place"]),
+                     ({"old": 1, "plain": 3}, 2, 2))
+    self.assertEqual(asked, [("lowering_cache", k) for k in (
+        "new", "new", "by place", "by place")])
+
+  def test_jax_uses_its_lowering_caches_only_so(self):
+    root = os.path.join(os.path.dirname(jax.__file__), "_src")
+    seen, odd = 0, []
+    for directory, _, files in os.walk(root):
+      for name in files:
+        if not name.endswith(".py"):
+          continue
+        path = os.path.join(directory, name)
+        with open(path, encoding="utf-8") as f:
+          text = f.read()
+        for m in re.finditer(r"(\w+\s*\(?\s*)[\w.]*\.(%s)\b(\s*.{0,5})" %
+                             "|".join(self.CACHES), text):
+          before, after = m.group(1), m.group(3)
+          seen += 1
+          if (after.startswith((".get(", "[")) or
+              not after.lstrip().startswith(".")) and not re.match(
+                  r"(in|len)\b", before):
+            continue
+          odd.append(f"{os.path.relpath(path, root)}: {m.group(0)!r}")
+    if not hasattr(jax._src.interpreters.mlir.ModuleContext, "__init__") or (
+        "lowering_cache" not in inspect.signature(
+            jax._src.interpreters.mlir.ModuleContext).parameters):
+      self.skipTest(f"{JAX} has no lowering_cache (0.4.35 lowers equal "
+                    "equations apart)")
+    self.assertGreater(seen, 0)
+    self.assertEqual(odd, [])
+
+
 class CoexistenceTest(CPTestCase):
 
   def _make(self, factory, body):
@@ -13607,7 +13674,7 @@ class ReadmeTest(unittest.TestCase):
     if sections is None:
       return
     with open(cp.__file__) as f:
-      core = sections.core(f.read())
+      core = sections.copy_of("core", f.read())
     self.assertLess(abs(core.count("\n") - size), size / 10)
     compile(core, "core.py", "exec")
 

@@ -27,12 +27,27 @@ of gathering its operands. Under Shardy (jax's default) the op is
 partitioned while jax lowers the program, on every backend, Cloud TPU
 included: Shardy's propagation, run in-process, places its operands,
 ``partition`` is asked, and the op becomes a manual computation of the
-per-shard program (I.2 to I.6). Under GSPMD (jax 0.12.0.1 and older; 0.12.1
-removed it) it is one XLA custom call, as upstream: while compiling, XLA
-asks this module (through Python callbacks) for the result's sharding and
-a per-shard program lowered from the author's ``lower_fn``. The contract
-is in the docstrings of ``custom_partitioning``, ``def_partition`` and
-``check_partitioning``; ``python custom_partitioning.py`` runs ``_demo``.
+per-shard program (I.2 to I.6).
+Under GSPMD (jax 0.12.0.1 and older; 0.12.1 removed it) it is one XLA
+custom call, as upstream: while compiling, XLA asks this module (through
+Python callbacks) for the result's sharding and a per-shard program lowered
+from the author's ``lower_fn`` (II.7).
+The contract is in the docstrings of ``custom_partitioning`` and
+``def_partition``.
+Its check, ``check_partitioning``, has its own (III.2).
+``python custom_partitioning.py`` runs ``_demo`` (III.4).
+
+Upstream's names, here: ``_resolve_kwargs`` is ``_Signature.positional``
+(called by ``custom_partitioning._split``), and
+``_custom_partitioning_lowering_rule`` is ``_lowering`` (I.3), which
+partitions at lowering (``_first_pass``, ``_second_pass``, ``_manual_ops``)
+where upstream always emits the custom call.
+Upstream's ``_ShardingCallbackInfo`` is ``_Op``, its ``_sharding_callbacks``
+``_registry``, and its ``_custom_partitioning_partition``,
+``_custom_partitioning_infer_sharding_from_operands`` and
+``_custom_partitioning_propagate_user_sharding`` are ``_answer_partition``,
+``_answer_infer`` and ``_answer_propagate``, which XLA calls through
+``_register_partitioner`` (II.7).
 
 Version
 -------
@@ -47,14 +62,15 @@ Copy this file into your project and import it instead of
 ``jax.experimental.custom_partitioning``; it needs only ``jax`` and
 ``jaxlib``. Keep this header: it is your copy's license. Importing it
 registers, under names derived from its module name (so jax's own
-implementation and any number of copies coexist): the primitive
-``custom_partitioning_p`` with its rules, the XLA custom-call partitioner
+implementation and any number of copies coexist), each at the end of the
+section that owns it: the primitive ``custom_partitioning_p`` with its
+rules, and the decorator type with jax's custom-decorator registry.
+XLA's callbacks register the XLA custom-call partitioner
 ``CustomSPMDPartitioning.<module name>`` (also with PJRT plugins), a handler
 turning this module's tagged compile errors back into the author's
-exception, a listener for jax's compile events (from the first custom
-call on), and the decorator type with jax's custom-decorator registry
-(each registered at the end of the section
-that owns it); and it wraps jax's ``lower_jaxpr_to_module`` (in
+exception, and a listener for jax's compile events (from the first custom
+call on) (II.7).
+Importing it wraps jax's ``lower_jaxpr_to_module`` (in
 ``jax._src.interpreters.mlir`` and ``jax.interpreters.mlir``; a later copy
 of this file joins the first copy's wrapper), which then rewrites a
 module holding an op of any copy, replacing each op's custom call by its
@@ -62,16 +78,17 @@ partitioned program (or lowers it a second time where jax lowered one op
 once for places Shardy placed apart), and lowers any other module as
 before, this file's frames left out of its source locations as jax leaves
 out its own (I.2: jax has no hook after lowering). It changes no jax
-option and no environment variable; it reads
-``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under Shardy
-too, except on TPU).
+option and no environment variable.
+It reads ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under
+Shardy too, except on TPU) (II.7).
 
 Supported jax versions
 ----------------------
-jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy and, through 0.12.0.1,
-the GSPMD partitioner: jax 0.12.1 removed GSPMD (its flag stays, with no
-effect), so there Shardy partitions every op, GSPMD-era ones too (upstream
-refuses those there). CI (``.ci/run``) tests every change. The whole suite
+jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy partitioner.
+Through 0.12.0.1 also with GSPMD: jax 0.12.1 removed it (its flag stays,
+with no effect), so there Shardy partitions every op, GSPMD-era ones too
+(upstream refuses those there) (II.7).
+CI (``.ci/run``) tests every change. The whole suite
 runs on 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 (Python 3.12,
 which 0.11 needs) and 0.12.1 (Python 3.13), and on the newest release the
 registry offers, with the names jax keeps only as legacy shims withdrawn from
@@ -82,7 +99,8 @@ nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1, 0.6.0,
 jaxlib 0.11.2): core test classes, the README quickstart and the self-demo.
 Older releases raise ``ImportError``, and so does any release that lacks a
 name this module reads from jax's internals: every one is looked up at
-import in the table below the imports (``_NAMES``), naming what is missing.
+import in the table below the imports (``_NAMES``; a name only an extra
+reads, in that extra's table at its head), naming what is missing.
 A newer release is not refused; CI's newest-release run says whether it
 works.
 
@@ -97,19 +115,32 @@ lowering (rewritten in place); I.3 the op's lowering rule (where it runs, the
 release gates that decide the path, its rule); I.4 placements from
 Shardy; I.5 asking ``partition``, and its checks; I.6 the per-shard
 program as a manual computation; I.7 values, specs and jaxprs that the
-core and the extras share. Part II, one section per
-extra, entered only from lines marked ``# seam:`` that name it (a copy
-drops an extra with its section and seam lines; ``.ci/sections.py`` proves
-that each copy works): II.1 checks of the per-shard program; II.2
-placements and errors off the plain path; II.3 the shard_map path (Explicit
-mesh axes); II.4 derived ops (vmap, jvp, transposition); II.5 ops by their
-rule alone; II.6 a rule derived from infer (GSPMD-era ops under Shardy);
-II.7 XLA's callbacks (GSPMD before jax 0.12.1, and the fallbacks; with the
-keys for the persistent cache); II.8 the DEBUG log. Part III, leaves
-and tools: III.1 the Shardy rule parser; III.2 ``check_partitioning``;
-III.3 the module's state; III.4 the self-demo. Each section registers
-what it owns with jax and XLA at its end. Each message stands where it is
-raised; each version branch beside its owner, naming the release.
+core and the extras share.
+
+Part II, one section per extra, entered only from lines marked ``# seam:``
+that name it; a copy drops an extra with its section, its seam lines and
+the text about it, and ``.ci/sections.py`` proves that each copy works
+(Part II):
+
+- checks of the per-shard program (II.1);
+- placements and errors off the plain path (II.2);
+- the shard_map path, Explicit mesh axes (II.3);
+- derived ops: vmap, jvp, transposition (II.4);
+- ops by their rule alone (II.5);
+- a rule derived from infer, GSPMD-era ops under Shardy (II.6);
+- XLA's callbacks: GSPMD before jax 0.12.1, and the fallbacks; with the
+  keys for the persistent cache (II.7);
+- the DEBUG log (II.8).
+
+Part III, leaves and tools: III.1 the Shardy rule parser; III.3 the
+module's state;
+
+- ``check_partitioning`` (III.2);
+- the self-demo (III.4).
+
+Each section registers what it owns with jax and XLA at its end. Each
+message stands where it is raised; each version branch beside its owner,
+naming the release.
 """
 
 from __future__ import annotations
@@ -135,7 +166,7 @@ import warnings
 import weakref
 
 __version__ = "1.6.3"
-__all__ = [  # jax's six names, then this module's own (III.2 adds two)
+__all__ = [  # jax's six names, then this module's own (a tool adds its own)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
     "str_to_sdy_sharding_rule", "sdy_sharding_rule_to_mlir",
@@ -167,6 +198,8 @@ import numpy as np
 # --------------------------------------------------------------------------
 # jax's names: every internal one this module reads, looked up once, here
 #
+# (An extra reads the names only it needs from a table of its own at its
+# section's head, looked up alike, so a copy without it looks none up.)
 # Each module, then the names read from it; ``name?`` is optional (None
 # where the release lacks it: a version branch reads it, beside its owner).
 # Public and jax.extend names first, then jax._src where jax offers no
@@ -183,13 +216,13 @@ import numpy as np
 
 _NAMES = {
     # The package of jax.interpreters.mlir, whose lower_jaxpr_to_module
-    # libraries call: the module's lowering replaces it there too (I.6).
+    # libraries call: the module's lowering replaces it there too (I.2).
     "jax": "interpreters",
     "jax.core": "AbstractValue ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
     # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
     # a legacy shim only (_closed and _open, in I.7).
-    "jax.extend.core": "Jaxpr Literal Primitive jaxpr_as_fun" + (
+    "jax.extend.core": "Jaxpr Primitive jaxpr_as_fun" + (
         " ClosedJaxpr" if _JAX_VERSION < (0, 11) else ""),
     # jax 0.12.0.1: wrap_init without debug_info is "deprecated"; from jax
     # 0.5.1, when it takes it, the module passes it (_trace_to_jaxpr).
@@ -203,49 +236,29 @@ _NAMES = {
     "jax.extend.mlir": "ir passmanager",
     "jax.extend.mlir.ir": "Attribute Location RankedTensorType ShapedType "
                           "Type",
-    "jax.interpreters.ad": "JVPTracer Zero instantiate_zeros "
-                           "is_undefined_primal primitive_jvps "
-                           "primitive_transposes",
-    # jax 0.4.36 added fancy_primitive_batchers (rules get the axis data,
-    # and unbatched calls); primitive_batchers became its "compat shim. TODO:
-    # delete" (0.12.0.1).
-    "jax.interpreters.batching": "fancy_primitive_batchers"
-                                 if _JAX_VERSION >= (0, 4, 36) else
-                                 "primitive_batchers",
-    "jax.interpreters.mlir": "LoweringParameters LoweringRuleContext "
-                             "aval_to_ir_types dtype_to_ir_type lower_fun "
-                             "make_ir_context "
-                             "lower_jaxpr_to_module module_to_bytecode "
-                             "register_lowering",
+    "jax.interpreters.mlir": "LoweringRuleContext aval_to_ir_types "
+                             "dtype_to_ir_type lower_fun make_ir_context "
+                             "lower_jaxpr_to_module register_lowering",
     # jax 0.12.0.1: trace_to_jaxpr_dynamic is to be removed "in favor of
     # trace_to_jaxpr", which is private (and caches by function): kept.
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
-    "jax.monitoring": "register_event_duration_secs_listener",
     "jax.sharding": "AbstractMesh Mesh",
     # jax 0.6.1 made shard_map public (jax.shard_map).
     **({"jax.experimental.shard_map": "shard_map"}
        if _JAX_VERSION < (0, 6, 1) else {}),
     "jax._src.api_util": "argnums_partial debug_info flatten_fun_nokwargs",
-    "jax._src.compiler": "register_xla_runtime_error_handler",
     # jax 0.12.1 removed GSPMD; use_shardy_partitioner stays, "DEPRECATED:
     # ... no effect" (_SHARDY).
-    "jax._src.config": "State compilation_cache_dir config disable_jit "
-                       "enable_compilation_cache trace_context" + (
-                           " use_shardy_partitioner"
-                           if _JAX_VERSION < (0, 12, 1) else ""),
-    "jax._src.core": "extend_axis_env_nd jaxprs_in_params subjaxprs "
-                     "trace_state_clean AxisEnv? ShardingTypeError? "
-                     "get_aval? raise_to_shaped? typeof?",
+    "jax._src.config": "disable_jit trace_context" + (
+        " use_shardy_partitioner" if _JAX_VERSION < (0, 12, 1) else ""),
+    "jax._src.core": "extend_axis_env_nd subjaxprs trace_state_clean "
+                     "ShardingTypeError? get_aval? raise_to_shaped? typeof?",
     "jax._src.custom_api_util": "forward_attr register_custom_decorator_type",
-    "jax._src.dispatch": "BACKEND_COMPILE_EVENT "
-                         "prim_requires_devices_during_lowering",
-    "jax._src.interpreters.batching": "BatchTracer",
+    "jax._src.dispatch": "prim_requires_devices_during_lowering",
     "jax._src.interpreters": "mlir",
     "jax._src.interpreters.mlir": "custom_call",
-    "jax._src.lax": "linalg",
-    "jax._src.lib": "lapack version",
-    "jax._src.lib.xla_client": "ArrayImpl Client HloSharding Shape "
-                               "register_custom_call_partitioner",
+    "jax._src.lib": "version",
+    "jax._src.lib.xla_client": "ArrayImpl HloSharding Shape",
     # thread_resources holds `with mesh:`, deprecated for users since jax
     # 0.10.1 (jax.set_mesh succeeds it): read while jax honours the block.
     "jax._src.mesh": "thread_resources empty_abstract_mesh? "
@@ -256,13 +269,13 @@ _NAMES = {
     "jax._src.sharding_impls": "GSPMDSharding SPMDAxisContext "
                                "SingleDeviceSharding "
                                "parse_flatten_op_sharding",
-    "jax._src.source_info_util": "new_name_stack register_exclusion",
+    "jax._src.source_info_util": "register_exclusion",
     "jax._src.util": "cache",
-    "jax._src.xla_bridge": "register_plugin_callbacks",
 }
 
 
-def _look_up(names: dict) -> types.SimpleNamespace:
+def _look_up(names: dict) -> None:
+  """Reads the names of ``names`` (a table as ``_NAMES``) into ``_jax``."""
   found = {}
   for where, listed in names.items():
     for name in listed.split():
@@ -276,7 +289,7 @@ def _look_up(names: dict) -> types.SimpleNamespace:
             "have; this file is tested with jax 0.4.35 to 0.12.1. Install "
             "one of those releases (pip install -U 'jax==0.12.1'), or use "
             "jax.experimental.custom_partitioning.")
-  return types.SimpleNamespace(**found)
+  vars(_jax).update(found)
 
 
 def _resolve(path: str):
@@ -295,22 +308,24 @@ def _resolve(path: str):
   return value
 
 
-_jax = _look_up(_NAMES)
+_jax = types.SimpleNamespace()  # every name of the tables, as _jax.<name>
+_look_up(_NAMES)
 _JAXLIB_VERSION = tuple(_jax.version)[:3]
 
 
-# jax's private attributes of meshes, shardings and avals, read in one place.
-def _sharding_devices(sharding) -> tuple:
-  return tuple(sharding._device_assignment)
-
-
+# Readers of jax's private attributes of shardings and avals that several
+# sections share (others are read where they are used).
 def _aval_mesh(aval):
   # jax 0.5.0 gave ShapedArray a sharding (before it, there is none).
   mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
   return None if mesh is None or mesh.empty else mesh
 
 
-def _gspmd_hlo(sharding) -> _jax.HloSharding:
+def _sharding_devices(sharding) -> tuple:  # seam: (II.7)
+  return tuple(sharding._device_assignment)
+
+
+def _gspmd_hlo(sharding) -> _jax.HloSharding:  # seam: used by (II.7, III.2)
   return sharding._hlo_sharding
 
 
@@ -321,9 +336,10 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 # order: decorator and bind, primitive, the module's lowering (in place),
 # the op's lowering rule, placements from Shardy, asking ``partition``, the
 # per-shard program as a manual computation; each helper beside its first
-# user; ``jit(op)(x)`` stays in this part. Every
-# extra joins it at a line marked ``# seam:`` naming its section of Part II
-# (``grep -n "seam:"``). A version branch stands beside its owner and
+# user; ``jit(op)(x)`` stays in this part.
+# It leaves it only for the per-shard checks, entered from I.5 (II.1).
+# Every extra joins it at a line marked ``# seam:`` naming its section of
+# Part II (``grep -n "seam:"``). A version branch stands beside its owner and
 # names the release that forced it (``grep -n "jax 0\."``): Python
 # internals are gated on jax's version, C++ bindings (Shardy, XLA) on
 # jaxlib's (jax 0.10.2 may run on jaxlib 0.10.1). Unbranched private names
@@ -336,8 +352,9 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:
 #
 # A call's arguments are bound to positions and sorted by role (``_split``);
 # outside any transformation it is compiled (``_eager_call``), else bound
-# (``_bind``: under Explicit mesh axes the shard_map path, II.3, else the
-# primitive). Caches are bounded ``_LRU``s (module state: III.3).
+# (``_bind``) as the primitive. Caches are bounded ``_LRU``s (module
+# state: III.3).
+# Under Explicit mesh axes ``_bind`` takes the shard_map path (II.3).
 # --------------------------------------------------------------------------
 
 class custom_partitioning:
@@ -349,20 +366,23 @@ class custom_partitioning:
   partitioned by ``def_partition``'s callbacks: under Shardy while jax lowers
   the program (``partition`` asked with the placements Shardy's propagation
   gives, the op then a manual computation of ``lower_fn``; on every backend,
-  TPU included), under GSPMD (jax 0.12.0.1 and older) as one XLA custom call
-  whose callbacks XLA calls while compiling, as upstream; on one device, in a
-  ``shard_map`` manual over every mesh axis, under ``jax.disable_jit()`` and
-  (partitioned at lowering or under Explicit axes) with an empty operand,
-  ``fun`` runs. Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks
-  see the op untransformed and ``lower_fn`` runs transformed on the same local
-  shards (II.4; upstream supports none of the three). An eager call is
-  compiled: partitioned if an operand is a ``jax.Array`` sharded over several
-  devices, else ``fun`` runs unasked (as upstream does for every eager call).
+  TPU included); on one device, in a ``shard_map`` manual over every mesh
+  axis, under ``jax.disable_jit()`` and (partitioned at lowering or under
+  Explicit axes) with an empty operand, ``fun`` runs.
+  Under GSPMD (jax 0.12.0.1 and older) the op is one XLA custom call whose
+  callbacks XLA calls while compiling, as upstream (II.7).
+  Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks see the op
+  untransformed and ``lower_fn`` runs transformed on the same local shards;
+  upstream supports none of the three (II.4).
+  An eager call is compiled: partitioned if an operand is a ``jax.Array``
+  sharded over several devices, else ``fun`` runs unasked (as upstream does
+  for every eager call).
   Under Explicit mesh axes (jax 0.7+, ``jax.set_mesh``) ``partition`` is asked
   while tracing and the op becomes ``lower_fn`` under ``jax.shard_map``
-  between two reshards (II.3). Lowered inside another primitive's lowering
-  rule (``mlir.lower_fun(op)``), the op takes its devices from the mesh set
-  around the call (``jax.set_mesh`` or ``with mesh:``).
+  between two reshards (II.3).
+  Lowered inside another primitive's lowering rule (``mlir.lower_fun(op)``),
+  the op takes its devices from the mesh set around the call
+  (``jax.set_mesh`` or ``with mesh:``) (II.2).
 
   Traces of ``fun`` are cached per op on what ``jax.jit`` keys on (static
   arguments, yet told apart wherever a fresh trace could differ: numbers by
@@ -1048,8 +1068,8 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # I.2 The primitive, and the module's lowering
 #
 # ``custom_partitioning_p`` carries upstream's parameters through jax
-# 0.12.0.1 (0.12.1 dropped infer and propagate) plus ``transform`` (a
-# derived op's steps, II.4) and ``check_vma``, both read with a default.
+# 0.12.0.1 (0.12.1 dropped infer and propagate) plus ``check_vma`` and
+# ``transform`` (a derived op's steps), both read with a default.
 #
 # Under Shardy the op is partitioned while jax lowers the program, on every
 # backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
@@ -1062,15 +1082,16 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # op's operands and results as XLA's compile would; then each op is asked
 # ``partition`` on those placements (I.5) and its custom call is replaced,
 # in the same module, by pad -> ``jax.shard_map`` of its per-shard program
-# -> slice (``_manual_ops``, I.6): a manual computation over every mesh
+# -> slice (``_manual_ops``, I.4; I.6): a manual computation over every mesh
 # axis, at whose boundary Shardy reshards to what ``partition`` returned.
 # Where jax lowered one op once for places Shardy placed apart (a function
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
-# jax's lowering caches reused only where the ops are placed alike
-# (``_PerSite``). No custom call, and no Python while XLA compiles. Where
-# that cannot be done (the release gates, I.3), XLA's callbacks partition
-# the op (II.7), or, without them, the op's lowering raises.
+# jax's lowering caches reused only where the ops are placed alike (II.9).
+# No custom call, and no Python while XLA compiles. Where
+# that cannot be done (the release gates, I.3), the op's lowering raises
+# ``NotImplementedError`` saying why.
+# Off TPU, XLA's callbacks partition such an op instead (II.7).
 # --------------------------------------------------------------------------
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
@@ -1108,111 +1129,6 @@ def _to_lojax(*args, call, **params):
         f"must be arrays, not hijax types ({high[0]}); hijax primitives "
         "inside fun and lower_fn are supported.")
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
-
-
-class _PerSite:
-  """The second pass's view of jax's lowering caches (of equal equations,
-  of called functions) where one op was placed differently in different
-  places: an entry whose lowering lowered ops is reused only where those
-  ops are placed as there; elsewhere it is lowered again, its ops under
-  their first pass's indices, and kept too."""
-
-  def __init__(self, lowering: _Pass):
-    self.lowering = lowering
-    self.start = None  # the index when installed
-    self.since = []  # (index, placement) of each op lowered since then
-    self.open: dict = {}  # key -> the same, since its lowering began
-    self.starts: dict = {}  # key -> the index its lowering began at
-    # key -> (index of its first op, one past its last, its ops' indices)
-    self.spans: dict = {}
-    self.variants: dict = {}  # (key, its ops' placements) -> entry
-    self.resume: dict = {}  # key -> the index to go on from, lowered again
-    self.module = None  # the module being lowered when installed
-
-  def install(self, mc):
-    if mc.module is not self.module:
-      # A copy of this file of another protocol version, wrapping the
-      # shared lowering, keeps this pass over two lowerings of the module:
-      # the first's entries are functions of another module.
-      self.__init__(self.lowering)
-      self.module = mc.module
-    if self.start is None:
-      self.start = self.lowering.count
-    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
-    for name in ("lowering_cache", "cached_primitive_lowerings"):
-      cache = getattr(mc, name, None)
-      if cache is not None and not isinstance(cache, _SiteCache):
-        setattr(mc, name, _SiteCache(cache, self, name))
-
-  def lowered(self, index: int, placement):
-    for frame in (self.since, *self.open.values()):
-      frame.append((index, placement))
-
-  def missed(self, key):
-    """The entry for ``key`` where its ops are placed as here, or None
-    (then jax lowers it here)."""
-    lowering = self.lowering
-    span = self.spans.get(key)
-    if span is not None:
-      first, end, indices = span
-      ahead: dict = {}
-      placements = []
-      for i in indices:
-        ahead[i] = ahead.get(i, -1) + 1
-        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
-      entry = self.variants.get((key, repr(placements)))
-      if entry is not None:
-        for i, placement in zip(indices, placements):
-          lowering.sites[i] += 1
-          self.lowered(i, placement)
-        lowering.count = max(lowering.count, end)
-        return entry
-      self.resume[key] = lowering.count
-      lowering.count = first
-    self.starts[key] = lowering.count
-    self.open[key] = []
-    return None
-
-  def put(self, key, entry) -> bool:
-    """Whether the entry for ``key`` lowered ops (then it is kept here,
-    by their placements, and not in jax's cache)."""
-    lowering = self.lowering
-    # Entries being lowered when installed began before any op.
-    first = self.starts.pop(key, self.start)
-    frame = self.open.pop(key, None)
-    frame = list(self.since) if frame is None else frame
-    if not frame:
-      return False
-    self.spans.setdefault(key, (first, lowering.count,
-                                [i for i, _ in frame]))
-    self.variants[key, repr([p for _, p in frame])] = entry
-    lowering.count = max(lowering.count,
-                         self.resume.pop(key, lowering.count))
-    return True
-
-
-class _SiteCache(dict):
-  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
-
-  def __init__(self, entries: dict, sites: _PerSite, name: str):
-    super().__init__(entries)
-    self.sites, self.name = sites, name
-
-  def get(self, key, default=None):
-    if key in self:
-      return dict.__getitem__(self, key)
-    entry = self.sites.missed((self.name, key))
-    return default if entry is None else entry
-
-  def __missing__(self, key):
-    entry = self.sites.missed((self.name, key))
-    if entry is None:
-      raise KeyError(key)
-    return entry
-
-  def __setitem__(self, key, entry):
-    if not self.sites.put((self.name, key), entry):
-      dict.__setitem__(self, key, entry)
 
 
 def _abstract_eval(*avals, call, **_):
@@ -1259,8 +1175,9 @@ def _lower(*args, **kwargs):
   if not first.count:
     return
   decided = _propagated(lowered.module)
-  asks = (_per_site(decided) or not _REPLACES_IN_PLACE or
-          _holds_dim_vars(first))
+  asks = not _REPLACES_IN_PLACE or _holds_dim_vars(first)
+  if _per_site(decided):  # seam: ops placed apart (II.9)
+    asks = True
   if not asks:
     first.decided = decided
     try:
@@ -1312,8 +1229,9 @@ class _Pass:
     # Where propagation placed one op differently in different places (a
     # function of several callers, equal ops: jax lowers them once),
     # jax's caches reuse a lowering only where its ops are placed alike.
-    self.per_site = _PerSite(self) if decided is not None and _per_site(
-        decided) else None
+    self.per_site = (  # seam: ops placed apart (II.9)
+        _PerSite(self) if decided is not None and _per_site(decided) else
+        None)
 
 
 _passes = threading.local()
@@ -1335,8 +1253,9 @@ custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 
 # Every copy of this file in a process (each a module of its own name)
 # takes part in one shared lowering, so that all copies' ops are tagged in
-# one first lowering and partitioned in one second (a copy wrapping
-# another's wrapper would lower a module 2^k times for k copies). The first
+# one lowering of the module and, where any copy asks for one, lowered in
+# one second (a copy wrapping another's wrapper would lower a module up to
+# 2^k times for k copies). The first
 # copy installs it; a later one finds the parties' table on it and joins.
 # The attribute's name is the protocol, kept by every version of this file:
 # a party is called with the lowering's arguments and returns a generator;
@@ -1365,43 +1284,30 @@ _jax.register_exclusion(__file__)
 # whether it is partitioned at lowering (``_at_lowering``: every release
 # gate that decides the path stands there), its rule (III.1 parses it,
 # resolved against the op's shapes here) and the ``_Op`` its answers are
-# kept on. The first pass emits a tagged custom call; the second the manual
-# computation (``_lowered_manual``, I.5).
+# kept on. In the first lowering of a module the op is a tagged custom
+# call (``_first_pass``), which ``_manual_ops`` (I.4) then replaces in that
+# module; where a second lowering is needed (I.2), the op is lowered there
+# as its manual computation at once (``_second_pass``); both through
+# ``_lowered_manual`` (I.5).
 # --------------------------------------------------------------------------
 
 def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
+  """The op's lowering rule: its body where there is nothing to partition,
+  else its part in the pass of the module's lowering under way (I.2)."""
   call, steps = params["call"], params.get("transform", ())
-  place, why = _partitioned_placement(ctx, steps)
+  name = _fun_name(call)
+  place, why = _partitioned_placement(ctx, steps, name)
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
-  name = _fun_name(call)
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
-  if why_not is None:
-    lowering = _current_pass()
-  elif "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
-    _check_exportable(mc, name)
-    lowering = None
-  else:
+  if why_not is not None and (  # seam: XLA's callbacks (II.7)
+      "tpu" not in mc.platforms):
+    return _by_callbacks(ctx, params, place, values, name)
+  if why_not is not None:
     raise _cannot_lower(name, mc.platforms, why_not)
-  if place.devices is None:
-    raise ValueError(
-        f"custom_partitioning op {name} is lowered for several devices, but "
-        "jax did not say which: jax withholds them from a lowering rule that "
-        "binds the op (e.g. through jax.interpreters.mlir.lower_fun) unless "
-        "its primitive is in jax._src.dispatch."
-        "prim_requires_devices_during_lowering. Add that primitive to the set "
-        "(prim_requires_devices_during_lowering.add(your_primitive)), or set "
-        "the mesh around the call, with jax.set_mesh(mesh) or `with mesh:`, "
-        "so the op can find its devices; or call the op outside that "
-        "primitive.")
-  if params["partition"] is None:
-    raise ValueError(
-        f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
-        "but its def_partition was given partition=None and no sharding_rule "
-        "to derive a partition from: give either.")
-  if lowering is not None and not all(map(math.prod, (
-      a.shape for a in ctx.avals_in))):
+  _check_partition(params, place, name)
+  if not all(map(math.prod, (a.shape for a in ctx.avals_in))):
     # XLA refuses a manual computation whose operands are empty (as it does
     # jax.shard_map's). An empty operand holds no values: the results
     # depend on its shape and the other operands alone, and fun, the op's
@@ -1409,48 +1315,13 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     # code for shards inside a manual computation. In both passes, so
     # that propagation places around the body XLA will see.
     return _lowered_body(ctx, call, "an operand is empty", values)
-  if lowering is not None:  # partitioned at lowering
-    if lowering.per_site is not None:
-      lowering.per_site.install(mc)
-    index, lowering.count = lowering.count, lowering.count + 1
-  rule, rule_attr = params["sharding_rule"], None
-  if lowering is not None and index < len(lowering.rules):
-    # Asked in the first pass, whose MLIR context held its attribute (a
-    # custom call falling back here, below, builds it again).
-    rule = lowering.rules[index]
-  elif callable(rule) or (_SHARDY.value and rule is not None):
-    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
-  elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
-    rule_attr = _derived_rule_attr(params, place, steps, name,
-                                   lowering is not None)
-  # Inside a partly manual shard_map: the manual axes each value varies on.
-  varying = ((), ()) if place.auto is None else tuple(
-      tuple(_varying_axes(a) for a in avals)
-      for avals in (ctx.avals_in, ctx.avals_out))
-  # jax 0.5.0 renamed the module context's backend_or_name backend.
-  op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
-              backend=mc.backend if _JAX_VERSION >= (0, 5, 0)
-              else mc.backend_or_name, at_lowering=lowering is not None,
-              # At lowering partition runs on this thread, in this config.
-              config=None if lowering is not None else _config_values())
-  # Shardy's verifier refuses a rule on an op without operands (where it
-  # could only tie results together); partition still decides them all.
-  rule_attr = None if rule_attr is None or not values else {
-      "sdy.sharding_rule": rule_attr}
-  if lowering is None:  # seam: XLA's callbacks (II.7)
-    return _custom_call(ctx, op, params, values, rule_attr)
+  lowering = _current_pass()
+  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
+    lowering.per_site.install(mc)
+  index, lowering.count = lowering.count, lowering.count + 1
   if lowering.decided is None:
-    lowering.rules.append(rule)
-    lowering.tagged.append((ctx, params, op))
-    return _tagged_call(ctx, call, values, rule_attr, index)
-  try:
-    return _lowered_manual(ctx, params, op, values, lowering, index)
-  except _KeepCallbacks as e:
-    if "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
-      return _fallback_call(ctx, params, op, values, rule, rule_attr, steps,
-                            name, e)
-    raise _cannot_lower(name, mc.platforms, f"its partition {e}") from None
+    return _first_pass(ctx, params, place, values, lowering, index)
+  return _second_pass(ctx, params, place, values, lowering, index)
 
 
 def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
@@ -1487,9 +1358,9 @@ class _Placement(NamedTuple):
   whole: Any = None
 
 
-def _partitioned_placement(ctx, steps):
-  """``(placement, why)``: where the op runs, or None and why its body is
-  inlined. The mesh is the first known of: the enclosing shard_map's
+def _partitioned_placement(ctx, steps, name: str):
+  """``(placement, why)``: where op ``name`` runs, or None and why its body
+  is inlined. The mesh is the first known of: the enclosing shard_map's
   (manual axes typed Manual); one the caller gave on the program's devices
   (without them, one shaped as the program's abstract mesh); that abstract
   mesh on the devices; ``with mesh:``'s, maybe empty (upstream's only)."""
@@ -1507,6 +1378,16 @@ def _partitioned_placement(ctx, steps):
     place = _shard_map_placement(axis_context)
   elif devices is None:  # seam: jax did not say the devices (II.2)
     place = _placement_without_devices(axis_context, am, ctx.avals_in)
+  elif isinstance(axis_context, _jax.SPMDAxisContext) or devices is None:
+    # Reached only in a copy trimmed of placements off the plain path.
+    where = ("inside a partly manual jax.shard_map"
+             if isinstance(axis_context, _jax.SPMDAxisContext) else
+             "where jax withholds the program's devices (inside another "
+             "primitive's lowering rule)")
+    raise NotImplementedError(
+        f"custom_partitioning op {name} cannot be lowered {where}: this "
+        f"copy of {__name__} was trimmed of its placements off the plain "
+        "path; call the op outside, or vendor a copy that keeps them.")
   else:
     devices = tuple(devices)
     mesh = _caller_mesh(lambda m: tuple(m.devices.flat) == devices)
@@ -1559,8 +1440,8 @@ _SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
            types.SimpleNamespace(value=True))
 
 # Off: XLA's partition callback, as upstream, except on TPU (which has none).
-_PARTITION_AT_LOWERING = os.environ.get("CUSTOM_PARTITIONING_AT_LOWERING",
-                                        "1") != "0"
+_PARTITION_AT_LOWERING = os.environ.get(  # seam: the switch (II.7)
+    "CUSTOM_PARTITIONING_AT_LOWERING", "1") != "0"
 
 # jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
 # with another custom call (a LAPACK one) or a function of two callers;
@@ -1569,14 +1450,14 @@ _PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
 
 # The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
 # check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and  # seam: (II.3)
                   hasattr(jax, "shard_map") and
                   hasattr(jax.sharding, "reshard") and
                   "check_vma" in inspect.signature(jax.shard_map).parameters)
 
 # jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
 # shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)
+_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)  # seam: used by (II.2, II.4, II.7)
 
 # An answer on a mesh other than the op's, as a manual computation inside
 # the op's program: jax 0.5.3 lowers one of other axis names with the
@@ -1595,7 +1476,7 @@ _LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
 # body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
 # Where it imports, II.4 lowers a transposed derived op as jax's
 # transposition of its manual computation.
-_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or
+_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
                                   (0, 6, 1) <= _JAX_VERSION < (0, 7))
 
 
@@ -1632,7 +1513,7 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
     # jax 0.5.3 has use_abstract_mesh, which the per-shard code needs.
     return (f"jax {jax.__version__} cannot clear the ambient mesh "
             "(jax.sharding.use_mesh) around its per-shard code")
-  if not (_PARTITION_AT_LOWERING or "tpu" in platforms):
+  if not (_PARTITION_AT_LOWERING or "tpu" in platforms):  # seam: (II.7)
     return "partitioning at lowering is off on this platform"
   if len(platforms) > 1 and not _LOWERS_FOR_PLATFORMS:
     return (f"jax {jax.__version__} cannot lower a manual computation for "
@@ -1647,8 +1528,8 @@ def _current_pass() -> _Pass | None:
 
 
 def _cannot_lower(name: str, platforms, why: str) -> NotImplementedError:
-  """The error of an op that cannot be partitioned at lowering, on TPU (or
-  in a copy without XLA's callbacks, II.7, on any platform)."""
+  """The error of an op that cannot be partitioned at lowering, on TPU (or,
+  in a copy without XLA's callbacks, on any platform)."""
   where = "TPU" if "tpu" in platforms else (
       f"{', '.join(platforms)} without XLA's callbacks")
   return NotImplementedError(
@@ -1662,6 +1543,61 @@ _TPU_ADVICE = (
     "(jax.config.update('jax_use_shardy_partitioner', True)), the op outside "
     "any partly manual jax.shard_map, and a mesh (NamedSharding operands, "
     "jax.set_mesh or `with mesh:`)")
+
+
+def _check_partition(params, place: _Placement, name: str) -> None:
+  if params["partition"] is None:
+    raise ValueError(
+        f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
+        "but its def_partition was given partition=None, and no partition "
+        "is derived from a sharding_rule (none was given, or this copy of "
+        "the module was trimmed of rule-only ops): give either.")
+
+
+def _first_pass(ctx, params, place: _Placement, values, lowering: _Pass,
+                index: int):
+  """The op in the first lowering: a custom call tagged with its index,
+  carrying its rule, which Shardy's propagation places (I.4); its rule
+  context, parameters and ``_Op`` kept for ``_manual_ops``."""
+  rule, rule_attr = _rule_of(ctx, params, place, values, at_lowering=True)
+  op = _op_of(params, place, rule, platforms=ctx.module_context.platforms,
+              backend=_backend(ctx.module_context), at_lowering=True)
+  lowering.rules.append(rule)
+  lowering.tagged.append((ctx, params, op))
+  return _tagged_call(ctx, params["call"], values, rule_attr, index)
+
+
+def _rule_of(ctx, params, place: _Placement, values, at_lowering: bool):
+  """``(rule, attributes)``: the op's rule (a callable one asked) and,
+  under Shardy, the custom call's attributes carrying it."""
+  rule, rule_attr = params["sharding_rule"], None
+  steps, name = params.get("transform", ()), _fun_name(params["call"])
+  if callable(rule) or (_SHARDY.value and rule is not None):
+    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
+      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+  elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
+    rule_attr = _derived_rule_attr(params, place, steps, name, at_lowering)
+  # Shardy's verifier refuses a rule on an op without operands (where it
+  # could only tie results together); partition still decides them all.
+  return rule, (None if rule_attr is None or not values else
+                {"sdy.sharding_rule": rule_attr})
+
+
+def _second_pass(ctx, params, place: _Placement, values, lowering: _Pass,
+                 index: int):
+  """The op in a second lowering (I.2): its manual computation, placed as
+  the first pass's propagation decided, by its rule as the first pass
+  asked it (in that pass's MLIR context)."""
+  mc = ctx.module_context
+  rule = lowering.rules[index]
+  op = _op_of(params, place, rule, platforms=mc.platforms,
+              backend=_backend(mc), at_lowering=True)
+  try:
+    return _lowered_manual(ctx, params, op, values, lowering, index)
+  except _KeepCallbacks as e:
+    if "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
+      return _fallback_call(ctx, params, op, values)
+    raise _cannot_lower(op.name, mc.platforms, f"its partition {e}") from None
 
 
 @contextlib.contextmanager
@@ -1680,7 +1616,7 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
 class _Level(NamedTuple):
   """An op from the author's (``step`` None) up to the one XLA asks about:
   its values as asked or as partitioned, and its batch dimension's entry."""
-  step: Any  # the _Step (II.4) that made it; None: the author's op
+  step: Any  # the derived op's step that made it; None: the author's op
   operands: list
   results: list
   entry: Any = None
@@ -1713,7 +1649,7 @@ def _rule_attr(rule, levels: list, one_size: bool):
   sizes, dims = _resolve_rule(
       rule, [v.shape for v in bottom.operands + bottom.results], n, one_size)
   ops, res, reduction = dims[:n], dims[n:], list(rule.reduction_factors)
-  for level in levels[1:]:
+  for level in levels[1:]:  # seam: a derived op's steps (II.4)
     ops, res, reduction = level.step.rule_up(level, sizes, ops, res, reduction)
   return _rule_attr_from_dims(sizes, ops + res, len(ops), reduction,
                               rule.need_replication_factors,
@@ -1859,25 +1795,15 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
   return produced
 
 
-# Options jax sets while tracing, not users (check_vma in a jax.shard_map's
-# body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
-def _config_values() -> tuple:
-  """Every jax option's value on this thread, context managers included, as
-  ``(name, value)`` pairs, but ``check_vma`` (above)."""
-  return tuple((name, holder.value)
-               for name, holder in _jax.config._value_holders.items()
-               if isinstance(holder, _jax.State) and
-               name != "check_vma")
-
-
 _STATE = {"state": True}  # marks the fields of an _Op that are not its key
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Op:
-  """What XLA's callbacks need to know about one lowered custom call.
-  Every field but those marked ``_STATE`` decides the answers, and ops
-  under one key agree on all of them (``_register``)."""
+  """One lowered op: what asking its ``partition`` (at lowering, or by
+  XLA's callbacks) needs to know. Every field but those marked ``_STATE``
+  decides the answers, and equal ops agree on all of them (at lowering
+  ``_equal_ops_key``, for XLA's callbacks ``_register``)."""
   name: str
   partition: Callable | None
   infer_sharding_from_operands: Callable | None
@@ -1891,13 +1817,14 @@ class _Op:
   steps: tuple  # of _Step: from the author's op to this one
   place: _Placement
   # Per operand and result: the manual axes it varies over, if tracked.
-  varying: tuple = ((), ())
+  varying: tuple = ((), ())  # seam: used by (II.4, II.7)
   platforms: Any = None
   backend: Any = None
   # jax's config where the op was lowered, which partition and lower_fn run
   # under on XLA's thread (None: the caller's). Its keyed part is in the
   # content key; in one lowering it is one.
-  config: tuple | None = dataclasses.field(default=None, metadata=_STATE)
+  config: tuple | None = dataclasses.field(  # seam: (II.7)
+      default=None, metadata=_STATE)
   # Partition request -> answer: the request holds every input not in the
   # op's key (shapes, dtypes, shardings). At lowering a dict, living with
   # the lowering (its op's placements: at most one entry per op); for
@@ -1908,6 +1835,11 @@ class _Op:
   mesh: Any = None  # place.mesh, what the callbacks see
   # Partitioned at lowering, not by XLA's callbacks (II.7).
   at_lowering: bool = dataclasses.field(default=False, metadata=_STATE)
+
+
+def _backend(mc):
+  # jax 0.5.0 renamed the module context's backend_or_name backend.
+  return mc.backend if _JAX_VERSION >= (0, 5, 0) else mc.backend_or_name
 
 
 def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
@@ -1926,7 +1858,7 @@ def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
              **lowered)
 
 
-def _varying_axes(aval) -> frozenset | None:
+def _varying_axes(aval) -> frozenset | None:  # seam: used by (II.3, II.7)
   """The manual axes ``aval`` varies over in ``shard_map`` (None: untracked)."""
   # jax 0.6 added ShapedArray.vma; 0.10 moved it to manual_axis_type.varying.
   mat = getattr(aval, "manual_axis_type", None)
@@ -1966,9 +1898,11 @@ _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # --------------------------------------------------------------------------
 # I.4 Placements from Shardy
 #
-# Shardy's propagation, run in-process on a copy of the first pass's module,
-# places each tagged op's operands and results; they are read back as
-# PartitionSpec entries by the op's index (unplaced: replicated).
+# Shardy's propagation, run in-process on a copy of the first lowering's
+# module, places each tagged op's operands and results; they are read back
+# as ``_Sdy`` placements by the op's index (unplaced: replicated), and
+# ``_manual_ops`` replaces each tagged call, in the module jax lowered, by
+# its manual computation (I.5, I.6).
 # --------------------------------------------------------------------------
 
 def _propagated(module) -> dict:
@@ -2004,7 +1938,7 @@ def _propagated(module) -> dict:
   return decided
 
 
-def _per_site(decided: dict) -> bool:
+def _per_site(decided: dict) -> bool:  # seam: used by (II.9)
   """Whether propagation placed some op differently in different places."""
   return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
@@ -2203,17 +2137,16 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
                                for v in side)
                          for side in (operands, results)))
   program = op.answers.get(request)
-  if program is None:
-    with _config_entered(op.config):
-      if op.steps:  # seam: jax's transposition of a derived op (II.4)
-        program = _transposed_program(op, operands, results)
-      if program is None:
-        shard = _shard_of(op, operands, results, op.mesh)
-        _check_lowerable(op, shard)
-        # Jitted where equal ops share it (lowered once, called by each);
-        # a jit of one caller only adds a tenth to its lowering.
-        program = _manual_program(op, shard, jit=(
-            lowering.repeated is None or key in lowering.repeated))
+  if program is None:  # (partition runs on this thread, in its config)
+    if op.steps:  # seam: jax's transposition of a derived op (II.4)
+      program = _transposed_program(op, operands, results)
+    if program is None:
+      shard = _shard_of(op, operands, results, op.mesh)
+      _check_lowerable(op, shard)
+      # Jitted where equal ops share it (lowered once, called by each);
+      # a jit of one caller only adds a tenth to its lowering.
+      program = _manual_program(op, shard, jit=(
+          lowering.repeated is None or key in lowering.repeated))
     op.answers[request] = program
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -2231,7 +2164,7 @@ def _next_placement(lowering: _Pass, index: int):
   site = lowering.sites.get(index, 0)
   lowering.sites[index] = site + 1
   placement = _placement(lowering, index, site)
-  if lowering.per_site is not None:
+  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
     lowering.per_site.lowered(index, placement)
   return placement
 
@@ -2327,19 +2260,6 @@ def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
     return None
   # Entries past ``ndim`` describe subgroup (manual/replicated) dimensions.
   return spec[:ndim] + (None,) * (ndim - len(spec))
-
-
-@contextlib.contextmanager
-def _config_entered(values: tuple):
-  """Runs the block on this thread under ``values`` (``_config_values``),
-  each option that differs set by its (thread-local) context manager, as
-  the user's ``with`` did."""
-  holders = _jax.config._value_holders
-  with contextlib.ExitStack() as stack:
-    for name, value in values or ():  # None: the caller's, as it is
-      if holders[name].value != value:
-        stack.enter_context(holders[name](value))
-    yield
 
 
 def _shard_of(op: _Op, operands: list, results: list, on) -> _Answer:
@@ -2477,7 +2397,8 @@ def _checked_answer(op: _Op, answer) -> tuple:
   if not isinstance(mesh, (_jax.Mesh, _jax.AbstractMesh)):
     raise TypeError(f"{where} returned a mesh of type {type(mesh).__name__}; "
                     "expected a jax.sharding.Mesh.")
-  if op.place.auto is not None:  # collectives name the whole program's devices
+  if op.place.auto is not None:  # seam: a partly manual shard_map (II.2)
+    # Collectives name the whole program's devices.
     return op.place.whole, lower_fn, out_shardings, in_shardings
   real = not mesh.empty  # an empty mesh is the op's
   if real and isinstance(mesh, _jax.Mesh) and set(mesh.devices.flat) != set(
@@ -2559,9 +2480,10 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
       sharding = _onto_auto_axes(op, sharding, where)
     hlo = sharding._to_xla_hlo_sharding(ndim)
     spec = None if on.empty else _decode_spec(hlo, on, ndim)
-    if spec is None and callback != "partition" and isinstance(
-        sharding, jax.sharding.NamedSharding) and not on.empty and (
-            dict(sharding.mesh.shape) != dict(on.shape)):
+    if (  # seam: infer's and propagate's (II.3, II.4, II.6, II.7)
+        spec is None and callback != "partition" and isinstance(
+            sharding, jax.sharding.NamedSharding) and not on.empty and
+        dict(sharding.mesh.shape) != dict(on.shape)):
       # (A renamed mesh of the op's shape decodes: it places alike.)
       raise _ForeignMesh(
           f"{where} on the mesh {dict(sharding.mesh.shape)}, but the op's "
@@ -2577,7 +2499,7 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
   return out
 
 
-class _ForeignMesh(ValueError):
+class _ForeignMesh(ValueError):  # seam: used by (II.3, II.4, II.6, II.7)
   """A callback answered on a mesh other than the one it was given."""
 
 
@@ -2706,7 +2628,8 @@ def _host_callback_error(op: _Op) -> NotImplementedError:
 #
 # pad -> ``jax.shard_map`` of the per-shard program -> slice, jitted, in
 # the program jax lowers; an answer jax cannot lower so raises
-# ``_KeepCallbacks`` (off TPU XLA's callbacks take the op, II.7).
+# ``_KeepCallbacks``.
+# Off TPU, XLA's callbacks then take the op (II.7).
 # --------------------------------------------------------------------------
 
 class _KeepCallbacks(Exception):
@@ -2746,7 +2669,7 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
   (XLA pads uneven shards on the callback path; here jax does), jitted if
   ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
-  checked by jax's typing of shard_map (II.4's transposition needs it);
+  checked by jax's typing of shard_map (a derived op's transposition);
   where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
   operands are padded with zeros, or if ``real_padding`` (II.4's
@@ -2826,10 +2749,10 @@ def _no_ambient_mesh():
 # I.7 Shared by the core and the extras: values, specs, jaxprs
 #
 # An operand or result as the callbacks see it (``_Value``), XLA's view of
-# one, infer and propagate asked (by XLA's callbacks, the shard_map path,
-# derived ops and II.6), and small readers of PartitionSpec entries and
-# jaxprs that several sections use; here, so that a copy can drop any
-# extra.
+# one, infer and propagate asked, and small readers of PartitionSpec
+# entries and jaxprs that several sections use; here, so that a copy can
+# drop any extra. What only extras use is marked, at its definition, as a
+# seam naming them, and goes with the last of them.
 # --------------------------------------------------------------------------
 
 class _Value(NamedTuple):
@@ -2846,7 +2769,8 @@ class _Value(NamedTuple):
     return self.spec is not None or self.hlo is not None
 
 
-def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
+def _hlo_parts(  # seam: used by (II.7)
+    shape: _jax.Shape, sharding: _jax.HloSharding | None):
   if not shape.is_tuple():
     return [shape], [sharding]
   shapes = list(shape.tuple_shapes())
@@ -2854,7 +2778,8 @@ def _hlo_parts(shape: _jax.Shape, sharding: _jax.HloSharding | None):
                   else [None] * len(shapes))
 
 
-def _from_xla(shapes, hlo_shardings, on, varying=()) -> list[_Value]:
+def _from_xla(  # seam: used by (II.7)
+    shapes, hlo_shardings, on, varying=()) -> list[_Value]:
   return [_Value(tuple(s.dimensions()), s.numpy_dtype(),
                  None if h is None or on.empty
                  else _decode_spec(h, on, len(s.dimensions())), h, v)
@@ -2868,7 +2793,8 @@ def _hlo_of(v: _Value, on) -> _jax.HloSharding:
           len(v.shape))
 
 
-def _ask_infer(op: _Op, operands: list, results: list):
+def _ask_infer(  # seam: used by (II.3, II.4, II.6, II.7)
+    op: _Op, operands: list, results: list):
   """``infer_sharding_from_operands``'s answer, else the rule's, or None."""
   if op.infer_sharding_from_operands is None:
     if op.sharding_rule is not None:  # seam: inferred by the rule (II.5)
@@ -2884,7 +2810,8 @@ def _ask_infer(op: _Op, operands: list, results: list):
                  "infer_sharding_from_operands", "result sharding")
 
 
-def _ask_propagate(op: _Op, results: list) -> list[_Value]:
+def _ask_propagate(  # seam: used by (II.4, II.7)
+    op: _Op, results: list) -> list[_Value]:
   """``propagate_user_sharding``'s answer, or None (the user's stand)."""
   if op.propagate_user_sharding is None:
     return None
@@ -2894,7 +2821,8 @@ def _ask_propagate(op: _Op, results: list) -> list[_Value]:
                  "result sharding")
 
 
-def _with_specs(values: list, specs) -> list[_Value]:
+def _with_specs(  # seam: used by (II.4, II.6)
+    values: list, specs) -> list[_Value]:
   return [v._replace(spec=spec, hlo=None) for v, spec in zip(values, specs)]
 
 
@@ -2919,23 +2847,24 @@ else:
     return closed.jaxpr
 
 
-def _eqn_axes(eqn) -> set:  # the mesh axes an equation's collective runs over
+def _eqn_axes(eqn) -> set:  # seam: used by (II.1, II.4)
+  """The mesh axes an equation's collective runs over."""
   values = [eqn.params.get(param) for param in ("axes", "axis_name")]
   return {axis for v in values
           for axis in (v if isinstance(v, (tuple, list)) else (v,))
           if isinstance(axis, str)}
 
 
-def _axes_in(specs) -> set:
+def _axes_in(specs) -> set:  # seam: used by (II.1, II.2, II.3, II.4)
   return {a for spec in specs for e in spec or () for a in _entry_axes(e)}
 
 
-def _real_axes(mesh) -> tuple:
+def _real_axes(mesh) -> tuple:  # seam: used by (II.1, II.4, III.2)
   """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
-def _padded(values: list, mesh) -> bool:
+def _padded(values: list, mesh) -> bool:  # seam: used by (II.1, II.4)
   """Whether a value is sharded unevenly (XLA pads the last shards)."""
   return any(size % _shard_count(entry, mesh)
              for v in values for size, entry in zip(v.shape, v.spec or ()))
@@ -2968,6 +2897,13 @@ def _padded(values: list, mesh) -> bool:
 # the union over iterations; an unknown effect (grouped collectives, other
 # subprograms) never raises. Size-1 axes never count.
 # --------------------------------------------------------------------------
+
+# jax's names only this section reads (looked up as _NAMES's).
+_CHECK_NAMES = {
+    "jax.extend.core": "Literal",
+    "jax._src.core": "jaxprs_in_params",
+}
+_look_up(_CHECK_NAMES)
 
 def _check_per_shard(op: _Op, answer: _Answer, values: list,
                      closed: _ClosedJaxpr) -> bool:
@@ -3223,6 +3159,13 @@ def _onto_auto_axes(op: _Op, sharding, where: str):
 # while tracing and the op becomes reshard -> ``jax.shard_map(lower_fn)``
 # -> reshard, with no custom call (README: "Explicit mesh axes: two paths").
 # --------------------------------------------------------------------------
+
+# jax's names only this section reads (looked up as _NAMES's).
+_EXPLICIT_NAMES = {
+    "jax.interpreters.ad": "JVPTracer",
+    "jax._src.interpreters.batching": "BatchTracer",
+}
+_look_up(_EXPLICIT_NAMES)
 
 def _explicit_call(user_op, args: _CallArgs, flat: _FlatArgs, eager_mesh=None):
   """The op's results, via shard_map; None where it keeps the custom call."""
@@ -3555,6 +3498,19 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # walks down the steps to the author's op and its answer back up (as spec
 # entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
 # --------------------------------------------------------------------------
+
+# jax's names only this section reads (looked up as _NAMES's).
+_DERIVED_NAMES = {
+    "jax.interpreters.ad": "Zero instantiate_zeros is_undefined_primal "
+                           "primitive_jvps primitive_transposes",
+    # jax 0.4.36 added fancy_primitive_batchers (rules get the axis data,
+    # and unbatched calls); primitive_batchers became its "compat shim. TODO:
+    # delete" (0.12.0.1).
+    "jax.interpreters.batching": "fancy_primitive_batchers"
+                                 if _JAX_VERSION >= (0, 4, 36) else
+                                 "primitive_batchers",
+}
+_look_up(_DERIVED_NAMES)
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
@@ -3929,7 +3885,8 @@ def _infer(op: _Op, levels: list):
   return top.step.infer(op, top, below[-1], lambda: _infer(op, below))
 
 
-def _propagate_derived(op: _Op, results: list) -> list[_Value] | None:
+def _propagate_derived(  # seam: used by (II.7)
+    op: _Op, results: list) -> list[_Value] | None:
   """Result values of the op, given its user's; None (the user's stand)
   where one has no PartitionSpec to walk down the steps."""
   if any(v.spec is None for v in results):
@@ -4285,7 +4242,7 @@ def _derived_rule(params, place: _Placement, author: _Level,
 
 
 @contextlib.contextmanager
-def _derived_rules_seen():
+def _derived_rules_seen():  # seam: used by (III.2)
   """Collects ``(op name, rule text, why)`` for each rule derived (or found
   cached) on this thread meanwhile: ``check_partitioning``'s jits lower
   there."""
@@ -4401,10 +4358,28 @@ def _factor_name(k: int) -> str:
 # compile that ends drops it (``_drop_pending``). XLA talks in HloShardings
 # on flat lists of shapes, the callbacks in jax shardings on pytrees; in
 # between, each operand and result is a ``_Value``. A question goes XLA ->
-# ``_answer_<q>`` (a derived op's steps, II.4) -> ``_ask_<q>`` (I.7), the
+# ``_answer_<q>`` (a derived op's steps) -> ``_ask_<q>`` (I.7), the
 # only caller of that author's callback. The per-shard program is lowered
 # to the module XLA inlines (``_per_shard_module``).
 # --------------------------------------------------------------------------
+
+# jax's names only this section reads (looked up as _NAMES's): XLA's
+# Python-partitioner API and what a custom call's compile needs.
+_CALLBACK_NAMES = {
+    "jax.interpreters.mlir": "LoweringParameters module_to_bytecode",
+    "jax.monitoring": "register_event_duration_secs_listener",
+    "jax._src.compiler": "register_xla_runtime_error_handler",
+    "jax._src.config": "State compilation_cache_dir config "
+                       "enable_compilation_cache",
+    "jax._src.core": "AxisEnv?",
+    "jax._src.dispatch": "BACKEND_COMPILE_EVENT",
+    "jax._src.lax": "linalg",
+    "jax._src.lib": "lapack",
+    "jax._src.lib.xla_client": "Client register_custom_call_partitioner",
+    "jax._src.source_info_util": "new_name_stack",
+    "jax._src.xla_bridge": "register_plugin_callbacks",
+}
+_look_up(_CALLBACK_NAMES)
 
 def _custom_call(ctx, op, params, values, rule_attr):
   """The op as one custom call, partitioned by XLA's callbacks (below)."""
@@ -4414,19 +4389,71 @@ def _custom_call(ctx, op, params, values, rule_attr):
       extra_attributes=rule_attr).results
 
 
-def _fallback_call(ctx, params, op, values, rule, rule_attr, steps, name,
-                   e):
-  """Off TPU, an op whose answer jax cannot lower as a manual computation
-  (``e`` says why): the custom call, partitioned by XLA's callbacks."""
+def _by_callbacks(ctx, params, place: _Placement, values, name: str):
+  """The op as one custom call, partitioned by XLA's callbacks: under
+  GSPMD, and off TPU where it cannot be partitioned at lowering."""
+  mc = ctx.module_context
+  _check_exportable(mc, name)
+  if place.devices is None:
+    raise ValueError(
+        f"custom_partitioning op {name} is lowered for several devices, but "
+        "jax did not say which: jax withholds them from a lowering rule that "
+        "binds the op (e.g. through jax.interpreters.mlir.lower_fun) unless "
+        "its primitive is in jax._src.dispatch."
+        "prim_requires_devices_during_lowering. Add that primitive to the set "
+        "(prim_requires_devices_during_lowering.add(your_primitive)), or set "
+        "the mesh around the call, with jax.set_mesh(mesh) or `with mesh:`, "
+        "so the op can find its devices; or call the op outside that "
+        "primitive.")
+  _check_partition(params, place, name)
+  rule, rule_attr = _rule_of(ctx, params, place, values, at_lowering=False)
+  # Inside a partly manual shard_map: the manual axes each value varies on.
+  varying = ((), ()) if place.auto is None else tuple(
+      tuple(_varying_axes(a) for a in avals)
+      for avals in (ctx.avals_in, ctx.avals_out))
+  # partition and lower_fn run on XLA's thread, in the lowering's config.
+  op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
+              backend=_backend(mc), config=_config_values())
+  return _custom_call(ctx, op, params, values, rule_attr)
+
+
+def _fallback_call(ctx, params, op, values):
+  """Off TPU, an op whose answer jax cannot lower as a manual computation:
+  the custom call, partitioned by XLA's callbacks."""
   # Placed by its rule, as in the first pass (without, Shardy leaves
   # the custom call replicated: gathers around it).
-  if isinstance(rule, SdyShardingRule) and values:
+  rule_attr = None
+  if isinstance(op.sharding_rule, SdyShardingRule) and values:
     rule_attr = {"sdy.sharding_rule": _rule_attr(
-        rule, _rule_levels(params["call"], steps),
+        op.sharding_rule, _rule_levels(params["call"], op.steps),
         isinstance(params["partition"], _FromRule))}
   return _custom_call(ctx, dataclasses.replace(
       op, at_lowering=False, config=_config_values()), params, values,
       rule_attr)
+
+
+# Options jax sets while tracing, not users (check_vma in a jax.shard_map's
+# body, jax 0.10.2): lower_fn, traced on plain local types, goes without.
+def _config_values() -> tuple:
+  """Every jax option's value on this thread, context managers included, as
+  ``(name, value)`` pairs, but ``check_vma`` (above)."""
+  return tuple((name, holder.value)
+               for name, holder in _jax.config._value_holders.items()
+               if isinstance(holder, _jax.State) and
+               name != "check_vma")
+
+
+@contextlib.contextmanager
+def _config_entered(values: tuple):
+  """Runs the block on this thread under ``values`` (``_config_values``),
+  each option that differs set by its (thread-local) context manager, as
+  the user's ``with`` did."""
+  holders = _jax.config._value_holders
+  with contextlib.ExitStack() as stack:
+    for name, value in values or ():  # None: the caller's, as it is
+      if holders[name].value != value:
+        stack.enter_context(holders[name](value))
+    yield
 
 
 def _keep_call(call, ctx, op, params) -> None:
@@ -4967,7 +4994,7 @@ _DESCRIBED_BY[_Step] = dataclasses.astuple  # seam: derived ops (II.4)
 
 _log = logging.getLogger(__name__)
 _CUSTOM_CALL = "custom call"
-_SHARD_MAP = "shard_map under Explicit axes"
+_SHARD_MAP = "shard_map under Explicit axes"  # seam: used by (II.3)
 _FUN = "fun"
 _AT_LOWERING_PATH = "manual computation at lowering, Shardy"
 
@@ -5012,8 +5039,9 @@ def _debug_partition(op: _Op, operands: list, results: list, answer,
              else "partition"), why=why)
 
 
-def _debug_cached_partition(op: _Op, arg_shapes, arg_shardings,
-                            result_shape, result_sharding, hit) -> None:
+def _debug_cached_partition(  # seam: used by (II.7)
+    op: _Op, arg_shapes, arg_shardings, result_shape, result_sharding,
+    hit) -> None:
   """Records a repeated ``partition`` question, answered with ``hit``."""
   on = op.mesh if op.place.auto is None else op.place.auto
   asked, answered = (
@@ -5038,13 +5066,138 @@ def _debug_infer(op: _Op, operands: list, inferred,
                    else "nothing"))
 
 
-def _debug_propagate(op: _Op, users: list, answer: list | None) -> None:
+def _debug_propagate(  # seam: used by (II.7)
+    op: _Op, users: list, answer: list | None) -> None:
   """``answer`` None: the user's sharding was kept without asking."""
   by = ("the module (no propagate_user_sharding: the user's sharding)"
         if answer is None else "propagate_user_sharding")
   _debug(op.name, "propagate_user_sharding", path=_CUSTOM_CALL,
          mesh=op.mesh, asked=_logged(results=users), by=by,
          answered=_logged(results=users if answer is None else answer))
+
+
+# --------------------------------------------------------------------------
+# II.9 Ops placed apart: one lowering per place
+#
+# jax lowers a function of several callers once, and equal equations once
+# (its lowering caches, ``ModuleContext.lowering_cache`` and
+# ``cached_primitive_lowerings``), but Shardy may place each place of such
+# an op apart; one module cannot hold both. ``_lower`` then asks for a
+# second lowering, in which the two caches are wrapped (``_SiteCache``): an
+# entry whose lowering lowered ops is reused only where those ops are
+# placed as there, and is lowered again elsewhere, its ops under their
+# first lowering's indices (``_PerSite``). A copy without this section
+# partitions such an op as its first place asks (XLA reshards at the
+# others). jax reads the two caches with ``.get(key, default)``, ``[key]``
+# (a miss raising ``KeyError``, which ``__missing__`` answers) and writes
+# them with ``[key] = entry``, nothing else (in ``mlir.py`` and ``pjit.py``,
+# 0.4.36 to 0.12.1; jax 0.4.35 has no lowering_cache): what ``_SiteCache``
+# overrides, and what ``SiteCacheTest`` reads jax's source for.
+# --------------------------------------------------------------------------
+
+class _PerSite:
+  """The second pass's view of jax's lowering caches (of equal equations,
+  of called functions) where one op was placed differently in different
+  places: an entry whose lowering lowered ops is reused only where those
+  ops are placed as there; elsewhere it is lowered again, its ops under
+  their first pass's indices, and kept too."""
+
+  def __init__(self, lowering: _Pass):
+    self.lowering = lowering
+    self.start = None  # the index when installed
+    self.since = []  # (index, placement) of each op lowered since then
+    self.open: dict = {}  # key -> the same, since its lowering began
+    self.starts: dict = {}  # key -> the index its lowering began at
+    # key -> (index of its first op, one past its last, its ops' indices)
+    self.spans: dict = {}
+    self.variants: dict = {}  # (key, its ops' placements) -> entry
+    self.resume: dict = {}  # key -> the index to go on from, lowered again
+    self.module = None  # the module being lowered when installed
+
+  def install(self, mc):
+    if mc.module is not self.module:
+      # A copy of this file of another protocol version, wrapping the
+      # shared lowering, keeps this pass over two lowerings of the module:
+      # the first's entries are functions of another module.
+      self.__init__(self.lowering)
+      self.module = mc.module
+    if self.start is None:
+      self.start = self.lowering.count
+    # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
+    for name in ("lowering_cache", "cached_primitive_lowerings"):
+      cache = getattr(mc, name, None)
+      if cache is not None and not isinstance(cache, _SiteCache):
+        setattr(mc, name, _SiteCache(cache, self, name))
+
+  def lowered(self, index: int, placement):
+    for frame in (self.since, *self.open.values()):
+      frame.append((index, placement))
+
+  def missed(self, key):
+    """The entry for ``key`` where its ops are placed as here, or None
+    (then jax lowers it here)."""
+    lowering = self.lowering
+    span = self.spans.get(key)
+    if span is not None:
+      first, end, indices = span
+      ahead: dict = {}
+      placements = []
+      for i in indices:
+        ahead[i] = ahead.get(i, -1) + 1
+        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
+      entry = self.variants.get((key, repr(placements)))
+      if entry is not None:
+        for i, placement in zip(indices, placements):
+          lowering.sites[i] += 1
+          self.lowered(i, placement)
+        lowering.count = max(lowering.count, end)
+        return entry
+      self.resume[key] = lowering.count
+      lowering.count = first
+    self.starts[key] = lowering.count
+    self.open[key] = []
+    return None
+
+  def put(self, key, entry) -> bool:
+    """Whether the entry for ``key`` lowered ops (then it is kept here,
+    by their placements, and not in jax's cache)."""
+    lowering = self.lowering
+    # Entries being lowered when installed began before any op.
+    first = self.starts.pop(key, self.start)
+    frame = self.open.pop(key, None)
+    frame = list(self.since) if frame is None else frame
+    if not frame:
+      return False
+    self.spans.setdefault(key, (first, lowering.count,
+                                [i for i, _ in frame]))
+    self.variants[key, repr([p for _, p in frame])] = entry
+    lowering.count = max(lowering.count,
+                         self.resume.pop(key, lowering.count))
+    return True
+
+
+class _SiteCache(dict):
+  """One of jax's lowering caches, asking ``_PerSite`` where it misses."""
+
+  def __init__(self, entries: dict, sites: _PerSite, name: str):
+    super().__init__(entries)
+    self.sites, self.name = sites, name
+
+  def get(self, key, default=None):
+    if key in self:
+      return dict.__getitem__(self, key)
+    entry = self.sites.missed((self.name, key))
+    return default if entry is None else entry
+
+  def __missing__(self, key):
+    entry = self.sites.missed((self.name, key))
+    if entry is None:
+      raise KeyError(key)
+    return entry
+
+  def __setitem__(self, key, entry):
+    if not self.sites.put((self.name, key), entry):
+      dict.__setitem__(self, key, entry)
 
 
 # ==========================================================================
@@ -5353,8 +5506,8 @@ def sdy_sharding_rule_to_mlir(rule: SdyShardingRule,
       getattr(rule, kind) for kind in _SPECIAL_FACTOR_KINDS))
 
 
-def _reduced_factors(rule: SdyShardingRule, dims: list,
-                     num_operands: int) -> set:
+def _reduced_factors(  # seam: used by (II.1, II.5)
+    rule: SdyShardingRule, dims: list, num_operands: int) -> set:
   """The factors of a resolved rule no shard can keep (the one definition
   every check and derivation uses): reduction factors, those of operands or
   results only (``j`` of ``"i, j -> i"``, as ``x * sum(y)``), and those a
@@ -5930,58 +6083,58 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 # III.3 The module's state
 #
 # The table of all state this module keeps but the stores on its objects
-# (per op, per lowered op); each store stands beside its owner (the section
-# in brackets; a copy without that section has no such store). Caches are
+# (per op, per lowered op); each store stands beside its owner, the section
+# in brackets (a copy without that section has no such store). Caches are
 # bounded ``_LRU``s, each with its own lock; a hit answers what a fresh
 # computation would (where each is filled, a comment says what its key
 # holds).
 #
-#   store           maps                                    bound   cleared
-#   op._traces      call signature -> traced fun            64/op   C, D
-#   op._programs    call signature -> _Program (II.3)       64/op   C, D
-#   _eager          eager call -> jitted function           64      C
-#   _derived        (body, tag, avals) -> derived body (II.4) 64    C
-#   _derived_rules  (infer, statics, shapes, mesh, config)  256     C
-#                   -> rule derived from infer (II.6)
-#   _rules_seen     thread -> rules derived meanwhile (II.6) threads -
-#   _Op.answers     partition request -> XLA's answer (II.7) 256/op C
-#                   (at lowering: -> manual program; a dict of its lowering)
-#   _decoded_placement (Shardy placement, rank, mesh)       64      C
-#                   -> (PartitionSpec, HloSharding)
-#   _pending        thread -> (op, error) of its compile    threads P, F
-#   _registry       custom call key -> _Op (II.7)           weak    -
-#   _lowering_ops   lowering -> its ops by parameters (II.7) weak   -
-#   _parked_errors  tag -> a callback's exception (II.7)    64      C, R
-#   _parked_counter the next tag (II.7)                     -       -
-#   _call_names     body -> name of its function            weak    -
-#   _lapack_ready   jaxlib's LAPACK kernels registered (II.7) -     never
+#   store           maps                                  bound   cleared
+#   op._traces      call signature -> traced fun          64/op   C, D  (I.1)
+#   op._programs    call signature -> _Program            64/op   C, D  (II.3)
+#   _eager          eager call -> jitted function         64      C     (I.1)
+#   _derived        (body, tag, avals) -> derived body    64      C     (II.4)
+#   _derived_rules  (infer, statics, shapes, mesh, config)
+#                   -> rule derived from infer            256     C     (II.6)
+#   _rules_seen     thread -> rules derived meanwhile     threads -     (II.6)
+#   _Op.answers     partition request -> manual program (a dict of its
+#                   lowering)                             1/op    -     (I.5)
+#   _Op.answers     partition request -> XLA's answer     256/op  C     (II.7)
+#   _decoded_placement (Shardy placement, rank, mesh)
+#                   -> (PartitionSpec, HloSharding)       64      C     (I.5)
+#   _pending        thread -> (op, error) of its compile  threads P, F  (II.7)
+#   _registry       custom call key -> _Op                weak    -     (II.7)
+#   _lowering_ops   lowering -> its ops by parameters     weak    -     (II.7)
+#   _parked_errors  tag -> a callback's exception         64      C, R  (II.7)
+#   _parked_counter the next tag                          -       -     (II.7)
+#   _call_names     body -> name of its function          weak    -     (I.1)
+#   _lapack_ready   jaxlib's LAPACK kernels registered    -       never (II.7)
 #
-# jax's configuration (the trace context its caches key on): op._traces,
-# op._programs, _derived and _derived_rules key on it; _registry's content
-# keys (II.7) hold
-# it by value, its other keys name an op of one lowering, which has one (so
-# do _Op.answers); _eager's jax.jit functions key on it themselves
-# and are built alike under any. _pending is no cache.
+# jax's configuration (the trace context its caches key on): op._traces
+# keys on it, as every cache of an extra does; _eager's jax.jit functions
+# key on it themselves and are built alike under any. An _Op's answers at
+# lowering live in one lowering, which has one config.
+# _registry's content keys hold it by value, its other keys name an op of
+# one lowering, which has one (so do XLA's _Op.answers); _pending is no
+# cache (II.7).
 #
 # C: ``jax.clear_caches()`` (seen at each ``_LRU``'s next use); D:
-# ``def_partition``; P: popped by the thread's next partition callback; F:
-# emptied when a compile ends (II.7); R: popped when the failed compile
-# re-raises it. Lowerings and executables that may still call back keep
-# their ``_registry`` entries alive. The weak tables and ``_pending`` share
-# ``_weak_lock``. Not state: ``_DESCRIBED_BY`` (II.7), filled at import.
+# ``def_partition``. The weak tables share ``_weak_lock``.
+# P: popped by the thread's next partition callback; F: emptied when a
+# compile ends; R: popped when the failed compile re-raises it. Lowerings
+# and executables that may still call back keep their ``_registry`` entries
+# alive; ``_pending`` shares ``_weak_lock`` (II.7).
+# Not state: ``_DESCRIBED_BY``, filled at import (II.7).
 # --------------------------------------------------------------------------
 
 def _store_sizes(op=None) -> dict[str, int]:
   """Entries per store (III.3) (and ``op``'s own, if given), for tests."""
-  with _weak_lock:
-    sizes = {"call_names": len(_call_names)}
-    registry = globals().get("_registry")  # None: a copy without II.7
-    if registry is not None:
-      sizes["registry"] = len(registry)
-  for name in ("eager", "derived", "parked_errors"):
+  sizes = {}
+  for name in ("call_names", "registry", "eager", "derived", "parked_errors"):
     store = globals().get(f"_{name}")  # None: a copy without its section
     if store is not None:
-      sizes[name] = len(store)
+      with _weak_lock:  # (the weak tables' lock; the others hold their own)
+        sizes[name] = len(store)
   if op is not None:
     sizes.update(traces=len(op._traces), programs=len(op._programs))
   return sizes

@@ -6,8 +6,8 @@ Tests whose behaviour depends on the partitioner run once per partitioner:
 each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
 ``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
 
-The whole file takes about two minutes on two cores (.ci/RESULTS.md says how
-long, when). Its time goes to XLA compiling each distinct program (a few tenths of
+The whole file takes several minutes on two cores, one partitioner's
+variants about half of it (.ci/RESULTS.md records CI's runs). Its time goes to XLA compiling each distinct program (a few tenths of
 a second each) and to starting child pythons (half a second or more each,
 about a fifth of the total): a new test should reuse programs its class
 already builds (setUpClass) and add its check to an existing child script
@@ -262,7 +262,8 @@ def _x64():
 # Releases without the path (no Explicit axis types, top-level shard_map
 # with check_vma, jax.sharding.reshard, or jax.set_mesh) keep the custom call.
 NO_EXPLICIT_PATH = (
-    None if cp._EXPLICIT_PATH and hasattr(jax, "set_mesh") else
+    None if getattr(cp, "_EXPLICIT_PATH", False) and hasattr(jax, "set_mesh")
+    else
     f"{JAX}: the Explicit-axes path needs Explicit axis types, jax.shard_map "
     "(check_vma), jax.sharding.reshard and jax.set_mesh (jax >= 0.7)")
 
@@ -365,7 +366,8 @@ class CPTestCase(unittest.TestCase):
     """Whether the test's ops are partitioned at lowering (Shardy's
     default), else by XLA's partition callback."""
     return bool(jax.config.jax_use_shardy_partitioner and
-                cp._PARTITION_AT_LOWERING and cp._PROPAGATES)
+                getattr(cp, "_PARTITION_AT_LOWERING", True) and
+                cp._PROPAGATES)
 
   @staticmethod
   def mesh(shape=(8,), names=("x",)):
@@ -3551,7 +3553,9 @@ class CallbackContractTest(CPTestCase):
       out = jax.jit(op)(x)
     np.testing.assert_allclose(out, np.cos(self.xh) + 1, rtol=1e-6)
     # On the Explicit-axes path jax types the result; infer is not asked.
-    self._check_records(rec, m, typed_by_jax=cp._EXPLICIT_PATH)
+    # (A copy without the path, II.3, partitions Explicit axes as Auto.)
+    self._check_records(rec, m, typed_by_jax=getattr(cp, "_EXPLICIT_PATH",
+                                                     False))
 
   def test_with_mesh_context(self):
     op, rec = self._recording_op()
@@ -7140,13 +7144,17 @@ class ImportTest(unittest.TestCase):
     with open(cp.__file__) as f:
       source = f.read()
     used = set(re.findall(r"\b_jax\.([A-Za-z_]\w*)", source))
-    # Every release's names: a version branch in the table lists another
-    # release's name beside this one's.
-    table = source[source.index("_NAMES = {"):source.index("\n}\n")]
-    listed = {name.rstrip("?") for text in re.findall(r'"([^"]*)"', table)
+    # Every release's names: a version branch in a table lists another
+    # release's name beside this one's. _NAMES, and each extra's own table.
+    tables = dict(re.findall(r"\n(_\w*NAMES) = \{\n(.*?)\n\}\n", source,
+                             re.S))
+    self.assertEqual(sorted(tables), sorted(_names_tables()))
+    listed = {name.rstrip("?") for table in tables.values()
+              for text in re.findall(r'"([^"]*)"', table)
               for name in text.split()}
     self.assertEqual(used - listed, set())
-    self.assertLessEqual({name.rstrip("?") for names in cp._NAMES.values()
+    self.assertLessEqual({name.rstrip("?") for table in _names_tables().values()
+                          for names in table.values()
                           for name in names.split()}, listed)
 
   def test_the_import_warns_of_nothing(self):
@@ -7261,6 +7269,130 @@ class ImportTest(unittest.TestCase):
         self.assertNotIn(f'"{cp.__file__}"', text)
         self.assertNotIn(cp.__file__, lowered.compile().as_text())
         np.testing.assert_allclose(f(x), np.sin(xh) * 2 + 1, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# A trimmed copy keeps README's promises (.ci/sections.py's copy lanes)
+# --------------------------------------------------------------------------
+
+class TrimmedCopyTest(CPTestCase):
+  """What README's trimming table says a copy without a section does:
+  each test runs where the module lacks that section (the copies
+  ``.ci/sections.py --check`` writes, which run this class) and skips in
+  the whole file, whose own tests cover the section."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.m = CPTestCase.mesh()
+    cls.s = NamedSharding(cls.m, P("x"))
+    cls.xh = _data((16, 4))
+    cls.x = jax.device_put(cls.xh, cls.s)
+
+  def without(self, section, name):
+    """Skips unless the module lacks ``name``, one of ``section``'s."""
+    if hasattr(cp, name):
+      self.skipTest(f"the module holds {section} ({name})")
+
+  def partitioned(self):
+    """Skips where no op is partitioned: GSPMD without XLA's callbacks."""
+    if not self.shardy and not hasattr(cp, "_custom_call"):
+      self.skipTest("without XLA's callbacks (II.7) GSPMD partitions no op")
+
+  def test_without_ii1_a_forgotten_psum_is_not_refused(self):
+    self.without("II.1", "_check_per_shard")
+    self.partitioned()
+    op = custom_partitioning(lambda x: x.sum(0))
+    op.def_partition(
+        lambda m, a, r: (m, lambda v: v.sum(0), NamedSharding(m, P()),
+                         (NamedSharding(m, P("x")),)),
+        sharding_rule="i j -> j")
+    got = jax.jit(op)(self.x)  # each shard's sum, not the whole's
+    self.assertFalse(np.allclose(got, self.xh.sum(0)))
+
+  def test_without_ii2_an_op_in_a_partly_manual_shard_map_is_refused(self):
+    self.without("II.2", "_shard_map_placement")
+    if not HAS_AXIS_TYPE:
+      self.skipTest(f"{JAX}: a partly manual shard_map needs axis types")
+    mesh = Mesh(self.m.devices.reshape(2, 4), ("a", "b"))
+    f = jax.jit(shard_map(elementwise_op(), mesh=mesh, in_specs=P("a"),
+                          out_specs=P("a"), axis_names={"a"}))
+    self.assertRaisesNaming(
+        NotImplementedError, ["cannot be lowered inside a partly manual "
+                              "jax.shard_map", "trimmed"], f, self.xh)
+
+  def test_without_ii4_no_transformation_of_an_op(self):
+    self.without("II.4", "_Step")
+    op = elementwise_op()
+    for name, fn, arg in (
+        ("grad", jax.grad(lambda x: op(x).sum()), self.x),
+        ("jvp", lambda x: jax.jvp(op, (x,), (x,)), self.x),
+        ("vmap", jax.vmap(op), self.xh.reshape(2, 8, 4))):
+      with self.subTest(name), self.assertRaisesRegex(
+          NotImplementedError, "rule for 'custom_partitioning' not "
+          "implemented"):
+        jax.jit(fn)(arg)
+
+  def test_without_ii5_an_op_needs_a_partition(self):
+    self.without("II.5", "_partition_from_rule")
+    self.partitioned()
+    op = custom_partitioning(lambda x: x * 2.0)
+    op.def_partition(sharding_rule="i j -> i j")
+    self.assertRaisesNaming(ValueError, ["runs on 8 devices",
+                                         "partition=None", "rule-only"],
+                            jax.jit(op), self.x)
+
+  def test_without_ii6_a_gspmd_era_op_has_replicated_results(self):
+    self.without("II.6", "_derived_rule_attr")
+    if not self.shardy:
+      self.skipTest("the derived rule is Shardy's")
+    op = custom_partitioning(lambda x: x * 3.0)
+    op.def_partition(
+        lambda m, a, r: (m, lambda v: v * 3.0, a[0].sharding,
+                         (a[0].sharding,)),
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+    f = jax.jit(op)
+    np.testing.assert_allclose(f(self.x), self.xh * 3.0)
+    self.assertNotIn("sdy.sharding_rule", f.lower(self.x).as_text())
+
+  def test_without_ii7_what_needs_xla_callbacks_raises(self):
+    self.without("II.7", "_custom_call")
+    named = NotImplementedError, ["cannot be lowered for cpu without XLA's "
+                                  "callbacks"]
+    if not self.shardy:
+      self.assertRaisesNaming(*named[:1], named[1] + ["GSPMD partitions"],
+                              jax.jit(elementwise_op()), self.x)
+      return
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
+    if hasattr(cp, "_shard_map_placement") and HAS_AXIS_TYPE:  # II.2's
+      with self.subTest("a partly manual shard_map"):
+        self.assertRaisesNaming(
+            *named[:1], named[1] + ["partly manual jax.shard_map"], jax.jit(
+                shard_map(elementwise_op(), mesh=grid, in_specs=P("p"),
+                          out_specs=P("p"), axis_names={"p"})), self.xh)
+    with self.subTest("an answer without a PartitionSpec"):
+      odd = NamedSharding(grid, P("q"))
+      op = custom_partitioning(lambda x: x * 2.0)
+      op.def_partition(lambda m, a, r: (m, lambda v: v * 2.0, odd, (odd,)),
+                       sharding_rule="i j -> i j")
+      self.assertRaisesNaming(*named[:1], named[1] + ["no PartitionSpec"],
+                              jax.jit(op, in_shardings=self.s), self.x)
+    with self.subTest("without a mesh"):
+      from jax._src.sharding_impls import GSPMDSharding
+      gs = GSPMDSharding(tuple(self.m.devices.flat),
+                         self.s._to_xla_hlo_sharding(2))
+      x = jax.device_put(self.xh, gs)
+      try:
+        jax.jit(lambda x: x + 1, in_shardings=gs, out_shardings=gs)(x)
+      except NotImplementedError as e:  # e.g. jax 0.4.35 under Shardy
+        self.skipTest(f"{JAX}: jit itself rejects GSPMDSharding here: {e}")
+      self.assertRaisesNaming(
+          *named[:1], named[1] + ["its mesh is unknown"], jax.jit(
+              elementwise_op(), in_shardings=gs, out_shardings=gs), x)
+
+
+both_partitioners(TrimmedCopyTest)
+del TrimmedCopyTest
 
 
 # --------------------------------------------------------------------------
@@ -8212,6 +8344,73 @@ def _copy2():
     spec.loader.exec_module(mod)
     _COPY2.append(mod)
   return _COPY2[0]
+
+
+class SiteCacheTest(unittest.TestCase):
+  """Ops placed apart (II.9) wrap jax's two lowering caches in a dict
+  subclass, ``_SiteCache``, answering ``.get(key, default)``, ``[key]``
+  (a miss through ``__missing__``) and ``[key] = entry``: what it answers,
+  and that jax reads and writes the caches no other way, on the running
+  release."""
+
+  CACHES = ("lowering_cache", "cached_primitive_lowerings")
+
+  def setUp(self):
+    if not hasattr(cp, "_SiteCache"):
+      self.skipTest("a copy without ops placed apart (II.9)")
+
+  def test_the_methods_jax_calls(self):
+    asked, kept = [], {}
+
+    class Sites:  # _PerSite's two questions
+      def missed(self, key):
+        asked.append(key)
+        return kept.get(key)
+
+      def put(self, key, entry):
+        if key[1] == "by place":
+          kept[key] = entry
+          return True
+        return False
+    cache = cp._SiteCache({"old": 1}, Sites(), "lowering_cache")
+    self.assertEqual((cache.get("old"), cache["old"]), (1, 1))
+    self.assertEqual(asked, [])  # a hit asks nothing
+    self.assertIsNone(cache.get("new", None))
+    with self.assertRaises(KeyError):
+      cache["new"]
+    cache["by place"] = 2  # kept by its ops' placements, not in the dict
+    cache["plain"] = 3
+    self.assertEqual((dict(cache), cache.get("by place"), cache["by place"]),
+                     ({"old": 1, "plain": 3}, 2, 2))
+    self.assertEqual(asked, [("lowering_cache", k) for k in (
+        "new", "new", "by place", "by place")])
+
+  def test_jax_uses_its_lowering_caches_only_so(self):
+    root = os.path.join(os.path.dirname(jax.__file__), "_src")
+    seen, odd = 0, []
+    for directory, _, files in os.walk(root):
+      for name in files:
+        if not name.endswith(".py"):
+          continue
+        path = os.path.join(directory, name)
+        with open(path, encoding="utf-8") as f:
+          text = f.read()
+        for m in re.finditer(r"(\w+\s*\(?\s*)[\w.]*\.(%s)\b(\s*.{0,5})" %
+                             "|".join(self.CACHES), text):
+          before, after = m.group(1), m.group(3)
+          seen += 1
+          if (after.startswith((".get(", "[")) or
+              not after.lstrip().startswith(".")) and not re.match(
+                  r"(in|len)\b", before):
+            continue
+          odd.append(f"{os.path.relpath(path, root)}: {m.group(0)!r}")
+    if not hasattr(jax._src.interpreters.mlir.ModuleContext, "__init__") or (
+        "lowering_cache" not in inspect.signature(
+            jax._src.interpreters.mlir.ModuleContext).parameters):
+      self.skipTest(f"{JAX} has no lowering_cache (0.4.35 lowers equal "
+                    "equations apart)")
+    self.assertGreater(seen, 0)
+    self.assertEqual(odd, [])
 
 
 class CoexistenceTest(CPTestCase):
@@ -13648,8 +13847,11 @@ class ReadmeTest(unittest.TestCase):
             "_src", "core", "extend", "interpreters", "experimental", "lib"))
     self.assertEqual(internal, [])
     self.assertIn("jax's stable API (`jax.jit`", " ".join(readme.split()))
-    private = {m: names.split() for m, names in cp._NAMES.items()
-               if m.startswith("jax._src.")}
+    private: dict = {}  # every table's (an extra's own too)
+    for table in _names_tables().values():
+      for m, names in table.items():
+        if m.startswith("jax._src."):
+          private.setdefault(m, []).extend(names.split())
     names, modules, newer = (int(n) for n in re.search(
         r"reads (\d+) names from (\d+) private `jax._src` modules "
         r"\((\d+) from jax 0\.12\.1\)", readme).groups())
@@ -13667,13 +13869,13 @@ class ReadmeTest(unittest.TestCase):
     """README's size of the minimal copy (``.ci/sections.py --write core``,
     where the tool is beside the tests) holds within 10%."""
     readme, _ = _readme()
-    size = int(re.search(r"\(and the imports only\s+they used\):\s+about\s+"
+    size = int(re.search(r"[Tt]he\s+minimal\s+copy\*\*\s+\(`--write\s+core\s+DIR`,\s+about\s+"
                          r"([\d,]+) lines", readme).group(1).replace(",", ""))
     sections = _sections_tool()
     if sections is None:
       return
     with open(cp.__file__) as f:
-      core = sections.core(f.read())
+      core = sections.copy_of("core", f.read())
     self.assertLess(abs(core.count("\n") - size), size / 10)
     compile(core, "core.py", "exec")
 
@@ -13774,6 +13976,12 @@ class ReadmeTest(unittest.TestCase):
                               readme).groups()
     if given is None:
       self.assertIn(f'"--repeat", type=int, default={repeat})', bench)
+
+
+def _names_tables():
+  """The module's tables of jax's names: ``_NAMES``, and each extra's."""
+  return {name: table for name, table in vars(cp).items()
+          if name.endswith("_NAMES") and isinstance(table, dict)}
 
 
 def _jax_dotted_names(source):

@@ -7,18 +7,31 @@ SECTION ``core`` names the minimal copy: every removable section deleted at
 once (``--write core DIR`` writes it; ``--check`` runs it last, skipping the
 union of the removed sections' tests).
 
-A removable section is each of Part II, and III.2 and III.3 (the tools);
+A removable section is each of Part II, and III.2 and III.4 (the tools);
 it is entered only from lines marked ``# seam: ... (<section>)``. Deleting
 it, mechanically, means:
 - its lines go, from its banner to the next banner;
 - a seam line that opens an ``if`` or ``elif`` loses that branch: the rest of
   the chain stays, and an ``else`` body left alone takes the ``if``'s place
   (the branch is gone, the plain path runs);
-- any other statement marked as a seam goes whole.
+- any other statement marked as a seam goes whole, with its decorators and
+  the comment lines just above it; a definition only extras use names each
+  (``# seam: used by (II.1, II.4)``) and goes with the last of them;
+- text about it goes: a comment or docstring line ending in its number in
+  brackets (``(II.4)``, ``(Part II)`` for every extra; then ``.``, ``;``,
+  ``,`` or ``:`` may follow), with the lines of its sentence before it (back
+  to a blank line or one ending in ``.``, ``;``, ``:`` or such a bracket);
+  a seam naming several sections no longer names it; and, in the minimal
+  copy, Part II's banner.
 ``--check`` writes each copy (with the test file beside it) to a temporary
-directory, and fails unless ruff finds no undefined name in it and the core
-set passes (both partitioners, in one process), the removed section's
-tests skipped by the names in SKIPS below (run by ``--run``).
+directory, and fails unless ruff finds no undefined name in it; it looks
+up only the jax names it reads (its ``*_NAMES`` tables: ``names_unused``)
+and holds no top-level definition nothing reads (``unreferenced``); it
+names no section it lacks (``stale_text``); the minimal copy imports and
+runs an op with XLA's Python-partitioner API withdrawn from jax
+(``WITHDRAWN_API``); and the core set passes (both partitioners, in one
+process), the removed section's tests skipped by the names in SKIPS below
+(run by ``--run``).
 """
 import argparse
 import ast
@@ -35,13 +48,16 @@ TESTS = os.path.join(ROOT, "test_custom_partitioning.py")
 
 REMOVABLE = r"II\.\d+|III\.[24]"
 BANNER = "# " + "-" * 74
-SEAM = re.compile(r"#.*\bseam:.*\((" + REMOVABLE + r")\)")
+# A seam names one section, or (a definition only extras use) several:
+# ``(II.2, II.4)`` goes with the last of them.
+SEAM = re.compile(r"#.*\bseam:.*\(((?:" + REMOVABLE + r")(?:, (?:" +
+                  REMOVABLE + r"))*)\)")
 
 # The core set (.ci/matrix's), and per section the tests of what it adds,
 # skipped in a copy without it (a test id containing one of the strings).
 CORE = ["ElementwiseTest", "FrontendTest", "ShardyRuleTest", "RuleToMlirTest",
         "FFTTest", "CallbackContractTest", "GspmdEraOpsTest", "AtLoweringTest",
-        "TransformTest",
+        "TransformTest", "TrimmedCopyTest",
         "HijaxTest", "ImportTest", "test_shard_map_all_axes_manual",
         "test_cholesky_batch_sharded_has_no_collective",
         "test_readme_quickstart_runs"]
@@ -81,6 +97,11 @@ SKIPS: dict[str, list[str]] = {
              "test_two_operand_dimensions_onto_one_result_dimension",
              "test_a_probed_axis_inside_a_tuple_entry_ties",
              "test_decode_shardings_keys_the_derivation"],
+    # An op placed apart asked once per place.
+    "II.9": ["test_each_place_of_a_shared_lowering_is_asked_apart",
+             "test_ops_after_a_shared_lowering_lowered_again_keep_their_own",
+             "test_placements_are_read_through_loops_calls_and_shard_maps",
+             "test_shared_lowerings_inside_shared_lowerings"],
     "III.2": ["check_partitioning", "test_readme_quickstart_runs"],
     "III.4": ["FFTTest"],  # the demo's FFT op
 }
@@ -128,6 +149,12 @@ def _drop_seam(lines: list[str], lineno: int) -> list[str]:
   stmt, parent, field = _stmt_at(tree, lineno)
   i = lineno - 1
   if not isinstance(stmt, ast.If):
+    # Its decorators, and the comment lines just above (its own), go too.
+    i = min([i] + [d.lineno - 1 for d in getattr(stmt, "decorator_list", ())])
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    while i and lines[i - 1].startswith(indent + "#") and (
+        lines[i - 1] not in (BANNER, "# " + "=" * 74)):
+      i -= 1
     del lines[i:stmt.end_lineno]
     return _pad(lines, i)
   text = lines[i].lstrip()
@@ -172,25 +199,88 @@ def _pad(lines: list[str], i: int) -> list[str]:
   return lines
 
 
-def without(section: str, text: str) -> str:
-  """``text`` (the module) without ``section`` and its seam lines."""
+def without(section: str, text: str, gone: frozenset = frozenset()) -> str:
+  """``text`` (the module) without ``section``, its seam lines and its text
+  (where the sections ``gone`` are already deleted: a seam naming several
+  goes with the last)."""
   lines = text.split("\n")
   start, end = sections(lines)[section]
   del lines[start:end]
+  gone = gone | {section}
   while True:
     seams = [i + 1 for i, line in enumerate(lines)
-             if (m := SEAM.search(line)) and m.group(1) == section]
+             if (m := SEAM.search(line)) and section in (
+                 named := set(m.group(1).split(", "))) and named <= gone]
     if not seams:
-      return "\n".join(lines)
+      break
     lines = _drop_seam(lines, seams[-1])
+  for i, line in enumerate(lines):  # the others' seams stop naming it
+    if (m := SEAM.search(line)) and section in m.group(1).split(", "):
+      rest = ", ".join(n for n in m.group(1).split(", ") if n != section)
+      lines[i] = line[:m.start(1)] + rest + line[m.end(1):]
+  parts = {"II"} if not any(re.fullmatch(r"II\.\d+", s)
+                            for s in sections(lines)) else set()
+  return "\n".join(_trim_text(lines, gone | parts))
+
+
+# Text about a section: a comment or docstring line ending in its number in
+# brackets, and a line ending a sentence (or in any section's bracket).
+MARK = re.compile(r"\((?:Part )?(" + REMOVABLE + r"|II)\)[.;,:]?$")
+ENDS = re.compile(r"([.;:]|\((?:Part )?(?:I|II|III)(?:\.\d+)?\)[.;,:]?)$")
+
+
+def _trim_text(lines: list[str], gone: set) -> list[str]:
+  """``lines`` without the text about the sections ``gone`` (see above)."""
+  doc: set = set()  # the 0-based lines of docstrings
+  for node in ast.walk(ast.parse("\n".join(lines))):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and
+        isinstance(body[0].value, ast.Constant) and
+        isinstance(body[0].value.value, str)):
+      doc.update(range(body[0].lineno, body[0].end_lineno - 1))  # inner
+  keep = [True] * len(lines)
+  for i, line in enumerate(lines):
+    comment = line.lstrip().startswith("#")
+    text = line.strip().lstrip("#").strip()
+    m = MARK.search(text)
+    if not m or m.group(1) not in gone or not (comment or i in doc):
+      continue
+    j = i
+    while j > 0:
+      prev = lines[j - 1].strip()
+      if comment != prev.startswith("#") or not comment and j - 1 not in doc:
+        break
+      prev = prev.lstrip("#").strip()
+      if not prev or ENDS.search(prev) or set(prev) == {"-"}:
+        break
+      j -= 1
+    keep[j:i + 1] = [False] * (i + 1 - j)
+  return [line for line, k in zip(lines, keep) if k]
 
 
 def core(text: str) -> str:
   """``text`` (the module) without every removable section: the minimal
   copy."""
+  gone: frozenset = frozenset()
   for section in reversed(removable(text.split("\n"))):
-    text = without(section, text)
-  # Imports only the removed sections used go too (ruff's F401 in a copy).
+    text = without(section, text, gone)
+    gone |= {section}
+  lines = text.split("\n")
+  # Part II's banner, with no section left under it, goes.
+  part = next((i for i, line in enumerate(lines)
+               if line.startswith("# Part II.")), None)
+  if part is not None:
+    end = next(i for i in range(part + 1, len(lines))
+               if lines[i] == "# " + "=" * 74)
+    after = next(i for i in range(end + 1, len(lines)) if lines[i].strip())
+    if lines[after + 1].startswith("# Part III."):
+      del lines[part - 1:after]
+  return re.sub(r"\n{4,}", "\n\n\n", "\n".join(lines))
+
+
+def _imports_used(text: str) -> str:
+  """``text`` without the imports only removed sections used (ruff's F401
+  in a copy)."""
   lines = text.split("\n")
   for i in reversed(range(len(lines))):
     m = re.fullmatch(r"import (\w+)", lines[i])
@@ -200,8 +290,128 @@ def core(text: str) -> str:
   return "\n".join(lines)
 
 
+def _tables(tree) -> dict:
+  """Name -> the jax module it is looked up in, for every name of the
+  copy's tables of jax's names (``*_NAMES``, each release's branch)."""
+  listed = {}
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id.endswith("_NAMES")
+        for t in node.targets):
+      for table in ast.walk(node.value):
+        if isinstance(table, ast.Dict):
+          for key, value in zip(table.keys, table.values):
+            if isinstance(key, ast.Constant):
+              listed.update((name.rstrip("?"), key.value)
+                            for c in ast.walk(value)
+                            if isinstance(c, ast.Constant) and
+                            isinstance(c.value, str)
+                            for name in c.value.split())
+  return listed
+
+
+def names_unused(text: str) -> list[str]:
+  """The names the copy's tables look up that it never reads (as
+  ``_jax.<name>``, an attribute of one, or the string ``"<name>"``), and
+  those it reads that no table lists."""
+  tree = ast.parse(text)
+  listed = _tables(tree)
+  tables = {id(n) for node in tree.body if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id.endswith("_NAMES")
+                    for t in node.targets) for n in ast.walk(node)}
+  read, strings = set(), set()
+  for node in ast.walk(tree):
+    if id(node) in tables:
+      continue
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      strings.add(node.value)
+    chain = node
+    while isinstance(chain, ast.Attribute):
+      chain = chain.value
+    if isinstance(node, ast.Attribute) and isinstance(
+        chain, ast.Name) and chain.id == "_jax":
+      read.add(node.attr)
+  first = {node.attr for node in ast.walk(tree)
+           if isinstance(node, ast.Attribute) and
+           isinstance(node.value, ast.Name) and node.value.id == "_jax"}
+  return ([f"{listed[n]}.{n} looked up, never read" for n in sorted(listed)
+           if n not in read and n not in strings] +
+          [f"_jax.{n} read, in no table" for n in sorted(first - set(listed))])
+
+
+def unreferenced(text: str, tests: str) -> list[str]:
+  """The copy's private top-level definitions nothing reads (the tests'
+  ``cp.<name>`` aside)."""
+  tree = ast.parse(text)
+  defined = []
+  for node in tree.body:
+    for sub in [node] + (list(ast.walk(node)) if isinstance(node, ast.If)
+                         else []):
+      if isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+        defined.append((sub.name, sub.lineno))
+      targets = (sub.targets if isinstance(sub, ast.Assign) else
+                 [sub.target] if isinstance(sub, ast.AnnAssign) else [])
+      defined += [(t.id, sub.lineno) for t in targets
+                  if isinstance(t, ast.Name)]
+  read = {node.id for node in ast.walk(tree)
+          if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+  read |= {node.value for node in ast.walk(tree)  # globals().get("_x")
+           if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+  read |= set(re.findall(r"\bcp\.(_\w+)", tests))
+  return [f"line {line}: {name}" for name, line in defined
+          if name.startswith("_") and not name.startswith("__")
+          and name not in read]
+
+
+def stale_text(name: str, text: str) -> list[str]:
+  """Lines of the copy that name a section it lacks."""
+  lines = text.split("\n")
+  have = set(sections(lines))
+  gone = {s for s in removable(open(MODULE).read().split("\n"))
+          if s not in have}
+  return [f"line {i}: {line.strip()}" for i, line in enumerate(lines, 1)
+          for s in gone if re.search(rf"\b{re.escape(s)}\b(?![\d.]*\d)",
+                                     line)]
+
+
+# XLA's Python-partitioner API, which the minimal copy (Shardy's path
+# alone) must not need: deleted from jax before it is imported.
+WITHDRAWN_API = [
+    ("jax._src.lib.xla_client", "register_custom_call_partitioner"),
+    ("jax._src.xla_bridge", "register_plugin_callbacks"),
+    ("jax._src.compiler", "register_xla_runtime_error_handler"),
+]
+RUN_WITHDRAWN = """
+import importlib, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+for where, name in {withdrawn!r}:
+  parts = where.split(".")
+  module = importlib.import_module(parts[0])
+  for i, part in enumerate(parts[1:], 2):  # (xla_client: an attribute)
+    if not hasattr(module, part):
+      importlib.import_module(".".join(parts[:i]))
+    module = getattr(module, part)
+  if hasattr(module, name):
+    delattr(module, name)
+sys.path.insert(0, os.getcwd())
+import custom_partitioning as cp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+op = cp.custom_partitioning(lambda x: x * 2.0)
+op.def_partition(lambda m, a, r: (m, lambda v: v * 2.0, a[0].sharding,
+                                  (a[0].sharding,)),
+                 sharding_rule="i j -> i j")
+mesh = jax.make_mesh((8,), ("x",))
+x = jax.device_put(np.ones((16, 4), np.float32), NamedSharding(mesh, P("x")))
+np.testing.assert_allclose(jax.jit(op)(x), 2.0)
+print("ran without", len({withdrawn!r}), "names of XLA's partitioner API")
+"""
+
+
 def copy_of(name: str, text: str) -> str:
-  return core(text) if name == "core" else without(name, text)
+  return _imports_used(core(text) if name == "core" else without(name, text))
 
 
 def skips_of(name: str) -> list[str]:
@@ -243,12 +453,29 @@ def check(names: list[str]) -> int:
             os.path.join(d, os.path.basename(path)), "w") as f:
           f.write(src.read())
       ruff = subprocess.run(
-          ["ruff", "check", "--isolated", "--select", "F821,F822",
+          ["ruff", "check", "--isolated", "--select", "F401,F821,F822",
            "custom_partitioning.py"], cwd=d, capture_output=True, text=True)
       if ruff.returncode:
         print(f"without {name}: undefined names\n{ruff.stdout}")
         status = 1
         continue
+      copy = copy_of(name, text)
+      for what, found in (
+          ("jax names", names_unused(copy)),
+          ("unreferenced definitions", unreferenced(copy, open(TESTS).read())),
+          ("text naming a section it lacks", stale_text(name, copy))):
+        if found:
+          print(f"without {name}: {what}:\n  " + "\n  ".join(found))
+          status = 1
+      if name == "core":
+        run = subprocess.run(
+            [sys.executable, "-c",
+             RUN_WITHDRAWN.format(withdrawn=WITHDRAWN_API)],
+            cwd=d, capture_output=True, text=True)
+        print(f"without {name}: " + (run.stdout.strip() if not run.returncode
+                                     else "fails with XLA's partitioner API "
+                                     "withdrawn\n" + run.stderr[-3000:]))
+        status |= run.returncode != 0
       env = dict(os.environ)
       env.pop("JAX_USE_SHARDY_PARTITIONER", None)  # both partitioners
       run = subprocess.run(

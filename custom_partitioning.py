@@ -2672,8 +2672,8 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   checked by jax's typing of shard_map (a derived op's transposition);
   where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
-  operands are padded with zeros, or if ``real_padding`` (II.4's
-  transposition, where zeros give NaN) with copies of a real row."""
+  operands are padded with zeros, or if ``real_padding`` with copies of a
+  real row (a transposition where zeros give NaN)."""
   mesh, on = shard.mesh, shard.on
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))

@@ -10331,16 +10331,26 @@ class AtLoweringTest(CPTestCase):
       self.assertNotIn("CustomSPMDPartitioning", _tpu_text(op, self.x))
 
   def test_equal_ops_share_one_answer(self):
-    seen = []
-    op = _recording_rows_op(lambda x: x + 1.0, seen)
+    """16 equal ops: partition is asked once. jax 0.4.36 and newer lower
+    equal equations once (one answer whatever the module does), so there
+    the op's primitive is also marked uncacheable: jax lowers each apart,
+    as 0.4.35 does, and the module alone shares the answer."""
+    for apart in (False, True) if _LOWERS_EQUAL_OPS_ONCE else (True,):
+      with self.subTest(apart=apart), contextlib.ExitStack() as stack:
+        if apart and _LOWERS_EQUAL_OPS_ONCE:
+          stack.enter_context(unittest.mock.patch.object(
+              _jax_mlir, "_uncacheable_primitives",
+              _jax_mlir._uncacheable_primitives | {custom_partitioning_p}))
+        seen = []
+        op = _recording_rows_op(lambda x: x + 1.0, seen)
 
-    def chain(x):
-      for _ in range(16):
-        x = op(x)
-      return x
-    f = jax.jit(chain, in_shardings=self.s, out_shardings=self.s)
-    np.testing.assert_allclose(f(self.x), self.xh + 16.0, rtol=1e-6)
-    self.assertEqual(seen, [(("x", None),)])  # asked once, not 16 times
+        def chain(x, op=op):
+          for _ in range(16):
+            x = op(x)
+          return x
+        f = jax.jit(chain, in_shardings=self.s, out_shardings=self.s)
+        np.testing.assert_allclose(f(self.x), self.xh + 16.0, rtol=1e-6)
+        self.assertEqual(seen, [(("x", None),)])  # asked once, not 16 times
 
   def test_the_log_names_the_path(self):
     op = elementwise_op()
@@ -10408,6 +10418,26 @@ class AtLoweringTest(CPTestCase):
     if JAXLIB_VERSION >= (0, 10, 2):
       placed = placed[2:]
     self.assertIn(self.seen, placed)
+
+  def test_a_shard_map_result_over_x_is_asked_over_x(self):
+    """An operand from a shard_map whose out_specs is P("x"): its placement
+    is the manual computation's out_shardings, so partition is asked with
+    rows over "x" on both paths, and nothing is gathered (read as
+    replicated, a partition following its operand returned P() and the
+    rows were gathered: right values, an extra all-gather)."""
+    sm = shard_map(lambda a: a + 1.0, mesh=self.m, in_specs=P("x"),
+                   out_specs=P("x"))
+    for path, context in self._paths():
+      with self.subTest(path=path), context():
+        seen = []
+        op = _recording_rows_op(lambda v: v * 2.0, seen)
+        # No out_shardings: the result is placed as partition answers.
+        f = jax.jit(lambda v, op=op: op(sm(v)), in_shardings=self.s)
+        out = f(self.x)
+        np.testing.assert_allclose(out, (self.xh + 1.0) * 2.0, rtol=1e-6)
+        self.assertEqual(seen, [(("x", None),)])
+        self.assertEqual(_spec(out.sharding, 2), ("x", None))
+        self.assertEqual(_collective_count(self.hlo(f, self.x)), 0)
 
   @staticmethod
   def _paths():
@@ -11202,6 +11232,40 @@ class NeedReplicationTest(CPTestCase):
                                      rtol=1e-6)
           self.assertTrue(seen)
           self.assertEqual(set(seen), {("x", None)})
+
+  def test_undecoded_shardings_reach_partition_with_k_replicated(self):
+    """``decode_shardings=False``: partition gets GSPMDShardings, that of
+    an operand whose k (needing replication) arrived sharded with k
+    unsharded ({replicated} where k alone was sharded), not the one it
+    arrived with: handed back, that summed part of each row."""
+    def body(x):
+      return jnp.sum(x, axis=1)
+    xh = _data((16, 8)) * np.arange(1, 9)  # part of a row's sum differs
+    cases = (((8,), ("x",), P(None, "x"), P()),
+             ((4, 2), ("x", "y"), P("x", "y"), P("x", None)))
+    paths = _SHARDY_PATHS if self.shardy else (
+        ("callbacks", contextlib.nullcontext),)
+    for path, context in paths:
+      for shape, names, arrives, asked in cases:
+        with self.subTest(path=path, arrives=arrives), context():
+          seen = []
+          op = custom_partitioning(body)
+
+          def partition(mesh, arg_shapes, result_shape, seen=seen):
+            s = arg_shapes[0].sharding  # handed back, as a library's does
+            seen.append(s._to_xla_hlo_sharding(2))
+            return mesh, body, result_shape.sharding, (s,)
+          op.def_partition(partition, sharding_rule="i k -> i",
+                           need_replication_factors=("k",),
+                           decode_shardings=False)
+          m = self.mesh(shape, names)
+          x = jax.device_put(xh, NamedSharding(m, arrives))
+          self.skipWithoutSpecialFactors(lambda: jax.jit(op)(x))
+          np.testing.assert_allclose(jax.jit(op)(x), jax.jit(body)(x),
+                                     rtol=1e-6)
+          self.assertTrue(seen)
+          want = NamedSharding(m, asked)._to_xla_hlo_sharding(2)
+          self.assertEqual({str(h) for h in seen}, {str(want)})
 
   def test_an_arg_sharding_on_a_need_replication_factor_is_named(self):
     """A partition that shards k although the rule says it needs

@@ -23,6 +23,13 @@ import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
+# XLA:CPU's LLVM optimization of each compiled program took a quarter of
+# the suite's time (issue 74) and is no part of what the tests check: XLA's
+# partitioning (its HLO passes: collectives, shardings) runs as ever, and
+# values are compared between programs compiled alike, or against numpy
+# within tolerances. A level the user sets wins; child processes inherit it.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxlib's C++ logging writes to stderr, between unittest's lines (jaxlib
 # 0.10.2 warns "GSPMD sharding propagation is going to be deprecated" on
@@ -3835,33 +3842,75 @@ del FallbackTest
 
 class HostCallbackTest(CPTestCase):
 
-  def _run(self, lower_fn_src, sharding="a[0].sharding"):
-    code = textwrap.dedent("""
-    from jax.experimental import io_callback
-    hits = []
-    def host_double(v):
-      hits.append(1)
-      return (np.asarray(v) * 2).astype(np.float32)
-    """) + textwrap.dedent(lower_fn_src) + textwrap.dedent("""
-    op = custom_partitioning(lambda x: x * 2)
-    op.def_partition(
-        lambda m, a, r: (m, lower_fn, SHARDING, (SHARDING,)),
-        infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
-        sharding_rule="i j -> i j")
-    try:
-      f = jax.jit(op, in_shardings=s, out_shardings=s)
-      out = f(x); out.block_until_ready()
-      out2 = f(x + 1); out2.block_until_ready()
-      jax.effects_barrier()
-      ok = np.allclose(out, xh * 2) and np.allclose(out2, (xh + 1) * 2)
-      print("RESULT", "OK" if ok else "WRONG", "hits", len(hits))
-    except Exception as e:
-      print("RESULT CLEAN_ERROR", type(e).__name__,
-            str(e)[:200].replace(chr(10), " "))
-    """).replace("SHARDING", sharding)
-    out = _run_snippet(self, self.shardy, code)
-    line = [l for l in out.splitlines() if l.startswith("RESULT")]
-    self.assertTrue(line, out)
+  # Each test's lower_fn, and the sharding partition answers with.
+  _LOWER_FNS = {
+      "debug_callback": ("""
+          def lower_fn(x):
+            jax.debug.callback(lambda v: hits.append(1), x)
+            return x * 2
+          """, "a[0].sharding"),
+      # The per-shard checks read lower_fn's jaxpr (a replicated result):
+      # traced apart, its callback still joins the program at lowering.
+      "debug_callback, replicated result": ("""
+          def lower_fn(x):
+            jax.debug.callback(lambda v: hits.append(1), x)
+            return x * 2
+          """, "jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())"),
+      "pure_callback": ("""
+          def lower_fn(x):
+            return jax.pure_callback(host_double,
+                                     jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+          """, "a[0].sharding"),
+      "io_callback": ("""
+          def lower_fn(x):
+            return io_callback(host_double,
+                               jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+          """, "a[0].sharding"),
+  }
+  # One child python runs every test's program (a child each cost a second
+  # apiece): (class, partitioner) -> its lines, by program. Filled once.
+  _results: dict = {}
+
+  def _lines(self):
+    key = (type(self), self.shardy)
+    if key not in self._results:
+      code = textwrap.dedent("""
+      import textwrap
+      from jax.experimental import io_callback
+      hits = []
+      def host_double(v):
+        hits.append(1)
+        return (np.asarray(v) * 2).astype(np.float32)
+      for name, (src, sharding) in CASES.items():
+        exec(textwrap.dedent(src))
+        hits.clear()
+        op = custom_partitioning(lambda x: x * 2)
+        op.def_partition(
+            eval("lambda m, a, r: (m, lower_fn, %s, (%s,))"
+                 % (sharding, sharding)),
+            infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
+            sharding_rule="i j -> i j")
+        try:
+          f = jax.jit(op, in_shardings=s, out_shardings=s)
+          out = f(x); out.block_until_ready()
+          out2 = f(x + 1); out2.block_until_ready()
+          jax.effects_barrier()
+          ok = np.allclose(out, xh * 2) and np.allclose(out2, (xh + 1) * 2)
+          print(name + ": RESULT", "OK" if ok else "WRONG", "hits", len(hits))
+        except Exception as e:
+          print(name + ": RESULT CLEAN_ERROR", type(e).__name__,
+                str(e)[:200].replace(chr(10), " "))
+      """).replace("CASES", repr(self._LOWER_FNS))
+      out = _run_snippet(self, self.shardy, code)
+      self._results[key] = {
+          name: [line[len(name) + 2:] for line in out.splitlines()
+                 if line.startswith(name + ": RESULT")]
+          for name in self._LOWER_FNS}
+    return self._results[key]
+
+  def _run(self, name):
+    line = self._lines()[name]
+    self.assertTrue(line, name)
     # At lowering the per-shard code joins the program: they run (jax 0.7
     # lowers host callbacks under Shardy).
     if self.at_lowering and JAX_VERSION >= (0, 7, 0):
@@ -3875,33 +3924,16 @@ class HostCallbackTest(CPTestCase):
     self.assertIn("calls back to Python", line[0])
 
   def test_debug_callback(self):
-    self._run("""
-    def lower_fn(x):
-      jax.debug.callback(lambda v: hits.append(1), x)
-      return x * 2
-    """)
+    self._run("debug_callback")
 
   def test_debug_callback_with_a_replicated_result(self):
-    # The per-shard checks read lower_fn's jaxpr (a replicated result):
-    # traced apart, its callback still joins the program at lowering.
-    self._run("""
-    def lower_fn(x):
-      jax.debug.callback(lambda v: hits.append(1), x)
-      return x * 2
-    """, sharding="jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())")
+    self._run("debug_callback, replicated result")
 
   def test_pure_callback(self):
-    self._run("""
-    def lower_fn(x):
-      return jax.pure_callback(host_double,
-                               jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    """)
+    self._run("pure_callback")
 
   def test_io_callback(self):
-    self._run("""
-    def lower_fn(x):
-      return io_callback(host_double, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    """)
+    self._run("io_callback")
 
 
 both_partitioners(HostCallbackTest)

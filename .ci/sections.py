@@ -29,9 +29,10 @@ up only the jax names it reads (its ``*_NAMES`` tables: ``names_unused``)
 and holds no top-level definition nothing reads (``unreferenced``); it
 names no section it lacks (``stale_text``); the minimal copy imports and
 runs an op with XLA's Python-partitioner API withdrawn from jax
-(``WITHDRAWN_API``); and the core set passes (both partitioners, in one
-process), the removed section's tests skipped by the names in SKIPS below
-(run by ``--run``).
+(``WITHDRAWN_API``); and the core set passes (both partitioners: a run
+with JAX_USE_SHARDY_PARTITIONER=1, then one of the GSPMD variants with 0),
+the removed section's tests skipped by the names in SKIPS below (run by
+``--run``).
 """
 import argparse
 import ast
@@ -419,8 +420,9 @@ def skips_of(name: str) -> list[str]:
           else SKIPS.get(name, []))
 
 
-def run_tests(skips: list[str]) -> int:
-  """The core set, without tests whose id contains one of ``skips``."""
+def run_tests(skips: list[str], only: str | None = None) -> int:
+  """The core set, without tests whose id contains one of ``skips`` (and
+  with ``only``, those whose id contains it)."""
   import unittest
   sys.path.insert(0, os.getcwd())
   loader = unittest.defaultTestLoader
@@ -429,7 +431,7 @@ def run_tests(skips: list[str]) -> int:
   def keep(test):
     tid = test.id()
     return (any(c in tid for c in CORE) and
-            not any(s in tid for s in skips))
+            not any(s in tid for s in skips) and (only or "") in tid)
 
   def flat(s):
     for t in s:
@@ -476,16 +478,19 @@ def check(names: list[str]) -> int:
                                      else "fails with XLA's partitioner API "
                                      "withdrawn\n" + run.stderr[-3000:]))
         status |= run.returncode != 0
-      env = dict(os.environ)
-      env.pop("JAX_USE_SHARDY_PARTITIONER", None)  # both partitioners
-      run = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), "--run", name],
-          cwd=d, capture_output=True, text=True, env=env)
-      tail = run.stderr.strip().splitlines()[-1:] or ["?"]
-      print(f"without {name}: {tail[0]}", flush=True)
-      if run.returncode:
-        print(run.stdout + run.stderr[-3000:])
-        status = 1
+      # Both partitioners: a run takes one's variants (the tests' default:
+      # jax's), so Shardy's with the rest, then GSPMD's variants alone.
+      for shardy, only in (("1", []), ("0", ["--only", "GSPMD."])):
+        env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy)
+        run = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--run", name, *only],
+            cwd=d, capture_output=True, text=True, env=env)
+        tail = run.stderr.strip().splitlines()[-1:] or ["?"]
+        print(f"without {name}, JAX_USE_SHARDY_PARTITIONER={shardy}: "
+              f"{tail[0]}", flush=True)
+        if run.returncode:
+          print(run.stdout + run.stderr[-3000:])
+          status = 1
   return status
 
 
@@ -495,6 +500,7 @@ def main() -> int:
   parser.add_argument("--write", nargs=2, metavar=("SECTION", "DIR"))
   parser.add_argument("--check", nargs="*")
   parser.add_argument("--run", metavar="SECTION")
+  parser.add_argument("--only", metavar="TEXT")
   a = parser.parse_args()
   text = open(MODULE).read()
   if a.list:
@@ -508,7 +514,7 @@ def main() -> int:
       f.write(copy_of(a.write[0], text))
     return 0
   if a.run:
-    return run_tests(skips_of(a.run))
+    return run_tests(skips_of(a.run), a.only)
   return check(a.check or removable(text.split("\n")) + ["core"])
 
 

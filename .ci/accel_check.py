@@ -83,6 +83,8 @@ import numpy as np  # noqa: E402
 # The chip's default matmul precision (bf16 passes) is not numpy's.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import targets  # noqa: E402 - .ci/targets.py, beside this script
+
 import custom_partitioning as cp_module  # noqa: E402
 from custom_partitioning import custom_partitioning  # noqa: E402
 
@@ -451,52 +453,8 @@ def fmt_coll(c):
   return "+".join(f"{n} {k}" for k, n in sorted(c.items())) or "0"
 
 
-H200 = (
-    'gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 '
-    'shared_memory_per_block: 49152 shared_memory_per_core: 233472 '
-    'threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128 '
-    'block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 '
-    'block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 '
-    'l2_cache_size: 52428800 clock_rate_ghz: 1.98 '
-    'device_memory_size: 151397597184 shared_memory_per_block_optin: 232448 '
-    'cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 '
-    'registers_per_block_limit: 65536 } platform_name: "CUDA" '
-    'dnn_version_info { major: 9 minor: 10 patch: 0 } '
-    'device_description_str: "NVIDIA H200 141GB HBM3e"')
-
-# name, platform, topology arguments, (devices, hosts, slices) expected
-TARGETS = [
-    ("v5e 2x2", "tpu", dict(topology_name="v5e:2x2",
-                            chips_per_host_bounds=(2, 2, 1), num_slices=1),
-     (4, 1, 1)),
-    ("v5e 2x4", "tpu", dict(topology_name="v5e:2x4",
-                            chips_per_host_bounds=(2, 4, 1), num_slices=1),
-     (8, 1, 1)),
-    ("v5e 4x4, 4 hosts", "tpu", dict(topology_name="v5e:4x4",
-                                     chips_per_host_bounds=(2, 2, 1),
-                                     num_slices=1), (16, 4, 1)),
-    ("2 slices of v5e 2x4", "tpu", dict(topology_name="v5e:2x4",
-                                        chips_per_host_bounds=(2, 4, 1),
-                                        num_slices=2), (16, 2, 2)),
-    ("8 H200s", "gpu", dict(topology="1x1x8"), (8, 1, 1)),
-    ("2 hosts of 4 H200s", "gpu", dict(topology="1x2x4"), (8, 2, 1)),
-]
-
-
-def topology(platform, kw, want):
-  from jax.experimental import topologies
-  if platform == "tpu":
-    devices = topologies.get_topology_desc(
-        platform="tpu", chip_config_name="default", wrap=(False,) * 3,
-        **kw).devices
-  else:
-    devices = topologies.get_topology_desc(
-        platform="cuda", target_config=H200, **kw).devices
-  got = (len(devices), len({d.process_index for d in devices}),
-         len({getattr(d, "slice_index", 0) for d in devices}))
-  assert got == want, f"topology gives (devices, hosts, slices) {got}, " \
-      f"not {want}"
-  return devices
+def topology(name):
+  return targets.devices(name)
 
 
 class _null:
@@ -592,12 +550,12 @@ def check_targets():
   failures), rows: name -> {target: [cell text]}."""
   rows = {name: {} for name in CASES}
   failures = []
-  for tname, platform, kw, want in TARGETS:
+  for tname, (platform, _, want) in targets.TARGETS.items():
     if platform not in WANT or not (HAVE_TPU if platform == "tpu" else CUDA):
       continue
     t0 = time.perf_counter()
     try:
-      devices = topology(platform, kw, want)
+      devices = topology(tname)
     except Exception as e:  # noqa: BLE001 - reported
       failures.append(f"{tname}: no topology: {type(e).__name__}: {e}")
       continue
@@ -639,7 +597,7 @@ def tpu_gspmd_named():
   """Under GSPMD, lowering an op for TPU raises naming Shardy."""
   if not (HAVE_TPU and "tpu" in WANT and HAS_GSPMD):
     return None
-  devices = topology("tpu", TARGETS[1][2], TARGETS[1][3])
+  devices = topology("v5e 2x4")
   set_shardy(False)
   try:
     mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=AUTO)
@@ -673,14 +631,14 @@ def main():
   if CHIP:
     chip_rows, chip_failures = run_on_chip()
     failures += chip_failures
-  targets = [t for t, *_ in TARGETS if any(t in r for r in rows.values())]
+  names = [t for t in targets.TARGETS if any(t in r for r in rows.values())]
   print()
-  print("| program | " + " | ".join(targets) + " | partition asked | "
+  print("| program | " + " | ".join(names) + " | partition asked | "
         "collectives (= shard_map's) |" + (" one chip |" if CHIP else ""))
-  print("|---" * (len(targets) + 3 + bool(CHIP)) + "|")
+  print("|---" * (len(names) + 3 + bool(CHIP)) + "|")
   for name, per in rows.items():
     cells = []
-    for t in targets:
+    for t in names:
       got = per.get(t, [])
       ok = sum(s == "ok" for s, *_ in got)
       na = sum(s == "n/a" for s, *_ in got)

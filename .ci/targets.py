@@ -2,6 +2,7 @@
 chips, on any machine where the platform's compiler is installed (libtpu;
 jax's CUDA plugin and pjrt wheels), with JAX_PLATFORMS=cpu. Shared by
 .ci/accel_check.py and .ci/bench.py."""
+import os
 
 # A stream_executor.GpuTargetConfigProto in text form: the H200's facts
 # that XLA:GPU reads to compile without the device.
@@ -42,6 +43,10 @@ def devices(name):
   give (AssertionError otherwise)."""
   from jax.experimental import topologies
   platform, kw, want = TARGETS[name]
+  # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) for the chips
+  # it would drive: compile-only, there are none, and another process (a
+  # second check, a test run) may hold it.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   if platform == "tpu":
     devs = topologies.get_topology_desc(
         platform="tpu", chip_config_name="default", wrap=(False,) * 3,

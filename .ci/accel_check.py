@@ -67,7 +67,7 @@ CUDA = next((m for m in ("xla_cuda13", "xla_cuda12")
              and importlib.util.find_spec("jax_plugins." + m) is not None),
             None)
 WANT = set(ARGS.targets.split(","))
-if not ((HAVE_TPU and "tpu" in WANT) or (CUDA and "gpu" in WANT)):
+if not ((HAVE_TPU and "tpu" in WANT) or (CUDA and "gpu" in WANT) or CHIP):
   print("accel_check: skipped (neither libtpu nor jax's CUDA plugin is "
         "installed: no TPU or GPU compiler to target)")
   sys.exit(0)

@@ -45,6 +45,11 @@ Cases:
   step      the same for a training step, jit(value_and_grad) of an L-layer
             MLP (tanh(x @ w), (64, 128) rows sharded P('x')) holding ONE
             elementwise op in its middle
+  distinct_gpu, step_gpu, distinct_tpu, step_tpu
+            distinct and step compiled for compile-only targets (no chip:
+            .ci/targets.py), 8 H200s (needs jax's CUDA plugin and pjrt
+            wheels) or v5e 2x4 (needs libtpu): XLA:GPU's and the TPU
+            compiler's lower + compile, with JAX_PLATFORMS=cpu
   lower_bigconst
             jit(...).lower() of a chain of 32 ops whose lower_fn reads a
             256 MiB module-level numpy table (seconds): the cost of whatever
@@ -97,8 +102,21 @@ def _worker(case: str, impl: str, module_path: str, chain: int) -> dict:
   else:
     from jax.experimental.custom_partitioning import custom_partitioning
 
-  mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("x",))
+  target = {"gpu": "8 H200s", "tpu": "v5e 2x4"}.get(case.rsplit("_", 1)[-1])
+  if target:  # compile-only: arguments are shapes, nothing runs
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import targets
+    case = case.rsplit("_", 1)[0]
+    devices = targets.devices(target)
+  else:
+    devices = jax.devices()[:N_DEVICES]
+  mesh = Mesh(np.array(devices), ("x",))
   row = NamedSharding(mesh, P("x"))
+
+  def put(host, sharding):
+    if target:
+      return jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)
+    return jax.device_put(host, sharding)
 
   def body(x):
     return jnp.tanh(x) * 2.0 + jnp.sin(x)
@@ -295,7 +313,7 @@ def _worker(case: str, impl: str, module_path: str, chain: int) -> dict:
     def bodies(k):
       return lambda x: jnp.tanh(x) * (1.0 + k) + jnp.sin(x)
 
-    x = jax.device_put(np.ones((64, 128), np.float32), row)
+    x = put(np.ones((64, 128), np.float32), row)
     if case == "distinct":
       ops = [make_op(bodies(k), "i j -> i j") for k in range(chain)]
 
@@ -313,8 +331,8 @@ def _worker(case: str, impl: str, module_path: str, chain: int) -> dict:
           if i == len(ws) // 2:
             x = op(x)
         return jnp.sum(x ** 2)
-      ws = [jax.device_put(np.eye(128, dtype=np.float32) * 0.5,
-                           NamedSharding(mesh, P())) for _ in range(chain)]
+      ws = [put(np.eye(128, dtype=np.float32) * 0.5,
+                NamedSharding(mesh, P())) for _ in range(chain)]
       f, args = jax.jit(jax.value_and_grad(loss)), (ws, x)
     t0 = time.perf_counter()
     lowered = f.lower(*args)
@@ -364,6 +382,10 @@ IMPLS = {
     "compile_derived": ("project", "project_rule"),
     "distinct": ("project", "shard_map"),
     "step": ("project", "shard_map"),
+    "distinct_gpu": ("project", "shard_map"),
+    "step_gpu": ("project", "shard_map"),
+    "distinct_tpu": ("project", "shard_map"),
+    "step_tpu": ("project", "shard_map"),
 }
 
 

@@ -648,7 +648,9 @@ def main():
       got = per.get(t, [])
       ok = sum(s == "ok" for s, *_ in got)
       na = sum(s == "n/a" for s, *_ in got)
-      cells.append(f"{ok} of {len(got)}" + (f" ({na} n/a)" if na else ""))
+      known = sum("known:" in n for s, _, n in got if s == "ok")
+      cells.append(f"{ok} of {len(got)}" + (f" ({na} n/a)" if na else "")
+                   + (f" ({known} known)" if known else ""))
     notes = [n for s, _, n in sum(per.values(), []) if s == "ok"]
     asks = sorted({m.group(1) for n in notes
                    for m in [re.search(r"asked (\d+)x", n)] if m}, key=int)

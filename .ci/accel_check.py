@@ -51,8 +51,14 @@ ap.add_argument("--targets", default="tpu,gpu",
 ap.add_argument("--chip", action="store_true",
                 help="also run each program on the attached TPU chip")
 ARGS = ap.parse_args()
-# A TPU VM exposes its chips as /dev/accel* (v4) or /dev/vfio/N (v5e on).
-CHIP = ARGS.chip or ("JAX_PLATFORMS" not in os.environ and bool(
+HAVE_TPU = importlib.util.find_spec("libtpu") is not None
+CUDA = next((m for m in ("xla_cuda13", "xla_cuda12")
+             if importlib.util.find_spec("jax_plugins") is not None
+             and importlib.util.find_spec("jax_plugins." + m) is not None),
+            None)
+# A TPU VM exposes its chips as /dev/accel* (v4) or /dev/vfio/N (v5e on);
+# other machines may have vfio devices too, but not libtpu beside them.
+CHIP = ARGS.chip or ("JAX_PLATFORMS" not in os.environ and HAVE_TPU and bool(
     glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")))
 # libtpu's warnings about its environment, GSPMD's deprecation: one a compile.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -60,12 +66,6 @@ if not CHIP:
   # A compile-only target needs no backend of its platform; without this,
   # an installed CUDA plugin would look for a GPU.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-HAVE_TPU = importlib.util.find_spec("libtpu") is not None
-CUDA = next((m for m in ("xla_cuda13", "xla_cuda12")
-             if importlib.util.find_spec("jax_plugins") is not None
-             and importlib.util.find_spec("jax_plugins." + m) is not None),
-            None)
 WANT = set(ARGS.targets.split(","))
 if not ((HAVE_TPU and "tpu" in WANT) or (CUDA and "gpu" in WANT) or CHIP):
   print("accel_check: skipped (neither libtpu nor jax's CUDA plugin is "
@@ -93,10 +93,11 @@ MINIMAL = ARGS.dir is not None
 with open(cp_module.__file__) as _fh:
   HAS_CALLBACKS = "\n# II.7 " in _fh.read()
 HAS_GSPMD = jax.__version_info__ < (0, 12, 1)
-# Pallas lowers for a compile-only GPU (Triton) from jax 0.12.1; 0.10.2 has
-# no device to ask ("No supported GPU devices found"-like errors), upstream
-# and jax.shard_map alike: there the check expects the shard_map twin to
-# fail too, and says so. 0.12.0.1 has no CUDA cell here (not measured).
+# Pallas lowers for a compile-only GPU (Triton) from jax 0.12.1; on 0.10.2
+# it raises "Cannot lower pallas_call on platform: gpu" (jaxlib's Triton
+# lowering needs a GPU jaxlib), jax.shard_map alike: there a failing twin is
+# reported as n/a, elsewhere it fails the check. 0.12.0.1's CUDA 12 plugin
+# was not tried (CI's GPU cells are 0.10.2 and 0.12.1).
 PALLAS_GPU = jax.__version_info__ >= (0, 12, 1)
 
 AUTO = (jax.sharding.AxisType.Auto,)
@@ -647,7 +648,9 @@ def main():
       got = per.get(t, [])
       ok = sum(s == "ok" for s, *_ in got)
       na = sum(s == "n/a" for s, *_ in got)
-      cells.append(f"{ok} of {len(got)}" + (f" ({na} n/a)" if na else ""))
+      known = sum("known:" in n for s, _, n in got if s == "ok")
+      cells.append(f"{ok} of {len(got)}" + (f" ({na} n/a)" if na else "")
+                   + (f" ({known} known)" if known else ""))
     notes = [n for s, _, n in sum(per.values(), []) if s == "ok"]
     asks = sorted({m.group(1) for n in notes
                    for m in [re.search(r"asked (\d+)x", n)] if m}, key=int)

@@ -32,7 +32,9 @@ With DIR, the ``custom_partitioning.py`` there is checked (the minimal copy,
 rule-only ops, no vmap, jvp or grad), under Shardy only (it keeps no XLA
 callbacks). Prints a table and ``accel_check: N failures``; exits 1 on any.
 Exits 0, saying why, where neither libtpu nor a CUDA plugin is installed.
-Past runs are kept, dated, in .ci/RESULTS.md.
+Also exports a program holding an op for ("cpu", platform) at once (one
+artifact for both) and compiles it for the target. Past runs are kept,
+dated, in .ci/RESULTS.md.
 """
 import argparse
 import glob
@@ -621,6 +623,39 @@ def tpu_gspmd_named():
     set_shardy(True)
 
 
+def multi_platform_export():
+  """One artifact for CPU and an accelerator (issue 71): a program holding
+  an op, exported for ("cpu", platform), holds no custom call and compiles
+  for the target; the test suite runs such artifacts on CPU. A list of
+  (target, result) lines."""
+  import jax.export
+  out = []
+  for plat, target, name in (("tpu", "v5e 2x4", "tpu"),
+                             ("gpu", "8 H200s", "cuda")):
+    if plat not in WANT or (HAVE_TPU if plat == "tpu" else CUDA) in (
+        None, False):
+      continue
+    try:
+      mesh = jax.sharding.Mesh(np.array(topology(target)), ("x",),
+                               axis_types=AUTO)
+      arg = jax.ShapeDtypeStruct((64, 128), np.float32,
+                                 sharding=NamedSharding(mesh, P("x")))
+      op = rows_op(double_body)
+      exported = jax.export.export(jax.jit(lambda x, op=op: op(x) + 1),
+                                   platforms=("cpu", name))(arg)
+      assert exported.platforms == ("cpu", name), exported.platforms
+      assert "CustomSPMDPartitioning" not in exported.mlir_module()
+      hlo = jax.jit(exported.call).trace(arg).lower().compile().as_text()
+      assert "CustomSPMDPartitioning" not in hlo, "custom call compiled"
+      assert not collectives(hlo), f"collectives {fmt_coll(collectives(hlo))}"
+      out.append((target, "ok: exported for cpu and " + name +
+                  ", compiled, no custom call, no collective"))
+    except Exception as e:  # noqa: BLE001 - reported
+      out.append((target, f"FAIL: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}"))
+  return out
+
+
 def main():
   print(f"accel_check: jax {jax.__version__}, "
         f"{'the minimal copy in ' + MODULE_DIR if MINIMAL else 'whole file'}"
@@ -633,6 +668,9 @@ def main():
   gspmd = tpu_gspmd_named()
   if gspmd is not None and gspmd.startswith("FAIL"):
     failures.append("TPU under GSPMD: " + gspmd)
+  exports = multi_platform_export()
+  failures += [f"multi-platform export [{t}]: {r}" for t, r in exports
+               if r.startswith("FAIL")]
   chip_rows = {}
   if CHIP:
     chip_rows, chip_failures = run_on_chip()
@@ -676,6 +714,8 @@ def main():
     print("known deviation: " + k)
   if gspmd is not None:
     print(f"TPU under GSPMD: {gspmd}")
+  for t, r in exports:
+    print(f"multi-platform export [{t}]: {r}")
   for f in failures:
     if not f.startswith(tuple(CASES)):  # those are printed as they fail
       print("FAIL " + f)

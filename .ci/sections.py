@@ -255,6 +255,10 @@ def _trim_text(lines: list[str], gone: set) -> list[str]:
         break
       j -= 1
     keep[j:i + 1] = [False] * (i + 1 - j)
+    if 0 < j and i + 1 < len(lines) and (  # no blank line left doubled
+        lines[j - 1].strip().lstrip("#") == "" and
+        lines[i + 1].strip().lstrip("#") == "" and (comment or i + 1 in doc)):
+      keep[i + 1] = False
   return [line for line, k in zip(lines, keep) if k]
 
 

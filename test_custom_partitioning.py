@@ -13705,6 +13705,33 @@ class ReadmeTest(unittest.TestCase):
                      [number for number, _ in table])
     self.assertLessEqual(set(sections.SKIPS), {number for number, _ in table})
 
+  def test_each_copy_reads_what_it_holds(self):
+    """What ``.ci/sections.py --check`` holds every copy to, read without
+    running one: the jax names it looks up are those it reads, each of its
+    definitions is read, no text names a section it lacks; and how it
+    trims text and a seam naming several sections, on a made-up module."""
+    sections = _sections_tool()
+    if sections is None:
+      self.skipTest("no .ci/sections.py beside the tests")
+    with open(cp.__file__) as f:
+      source = f.read()
+    with open(__file__) as f:
+      tests = f.read()
+    copy = sections.copy_of("core", source)  # (CI's --check: every copy)
+    self.assertEqual((sections.names_unused(copy),
+                      sections.unreferenced(copy, tests),
+                      sections.stale_text(copy, set(sections.removable(
+                          source.split("\n"))))), ([], [], []))
+    made_up = "\n".join([
+        '"""Doc.', "", "Kept (I.1).", "About the extra,", "in two lines (II.4).",
+        "Kept too.", '"""', "", "", "def f():  # seam: used by (II.4, II.5)",
+        "  return 1", "", "", "# " + "-" * 74, "# II.4 An extra",
+        "# " + "-" * 74, "", "g = f", ""])
+    self.assertEqual(sections.without("II.4", made_up).split("\n")[:10], [
+        '"""Doc.', "", "Kept (I.1).", "Kept too.", '"""', "", "",
+        "def f():  # seam: used by (II.5)", "  return 1", ""])
+
+
   def test_readme_test_counts(self):
     """README's counts of the suite, of one partitioner's run and of the
     core set (``.ci/matrix``'s, where it is beside the tests) are this

@@ -7262,6 +7262,21 @@ class TrimmedCopyTest(CPTestCase):
     np.testing.assert_allclose(f(self.x), self.xh * 3.0)
     self.assertNotIn("sdy.sharding_rule", f.lower(self.x).as_text())
 
+  def test_without_ii9_a_function_placed_apart_is_asked_once(self):
+    self.without("II.9", "_SiteCache")
+    if not self.shardy:
+      self.skipTest("XLA's callbacks ask each custom call apart")
+    m = Mesh(self.m.devices.reshape(4, 2), ("x", "y"))
+    rows = tuple(NamedSharding(m, P(a, None)) for a in ("x", "y"))
+    args = [jax.device_put(self.xh, s) for s in rows]
+    seen = []
+    twice = jax.jit(_recording_rows_op(lambda v: v * 2.0, seen))
+    f = jax.jit(lambda a, b: (twice(a), twice(b)), in_shardings=rows,
+                out_shardings=rows)
+    for out in f(*args):
+      np.testing.assert_allclose(out, self.xh * 2.0)
+    self.assertEqual(len(seen), 1)  # as its first place asks
+
   def test_without_ii7_what_needs_xla_callbacks_raises(self):
     self.without("II.7", "_custom_call")
     named = NotImplementedError, ["cannot be lowered for cpu without XLA's "

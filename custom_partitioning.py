@@ -74,11 +74,12 @@ Importing it wraps jax's ``lower_jaxpr_to_module`` (in
 ``jax._src.interpreters.mlir`` and ``jax.interpreters.mlir``; a later copy
 of this file joins the first copy's wrapper), which then rewrites a
 module holding an op of any copy, replacing each op's custom call by its
-partitioned program (or lowers it a second time where jax lowered one op
-once for places Shardy placed apart), and lowers any other module as
-before, this file's frames left out of its source locations as jax leaves
-out its own (I.2: jax has no hook after lowering). It changes no jax
-option and no environment variable.
+partitioned program, and lowers any other module as before, this file's
+frames left out of its source locations as jax leaves out its own (I.2:
+jax has no hook after lowering). It changes no jax option and no
+environment variable.
+Where jax lowered one op once for places Shardy placed apart, the wrapper
+lowers the module a second time (II.9).
 It reads ``CUSTOM_PARTITIONING_AT_LOWERING`` (``0``: XLA's callbacks under
 Shardy too, except on TPU) (II.7).
 
@@ -130,7 +131,8 @@ the text about it, and ``.ci/sections.py`` proves that each copy works
 - a rule derived from infer, GSPMD-era ops under Shardy (II.6);
 - XLA's callbacks: GSPMD before jax 0.12.1, and the fallbacks; with the
   keys for the persistent cache (II.7);
-- the DEBUG log (II.8).
+- the DEBUG log (II.8);
+- ops placed apart: one lowering per place (II.9).
 
 Part III, leaves and tools: III.1 the Shardy rule parser; III.3 the
 module's state;
@@ -1166,10 +1168,12 @@ def _shared_lowering(lower: Callable, parties: dict) -> Callable:
 
 def _lower(*args, **kwargs):
   """This copy's part in jax's lowering of a module (a party, I.2's end):
-  the module is lowered at each ``yield``; where the first lowering met ops
-  partitioned at lowering, their custom calls are replaced in it, or,
-  where one op is placed differently in different places, it asks for a
-  second."""
+  the module is lowered at each ``yield``.
+  Where one op is placed differently in different places, it asks for a
+  second lowering (II.9).
+  The custom calls of ops partitioned at lowering are replaced in the
+  first lowering's module, where the release can (else it asks for a
+  second)."""
   with _in_pass(_Pass()) as first:
     lowered = yield
   if not first.count:
@@ -1187,10 +1191,9 @@ def _lower(*args, **kwargs):
       # call stands (as jax 0.7 to 0.10.0 do, _REPLACES_IN_PLACE): the
       # module is lowered a second time, with the answers given here.
       asks = True
-  # Else jax lowered a function (or equal ops) once for places placed
-  # apart: a second lowering lowers it per placement. Where only another
-  # party asks for it, its result is the one kept: this copy's ops are
-  # partitioned in it too, as placed in the first.
+  # Where only another party asks for a second lowering, its result is the
+  # one kept: this copy's ops are partitioned in it too, as placed in the
+  # first.
   first.tagged.clear()
   with _in_pass(_Pass(decided, first.rules)) as second:
     second.ops = first.ops  # partition asked once per op and placement
@@ -5087,8 +5090,8 @@ def _debug_propagate(  # seam: used by (II.7)
 # entry whose lowering lowered ops is reused only where those ops are
 # placed as there, and is lowered again elsewhere, its ops under their
 # first lowering's indices (``_PerSite``). A copy without this section
-# partitions such an op as its first place asks (XLA reshards at the
-# others). jax reads the two caches with ``.get(key, default)``, ``[key]``
+# partitions a function placed apart as its first call asks (XLA reshards
+# at the others). jax reads the two caches with ``.get(key, default)``, ``[key]``
 # (a miss raising ``KeyError``, which ``__missing__`` answers) and writes
 # them with ``[key] = entry``, nothing else (in ``mlir.py`` and ``pjit.py``,
 # 0.4.36 to 0.12.1; jax 0.4.35 has no lowering_cache): what ``_SiteCache``

@@ -7401,6 +7401,21 @@ class TrimmedCopyTest(CPTestCase):
     np.testing.assert_allclose(f(self.x), self.xh * 3.0)
     self.assertNotIn("sdy.sharding_rule", f.lower(self.x).as_text())
 
+  def test_without_ii9_a_function_placed_apart_is_asked_once(self):
+    self.without("II.9", "_SiteCache")
+    if not self.shardy:
+      self.skipTest("XLA's callbacks ask each custom call apart")
+    m = Mesh(self.m.devices.reshape(4, 2), ("x", "y"))
+    rows = tuple(NamedSharding(m, P(a, None)) for a in ("x", "y"))
+    args = [jax.device_put(self.xh, s) for s in rows]
+    seen = []
+    twice = jax.jit(_recording_rows_op(lambda v: v * 2.0, seen))
+    f = jax.jit(lambda a, b: (twice(a), twice(b)), in_shardings=rows,
+                out_shardings=rows)
+    for out in f(*args):
+      np.testing.assert_allclose(out, self.xh * 2.0)
+    self.assertEqual(len(seen), 1)  # as its first place asks
+
   def test_without_ii7_what_needs_xla_callbacks_raises(self):
     self.without("II.7", "_custom_call")
     named = NotImplementedError, ["cannot be lowered for cpu without XLA's "
@@ -14015,6 +14030,33 @@ class ReadmeTest(unittest.TestCase):
     self.assertEqual(sections.removable(source.split("\n")),
                      [number for number, _ in table])
     self.assertLessEqual(set(sections.SKIPS), {number for number, _ in table})
+
+  def test_each_copy_reads_what_it_holds(self):
+    """What ``.ci/sections.py --check`` holds every copy to, read without
+    running one: the jax names it looks up are those it reads, each of its
+    definitions is read, no text names a section it lacks; and how it
+    trims text and a seam naming several sections, on a made-up module."""
+    sections = _sections_tool()
+    if sections is None:
+      self.skipTest("no .ci/sections.py beside the tests")
+    with open(cp.__file__) as f:
+      source = f.read()
+    with open(__file__) as f:
+      tests = f.read()
+    copy = sections.copy_of("core", source)  # (CI's --check: every copy)
+    self.assertEqual((sections.names_unused(copy),
+                      sections.unreferenced(copy, tests),
+                      sections.stale_text(copy, set(sections.removable(
+                          source.split("\n"))))), ([], [], []))
+    made_up = "\n".join([
+        '"""Doc.', "", "Kept (I.1).", "About the extra,", "in two lines (II.4).",
+        "Kept too.", '"""', "", "", "def f():  # seam: used by (II.4, II.5)",
+        "  return 1", "", "", "# " + "-" * 74, "# II.4 An extra",
+        "# " + "-" * 74, "", "g = f", ""])
+    self.assertEqual(sections.without("II.4", made_up).split("\n")[:10], [
+        '"""Doc.', "", "Kept (I.1).", "Kept too.", '"""', "", "",
+        "def f():  # seam: used by (II.5)", "  return 1", ""])
+
 
   def test_readme_test_counts(self):
     """README's counts of the suite, of one partitioner's run and of the

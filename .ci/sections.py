@@ -22,9 +22,11 @@ it, mechanically, means:
   ``,`` or ``:`` may follow), with the lines of its sentence before it (back
   to a blank line or one ending in ``.``, ``;``, ``:`` or such a bracket);
   a seam naming several sections no longer names it; and, in the minimal
-  copy, Part II's banner.
+  copy, Part II's banner;
+- imports only removed sections used go.
 ``--check`` writes each copy (with the test file beside it) to a temporary
-directory, and fails unless ruff finds no undefined name in it; it looks
+directory, and fails unless ruff finds no undefined name or unused import
+in it; it looks
 up only the jax names it reads (its ``*_NAMES`` tables: ``names_unused``)
 and holds no top-level definition nothing reads (``unreferenced``); it
 names no section it lacks (``stale_text``); the minimal copy imports and
@@ -256,6 +258,10 @@ def _trim_text(lines: list[str], gone: set) -> list[str]:
         break
       j -= 1
     keep[j:i + 1] = [False] * (i + 1 - j)
+    if 0 < j and i + 1 < len(lines) and (  # no blank line left doubled
+        lines[j - 1].strip().lstrip("#") == "" and
+        lines[i + 1].strip().lstrip("#") == "" and (comment or i + 1 in doc)):
+      keep[i + 1] = False
   return [line for line, k in zip(lines, keep) if k]
 
 
@@ -364,12 +370,9 @@ def unreferenced(text: str, tests: str) -> list[str]:
           and name not in read]
 
 
-def stale_text(name: str, text: str) -> list[str]:
-  """Lines of the copy that name a section it lacks."""
+def stale_text(text: str, gone: set) -> list[str]:
+  """Lines of the copy that name a section it lacks (of ``gone``)."""
   lines = text.split("\n")
-  have = set(sections(lines))
-  gone = {s for s in removable(open(MODULE).read().split("\n"))
-          if s not in have}
   return [f"line {i}: {line.strip()}" for i, line in enumerate(lines, 1)
           for s in gone if re.search(rf"\b{re.escape(s)}\b(?![\d.]*\d)",
                                      line)]
@@ -465,7 +468,8 @@ def check(names: list[str]) -> int:
       for what, found in (
           ("jax names", names_unused(copy)),
           ("unreferenced definitions", unreferenced(copy, open(TESTS).read())),
-          ("text naming a section it lacks", stale_text(name, copy))):
+          ("text naming a section it lacks", stale_text(copy, set(
+              removable(text.split("\n")) if name == "core" else [name])))):
         if found:
           print(f"without {name}: {what}:\n  " + "\n  ".join(found))
           status = 1

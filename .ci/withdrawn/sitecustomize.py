@@ -9,7 +9,8 @@ reads a shim, as it would on the release that deletes it.
 
 Add a name here when a jax release marks one the module reads (a comment
 "legacy", "compat shim" or "TODO ... remove" beside it in jax's source), and
-say so in the module's names table (``_NAMES``).
+say so in the module's names table (``_NAMES``, or the table of the extra
+that reads it).
 """
 
 import importlib.abc

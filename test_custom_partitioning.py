@@ -3871,8 +3871,11 @@ class HostCallbackTest(CPTestCase):
                                jax.ShapeDtypeStruct(x.shape, x.dtype), x)
           """, "a[0].sharding"),
   }
-  # One child python runs every test's program (a child each cost a second
-  # apiece): (class, partitioner) -> its lines, by program. Filled once.
+  # One child python runs the four programs (a child per test cost a
+  # second each): (class, partitioner) -> each program's RESULT lines. The
+  # programs are independent of each other and of the tests' order, so a
+  # test reads what its own child would print; at most two entries, kept
+  # for the process (a crashed child fails the test and is not kept).
   _results: dict = {}
 
   def _lines(self):

@@ -3,16 +3,20 @@
 Run from the repository root: ``python -m unittest -v``.
 
 Tests whose behaviour depends on the partitioner run once per partitioner:
-each such class is generated as ``...Shardy`` and ``...GSPMD`` variants. Set
-``JAX_USE_SHARDY_PARTITIONER=1`` (or ``0``) to run only that variant.
+each such class is generated as ``...Shardy`` and ``...GSPMD`` variants, of
+which a run takes one partitioner's. ``JAX_USE_SHARDY_PARTITIONER=1`` (or
+``0``) picks it; unset, the partitioner jax uses does (Shardy from jax 0.7,
+GSPMD before), and the classes of the other skip too. CI runs the file with
+each value, so every test runs there.
 
-The whole file takes several minutes on two cores, one partitioner's
-variants about half of it (.ci/RESULTS.md records CI's runs). Its time goes to XLA compiling each distinct program (a few tenths of
-a second each) and to starting child pythons (half a second or more each,
-about a fifth of the total): a new test should reuse programs its class
-already builds (setUpClass) and add its check to an existing child script
-rather than start another process, unless it needs one of its own (a crash
-to survive, a fresh process to observe).
+The default run (jax 0.10.2: 508 tests, Shardy's) takes about four and a
+half minutes on two idle cores (.ci/RESULTS.md says how long, when). Its
+time goes to XLA compiling each distinct program (a few tenths of a second
+each, at backend optimization level 0: see below) and to starting child
+pythons (a second or more each, about a quarter of the total): a new test
+should reuse programs its class already builds (setUpClass) and add its
+check to an existing child script rather than start another process, unless
+it needs one of its own (a crash to survive, a fresh process to observe).
 """
 
 import contextlib
@@ -3896,8 +3900,11 @@ class HostCallbackTest(CPTestCase):
                                jax.ShapeDtypeStruct(x.shape, x.dtype), x)
           """, "a[0].sharding"),
   }
-  # One child python runs every test's program (a child each cost a second
-  # apiece): (class, partitioner) -> its lines, by program. Filled once.
+  # One child python runs the four programs (a child per test cost a
+  # second each): (class, partitioner) -> each program's RESULT lines. The
+  # programs are independent of each other and of the tests' order, so a
+  # test reads what its own child would print; at most two entries, kept
+  # for the process (a crashed child fails the test and is not kept).
   _results: dict = {}
 
   def _lines(self):
@@ -14095,9 +14102,10 @@ class ReadmeTest(unittest.TestCase):
 
   def test_readme_length_links_and_commands(self):
     """README stays within 500 lines; each link to one of its sections
-    names a heading; its install and test commands are what .ci/matrix
-    runs (where it is beside the tests), on a release it runs; its
-    benchmark's chain and repeat are .ci/bench.py's defaults."""
+    names a heading; its install and test commands, and its quick check
+    (the core set and the self-demo), are what .ci/matrix runs (where it
+    is beside the tests), on a release it runs; its benchmark's chain and
+    repeat are .ci/bench.py's defaults."""
     readme, _ = _readme()
     self.assertLessEqual(readme.count("\n"), 500)
     anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
@@ -14108,11 +14116,16 @@ class ReadmeTest(unittest.TestCase):
         r"\n    (pip install jax==\S+ jaxlib==\S+)\n    (python .+)\n",
         readme).groups()
     self.assertEqual(command, "python -m unittest -v")
+    quick = re.search(r"\n    python -m unittest ((?:-k \S+ )+)"
+                      r"test_custom_partitioning && python "
+                      r"custom_partitioning\.py\n", readme).group(1)
     matrix = os.path.join(HERE, ".ci", "matrix")
     if not os.path.exists(matrix):
       self.skipTest("no .ci/matrix beside the tests")
     with open(matrix) as f:
       text = f.read()
+    self.assertEqual(quick.split(), text.split("quick_tests=(")[1].split(
+        ")")[0].split())
     self.assertIn('-m unittest -v \\\n        >"$log"', text)
     self.assertIn('reqs=("jax==$v" "jaxlib==$lib")', text)
     version = re.fullmatch(r"pip install jax==(\S+) jaxlib==\1",

@@ -5030,11 +5030,12 @@ def _debug_propagate(  # seam: used by (II.7)
 # placed as there, and is lowered again elsewhere, its ops under their
 # first lowering's indices (``_PerSite``). A copy without this section
 # partitions a function placed apart as its first call asks (XLA reshards
-# at the others). jax reads the two caches with ``.get(key, default)``, ``[key]``
-# (a miss raising ``KeyError``, which ``__missing__`` answers) and writes
-# them with ``[key] = entry``, nothing else (in ``mlir.py`` and ``pjit.py``,
-# 0.4.36 to 0.12.1; jax 0.4.35 has no lowering_cache): what ``_SiteCache``
-# overrides, and what ``SiteCacheTest`` reads jax's source for.
+# at the others). jax reads the two caches with ``.get(key, default)``,
+# ``[key]`` (a miss raising ``KeyError``, which ``__missing__`` answers) and
+# writes them with ``[key] = entry``, nothing else (in ``mlir.py`` and
+# ``pjit.py``, 0.4.36 to 0.12.1; jax 0.4.35 has no lowering_cache): what
+# ``_SiteCache`` overrides, and what ``SiteCacheTest`` reads jax's source
+# for.
 # --------------------------------------------------------------------------
 
 class _PerSite:

@@ -7302,6 +7302,10 @@ class ImportTest(unittest.TestCase):
     """A program holding an op is located at the caller's code, as jax
     locates its own: no frame of this module's (its lowering, its per-shard
     program) on either path."""
+    # Both paths are Shardy's (before jax 0.7 GSPMD is the default).
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", True)
+    self.addCleanup(jax.config.update, "jax_use_shardy_partitioner", old)
     body = lambda x: jnp.sin(x) * 2.0
     op = custom_partitioning(body)
     op.def_partition(

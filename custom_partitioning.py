@@ -456,12 +456,8 @@ class custom_partitioning:
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
-    values (zeros on CPU in practice; at lowering zeros); XLA drops the
-    results' padding. Under ``jax.grad`` the transposed ``lower_fn`` sees
-    zeros as padding too, so a result that reads padding (the next shard's
-    first row, moved by ``ppermute``) is differentiated as the forward
-    computed it (a body infinite at zero, ``log``, still gives plain jax's
-    gradient, not NaN). A
+    values (zeros on CPU in practice; at lowering zeros, which ``jax.grad``
+    differentiates as the forward ran); XLA drops the results' padding. A
     reduction over a padded dimension is refused (``check_vma``): shard it
     over axes that divide it, or mask the padding in ``lower_fn`` (from
     ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
@@ -1179,7 +1175,10 @@ def _lower(*args, **kwargs):
   if not first.count:
     return
   decided = _propagated(lowered.module)
-  asks = not _REPLACES_IN_PLACE or _holds_dim_vars(first)
+  # Dimension variables (a platform index) are arguments of the function jax
+  # inlines a rule from: dangling in kept rule contexts, so lowered again.
+  asks = not _REPLACES_IN_PLACE or any(c.dim_var_values
+                                       for c, *_ in first.tagged)
   if _per_site(decided):  # seam: ops placed apart (II.9)
     asks = True
   if not asks:
@@ -1198,18 +1197,6 @@ def _lower(*args, **kwargs):
   with _in_pass(_Pass(decided, first.rules)) as second:
     second.ops = first.ops  # partition asked once per op and placement
     yield asks
-
-
-def _holds_dim_vars(first: _Pass) -> bool:
-  """Whether a tagged op was lowered with dimension variables: the
-  platform index of a module lowered for several platforms, or shape
-  variables. jax lowers a rule into a function of its own and inlines it
-  (jax 0.10.2 and 0.12 alike); those variables are that function's
-  arguments, gone once it is inlined. A manual computation built later
-  on the kept rule context would read a value no longer in the module
-  (its verifier or the process's exit then crashes), so such a module is
-  lowered a second time, each op partitioned while jax lowers it."""
-  return any(ctx.dim_var_values for ctx, _, _ in first.tagged)
 
 
 class _Pass:
@@ -1490,11 +1477,8 @@ _TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
 # op's manual computation emitted as it is lowered, instead of replacing
 # its call in the first lowering's module.
 _REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
-
-
 # jax 0.5.3's shard_map types the platform index it hands its manual
-# computation when a module is lowered for several platforms; before, one
-# sharding short, MLIR refuses the module.
+# computation (several platforms); before, one sharding short, MLIR refuses.
 _LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
 
 
@@ -1519,9 +1503,8 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
   if not (_PARTITION_AT_LOWERING or "tpu" in platforms):  # seam: (II.7)
     return "partitioning at lowering is off on this platform"
   if len(platforms) > 1 and not _LOWERS_FOR_PLATFORMS:
-    return (f"jax {jax.__version__} cannot lower a manual computation for "
-            "several platforms at once (jax 0.5.3 can): lower for one "
-            "platform, or upgrade jax")
+    return (f"jax {jax.__version__} cannot lower it for several platforms "
+            "at once: lower for one, or use jax >= 0.5.3")
   return None
 
 
@@ -2668,15 +2651,14 @@ def _foreign_mesh_fails(mesh, op_mesh) -> bool:
 
 
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
-                    jit: bool = True, real_padding: bool = False) -> Callable:
+                    jit: bool = True, pad=None) -> Callable:
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
   (XLA pads uneven shards on the callback path; here jax does), jitted if
   ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
   checked by jax's typing of shard_map (a derived op's transposition);
   where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
-  operands are padded with zeros, or if ``real_padding`` with copies of a
-  real row (a transposition where zeros give NaN)."""
+  operands are padded with zeros, or by ``pad(x, widths)`` if given."""
   mesh, on = shard.mesh, shard.on
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
@@ -2689,14 +2671,8 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
 
   def padded_to(x, shape):
     widths = [(0, p - s) for s, p in zip(x.shape, shape)]
-    if not real_padding:  # XLA pads with unspecified values; here zeros
-      return jax.numpy.pad(x, widths)
-    # A copy of a real row as padding keeps 0 * inf out of the sums (its
-    # cotangent is zero); a constant copy, as a collective of lower_fn can
-    # move a real result's cotangent onto the padding (a shift), which
-    # must not reach the row copied: padding has no derivative.
-    return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
-        jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
+    # XLA pads with unspecified values; here zeros
+    return jax.numpy.pad(x, widths) if pad is None else pad(x, widths)
 
   def traced(*xs):  # lower_fn traced here, once (I.5 did not)
     args = _lower_fn_args(op, shard.lower_fn, list(xs))
@@ -3794,8 +3770,8 @@ def _transposed_program(op: _Op, operands: list, results: list):
   up = _specs_up(levels, answer, closed)[1:]
 
   def transformed(real_padding: bool):
-    fn = _manual_program(op, answer, per_shard, jit=False,
-                         real_padding=real_padding)
+    fn = _manual_program(op, answer, per_shard, jit=False, pad=(
+        _real_row_padding if real_padding else None))
     for level in up:
       fn = level.step.transform(fn, level.entry)
     return fn
@@ -3829,6 +3805,16 @@ def _on_one_copy(cts: list, copies: list) -> list:
         jax.lax.axis_index(a) == 0 for a in axes])
     return jax.numpy.where(first, ct, jax.numpy.zeros_like(ct))
   return [kept(ct, axes) for ct, axes in zip(cts, copies)]
+
+
+def _real_row_padding(x, widths):
+  """``x`` padded by ``widths`` with copies of its last real row. A real
+  row as padding keeps 0 * inf out of the sums (its cotangent is zero); a
+  constant copy, as a collective of lower_fn can move a real result's
+  cotangent onto the padding (a shift), which must not reach the row
+  copied: padding has no derivative."""
+  return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
+      jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
 
 
 def _where_nan(grads, fallback):

@@ -3778,10 +3778,12 @@ def _transposed_program(op: _Op, operands: list, results: list):
   # Padded as the forward (zeros), what the forward computed is what is
   # differentiated; where that sums 0 * inf over padding (NaN: the body is
   # infinite at 0), the program padded with a real row serves.
-  fn = transformed(False)
+  zeros = fn = transformed(False)
   if _padded(answer.args + answer.results, answer.on):
-    fn = functools.partial(lambda zeros, real, *xs: _where_nan(
-        zeros(*xs), real(*xs)), fn, transformed(True))
+    real = transformed(True)
+
+    def fn(*xs):
+      return _where_nan(zeros(*xs), real(*xs))
   try:  # jax types lower_fn here, or the per-shard transposition serves
     with _no_ambient_mesh():
       jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.shape, v.dtype)

@@ -3713,11 +3713,11 @@ class _Vjp(_Step):
     padded = _padded(values, answer.on)
 
     def vjp_fn(*xs):
-      def pullback_on(real: bool):  # primals' padding zeros, or a real row
+      def masked_on(real: bool):  # primals' padding zeros, or a real row
         primals = [_without_padding(x, v, answer.on, real) if padded else x
                    for x, v in zip(xs[:n], below.operands)]
         return _masked(fn, primals, self.mask)
-      partial_fn, chosen = pullback_on(False)
+      partial_fn, chosen = masked_on(False)
       shared = _collective_axes(_open(jax.make_jaxpr(partial_fn)(*chosen)),
                                 set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
@@ -3733,7 +3733,7 @@ class _Vjp(_Step):
         # that is 0 * inf, NaN, which plain jax (no padding) never sums.
         # There the pullback with a real slice as padding (where the body
         # is finite) serves.
-        real_fn, real_chosen = pullback_on(True)
+        real_fn, real_chosen = masked_on(True)
         pullback = jax.vjp(real_fn, *real_chosen)[1]
         fallback = _finite_padding(pullback, pullback(cts), _on_one_copy([
             _without_padding(ct, v, answer.on, True)

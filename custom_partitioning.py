@@ -51,7 +51,7 @@ Upstream's ``_ShardingCallbackInfo`` is ``_Op``, its ``_sharding_callbacks``
 
 Version
 -------
-1.6.3 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
+1.6.4 (``__version__``), MAJOR.MINOR.PATCH: MAJOR for a change that can
 break code that ran (an API changed or removed, a jax release dropped),
 MINOR for an addition (a feature, a jax release supported), PATCH for a fix.
 Every change a user can notice bumps it, in the same commit.
@@ -167,7 +167,7 @@ from typing import Any, NamedTuple
 import warnings
 import weakref
 
-__version__ = "1.6.3"
+__version__ = "1.6.4"
 __all__ = [  # jax's six names, then this module's own (a tool adds its own)
     "custom_partitioning", "custom_partitioning_p", "SdyShardingRule",
     "ArrayMapping", "CompoundFactor", "BATCHING",
@@ -367,10 +367,10 @@ class custom_partitioning:
   ``fun``'s results. Under ``jax.jit`` on several devices the op is
   partitioned by ``def_partition``'s callbacks: under Shardy while jax lowers
   the program (``partition`` asked with the placements Shardy's propagation
-  gives, the op then a manual computation of ``lower_fn``; on every backend,
-  TPU included); on one device, in a ``shard_map`` manual over every mesh
-  axis, under ``jax.disable_jit()`` and (partitioned at lowering or under
-  Explicit axes) with an empty operand, ``fun`` runs.
+  gives, the op then a manual computation of ``lower_fn``, size-0 values
+  (placeholders) made outside it; on every backend, TPU included); on one
+  device, in a ``shard_map`` manual over every mesh axis and under
+  ``jax.disable_jit()``, ``fun`` runs.
   Under GSPMD (jax 0.12.0.1 and older) the op is one XLA custom call whose
   callbacks XLA calls while compiling, as upstream (II.7).
   Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks see the op
@@ -538,7 +538,8 @@ class custom_partitioning:
       ``__cause__``); ``TypeError`` or ``ValueError`` naming the callback
       and position for a malformed answer (not a 4-tuple, ``lower_fn`` not
       callable, a sharding that is not a ``jax.sharding.Sharding``, a
-      pytree unlike the operands or results, other devices than the op's);
+      pytree unlike the operands or results, other devices than the op's,
+      a spec sharding past the value's rank: upstream's ``IndexError``);
       ``ValueError`` naming the result for ``lower_fn`` results of the
       wrong number, per-shard shape or dtype, and for the ``check_vma``
       checks; under GSPMD, ``NotImplementedError`` for host callbacks in
@@ -1297,14 +1298,6 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if why_not is not None:
     raise _cannot_lower(name, mc.platforms, why_not)
   _check_partition(params, place, name)
-  if not all(map(math.prod, (a.shape for a in ctx.avals_in))):
-    # XLA refuses a manual computation whose operands are empty (as it does
-    # jax.shard_map's). An empty operand holds no values: the results
-    # depend on its shape and the other operands alone, and fun, the op's
-    # values on global operands (plain jax's), computes them; lower_fn is
-    # code for shards inside a manual computation. In both passes, so
-    # that propagation places around the body XLA will see.
-    return _lowered_body(ctx, call, "an operand is empty", values)
   lowering = _current_pass()
   if lowering.per_site is not None:  # seam: ops placed apart (II.9)
     lowering.per_site.install(mc)
@@ -2458,8 +2451,10 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
       raise ValueError(
           f"{where} on devices {sorted(d.id for d in sharding.device_set)}, "
           f"but the op runs on {sorted(d.id for d in op.place.devices)}.")
-    if isinstance(sharding, jax.sharding.NamedSharding) and (
-        len(sharding.spec) > ndim):
+    # Entries past the rank that shard nothing are read as upstream reads
+    # them (jax's cuDNN attention specs its rank-3 statistics so).
+    if isinstance(sharding, jax.sharding.NamedSharding) and any(
+        _shard_count(e, sharding.mesh) > 1 for e in sharding.spec[ndim:]):
       raise ValueError(f"{where} with spec {_spec_text(sharding.spec)} for "
                        f"a value of rank {ndim}.")
     if on == op.place.auto and not handed:  # seam: partly manual (II.2)
@@ -2683,8 +2678,9 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   mapped = _shard_map(
       per_shard or (traced if shard.jaxpr is None else
                     _jax.jaxpr_as_fun(shard.jaxpr)), mesh,
-      tuple(spec(*v.spec) for v in shard.args),
-      [spec(*v.spec) for v in shard.results], checked=per_shard is not None)
+      [spec(*v.spec) for v in shard.args],
+      [spec(*v.spec) for v in shard.results], checked=per_shard is not None,
+      values=(shard.args, shard.results, on))
 
   def program(*xs):
     # jax 0.7.2's jit traces under set_mesh's mesh again: cleared here.
@@ -2706,14 +2702,36 @@ def _axis_types(mesh) -> tuple | None:
   return types_ if isinstance(types_, tuple) else None
 
 
-def _shard_map(fun, mesh, in_specs, out_specs, checked: bool = False):
-  """``jax.shard_map``, unchecked unless ``checked`` (the per-shard checks
-  ran already)."""
+def _shard_map(fun, mesh, in_specs, out_specs, checked: bool, values):
+  """``jax.shard_map`` of ``fun``, unchecked unless ``checked`` (the
+  per-shard checks ran already), over ``values`` (``(operands, results,
+  on)``, ``_Value``s with specs on ``on``), less those of size 0: XLA
+  refuses a manual computation whose operands are all empty (jax.shard_map's
+  alike), and they hold nothing to pass; they are made per shard inside,
+  whole outside."""
+  args, results, on = values
+  kept = [[math.prod(v.shape) > 0 for v in side] for side in (args, results)]
+
+  def inner(*xs):
+    xs = iter(xs)
+    return _kept(kept[1], fun(*[next(xs) if k else jax.numpy.zeros(
+        _local_struct(v, on).shape, v.dtype) for k, v in zip(kept[0], args)]))
+  specs = tuple(_kept(kept[0], in_specs)), _kept(kept[1], out_specs)
   # jax 0.6.1 made shard_map public, its check_rep renamed check_vma.
-  if _JAX_VERSION >= (0, 6, 1):
-    return jax.shard_map(fun, mesh=mesh, in_specs=in_specs,
-                         out_specs=out_specs, check_vma=checked)
-  return _jax.shard_map(fun, mesh, in_specs, out_specs, check_rep=checked)
+  mapped = (jax.shard_map(inner, mesh=mesh, in_specs=specs[0],
+                          out_specs=specs[1], check_vma=checked)
+            if _JAX_VERSION >= (0, 6, 1) else
+            _jax.shard_map(inner, mesh, *specs, check_rep=checked))
+
+  def outer(*xs):
+    ys = iter(mapped(*_kept(kept[0], xs)))
+    return [next(ys) if k else jax.numpy.zeros(v.shape, v.dtype)
+            for k, v in zip(kept[1], results)]
+  return outer
+
+
+def _kept(flags: list, xs) -> list:
+  return [x for k, x in zip(flags, xs) if k]
 
 
 def _no_ambient_mesh():
@@ -3225,9 +3243,6 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
                   "one with jax.set_mesh)")
   if mesh.size == 1:  # the body, inlined
     return None, None
-  if not all(map(math.prod, (a.shape for a in flat.in_avals))):
-    # XLA refuses a shard_map whose operands are empty (see _lowering).
-    return None, "an operand is empty"
   if any(map(_vmapped_over_mesh_axis, flat.leaves)):
     return None, ("under a jax.vmap whose batch dimension is sharded over "
                   "a mesh axis")
@@ -3440,10 +3455,10 @@ def _shard_map_program(op: _Op, answer: _Answer, in_avals, typed: list,
   arg_specs = [t if _as_xla_spec(t, mesh) == v.spec else v.spec
                for t, v in zip(map(_spec_of, in_avals), answer.args)]
   am = mesh.abstract_mesh  # no devices: one jit trace serves every mesh like it
-  mapped = jax.shard_map(
-      per_shard, mesh=am, check_vma=check_vma,
-      in_specs=tuple(jax.sharding.PartitionSpec(*s) for s in arg_specs),
-      out_specs=[jax.sharding.PartitionSpec(*v.spec) for v in answer.results])
+  mapped = _shard_map(
+      per_shard, am, [jax.sharding.PartitionSpec(*s) for s in arg_specs],
+      [jax.sharding.PartitionSpec(*v.spec) for v in answer.results],
+      check_vma, (answer.args, answer.results, answer.on))
 
   def reshard(xs, specs):  # an equation only where the type changes
     return [x if _spec_of(_typeof(x)) == spec else jax.sharding.reshard(

@@ -11563,7 +11563,7 @@ class ClientPatternsTest(CPTestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.seen = []
-    cls.attention = _attention_ops(cls.seen)[0]
+    cls.attention, cls.fwd, _ = _attention_ops(cls.seen)
     cls.hosts = [np.sin(_data(cls.shape) * (i + 1)) for i in range(3)]
     cls.config = _AttnConfig(0.5, True, False)
 
@@ -11636,17 +11636,51 @@ class ClientPatternsTest(CPTestCase):
     config, spec = self.config, P("x", None, "y")
     want = jax.grad(lambda *xs: jnp.sin(_plain_attention(*xs, config)).sum(),
                     (0, 1, 2))(*self.hosts)
+    local = _local_shape(self.shape, spec, mesh)
     del self.seen[:]
     with jax.set_mesh(mesh):
       args = [jax.device_put(x, NamedSharding(mesh, spec))
               for x in self.hosts]
-      got = jax.jit(jax.grad(lambda *xs: jnp.sin(self.attention(
-          *xs, config)).sum(), (0, 1, 2)))(*args)
+      f = jax.jit(jax.grad(lambda *xs: jnp.sin(self.attention(
+          *xs, config)).sum(), (0, 1, 2)))
+      # The shard_map path: asked while tracing, not at lowering.
+      jax.make_jaxpr(f)(*args)
+      self.assertEqual(set(self.seen), {("_attn_fwd_body", local),
+                                        ("_attn_bwd_body", local)})
+      got = f(*args)
     for a, b in zip(got, want):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+  def test_derived_programs(self):
+    """The op itself (no custom_vjp) under jax.vmap and jax.grad: its
+    batched and transposed programs keep the placeholders out too."""
+    mesh = self.mesh((2, 4), ("x", "y"))
+    config, spec = self.config._replace(training=False), P("x", None, "y")
+    s = NamedSharding(mesh, spec)
     local = _local_shape(self.shape, spec, mesh)
-    self.assertEqual(set(self.seen), {("_attn_fwd_body", local),
-                                      ("_attn_bwd_body", local)})
+
+    def op(q, k, v):
+      empty = jnp.zeros(0, q.dtype)
+      return self.fwd(q, k, v, empty, empty, config)[0]
+
+    def plain(q, k, v):
+      return _plain_attention(q, k, v, config)
+    stacked = [np.stack([x, x[::-1]]) for x in self.hosts]
+    on_rows = NamedSharding(mesh, P(None, *spec))
+    cases = {
+        "vmap": (jax.vmap(op), jax.vmap(plain), stacked, on_rows),
+        "grad": (jax.grad(lambda *xs: jnp.sin(op(*xs)).sum(), (0, 1, 2)),
+                 jax.grad(lambda *xs: jnp.sin(plain(*xs)).sum(), (0, 1, 2)),
+                 self.hosts, s)}
+    for label, (f, g, hosts, sharding) in cases.items():
+      with self.subTest(label):
+        del self.seen[:]
+        got = jax.jit(f, in_shardings=(sharding,) * 3)(*hosts)
+        for a, b in zip(jax.tree_util.tree_leaves(got),
+                        jax.tree_util.tree_leaves(g(*hosts))):
+          np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+        # (lower_fn is traced on one element's shard, then batched)
+        self.assertIn(("_attn_fwd_body", local), self.seen)
 
 
 both_partitioners(ClientPatternsTest)

@@ -2454,7 +2454,8 @@ def _encode(op: _Op, tree, answer, like: list, callback: str, what: str,
     # Entries past the rank that shard nothing are read as upstream reads
     # them (jax's cuDNN attention specs its rank-3 statistics so).
     if isinstance(sharding, jax.sharding.NamedSharding) and any(
-        _shard_count(e, sharding.mesh) > 1 for e in sharding.spec[ndim:]):
+        e is not None and (not isinstance(e, (str, tuple)) or _shard_count(
+            e, sharding.mesh) > 1) for e in sharding.spec[ndim:]):
       raise ValueError(f"{where} with spec {_spec_text(sharding.spec)} for "
                        f"a value of rank {ndim}.")
     if on == op.place.auto and not handed:  # seam: partly manual (II.2)

@@ -4264,15 +4264,17 @@ class BadInputTest(CPTestCase):
     # Upstream reads entries past the rank that shard nothing (jax's cuDNN
     # attention answers so for its statistics) and fails on one that does.
     two = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
-    s3 = NamedSharding(two, P("a", None, "b"))
-    answers = {"result sharding": lambda m, s: (m, jnp.sin, s3, (s,)),
-               "arg sharding": lambda m, s: (m, jnp.sin, s, (s3,))}
-    for what, answer in answers.items():
-      with self.subTest(what):
-        self.assertRaisesNaming(
-            ValueError, [f"partition of sin returned {what} 0 with spec "
-                         "PartitionSpec('a', None, 'b') for a value of rank "
-                         "2."], self.run_jit, self.op(self.returning(answer)))
+    for extra, text in (("b", "'b'"), (P.UNCONSTRAINED, "UNCONSTRAINED")):
+      s3 = NamedSharding(two, P("a", None, extra))
+      answers = {"result sharding": lambda m, s, s3=s3: (m, jnp.sin, s3, [s]),
+                 "arg sharding": lambda m, s, s3=s3: (m, jnp.sin, s, [s3])}
+      for what, answer in answers.items():
+        with self.subTest(what, extra=text):
+          self.assertRaisesNaming(
+              ValueError, [f"partition of sin returned {what} 0 with spec "
+                           f"PartitionSpec('a', None, {text}) for a value of "
+                           "rank 2."], self.run_jit,
+              self.op(self.returning(answer)))
     long = lambda m: NamedSharding(m, P("x", None, None, None))  # noqa: E731
     with self.subTest("trimmed"):
       op = self.op(self.returning(lambda m, s: (m, jnp.sin, long(m),

@@ -375,12 +375,12 @@ class custom_partitioning:
   Under GSPMD (jax 0.12.0.1 and older) the op is one XLA custom call whose
   callbacks XLA calls while compiling, as upstream (II.7).
   Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks see the op
-  untransformed and ``lower_fn`` runs transformed on the same local shards;
-  upstream supports none of the three (II.4). Where ``partition``'s
-  shardings do not divide an operand or result, the op's derivatives
-  (``jvp``, ``grad``, ``vjp``, ``hessian``, under ``vmap`` too) are plain
-  jax's: ``fun``'s, on whole values (partitioned by jax at lowering,
-  replicated on XLA's callbacks); ``lower_fn`` gives the values.
+  untransformed and ``lower_fn`` runs transformed on the same local shards
+  (upstream supports none of the three); where ``partition``'s shardings
+  do not divide an operand or result, the op's derivatives (``jvp``,
+  ``grad``, ``vjp``, ``hessian``, under ``vmap`` too) are plain jax's:
+  ``fun``'s on whole values (partitioned by jax at lowering, replicated on
+  XLA's callbacks), ``lower_fn`` giving the values (II.4).
   An eager call is compiled: partitioned if an operand is a ``jax.Array``
   sharded over several devices, else ``fun`` runs unasked (as upstream does
   for every eager call).
@@ -1820,8 +1820,8 @@ class _Op:
   out_tree: Any
   steps: tuple  # of _Step: from the author's op to this one
   place: _Placement
-  # The body, what plain jax computes (an uneven derivative's: II.4); keyed
-  # apart, as the equation's (_params_key, _content_key).
+  # The body, plain jax's program: keyed apart, as the equation's
+  # (_params_key, _content_key).
   call: Any = dataclasses.field(default=None, metadata=_STATE)
   # Per operand and result: the manual axes it varies over, if tracked.
   varying: tuple = ((), ())  # seam: used by (II.4, II.7)

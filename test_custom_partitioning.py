@@ -11258,6 +11258,55 @@ class AtLoweringTest(CPTestCase):
         NotImplementedError, ["cannot be lowered for TPU", "no PartitionSpec"],
         _tpu_text, op, self.x)
 
+  def test_a_second_lowering_asks_and_lowers_as_the_first(self):
+    """Issue 77: a module lowered twice (as jax 0.7 to 0.10.0 lower every
+    one holding ops, and later releases one with ops placed apart or for
+    several platforms; forced here) asks and lowers as one lowered once: a
+    callable rule asked once; a debug callback in lower_fn run (not taken
+    for XLA's callbacks); an answer falling back to XLA's callbacks keeps
+    its asked callable rule (the result placed by it, not replicated) and
+    the lowering's config (enable_x64: lower_fn's default int 8 wide)."""
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))  # no spec on m
+    runs = JAX_VERSION >= (0, 7, 0)  # host callbacks at lowering
+    falls_back = hasattr(cp, "_custom_call")  # (II.7)
+    for twice in (False, True):
+      asked, hits = {"runs": [], "falls back": []}, []
+
+      def rule(mesh, operand_types, result_types, asked=asked, kind="runs"):
+        asked[kind].append(1)
+        return "i j -> i j"
+
+      def lower_fn(v, hits=hits):
+        if runs:
+          jax.debug.callback(lambda: hits.append(1))
+        return v * 2.0
+      op = custom_partitioning(lambda v: v * 2.0)
+      op.def_partition(lambda m, a, r: (m, lower_fn, a[0].sharding, (
+          a[0].sharding,)), sharding_rule=rule)
+      back = custom_partitioning(lambda v: v + 8)
+      s = NamedSharding(grid, P("q"))
+      back.def_partition(
+          lambda m, a, r: (m, lambda v: v + jnp.asarray(0).dtype.itemsize,
+                           s, (s,)),
+          sharding_rule=functools.partial(rule, kind="falls back"))
+      with self.subTest(lowered_twice=twice), unittest.mock.patch.object(
+          cp, "_REPLACES_IN_PLACE", cp._REPLACES_IN_PLACE and not twice):
+        f = jax.jit(op, in_shardings=self.s)
+        out = f(self.x)
+        jax.effects_barrier()
+        np.testing.assert_allclose(out, self.xh * 2.0)
+        self.assertEqual(len(asked["runs"]), 1)
+        self.assertEqual(bool(hits), runs)
+        if not falls_back:
+          continue
+        with _x64():
+          lowered = jax.jit(back, in_shardings=self.s).lower(self.x)
+        self.assertIn("CustomSPMDPartitioning", lowered.as_text())
+        out = lowered.compile()(self.x)
+        np.testing.assert_allclose(out, self.xh + 8)
+        self.assertEqual(len(asked["falls back"]), 1)
+        self.assertFalse(out.sharding.is_fully_replicated)
+
   def test_an_answer_kept_for_the_callbacks_runs_in_the_lowering_s_config(self):
     """An op handed to XLA's callbacks at lowering carries the config it
     was lowered in: compiled outside enable_x64, lower_fn still builds
@@ -11575,6 +11624,26 @@ class EmptyOperandsTest(CPTestCase):
               self.assertEqual("sdy.manual_computation" in t, not empty)
           with self.subTest(case=case, op=label, path=path):
             self.check(self.fns(op, body, rows, shapes), args, text)
+
+  def test_ops_after_an_empty_one_keep_their_own_placements(self):
+    """Issue 77: an op with an empty operand (its body, inlined) between
+    two others in one program: each partitioned op is asked about its own
+    operands and gives plain jax's values, on both paths (an inlined op
+    taking a lowering index misnumbered every later one)."""
+    rows = NamedSharding(self.mesh(), P("x", None))
+    a, b, c = _data((16, 3)), _data((0, 4)), _data((16, 0))
+    for path, ctx in _SHARDY_PATHS:
+      seen = {name: [] for name in "fg"}
+      f, g = (_recording_rows_op(body, seen[name]) for name, body in (
+          ("f", lambda v: v * 2.0), ("g", lambda v: v + 1.0)))
+      ops, _ = _matmul_ops()
+      with self.subTest(path=path), ctx():
+        got = jax.jit(lambda a, c: (f(a), ops["partition"](c, b), g(a)),
+                      in_shardings=(rows, rows))(a, c)
+        for out, want in zip(got, (a * 2.0, np.zeros((16, 4)), a + 1.0)):
+          np.testing.assert_allclose(out, want, rtol=1e-6)
+        self.assertEqual((seen["f"][:1], seen["g"][:1]),
+                         ([(("x", None),)], [(("x", None),)]))
 
   def test_empty_operands_under_explicit_axes(self):
     if NO_EXPLICIT_PATH:

@@ -4648,6 +4648,16 @@ def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
   # program's list, fixed before this ran (upstream segfaults).
   if lowered.host_callbacks:
     raise _host_callback_error(op)
+  if shard.lower_fn is None:  # seam: plain jax's body (II.4)
+    # Traced in the caller's program, its types' shardings (a partly
+    # manual shard_map's) are constraints no per-shard program can keep.
+    for constraint in [o for o in _operations(lowered.module.operation)
+                       if o.name == "sdy.sharding_constraint" or (
+                           o.name == "stablehlo.custom_call" and str(
+                               o.attributes["call_target_name"]) ==
+                           '"Sharding"')]:
+      constraint.results[0].replace_all_uses_with(constraint.operands[0])
+      constraint.erase()
   return _jax.module_to_bytecode(lowered.module)
 
 

@@ -6375,8 +6375,10 @@ class PaddingInGradientsTest(CPTestCase):
     """Issue 77 (H3): with the last real row of ``x`` zero, plain jax's
     gradient of the replicated operand is +-inf; the padding row's
     ``0 * log 0`` (and a real row as padding) made it NaN. Also bf16,
-    under vmap and hessian; values and NaN/inf positions are plain jax's."""
-    m = self.mesh()
+    under vmap and hessian, and inside a shard_map manual over y (XLA's
+    callbacks: plain jax's body there holds that shard_map's shardings);
+    values and NaN/inf positions are plain jax's."""
+    m, m42 = self.mesh(), self.mesh((4, 2), ("x", "y"))
     rows, batch_rows = NamedSharding(m, P("x")), NamedSharding(m, P(None, "x"))
     xh = np.abs(_data((10, 2))) + 0.5
     xh[-1] = 0
@@ -6411,6 +6413,11 @@ class PaddingInGradientsTest(CPTestCase):
         "log(x) * w, hessian": lambda f: lambda: jax.hessian(
             lambda x, w: f(jax.lax.with_sharding_constraint(x, rows), w).sum(),
             (0, 1))(xh, wh),
+        "w / x, manual over y": lambda f: lambda: shard_map(
+            lambda x, w: jax.grad(lambda x, w: f(
+                jax.lax.with_sharding_constraint(x, NamedSharding(m42, P(
+                    "x"))), w).sum(), (0, 1))(x, w),
+            mesh=m42, in_specs=P(), out_specs=P(), axis_names={"y"})(xh, wh),
     }
     bodies = {"log(x) * w": log, "w / x": div, "log(x) @ z + b": matmul}
     paths = _SHARDY_PATHS if self.shardy is not False else _SHARDY_PATHS[:1]

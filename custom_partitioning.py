@@ -551,7 +551,7 @@ class custom_partitioning:
       calls no Python partitioner: Shardy is the fix); at lowering,
       ``NotImplementedError`` for an ordered effect in ``lower_fn``
       (``io_callback(..., ordered=True)``), and, on every path, for an
-      operand or result with a symbolic dimension (``jax.export``'s shape
+      operand with a symbolic dimension (``jax.export``'s shape
       polymorphism: other arguments may have them); under
       ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a returned
       mesh shaped unlike the op's or a sharding without a ``PartitionSpec``.
@@ -1298,15 +1298,14 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   place, why = _partitioned_placement(ctx, steps, name)
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
-  for what, avals in (("operand", ctx.avals_in), ("result", ctx.avals_out)):
-    for i, a in enumerate(avals):
-      dim = next((d for d in a.shape if not _jax.is_constant_dim(d)), None)
-      if dim is not None:  # (jax.export's shape polymorphism)
-        raise NotImplementedError(
-            f"custom_partitioning op {name}: {what} {i} has the symbolic "
-            f"dimension {dim} ({a.str_short()}); partitioning needs static "
-            "shapes. Export it with static shapes (other arguments may be "
-            "symbolic), or on one device.")
+  for i, a in enumerate(ctx.avals_in):  # (results' shapes follow theirs)
+    dim = next((d for d in a.shape if not _jax.is_constant_dim(d)), None)
+    if dim is not None:  # (jax.export's shape polymorphism)
+      raise NotImplementedError(
+          f"custom_partitioning op {name}: operand {i} has the symbolic "
+          f"dimension {dim} ({a.str_short()}); partitioning needs static "
+          "shapes. Export it with static shapes (other arguments may be "
+          "symbolic), or on one device.")
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
   if why_not is not None and (  # seam: XLA's callbacks (II.7)

@@ -6337,15 +6337,16 @@ class PaddingInGradientsTest(CPTestCase):
   def test_effects_of_lower_fn_run_once_per_program(self):
     """Issue 77 (H6): with uneven rows both transposed programs ran (a
     debug callback in lower_fn twice per device). Even, jit(grad) runs
-    lower_fn once per device, in the transposition; uneven, the
-    derivative is fun's and runs none, the forward once per device. (A
+    lower_fn once per device, in the transposition (jvp alike); uneven,
+    the derivative is fun's and runs none, the forward once per device. (A
     callback may land after jax.effects_barrier: counts are bounds.)"""
     if not self.at_lowering or JAX_VERSION < (0, 7, 0):
       self.skipTest("host callbacks in lower_fn run at lowering (jax 0.7 on)")
     body = lambda x: jnp.sin(x) * 2.0  # noqa: E731
     rows = NamedSharding(self.mesh(), P("x"))
     fns = {"value": lambda f: f, "grad": jax.grad,
-           "value_and_grad": jax.value_and_grad}
+           "value_and_grad": jax.value_and_grad,
+           "jvp": lambda f: lambda x: jax.jvp(f, (x,), (x,))[1]}
     counts = {}
     for n, (name, of) in itertools.product((8, 7), fns.items()):
       hits = []  # this program's alone
@@ -6364,10 +6365,12 @@ class PaddingInGradientsTest(CPTestCase):
       counts[n, name] = len(hits)
       for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(
           jax.jit(of(lambda x: body(x).sum()))(xh))):
-        np.testing.assert_allclose(g, w, rtol=1e-6)
-    self.assertEqual(counts[7, "grad"], 0, counts)
+        np.testing.assert_allclose(g, w, rtol=1e-5)
+    for name in ("grad", "jvp"):  # lower_fn's derivative, else fun's
+      self.assertGreater(counts[8, name], 0, counts)
+      self.assertEqual(counts[7, name], 0, counts)
     most = {(8, "value"): 8, (8, "grad"): 8, (8, "value_and_grad"): 16,
-            (7, "value"): 8, (7, "value_and_grad"): 8}
+            (8, "jvp"): 8, (7, "value"): 8, (7, "value_and_grad"): 8}
     for key, count in most.items():
       self.assertLessEqual(counts[key], count, counts)
 

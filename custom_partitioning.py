@@ -253,9 +253,8 @@ _NAMES = {
     # ... no effect" (_SHARDY).
     "jax._src.config": "disable_jit trace_context" + (
         " use_shardy_partitioner" if _JAX_VERSION < (0, 12, 1) else ""),
-    "jax._src.core": "Effect extend_axis_env_nd is_constant_dim subjaxprs "
-                     "trace_state_clean ShardingTypeError? get_aval? "
-                     "raise_to_shaped? typeof?",
+    "jax._src.core": "Effect extend_axis_env_nd subjaxprs trace_state_clean "
+                     "ShardingTypeError? get_aval? raise_to_shaped? typeof?",
     "jax._src.custom_api_util": "forward_attr register_custom_decorator_type",
     "jax._src.dispatch": "prim_requires_devices_during_lowering",
     "jax._src.interpreters": "mlir",
@@ -1299,7 +1298,7 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
   for i, a in enumerate(ctx.avals_in):  # (results' shapes follow theirs)
-    dim = next((d for d in a.shape if not _jax.is_constant_dim(d)), None)
+    dim = next((d for d in a.shape if not isinstance(d, int)), None)
     if dim is not None:  # (jax.export's shape polymorphism)
       raise NotImplementedError(
           f"custom_partitioning op {name}: operand {i} has the symbolic "

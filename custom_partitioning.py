@@ -3512,7 +3512,8 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # *derived* op: the same callbacks, ``transform`` listing the steps from the
 # author's op, ``call`` the body transformed alike. Each question XLA asks
 # walks down the steps to the author's op and its answer back up (as spec
-# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
+# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself; where
+# the answer pads a value, a derivative is the body's (plain jax's program).
 # --------------------------------------------------------------------------
 
 # jax's names only this section reads (looked up as _NAMES's).

@@ -253,7 +253,7 @@ _NAMES = {
     # ... no effect" (_SHARDY).
     "jax._src.config": "disable_jit trace_context" + (
         " use_shardy_partitioner" if _JAX_VERSION < (0, 12, 1) else ""),
-    "jax._src.core": "extend_axis_env_nd subjaxprs trace_state_clean "
+    "jax._src.core": "Effect extend_axis_env_nd subjaxprs trace_state_clean "
                      "ShardingTypeError? get_aval? raise_to_shaped? typeof?",
     "jax._src.custom_api_util": "forward_attr register_custom_decorator_type",
     "jax._src.dispatch": "prim_requires_devices_during_lowering",
@@ -374,8 +374,12 @@ class custom_partitioning:
   Under GSPMD (jax 0.12.0.1 and older) the op is one XLA custom call whose
   callbacks XLA calls while compiling, as upstream (II.7).
   Under ``jax.vmap``, ``jax.jvp`` and ``jax.grad`` the callbacks see the op
-  untransformed and ``lower_fn`` runs transformed on the same local shards;
-  upstream supports none of the three (II.4).
+  untransformed and ``lower_fn`` runs transformed on the same local shards
+  (upstream supports none of the three); where ``partition``'s shardings
+  do not divide an operand or result, the op's derivatives (``jvp``,
+  ``grad``, ``vjp``, ``hessian``, under ``vmap`` too) are plain jax's:
+  ``fun``'s on whole values (partitioned by jax at lowering, replicated on
+  XLA's callbacks), ``lower_fn`` giving the values (II.4).
   An eager call is compiled: partitioned if an operand is a ``jax.Array``
   sharded over several devices, else ``fun`` runs unasked (as upstream does
   for every eager call).
@@ -456,8 +460,8 @@ class custom_partitioning:
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
-    values (zeros on CPU in practice; at lowering zeros, which ``jax.grad``
-    differentiates as the forward ran); XLA drops the results' padding. A
+    values (zeros on CPU in practice; at lowering zeros); XLA drops the
+    results' padding, and derivatives are ``fun``'s (above). A
     reduction over a padded dimension is refused (``check_vma``): shard it
     over axes that divide it, or mask the padding in ``lower_fn`` (from
     ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
@@ -544,7 +548,11 @@ class custom_partitioning:
       wrong number, per-shard shape or dtype, and for the ``check_vma``
       checks; under GSPMD, ``NotImplementedError`` for host callbacks in
       ``lower_fn``, for ``jax.export`` and for lowering for TPU (which
-      calls no Python partitioner: Shardy is the fix); under
+      calls no Python partitioner: Shardy is the fix); at lowering,
+      ``NotImplementedError`` for an ordered effect in ``lower_fn``
+      (``io_callback(..., ordered=True)``), and, on every path, for an
+      operand with a symbolic dimension (``jax.export``'s shape
+      polymorphism: other arguments may have them); under
       ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a returned
       mesh shaped unlike the op's or a sharding without a ``PartitionSpec``.
     """
@@ -1290,6 +1298,14 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   place, why = _partitioned_placement(ctx, steps, name)
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
+  for i, a in enumerate(ctx.avals_in):  # (results' shapes follow theirs)
+    dim = next((d for d in a.shape if not isinstance(d, int)), None)
+    if dim is not None:  # (jax.export's shape polymorphism)
+      raise NotImplementedError(
+          f"custom_partitioning op {name}: operand {i} has the symbolic "
+          f"dimension {dim} ({a.str_short()}); partitioning needs static "
+          "shapes. Export it with static shapes (other arguments may be "
+          "symbolic), or on one device.")
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
   if why_not is not None and (  # seam: XLA's callbacks (II.7)
@@ -1795,6 +1811,9 @@ class _Op:
   out_tree: Any
   steps: tuple  # of _Step: from the author's op to this one
   place: _Placement
+  # The body, plain jax's program: keyed apart, as the equation's
+  # (_params_key, _content_key).
+  call: Any = dataclasses.field(default=None, metadata=_STATE)
   # Per operand and result: the manual axes it varies over, if tracked.
   varying: tuple = ((), ())  # seam: used by (II.4, II.7)
   platforms: Any = None
@@ -1834,6 +1853,7 @@ def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
              static_args=getattr(static, "value", static),
              in_tree=params["in_tree"], out_tree=params["out_tree"],
              steps=params.get("transform", ()), place=place, mesh=place.mesh,
+             call=params["call"],
              **lowered)
 
 
@@ -1891,6 +1911,14 @@ def _propagated(module) -> dict:
   lowering order (jax lowers a function of several callers, and equal ops,
   once; Shardy places each caller's copy)."""
   with module.context:
+    if any(isinstance(a.type, _jax.ShapedType) and
+           not a.type.has_static_shape
+           for f in module.body.operations if f.operation.name == "func.func"
+           for b in f.regions[0].blocks for a in b.arguments):
+      # Shardy's propagation refuses a dynamic shape (an argument jax.export
+      # made symbolic; the ops' own are static: _lowering): ops unplaced,
+      # asked on replicated values, as XLA's propagation would leave them.
+      return {}
     copy = module.operation.clone()  # a tenth of a bytecode round trip
     propagation = _jax.passmanager.PassManager.parse(
         "builtin.module(sdy-propagation-pipeline)")
@@ -1953,6 +1981,15 @@ def _manual_ops(module, lowering: _Pass) -> None:
           continue
         raise _cannot_lower(op.name, op.platforms,
                             f"its partition {e}") from None
+      except KeyError as e:  # jax has no token for an ordered effect
+        if not isinstance(e.args[0], _jax.Effect):
+          raise
+        raise NotImplementedError(
+            f"lower_fn of custom_partitioning op {op.name} has an ordered "
+            f"effect ({type(e.args[0]).__name__}: io_callback(..., "
+            "ordered=True)), which jax orders only in the program it traced, "
+            "where the op declares none. Pass ordered=False, or call it "
+            "before or after the op.") from None
       flat = [v for r in results
               for v in ([r] if isinstance(r, _jax.ir.Value) else r)]
       for old, new in zip(call.results, flat):
@@ -2647,14 +2684,16 @@ def _foreign_mesh_fails(mesh, op_mesh) -> bool:
 
 
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
-                    jit: bool = True, pad=None) -> Callable:
+                    jit: bool = True) -> Callable:
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
   (XLA pads uneven shards on the callback path; here jax does), jitted if
   ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
   checked by jax's typing of shard_map (a derived op's transposition);
   where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
-  operands are padded with zeros, or by ``pad(x, widths)`` if given."""
+  operands are padded with zeros."""
+  if shard.lower_fn is None:  # seam: plain jax's, partitioned by jax (II.4)
+    return _jax.jaxpr_as_fun(shard.jaxpr)
   mesh, on = shard.mesh, shard.on
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
@@ -2665,10 +2704,8 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
         jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   spec = jax.sharding.PartitionSpec
 
-  def padded_to(x, shape):
-    widths = [(0, p - s) for s, p in zip(x.shape, shape)]
-    # XLA pads with unspecified values; here zeros
-    return jax.numpy.pad(x, widths) if pad is None else pad(x, widths)
+  def padded_to(x, shape):  # XLA pads with unspecified values; here zeros
+    return jax.numpy.pad(x, [(0, p - s) for s, p in zip(x.shape, shape)])
 
   def traced(*xs):  # lower_fn traced here, once (I.5 did not)
     args = _lower_fn_args(op, shard.lower_fn, list(xs))
@@ -3491,7 +3528,8 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # *derived* op: the same callbacks, ``transform`` listing the steps from the
 # author's op, ``call`` the body transformed alike. Each question XLA asks
 # walks down the steps to the author's op and its answer back up (as spec
-# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself.
+# entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself; where
+# the answer pads a value, a derivative is the body's (plain jax's program).
 # --------------------------------------------------------------------------
 
 # jax's names only this section reads (looked up as _NAMES's).
@@ -3717,44 +3755,21 @@ class _Vjp(_Step):
     which is exact for pullbacks linear in their cotangents and for
     backward rules that map a zero cotangent to zero (a clip or a sign
     after a collective: each copy's rule sees the whole cotangent or
-    none). At lowering, ``_transposed_program`` serves first."""
+    none). At lowering, ``_transposed_program`` serves first; uneven
+    operands never come here (``_partition_derived``)."""
     copies = functools.partial(_copies_over, op, answer.on, batched=batched)
     results = [set(copies(v)) for v in below.results]
     operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
     n = len(self.mask)
-    # Padding (zeros, as the forward's) is what the transposition
-    # differentiates: a result that read it (a shift of the next shard's
-    # rows) has its derivative there. Cotangents' padding is zeroed.
-    values = below.operands + below.results
-    padded = _padded(values, answer.on)
 
     def vjp_fn(*xs):
-      def masked_on(real: bool):  # primals' padding zeros, or a real row
-        primals = [_without_padding(x, v, answer.on, real) if padded else x
-                   for x, v in zip(xs[:n], below.operands)]
-        return _masked(fn, primals, self.mask)
-      partial_fn, chosen = masked_on(False)
+      partial_fn, chosen = _masked(fn, xs[:n], self.mask)
       shared = _collective_axes(_open(jax.make_jaxpr(partial_fn)(*chosen)),
                                 set(answer.mesh.axis_names)) | {
           a for axes in operands for a in axes
           if not all(a in r for r in results)}
       kept_along = [tuple(a for a in r if a in shared) for r in results]
-      cts = _on_one_copy([_without_padding(ct, v, answer.on) if padded
-                          else ct for ct, v in zip(xs[n:], below.results)],
-                         kept_along)
-      grads = jax.vjp(partial_fn, *chosen)[1](cts)
-      if padded:
-        # The transposition sums where the forward broadcast, cotangent
-        # times derivative: on padding where the body is infinite (log 0)
-        # that is 0 * inf, NaN, which plain jax (no padding) never sums.
-        # There the pullback with a real slice as padding (where the body
-        # is finite) serves.
-        real_fn, real_chosen = masked_on(True)
-        pullback = jax.vjp(real_fn, *real_chosen)[1]
-        fallback = _finite_padding(pullback, pullback(cts), _on_one_copy([
-            _without_padding(ct, v, answer.on, True)
-            for ct, v in zip(xs[n:], below.results)], kept_along))
-        grads = _where_nan(grads, fallback)
+      grads = jax.vjp(partial_fn, *chosen)[1](_on_one_copy(xs[n:], kept_along))
       psums = [tuple(a for a in axes if a in shared) for axes in operands]
       return [jax.lax.psum(g, axes) if axes else g
               for g, axes in zip(grads, psums)]
@@ -3764,8 +3779,9 @@ class _Vjp(_Step):
 def _transposed_program(op: _Op, operands: list, results: list):
   """At lowering, an op derived through a transposition as jax's own
   transformations of the author's op as a checked ``jax.shard_map``; where
-  jax cannot type ``lower_fn``, as transposed per shard (``partition``
-  asked once for both); None where there is no transposition.
+  jax cannot type ``lower_fn``, as transposed per shard, and on uneven
+  operands as plain jax computes it (``partition`` asked once for all);
+  None where there is no transposition.
 
   Typed, jax transposes a collective as its dual (a ``psum``'s cotangent
   reaches each device whole), so a backward rule after a collective that
@@ -3778,28 +3794,17 @@ def _transposed_program(op: _Op, operands: list, results: list):
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results,
                               op.mesh)
+  if _padded(answer.args + answer.results, answer.on):
+    return _manual_program(op, _partition_derived(
+        op, operands, results, op.mesh, (answer, closed)))
   _check_lowerable(op, answer)
 
   def per_shard(*xs):
     return jax.tree_util.tree_leaves(answer.lower_fn(*op.in_tree.unflatten(
         xs)))
-  up = _specs_up(levels, answer, closed)[1:]
-
-  def transformed(real_padding: bool):
-    fn = _manual_program(op, answer, per_shard, jit=False, pad=(
-        _real_row_padding if real_padding else None))
-    for level in up:
-      fn = level.step.transform(fn, level.entry)
-    return fn
-  # Padded as the forward (zeros), what the forward computed is what is
-  # differentiated; where that sums 0 * inf over padding (NaN: the body is
-  # infinite at 0), the program padded with a real row serves.
-  zeros = fn = transformed(False)
-  if _padded(answer.args + answer.results, answer.on):
-    real = transformed(True)
-
-    def fn(*xs):
-      return _where_nan(zeros(*xs), real(*xs))
+  fn = _manual_program(op, answer, per_shard, jit=False)
+  for level in _specs_up(levels, answer, closed)[1:]:
+    fn = level.step.transform(fn, level.entry)
   try:  # jax types lower_fn here, or the per-shard transposition serves
     with _no_ambient_mesh():
       jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(v.shape, v.dtype)
@@ -3825,37 +3830,6 @@ def _on_one_copy(cts: list, copies: list) -> list:
   return [kept(ct, axes) for ct, axes in zip(cts, copies)]
 
 
-def _real_row_padding(x, widths):
-  """``x`` padded by ``widths`` with copies of its last real row. A real
-  row as padding keeps 0 * inf out of the sums (its cotangent is zero); a
-  constant copy, as a collective of lower_fn can move a real result's
-  cotangent onto the padding (a shift), which must not reach the row
-  copied: padding has no derivative."""
-  return jax.lax.dynamic_update_slice(jax.lax.stop_gradient(
-      jax.numpy.pad(x, widths, mode="edge")), x, (0,) * x.ndim)
-
-
-def _where_nan(grads, fallback):
-  """``grads`` (a pytree), where NaN, ``fallback``'s (of the same leaves)."""
-  leaves, tree = jax.tree_util.tree_flatten(grads)
-  return tree.unflatten([
-      jax.numpy.where(jax.numpy.isnan(g), h, g)
-      if jax.numpy.issubdtype(g.dtype, jax.numpy.inexact) else g
-      for g, h in zip(leaves, jax.tree_util.tree_leaves(fallback))])
-
-
-def _finite_padding(pullback, grads: list, real_cts: list) -> list:
-  """``grads``, where padding made them NaN, from the padding given the
-  first slice's cotangent too: where that slice's derivative is infinite,
-  the zero cotangent on its copies gave ``0 * inf``; a copy of the real
-  cotangent adds more of the same infinity, as plain jax has it. Where the
-  real slices alone give NaN, both do."""
-  again = pullback(real_cts)
-  return [jax.numpy.where(jax.numpy.isnan(g), h, g)
-          if jax.numpy.issubdtype(g.dtype, jax.numpy.inexact) else g
-          for g, h in zip(grads, again)]
-
-
 def _partition_derived(op: _Op, operands: list, results: list, on,
                        asked=None) -> _Answer:
   """The author's answer about the op below (``asked``, if given: what
@@ -3868,6 +3842,15 @@ def _partition_derived(op: _Op, operands: list, results: list, on,
   levels = _levels(op.steps, operands, results)
   answer, closed = asked or _partition(op, levels[0].operands,
                                        levels[0].results, on)
+  if _padded(answer.args + answer.results, answer.on) and any(
+      isinstance(s, (_Jvp, _Vjp)) for s in op.steps):
+    # Plain jax's derivative, by construction: of the body (fun, which no
+    # padding reaches), on whole values; at lowering jax partitions it. No
+    # padding of lower_fn's is exact: one that a collective moves into a
+    # real row has a derivative there, and 0 * inf on padding sums NaN.
+    whole = [[v._replace(spec=(None,) * len(v.shape), hlo=None) for v in side]
+             for side in (levels[-1].operands, levels[-1].results)]
+    return _Answer(on, on, None, *whole, op.call)
   levels = _specs_up(levels, answer, closed)
   # lower_fn transformed by each step (given batch dimensions above it).
   fn = _jax.jaxpr_as_fun(closed)
@@ -3946,24 +3929,6 @@ def _copies_over(op: _Op, on, value: _Value, batched: set) -> tuple:
   return axes + tuple(a for a in _real_axes(op.place.whole)
                       if a not in op.place.auto.axis_names and
                       a not in value.varying)
-
-
-def _without_padding(x, v: _Value, on, real: bool = False):
-  """``x``, a shard of ``v``, past ``v``'s end (XLA pads last shards with
-  unspecified values) zeroed, or if ``real`` made ``v``'s first slice."""
-  if v.spec is None or x.dtype == jax.dtypes.float0:
-    return x
-  for d, entry in enumerate(v.spec):
-    if v.shape[d] % _shard_count(entry, on) == 0:
-      continue
-    axes, fill = _entry_axes(entry), jax.numpy.zeros_like(x)
-    start = jax.lax.axis_index(axes) * x.shape[d]
-    keep = start + jax.lax.broadcasted_iota(np.int32, x.shape, d) < v.shape[d]
-    if real:  # the first device's first slice, sent to all (bools: int32)
-      fill += jax.lax.psum(jax.numpy.where(start == 0, jax.lax.slice_in_dim(
-          x, 0, 1, axis=d), 0), axes).astype(x.dtype)
-    x = jax.lax.select(keep, x, fill)
-  return x
 
 
 def _batch(args, dims, **params):
@@ -4698,6 +4663,16 @@ def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
   # program's list, fixed before this ran (upstream segfaults).
   if lowered.host_callbacks:
     raise _host_callback_error(op)
+  if shard.lower_fn is None:  # seam: plain jax's body (II.4)
+    # Traced in the caller's program, its types' shardings (a partly
+    # manual shard_map's) are constraints no per-shard program can keep.
+    for constraint in [o for o in _operations(lowered.module.operation)
+                       if o.name == "sdy.sharding_constraint" or (
+                           o.name == "stablehlo.custom_call" and str(
+                               o.attributes["call_target_name"]) ==
+                           '"Sharding"')]:
+      constraint.results[0].replace_all_uses_with(constraint.operands[0])
+      constraint.erase()
   return _jax.module_to_bytecode(lowered.module)
 
 

@@ -432,6 +432,13 @@ class CPTestCase(unittest.TestCase):
     else:
       self.assertIn("CustomSPMDPartitioning", text)
 
+  def assertPlainDerivative(self, text):
+    """An op's derivative on uneven operands, alone in lowered ``text``:
+    at lowering plain jax's program, no op left in it; for XLA's callbacks
+    the custom call (whose per-shard program is plain jax's)."""
+    self.assertEqual("CustomSPMDPartitioning" in text, not self.at_lowering)
+    self.assertNotIn("sdy.manual_computation", text)
+
   def assertRaisesNaming(self, exc_type, fragments, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc_type`` with every one of
     ``fragments`` in its message."""
@@ -3901,6 +3908,12 @@ class HostCallbackTest(CPTestCase):
             return io_callback(host_double,
                                jax.ShapeDtypeStruct(x.shape, x.dtype), x)
           """, "a[0].sharding"),
+      "io_callback, ordered": ("""
+          def lower_fn(x):
+            return io_callback(host_double,
+                               jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                               ordered=True)
+          """, "a[0].sharding"),
   }
   # One child python runs the four programs (a child per test cost a
   # second each): (class, partitioner) -> each program's RESULT lines. The
@@ -3972,6 +3985,18 @@ class HostCallbackTest(CPTestCase):
 
   def test_io_callback(self):
     self._run("io_callback")
+
+  def test_ordered_io_callback_is_refused_by_name(self):
+    """Issue 77 (H5): jax threads a token only to the ordered effects of
+    the program it traced, where the op declares none; at lowering one in
+    lower_fn (jax.shard_map's twin runs it) was a bare KeyError."""
+    line = self._lines()["io_callback, ordered"]
+    self.assertTrue(line, "io_callback, ordered")
+    self.assertTrue(line[0].startswith(
+        "RESULT CLEAN_ERROR NotImplementedError"), line[0])
+    self.assertIn("has an ordered effect" if self.at_lowering and
+                  JAX_VERSION >= (0, 7, 0) else "calls back to Python",
+                  line[0])
 
 
 both_partitioners(HostCallbackTest)
@@ -6021,6 +6046,34 @@ def _shift_op():
   return op, body
 
 
+def _stencil_op(combine, axes):
+  """``combine(x, x[i - 1], x[i + 1])`` along rows (zero rows past either
+  end), whose lower_fn takes its neighbours' rows by ``ppermute`` over
+  ``axes`` and reads the padding as the boundary, as an unmasked stencil
+  does: ``(op, body)``."""
+  def shifted(x, prev_row, next_row):
+    return (jnp.concatenate([prev_row, x[:-1]]),
+            jnp.concatenate([x[1:], next_row]))
+
+  def body(x):
+    return combine(x, *shifted(x, jnp.zeros_like(x[:1]),
+                               jnp.zeros_like(x[:1])))
+
+  def partition(mesh, arg_shapes, result_shape):
+    n = int(np.prod([mesh.shape[a] for a in (
+        axes if isinstance(axes, tuple) else (axes,))]))
+
+    def lower_fn(x):
+      nxt = jax.lax.ppermute(x[:1], axes, [(i, i - 1) for i in range(1, n)])
+      prv = jax.lax.ppermute(x[-1:], axes, [(i, i + 1) for i in range(n - 1)])
+      return combine(x, *shifted(x, prv, nxt))
+    s = NamedSharding(mesh, P(axes, None))
+    return mesh, lower_fn, s, (s,)
+  op = custom_partitioning(body)
+  op.def_partition(partition, sharding_rule="i j -> i j")
+  return op, body
+
+
 class PaddingInGradientsTest(CPTestCase):
   """Found by a breaker: 10 rows over 8 devices (or over a 4-device axis)
   are padded with zeros, where ``log``, ``1/x`` are infinite; the cotangent
@@ -6133,7 +6186,8 @@ class PaddingInGradientsTest(CPTestCase):
     ``x[9]``, so the cotangent of ``y[9]`` reached ``x[9]``: its gradient
     was off by ``2 * ct[9]``. Values are plain jax's on one device (jax
     0.4.35's own sharded concatenate on the (4, 2) mesh is off), on both
-    paths; with 16 rows also jax.shard_map's of the same lower_fn."""
+    paths; with 16 rows also jax.shard_map's of the same lower_fn, and with
+    10 the derivatives are plain jax's program (issue 77)."""
     fns = {  # of the op (or body) and the operand's placement
         "value": lambda f, c: lambda x: f(c(x)),
         "grad": lambda f, c: jax.grad(lambda x: (f(c(x)) * self.ct).sum()),
@@ -6161,6 +6215,9 @@ class PaddingInGradientsTest(CPTestCase):
               want = jax.jit(of(body, lambda x: x))(xh)
               f = jit(of(op, c))
               np.testing.assert_allclose(f(xh), want, rtol=1e-6)
+              if rows == 10 and name != "value":
+                self.assertPlainDerivative(f.lower(xh).as_text())
+                continue
               self.assertOpLowered(f.lower(xh).as_text())
               self.assertCollectives(self.hlo(f, xh), ["collective-permute"])
               if rows == 16:
@@ -6175,7 +6232,8 @@ class PaddingInGradientsTest(CPTestCase):
     masking the padding. The forward pads with zeros; the transposed
     program padded with a copy of the last real row, so ``jit(grad)`` was
     off by ``ct[-1] * x[-1]``. Values are plain jax's, on both paths; with
-    even rows also jax.shard_map's of the same lower_fn."""
+    even rows also jax.shard_map's of the same lower_fn; with uneven ones
+    the derivatives are plain jax's program (issue 77)."""
     def body(x):
       return x * jnp.concatenate([x[1:], jnp.zeros_like(x[:1])])
 
@@ -6227,7 +6285,10 @@ class PaddingInGradientsTest(CPTestCase):
               want = jax.jit(of(body, lambda x: x))(xh)
               f = jit(of(op, c))
               np.testing.assert_allclose(f(xh), want, rtol=1e-6, atol=1e-6)
-              self.assertOpLowered(f.lower(xh).as_text())
+              if rows == uneven and name != "value":
+                self.assertPlainDerivative(f.lower(xh).as_text())
+              else:
+                self.assertOpLowered(f.lower(xh).as_text())
               if rows == even:
                 n = int(np.prod(shape)) if isinstance(axes, tuple) else (
                     m.shape[axes])
@@ -6236,6 +6297,165 @@ class PaddingInGradientsTest(CPTestCase):
                                out_specs=P(axes, None))
                 np.testing.assert_allclose(jit(of(sm, c))(xh), want,
                                            rtol=1e-6, atol=1e-6)
+
+  def test_uneven_derivatives_are_plain_jax_s_whatever_lower_fn_reads(self):
+    """Issue 77: stencils whose lower_fn reads the zero padding as their
+    boundary. Transposing lower_fn over padding was wrong in the last real
+    row (H1: by ``ct[n-1]``), hid plain jax's NaN (H2: ``sqrt`` at a zero
+    boundary; an inf cotangent) or gave inf for it. An uneven op's
+    derivatives are plain jax's program: values, and NaN, +inf and -inf
+    where plain jax has them (assert_allclose compares their positions),
+    on both paths."""
+    combines = {
+        "log(x) * (prev + next)": lambda x, p, n: jnp.log(x) * (p + n),
+        "(prev + next) / x": lambda x, p, n: (p + n) / x,
+        "sqrt(x * next)": lambda x, p, n: jnp.sqrt(x * n),
+        "x * next": lambda x, p, n: x * n,
+    }
+    y7, x10, xy13 = (((2, 4), ("x", "y"), "y", 7), ((8,), ("x",), "x", 10),
+                     ((2, 4), ("x", "y"), ("x", "y"), 13))
+    cases = [(name, y7) for name in combines] + [
+        ("log(x) * (prev + next)", x10), ("log(x) * (prev + next)", xy13)]
+    paths = _SHARDY_PATHS if self.shardy is not False else _SHARDY_PATHS[:1]
+    seen = set()  # NaN and inf in plain jax's values, as the issue saw
+    for (name, (shape, names, axes, rows)), (path, ctx) in itertools.product(
+        cases, paths):
+      m = self.mesh(shape, names)
+      c = functools.partial(jax.lax.with_sharding_constraint,
+                            shardings=NamedSharding(m, P(axes, None)))
+      xh = np.cos(np.arange(rows * 3, dtype=np.float32)).reshape(rows, 3)
+      xh += 1.5
+      ct = np.sin(np.arange(rows * 3, dtype=np.float32)).reshape(rows, 3)
+      ct_inf = ct.copy()
+      ct_inf[-1, 0] = np.inf
+      fns = {  # of the op (or body) and the operand's placement
+          "grad": lambda f, c: jax.grad(lambda x: (f(c(x)) * ct).sum()),
+          "vjp, an inf cotangent": lambda f, c: lambda x: jax.vjp(
+              lambda v: f(c(v)), x)[1](ct_inf)[0],
+      }
+      if rows == 7:
+        fns["jacfwd(grad)"] = lambda f, c: jax.jacfwd(fns["grad"](f, c))
+      jit = functools.partial(jax.jit, out_shardings=NamedSharding(m, P()))
+      op, body = _stencil_op(combines[name], axes)  # fresh: caches ignore
+      with ctx():                                   # the path
+        for fn, of in fns.items():
+          with self.subTest(body=name, rows=rows, axes=axes, path=path,
+                            fn=fn):
+            want = jax.jit(of(body, lambda x: x))(xh)
+            seen |= {k for k, f in (("nan", np.isnan), ("inf", np.isinf))
+                     if f(want).any()}
+            np.testing.assert_allclose(jit(of(op, c))(xh), want, rtol=1e-5,
+                                       atol=1e-5)
+    self.assertEqual(seen, {"nan", "inf"})
+
+  def test_effects_of_lower_fn_run_once_per_program(self):
+    """Issue 77 (H6): with uneven rows both transposed programs ran (a
+    debug callback in lower_fn twice per device). Even, jit(grad) runs
+    lower_fn once per device, in the transposition (jvp alike); uneven,
+    the derivative is fun's and runs none, the forward once per device. (A
+    callback may land after jax.effects_barrier: counts are bounds.)"""
+    if not self.at_lowering or JAX_VERSION < (0, 7, 0):
+      self.skipTest("host callbacks in lower_fn run at lowering (jax 0.7 on)")
+    body = lambda x: jnp.sin(x) * 2.0  # noqa: E731
+    rows = NamedSharding(self.mesh(), P("x"))
+    fns = {"value": lambda f: f, "grad": jax.grad,
+           "value_and_grad": jax.value_and_grad,
+           "jvp": lambda f: lambda x: jax.jvp(f, (x,), (x,))[1]}
+    counts = {}
+    for n, (name, of) in itertools.product((8, 7), fns.items()):
+      hits = []  # this program's alone
+
+      def lower_fn(x, hits=hits):
+        jax.debug.callback(lambda: hits.append(1))
+        return jnp.sin(x) * 2.0
+      op = custom_partitioning(body)
+      op.def_partition(lambda m, a, r, lower_fn=lower_fn: (
+          m, lower_fn, a[0].sharding, (a[0].sharding,)),
+                       sharding_rule="i j -> i j")
+      xh = _data((n, 3))
+      got = jax.jit(of(lambda x, op=op: op(jax.lax.with_sharding_constraint(
+          x, rows)).sum()))(xh)
+      jax.effects_barrier()
+      counts[n, name] = len(hits)
+      for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(
+          jax.jit(of(lambda x: body(x).sum()))(xh))):
+        np.testing.assert_allclose(g, w, rtol=1e-5)
+    for name in ("grad", "jvp"):  # lower_fn's derivative, else fun's
+      self.assertGreater(counts[8, name], 0, counts)
+      self.assertEqual(counts[7, name], 0, counts)
+    most = {(8, "value"): 8, (8, "grad"): 8, (8, "value_and_grad"): 16,
+            (8, "jvp"): 8, (7, "value"): 8, (7, "value_and_grad"): 8}
+    for key, count in most.items():
+      self.assertLessEqual(counts[key], count, counts)
+
+  def test_uneven_gradients_of_a_replicated_operand_keep_plain_infinity(self):
+    """Issue 77 (H3): with the last real row of ``x`` zero, plain jax's
+    gradient of the replicated operand is +-inf; the padding row's
+    ``0 * log 0`` (and a real row as padding) made it NaN. Also bf16,
+    under vmap and hessian, and inside a shard_map manual over y (XLA's
+    callbacks: plain jax's body there holds that shard_map's shardings);
+    values and NaN/inf positions are plain jax's."""
+    m, m42 = self.mesh(), self.mesh((4, 2), ("x", "y"))
+    rows, batch_rows = NamedSharding(m, P("x")), NamedSharding(m, P(None, "x"))
+    xh = np.abs(_data((10, 2))) + 0.5
+    xh[-1] = 0
+    wh = np.float32([1.5, -2.0])
+
+    def matmul(x, z, b):
+      return jnp.log(x) @ z + b
+    mm = custom_partitioning(matmul)
+    mm.def_partition(
+        lambda mesh, a, r: (mesh, matmul, a[0].sharding, (
+            a[0].sharding, NamedSharding(mesh, P()), NamedSharding(mesh, P()))),
+        sharding_rule="i k, k j, j -> i j",
+        infer_sharding_from_operands=lambda m, a, r: a[0].sharding)
+    log, div = _PADDING_BODIES["log"], _PADDING_BODIES["reciprocal"]
+
+    def grad(f, x=xh, *args):
+      loss = lambda x, *a: f(jax.lax.with_sharding_constraint(  # noqa: E731
+          x, rows), *a).sum()
+      return lambda: jax.grad(loss, tuple(range(1 + len(args))))(x, *args)
+    cases = {
+        "log(x) * w": lambda f: grad(f, xh, wh),
+        "w / x": lambda f: grad(f, xh, wh),
+        "log(x) @ z + b": lambda f: grad(f, xh, np.eye(2, 3, dtype=np.float32),
+                                         np.ones(3, np.float32)),
+        "log(x) * w, bf16": lambda f: grad(f, xh.astype(jnp.bfloat16),
+                                           wh.astype(jnp.bfloat16)),
+        "w / x, vmap(grad)": lambda f: lambda: jax.vmap(jax.grad(
+            lambda x, w: f(x, w).sum(), (0, 1)))(
+                jax.lax.with_sharding_constraint(np.stack([xh, xh + 1]),
+                                                 batch_rows),
+                np.stack([wh, -wh])),
+        "log(x) * w, hessian": lambda f: lambda: jax.hessian(
+            lambda x, w: f(jax.lax.with_sharding_constraint(x, rows), w).sum(),
+            (0, 1))(xh, wh),
+        "w / x, manual over y": lambda f: lambda: shard_map(
+            lambda x, w: jax.grad(lambda x, w: f(
+                jax.lax.with_sharding_constraint(x, NamedSharding(m42, P(
+                    "x"))), w).sum(), (0, 1))(x, w),
+            mesh=m42, in_specs=P(), out_specs=P(), axis_names={"y"})(xh, wh),
+    }
+    bodies = {"log(x) * w": log, "w / x": div, "log(x) @ z + b": matmul}
+    paths = _SHARDY_PATHS if self.shardy is not False else _SHARDY_PATHS[:1]
+    for (case, of), (path, ctx) in itertools.product(cases.items(), paths):
+      body = bodies[case.split(",")[0]]
+      ops = ({"partition": mm} if body is matmul else
+             _padded_grad_ops(body) if case in bodies else
+             {"partition": _padded_grad_ops(body)["partition"]})
+      want = jax.jit(of(body))()
+      for label, op in ops.items():
+        with ctx(), self.subTest(case=case, op=label, path=path):
+          got = jax.jit(of(op))()
+          for g, w in zip(jax.tree_util.tree_leaves(got),
+                          jax.tree_util.tree_leaves(want)):
+            self.assertEqual(g.dtype, w.dtype)
+            np.testing.assert_allclose(np.float32(g), np.float32(w),
+                                       rtol=1e-5, atol=1e-5)
+      leaves = jax.tree_util.tree_leaves(want)
+      self.assertTrue(any(np.isinf(np.float32(w)).any() for w in leaves),
+                      case)
+
 
 both_partitioners(PaddingInGradientsTest)
 del PaddingInGradientsTest
@@ -11062,6 +11282,55 @@ class AtLoweringTest(CPTestCase):
         NotImplementedError, ["cannot be lowered for TPU", "no PartitionSpec"],
         _tpu_text, op, self.x)
 
+  def test_a_second_lowering_asks_and_lowers_as_the_first(self):
+    """Issue 77: a module lowered twice (as jax 0.7 to 0.10.0 lower every
+    one holding ops, and later releases one with ops placed apart or for
+    several platforms; forced here) asks and lowers as one lowered once: a
+    callable rule asked once; a debug callback in lower_fn run (not taken
+    for XLA's callbacks); an answer falling back to XLA's callbacks keeps
+    its asked callable rule (the result placed by it, not replicated) and
+    the lowering's config (enable_x64: lower_fn's default int 8 wide)."""
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))  # no spec on m
+    runs = JAX_VERSION >= (0, 7, 0)  # host callbacks at lowering
+    falls_back = hasattr(cp, "_custom_call")  # (II.7)
+    for twice in (False, True):
+      asked, hits = {"runs": [], "falls back": []}, []
+
+      def rule(mesh, operand_types, result_types, asked=asked, kind="runs"):
+        asked[kind].append(1)
+        return "i j -> i j"
+
+      def lower_fn(v, hits=hits):
+        if runs:
+          jax.debug.callback(lambda: hits.append(1))
+        return v * 2.0
+      op = custom_partitioning(lambda v: v * 2.0)
+      op.def_partition(lambda m, a, r: (m, lower_fn, a[0].sharding, (
+          a[0].sharding,)), sharding_rule=rule)
+      back = custom_partitioning(lambda v: v + 8)
+      s = NamedSharding(grid, P("q"))
+      back.def_partition(
+          lambda m, a, r: (m, lambda v: v + jnp.asarray(0).dtype.itemsize,
+                           s, (s,)),
+          sharding_rule=functools.partial(rule, kind="falls back"))
+      with self.subTest(lowered_twice=twice), unittest.mock.patch.object(
+          cp, "_REPLACES_IN_PLACE", cp._REPLACES_IN_PLACE and not twice):
+        f = jax.jit(op, in_shardings=self.s)
+        out = f(self.x)
+        jax.effects_barrier()
+        np.testing.assert_allclose(out, self.xh * 2.0)
+        self.assertEqual(len(asked["runs"]), 1)
+        self.assertEqual(bool(hits), runs)
+        if not falls_back:
+          continue
+        with _x64():
+          lowered = jax.jit(back, in_shardings=self.s).lower(self.x)
+        self.assertIn("CustomSPMDPartitioning", lowered.as_text())
+        out = lowered.compile()(self.x)
+        np.testing.assert_allclose(out, self.xh + 8)
+        self.assertEqual(len(asked["falls back"]), 1)
+        self.assertFalse(out.sharding.is_fully_replicated)
+
   def test_an_answer_kept_for_the_callbacks_runs_in_the_lowering_s_config(self):
     """An op handed to XLA's callbacks at lowering carries the config it
     was lowered in: compiled outside enable_x64, lower_fn still builds
@@ -11379,6 +11648,27 @@ class EmptyOperandsTest(CPTestCase):
               self.assertIn("sdy.manual_computation", t)
           with self.subTest(case=case, op=label, path=path):
             self.check(self.fns(op, body, rows, shapes), args, text)
+
+  def test_ops_after_an_empty_one_keep_their_own_placements(self):
+    """Issue 77: an op with an empty operand (its body, inlined) between
+    two others in one program: each partitioned op is asked about its own
+    operands and gives plain jax's values, on both paths (an inlined op
+    taking a lowering index misnumbered every later one)."""
+    rows = NamedSharding(self.mesh(), P("x", None))
+    a, b, c = _data((16, 3)), _data((0, 4)), _data((16, 0))
+    for path, ctx in _SHARDY_PATHS:
+      seen = {name: [] for name in "fg"}
+      f, g = (_recording_rows_op(body, seen[name]) for name, body in (
+          ("f", lambda v: v * 2.0), ("g", lambda v: v + 1.0)))
+      empty = _recording_rows_op(lambda u, v: u @ v, [],
+                                 rule="i k, k j -> i j")
+      with self.subTest(path=path), ctx():
+        got = jax.jit(lambda a, c: (f(a), empty(c, b), g(a)),
+                      in_shardings=(rows, rows))(a, c)
+        for out, want in zip(got, (a * 2.0, np.zeros((16, 4)), a + 1.0)):
+          np.testing.assert_allclose(out, want, rtol=1e-6)
+        self.assertEqual((seen["f"][:1], seen["g"][:1]),
+                         ([(("x", None),)], [(("x", None),)]))
 
   def test_empty_operands_under_explicit_axes(self):
     if NO_EXPLICIT_PATH:
@@ -12124,6 +12414,37 @@ class ExportTest(CPTestCase):
     self.assertExportError(op, np.sin(1.0) * 2.0)
     out = jax.jit(op, in_shardings=self.s, out_shardings=self.s)(self.x)
     np.testing.assert_allclose(out, np.sin(1.0) * 2.0, rtol=1e-6)
+
+  def test_shape_polymorphism(self):
+    """Issue 77 (H4): an op's operand with a symbolic dimension is refused
+    by name (it was jax's InconclusiveDimensionOperation, from the rule's
+    factor sizes); another argument symbolic (the ops' own operands and
+    results static), the program exports and calls right at lowering
+    (Shardy's in-process propagation refused the module) and is refused
+    by name on XLA's callbacks, as any export of the custom call."""
+    op = elementwise_op()
+    whole = NamedSharding(self.mesh(), P())
+    self.assertRaisesNaming(
+        NotImplementedError, ["custom_partitioning op", "operand 0",
+                              "symbolic dimension 2*b"],
+        jax.export.export(jax.jit(op, in_shardings=whole)),
+        jax.ShapeDtypeStruct(jax.export.symbolic_shape("2*b, 4"), np.float32))
+
+    def program(f):
+      return jax.jit(lambda x, y: (f(x) * y.sum(), y * 2.0),
+                     in_shardings=(self.s, whole))
+    args = (jax.ShapeDtypeStruct((16, 4), np.float32), jax.ShapeDtypeStruct(
+        jax.export.symbolic_shape("2*b, 4"), np.float32))
+    if not self.at_lowering:
+      self.assertRaisesNaming(NotImplementedError, ["serializ"],
+                              jax.export.export(program(op)), *args)
+      return
+    exported = jax.export.export(program(op))(*args)
+    self.assertNotIn("CustomSPMDPartitioning", exported.mlir_module())
+    y = jax.device_put(_data((6, 4)), whole)
+    want = program(lambda v: jnp.sin(v) * 2.0)(self.x, y)
+    for got, w in zip(exported.call(self.x, y), want):
+      np.testing.assert_allclose(got, w, rtol=1e-6)
 
   def test_single_device_export_works(self):
     op = elementwise_op()

@@ -1105,12 +1105,15 @@ def _impl(*args, **params):
   compiled, and partitioned only if some operand is sharded (upstream
   never asks the callbacks here; ``partition`` must not see host data)."""
   # Cache key: the params hold the body, every callback and the statics
-  # (by _static_key); jax.jit keys on the operands' types and shardings.
-  call = params["call"]
+  # (by _static_key; upstream's bind gives a plain tuple); jax.jit keys on
+  # the operands' types and shardings. Names are unique: values never sort.
+  call, static = params["call"], params["static_args"]
   if _jit_disabled():  # jax.jit would call straight back into this impl
     return _jax.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
-  key = (_params_key(params), sharded)
+  if static and not isinstance(static, _Statics):
+    params = dict(params, static_args=_Statics(static, _key_of(static)))
+  key = (tuple(sorted(params.items())), sharded)
   fn = _eager.cached(key, lambda: jax.jit(
       functools.partial(custom_partitioning_p.bind, **params) if sharded
       else _jax.jaxpr_as_fun(call)))
@@ -1178,7 +1181,7 @@ def _lower(*args, **kwargs):
   # Dimension variables (a platform index) are arguments of the function jax
   # inlines a rule from: dangling in kept rule contexts, so lowered again.
   asks = not _REPLACES_IN_PLACE or any(c.dim_var_values
-                                       for c, *_ in first.tagged)
+                                       for c, _ in first.tagged)
   if _per_site(decided):  # seam: ops placed apart (II.9)
     asks = True
   if not asks:
@@ -1202,12 +1205,11 @@ def _lower(*args, **kwargs):
 class _Pass:
   """One lowering of a module: the first (``decided`` None) tags the ops
   and keeps their rules and what ``_manual_ops`` lowers each from
-  (``tagged``: its rule context, parameters and ``_Op``); the second finds
-  each op's placements and rule by its index in lowering order (and its
-  placements by its place, where jax lowered it once for several), and
-  shares one ``_Op`` (and its answers) among equal ops (``ops``;
-  ``repeated``: the keys of those ``_manual_ops`` meets at more than one
-  call, None in a second lowering)."""
+  (``tagged``: its rule context and ``_Op``); the second finds each op's
+  placements and rule by its index in lowering order (and its placements
+  by its place, where jax lowered it once for several); both share one
+  ``_Op`` (and its answers) among equal ops (``ops``; ``repeated``: those
+  ``_manual_ops`` meets at more than one call, None in a second lowering)."""
   def __init__(self, decided: dict | None = None, rules: list | None = None):
     self.decided = decided
     self.rules = [] if rules is None else rules
@@ -1285,18 +1287,20 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
   """The op's lowering rule: its body where there is nothing to partition,
   else its part in the pass of the module's lowering under way (I.2)."""
   call, steps = params["call"], params.get("transform", ())
-  name = _fun_name(call)
-  place, why = _partitioned_placement(ctx, steps, name)
+  place, why = _partitioned_placement(ctx, steps, _fun_name(call))
   if place is None:  # nothing to partition: the body, inlined
     return _lowered_body(ctx, call, why, values)
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
+  # From here on the op is its _Op, and nothing else.
+  op = _op_of(params, place, platforms=mc.platforms, backend=_backend(mc),
+              at_lowering=why_not is None)
   if why_not is not None and (  # seam: XLA's callbacks (II.7)
       "tpu" not in mc.platforms):
-    return _by_callbacks(ctx, params, place, values, name)
+    return _by_callbacks(ctx, op, values)
   if why_not is not None:
-    raise _cannot_lower(name, mc.platforms, why_not)
-  _check_partition(params, place, name)
+    raise _cannot_lower(op.name, mc.platforms, why_not)
+  _check_partition(op)
   if not all(map(math.prod, (a.shape for a in ctx.avals_in))):
     # XLA refuses a manual computation whose operands are empty (as it does
     # jax.shard_map's). An empty operand holds no values: the results
@@ -1310,8 +1314,8 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     lowering.per_site.install(mc)
   index, lowering.count = lowering.count, lowering.count + 1
   if lowering.decided is None:
-    return _first_pass(ctx, params, place, values, lowering, index)
-  return _second_pass(ctx, params, place, values, lowering, index)
+    return _first_pass(ctx, op, values, lowering, index)
+  return _second_pass(ctx, op, values, lowering, index)
 
 
 def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
@@ -1531,59 +1535,53 @@ _TPU_ADVICE = (
     "jax.set_mesh or `with mesh:`)")
 
 
-def _check_partition(params, place: _Placement, name: str) -> None:
-  if params["partition"] is None:
+def _check_partition(op: _Op) -> None:
+  if op.partition is None:
     raise ValueError(
-        f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
+        f"custom_partitioning op {op.name} runs on {len(op.place.devices)} "
+        "devices, "
         "but its def_partition was given partition=None, and no partition "
         "is derived from a sharding_rule (none was given, or this copy of "
         "the module was trimmed of rule-only ops): give either.")
 
 
-def _first_pass(ctx, params, place: _Placement, values, lowering: _Pass,
-                index: int):
+def _first_pass(ctx, op: _Op, values, lowering: _Pass, index: int):
   """The op in the first lowering: a custom call tagged with its index,
   carrying its rule, which Shardy's propagation places (I.4); its rule
-  context, parameters and ``_Op`` kept for ``_manual_ops``."""
-  rule, rule_attr = _rule_of(ctx, params, place, values, at_lowering=True)
-  op = _op_of(params, place, rule, platforms=ctx.module_context.platforms,
-              backend=_backend(ctx.module_context), at_lowering=True)
-  lowering.rules.append(rule)
-  lowering.tagged.append((ctx, params, op))
-  return _tagged_call(ctx, params["call"], values, rule_attr, index)
+  context and ``_Op`` kept for ``_manual_ops``."""
+  op, rule_attr = _rule_of(ctx, op, values, at_lowering=True)
+  lowering.rules.append(op.sharding_rule)
+  lowering.tagged.append((ctx, op))
+  return _tagged_call(ctx, op.call, values, rule_attr, index)
 
 
-def _rule_of(ctx, params, place: _Placement, values, at_lowering: bool):
-  """``(rule, attributes)``: the op's rule (a callable one asked) and,
+def _rule_of(ctx, op: _Op, values, at_lowering: bool):
+  """``(op, attributes)``: ``op`` with its rule (a callable one asked) and,
   under Shardy, the custom call's attributes carrying it."""
-  rule, rule_attr = params["sharding_rule"], None
-  steps, name = params.get("transform", ()), _fun_name(params["call"])
+  rule, rule_attr = op.sharding_rule, None
   if callable(rule) or (_SHARDY.value and rule is not None):
-    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      rule, rule_attr = _ask_rule(ctx, op)
   elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
-    rule_attr = _derived_rule_attr(params, place, steps, name, at_lowering)
+    rule_attr = _derived_rule_attr(op, at_lowering)
   # Shardy's verifier refuses a rule on an op without operands (where it
   # could only tie results together); partition still decides them all.
-  return rule, (None if rule_attr is None or not values else
-                {"sdy.sharding_rule": rule_attr})
+  return dataclasses.replace(op, sharding_rule=rule), (
+      None if rule_attr is None or not values else
+      {"sdy.sharding_rule": rule_attr})
 
 
-def _second_pass(ctx, params, place: _Placement, values, lowering: _Pass,
-                 index: int):
+def _second_pass(ctx, op: _Op, values, lowering: _Pass, index: int):
   """The op in a second lowering (I.2): its manual computation, placed as
   the first pass's propagation decided, by its rule as the first pass
   asked it (in that pass's MLIR context)."""
-  mc = ctx.module_context
-  rule = lowering.rules[index]
-  op = _op_of(params, place, rule, platforms=mc.platforms,
-              backend=_backend(mc), at_lowering=True)
+  op = dataclasses.replace(op, sharding_rule=lowering.rules[index])
   try:
-    return _lowered_manual(ctx, params, op, values, lowering, index)
+    return _lowered_manual(ctx, op, values, lowering, index)
   except _KeepCallbacks as e:
-    if "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
-      return _fallback_call(ctx, params, op, values)
-    raise _cannot_lower(op.name, mc.platforms, f"its partition {e}") from None
+    if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
+      return _fallback_call(ctx, op, values)
+    raise _cannot_lower(op.name, op.platforms, f"its partition {e}") from None
 
 
 @contextlib.contextmanager
@@ -1618,13 +1616,12 @@ def _rule_levels(call, steps: tuple) -> list[_Level]:
   return [_Level(None, *values)]
 
 
-def _ask_rule(ctx, params, mesh, steps: tuple):
+def _ask_rule(ctx, op: _Op):
   """The op's rule (a callable one asked) and, under Shardy, its attribute."""
-  rule, levels = params["sharding_rule"], _rule_levels(params["call"], steps)
+  rule, levels = op.sharding_rule, _rule_levels(op.call, op.steps)
   if callable(rule):
-    rule = _asked_rule(ctx, params, mesh, levels[0])
-  return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
-                                                    _FromRule))
+    rule = _asked_rule(ctx, op, levels[0])
+  return rule, (_rule_attr(rule, levels, isinstance(op.partition, _FromRule))
                 if _SHARDY.value and rule is not None else None)
 
 
@@ -1755,10 +1752,9 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
       result_mappings=result_mappings, **kwargs)
 
 
-def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
+def _asked_rule(ctx, op: _Op, author: _Level) -> SdyShardingRule:
   """What a callable ``sharding_rule`` answers about the author's op (with
   ``ctx`` None, while tracing: on types of an MLIR context of its own)."""
-  static = params["static_args"]
   with contextlib.ExitStack() as scope:
     if ctx is None:
       scope.enter_context(_jax.make_ir_context())
@@ -1767,8 +1763,8 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
         v.shape, _jax.dtype_to_ir_type(v.dtype)) for v in side] if ctx is None
         else _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
         for side in (author.operands, author.results))
-    produced = params["sharding_rule"](
-        *getattr(static, "value", static), mesh, operand_types, result_types)
+    produced = op.given_rule(
+        *op.static_args, op.mesh, operand_types, result_types)
   kwargs: dict = {}
   if isinstance(produced, (tuple, list)) and len(produced) == 2:
     produced, kwargs = produced
@@ -1781,23 +1777,26 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
   return produced
 
 
-_STATE = {"state": True}  # marks the fields of an _Op that are not its key
+_STATE = dict(compare=False)  # a field of an _Op that is not its key
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class _Op:
-  """One lowered op: what asking its ``partition`` (at lowering, or by
-  XLA's callbacks) needs to know. Every field but those marked ``_STATE``
-  decides the answers, and equal ops agree on all of them (at lowering
-  ``_equal_ops_key``, for XLA's callbacks ``_register``)."""
+  """One lowered op, built once by its lowering rule (``_op_of``) and the
+  only thing that carries it from there: what asking its ``partition`` (at
+  lowering, or by XLA's callbacks) needs to know. Equal and hashed on every
+  field but the state (``_STATE``): equal ops of one lowering are one op
+  (``lowering.ops.setdefault(op, op)``; XLA's callbacks, ``_register``),
+  sharing its answers."""
   name: str
+  call: Any  # the body (a closed jaxpr, by identity): jax's own key
   partition: Callable | None
   infer_sharding_from_operands: Callable | None
   propagate_user_sharding: Callable | None
-  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
+  given_rule: Any  # def_partition's sharding_rule (a callable, unasked)
   decode_shardings: bool
   check_vma: bool
-  static_args: tuple
+  statics: _Statics  # the static arguments, by _key_of
   in_tree: Any
   out_tree: Any
   steps: tuple  # of _Step: from the author's op to this one
@@ -1806,21 +1805,28 @@ class _Op:
   varying: tuple = ((), ())  # seam: used by (II.4, II.7)
   platforms: Any = None
   backend: Any = None
+  mesh: Any = None  # place.mesh, what the callbacks see
+  # The rule (a callable one asked, _rule_of): a function of the fields
+  # above and the op's shapes.
+  sharding_rule: SdyShardingRule | None = dataclasses.field(
+      default=None, **_STATE)
   # jax's config where the op was lowered, which partition and lower_fn run
   # under on XLA's thread (None: the caller's). Its keyed part is in the
   # content key; in one lowering it is one.
   config: tuple | None = dataclasses.field(  # seam: (II.7)
-      default=None, metadata=_STATE)
+      default=None, **_STATE)
   # Partition request -> answer: the request holds every input not in the
   # op's key (shapes, dtypes, shardings). At lowering a dict, living with
   # the lowering (its op's placements: at most one entry per op); for
   # XLA's callbacks, which may ask from several threads as long as an
   # executable lives, a bounded _LRU (_register).
-  answers: dict | _LRU = dataclasses.field(default_factory=dict,
-                                           metadata=_STATE)
-  mesh: Any = None  # place.mesh, what the callbacks see
+  answers: dict | _LRU = dataclasses.field(default_factory=dict, **_STATE)
   # Partitioned at lowering, not by XLA's callbacks (II.7).
-  at_lowering: bool = dataclasses.field(default=False, metadata=_STATE)
+  at_lowering: bool = dataclasses.field(default=False, **_STATE)
+
+  @property
+  def static_args(self) -> tuple:
+    return self.statics.value
 
 
 def _backend(mc):
@@ -1828,20 +1834,24 @@ def _backend(mc):
   return mc.backend if _JAX_VERSION >= (0, 5, 0) else mc.backend_or_name
 
 
-def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
+def _op_of(params: dict, place: _Placement, **fields) -> _Op:
   """The one builder of an ``_Op``: from its equation's parameters, where
-  it runs, its rule (asked by now) and what its lowering knows."""
+  it runs and what its lowering knows."""
   static = params["static_args"]  # _Statics, or upstream's tuple
-  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
-             infer_sharding_from_operands=params[
-                 "infer_sharding_from_operands"],
-             propagate_user_sharding=params["propagate_user_sharding"],
-             sharding_rule=rule, decode_shardings=params["decode_shardings"],
-             check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=getattr(static, "value", static),
-             in_tree=params["in_tree"], out_tree=params["out_tree"],
-             steps=params.get("transform", ()), place=place, mesh=place.mesh,
-             **lowered)
+  if not isinstance(static, _Statics):
+    static = _Statics(tuple(static), _key_of(tuple(static)))
+  return _Op(**{
+      "name": _fun_name(params["call"]), "call": params["call"],
+      "partition": params["partition"],
+      "infer_sharding_from_operands": params["infer_sharding_from_operands"],
+      "propagate_user_sharding": params["propagate_user_sharding"],
+      "given_rule": params["sharding_rule"],
+      "sharding_rule": params["sharding_rule"],
+      "decode_shardings": params["decode_shardings"],
+      "check_vma": params.get("check_vma", True),  # upstream has none
+      "statics": static, "in_tree": params["in_tree"],
+      "out_tree": params["out_tree"], "steps": params.get("transform", ()),
+      "place": place, "mesh": place.mesh, **fields})
 
 
 def _varying_axes(aval) -> frozenset | None:  # seam: used by (II.3, II.7)
@@ -1942,21 +1952,20 @@ def _manual_ops(module, lowering: _Pass) -> None:
   # jax's symbol table predates the meshes its lowering lifted last; a
   # function lowered here must not take one of their names.
   table = _jax.ir.SymbolTable(module.operation)
-  for ctx, _, _ in lowering.tagged:
+  for ctx, _ in lowering.tagged:
     ctx.module_context.symbol_table = table
-  counts = collections.Counter(
-      _equal_ops_key(*lowering.tagged[index][1:]) for _, index in calls)
-  lowering.repeated = {key for key, n in counts.items() if n > 1}
+  counts = collections.Counter(lowering.tagged[index][1] for _, index in calls)
+  lowering.repeated = {op for op, n in counts.items() if n > 1}
   with module.context:
     for call, index in calls:
-      ctx, params, op = lowering.tagged[index]
+      ctx, op = lowering.tagged[index]
       try:
         with _jax.ir.InsertionPoint(call), call.location:
-          results = _lowered_manual(ctx, params, op, list(call.operands),
-                                    lowering, index)
+          results = _lowered_manual(ctx, op, list(call.operands), lowering,
+                                    index)
       except _KeepCallbacks as e:
         if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
-          _keep_call(call, ctx, op, params)
+          _keep_call(call, ctx, op)
           continue
         raise _cannot_lower(op.name, op.platforms,
                             f"its partition {e}") from None
@@ -2102,16 +2111,14 @@ def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
 # ``lower_fn`` traced on per-shard shapes and checked (II.1).
 # --------------------------------------------------------------------------
 
-def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
-                    index: int):
+def _lowered_manual(ctx, op: _Op, values, lowering: _Pass, index: int):
   """The op as a manual computation of its per-shard program, placed as
   the first pass's propagation decided (unplaced: replicated); raises
   ``_KeepCallbacks`` where jax cannot lower that."""
   # Equal ops of one lowering share one _Op, whose answers (op.answers, by
   # the placements asked) are a fresh partition's: the lowering's config
-  # and equal parameters are one; they live and die with the lowering.
-  key = _equal_ops_key(params, op)
-  op = lowering.ops.setdefault(key, op)
+  # and equal ops' fields are one; they live and die with the lowering.
+  op = lowering.ops.setdefault(op, op)
   decided = _next_placement(lowering, index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
@@ -2132,7 +2139,7 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
       # Jitted where equal ops share it (lowered once, called by each);
       # a jit of one caller only adds a tenth to its lowering.
       program = _manual_program(op, shard, jit=(
-          lowering.repeated is None or key in lowering.repeated))
+          lowering.repeated is None or op in lowering.repeated))
     op.answers[request] = program
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -2159,18 +2166,6 @@ def _placement(lowering: _Pass, index: int, site: int):
   """Where propagation placed op ``index`` in its ``site``-th place."""
   sites = lowering.decided.get(index) or [None]
   return sites[min(site, len(sites) - 1)]
-
-
-def _equal_ops_key(params, op: _Op) -> tuple:
-  return _params_key(params), op.platforms, op.backend
-
-
-def _params_key(params: dict) -> tuple:
-  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
-  static = params["static_args"]
-  if static and not isinstance(static, _Statics):
-    params = dict(params, static_args=_Statics(static, _key_of(static)))
-  return tuple(sorted(params.items()))  # names unique: values never compared
 
 
 def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
@@ -3290,13 +3285,13 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
   params = user_op._params(args, flat, call, out_tree)
   rule = params["sharding_rule"]
   op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
-              None if callable(rule) else rule)
+              sharding_rule=None if callable(rule) else rule)
   operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
                                               type_error)
   if callable(rule):  # asked as the custom call's lowering asks it
     with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
       op = dataclasses.replace(op, sharding_rule=_asked_rule(
-          None, params, mesh, _Level(None, operands, results)))
+          None, op, _Level(None, operands, results)))
   if rule is not None and (
       _SHARDY.value or op.infer_sharding_from_operands is None):
     # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
@@ -4182,36 +4177,34 @@ _derived_rules = _LRU(256)
 _rules_seen = threading.local()  # ``found``: check_partitioning's list
 
 
-def _derived_rule_attr(params, place: _Placement, steps: tuple, name: str,
-                       at_lowering: bool = False):
+def _derived_rule_attr(op: _Op, at_lowering: bool = False):
   """The Shardy rule attribute of an op with GSPMD callbacks and no rule,
   from its derived rule; None if it has neither infer nor propagate."""
-  if (params["infer_sharding_from_operands"] is None and
-      params["propagate_user_sharding"] is None):
+  if (op.infer_sharding_from_operands is None and
+      op.propagate_user_sharding is None):
     return None
-  levels = _rule_levels(params["call"], steps)
-  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-    return _rule_attr(_derived_rule(params, place, levels[0],
-                                    at_lowering).rule, levels, False)
+  levels = _rule_levels(op.call, op.steps)
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    return _rule_attr(_derived_rule(op, levels[0], at_lowering).rule, levels,
+                      False)
 
 
-def _derived_rule(params, place: _Placement, author: _Level,
+def _derived_rule(op: _Op, author: _Level,
                   at_lowering: bool = False) -> _Derived:
   """The author's op's rule, derived from its infer (cached), logged."""
-  static = params["static_args"]
-  static_key = _key_of(getattr(static, "value", static))
+  static_key = _key_of(op.static_args)
   key = None if static_key is None else (
-      params["infer_sharding_from_operands"], static_key, params["in_tree"],
-      params["out_tree"], params["decode_shardings"], place,
+      op.infer_sharding_from_operands, static_key, op.in_tree, op.out_tree,
+      op.decode_shardings, op.place,
       tuple((v.shape, v.dtype) for v in author.operands + author.results),
       _jax.trace_context())
   derived = None if key is None else _derived_rules.get(key)
   hit = derived is not None
   if not hit:
-    derived = _derive(params, place, author)
+    derived = _derive(op, author)
     if key is not None:
       _derived_rules.put(key, derived)
-  name = _fun_name(params["call"])
+  name, place = op.name, op.place
   if getattr(_rules_seen, "found", None) is not None:
     _rules_seen.found.append((name, derived.text, derived.why))
   if derived.failed and not hit:
@@ -4244,8 +4237,8 @@ def _derived_rules_seen():  # seam: used by (III.2)
     _rules_seen.found = outer
 
 
-def _derive(params, place: _Placement, author: _Level) -> _Derived:
-  op = _op_of({**params, "transform": ()}, place, None)
+def _derive(op: _Op, author: _Level) -> _Derived:
+  op, place = dataclasses.replace(op, steps=(), sharding_rule=None), op.place
   operands, results = author.operands, author.results
   n, shapes = len(operands), [v.shape for v in operands + results]
   mesh = place.auto if place.auto is not None else op.mesh
@@ -4372,19 +4365,19 @@ _CALLBACK_NAMES = {
 }
 _look_up(_CALLBACK_NAMES)
 
-def _custom_call(ctx, op, params, values, rule_attr):
+def _custom_call(ctx, op: _Op, values, rule_attr):
   """The op as one custom call, partitioned by XLA's callbacks (below)."""
   return _jax.custom_call(
-      _TARGET, result_types=_ir_types(ctx, params["call"].out_avals),
-      operands=list(values), backend_config=_register(ctx, op, params),
+      _TARGET, result_types=_ir_types(ctx, op.call.out_avals),
+      operands=list(values), backend_config=_register(ctx, op),
       extra_attributes=rule_attr).results
 
 
-def _by_callbacks(ctx, params, place: _Placement, values, name: str):
+def _by_callbacks(ctx, op: _Op, values):
   """The op as one custom call, partitioned by XLA's callbacks: under
   GSPMD, and off TPU where it cannot be partitioned at lowering."""
-  mc = ctx.module_context
-  _check_exportable(mc, name)
+  name, place = op.name, op.place
+  _check_exportable(ctx.module_context, name)
   if place.devices is None:
     raise ValueError(
         f"custom_partitioning op {name} is lowered for several devices, but "
@@ -4396,19 +4389,16 @@ def _by_callbacks(ctx, params, place: _Placement, values, name: str):
         "the mesh around the call, with jax.set_mesh(mesh) or `with mesh:`, "
         "so the op can find its devices; or call the op outside that "
         "primitive.")
-  _check_partition(params, place, name)
-  rule, rule_attr = _rule_of(ctx, params, place, values, at_lowering=False)
-  # Inside a partly manual shard_map: the manual axes each value varies on.
-  varying = ((), ()) if place.auto is None else tuple(
-      tuple(_varying_axes(a) for a in avals)
-      for avals in (ctx.avals_in, ctx.avals_out))
-  # partition and lower_fn run on XLA's thread, in the lowering's config.
-  op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
-              backend=_backend(mc), config=_config_values())
-  return _custom_call(ctx, op, params, values, rule_attr)
+  _check_partition(op)
+  op, rule_attr = _rule_of(ctx, op, values, at_lowering=False)
+  if place.auto is not None:  # the manual axes each value varies on
+    op = dataclasses.replace(op, varying=tuple(
+        tuple(_varying_axes(a) for a in avals)
+        for avals in (ctx.avals_in, ctx.avals_out)))
+  return _custom_call(ctx, op, values, rule_attr)
 
 
-def _fallback_call(ctx, params, op, values):
+def _fallback_call(ctx, op: _Op, values):
   """Off TPU, an op whose answer jax cannot lower as a manual computation:
   the custom call, partitioned by XLA's callbacks."""
   # Placed by its rule, as in the first pass (without, Shardy leaves
@@ -4416,11 +4406,9 @@ def _fallback_call(ctx, params, op, values):
   rule_attr = None
   if isinstance(op.sharding_rule, SdyShardingRule) and values:
     rule_attr = {"sdy.sharding_rule": _rule_attr(
-        op.sharding_rule, _rule_levels(params["call"], op.steps),
-        isinstance(params["partition"], _FromRule))}
-  return _custom_call(ctx, dataclasses.replace(
-      op, at_lowering=False, config=_config_values()), params, values,
-      rule_attr)
+        op.sharding_rule, _rule_levels(op.call, op.steps),
+        isinstance(op.partition, _FromRule))}
+  return _custom_call(ctx, op, values, rule_attr)
 
 
 # Options jax sets while tracing, not users (check_vma in a jax.shard_map's
@@ -4447,12 +4435,11 @@ def _config_entered(values: tuple):
     yield
 
 
-def _keep_call(call, ctx, op, params) -> None:
+def _keep_call(call, ctx, op: _Op) -> None:
   """Off TPU, a tagged custom call whose answer jax cannot lower as a
   manual computation stays, carrying its key for XLA's callbacks."""
-  op = dataclasses.replace(op, at_lowering=False, config=_config_values())
   call.attributes["backend_config"] = _jax.ir.StringAttr.get(
-      _register(ctx, op, params))
+      _register(ctx, op))
 
 
 def _check_exportable(mc, name: str) -> None:
@@ -4473,27 +4460,27 @@ _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _register(ctx, op: _Op, params) -> str:
+def _register(ctx, op: _Op) -> str:
   """Registers ``op`` under its key, which must tell apart ops that
   answer differently; returns the key."""
   _listen_to_compiles()
-  op = dataclasses.replace(op, answers=_LRU(256))
+  # partition and lower_fn run on XLA's thread, in the lowering's config.
+  op = dataclasses.replace(op, answers=_LRU(256), at_lowering=False,
+                           config=_config_values())
   if (_jax.compilation_cache_dir.value and  # keys by content (below)
       _jax.enable_compilation_cache.value):
-    key = _content_key(ctx, op, params["call"])
+    key = _content_key(ctx, op)
   else:
-    # In one lowering the config is one: equal parameters in one placement
+    # In one lowering the config (and the partitioner) is one: equal ops
     # are one op. A new lowering asks anew.
-    ident = (_params_key(params), op.place, op.varying,
-             op.platforms, op.backend, _SHARDY.value)
     keepalives = ctx.module_context.keepalives
     with _weak_lock:
       table = _lowering_ops.get(id(keepalives))
       if table is None:  # lives as long as the lowering
-        # One lowering's ops by parameters (a UserDict: a dict has no weakref).
+        # One lowering's ops (a UserDict: a dict has no weakref).
         table = _lowering_ops[id(keepalives)] = collections.UserDict()
         keepalives.append(table)
-      op = table.setdefault(ident, op)
+      op = table.setdefault(op, op)
     key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
   with _weak_lock:
     # Keep the first live entry: lowerings that hold it must keep finding it.
@@ -4739,7 +4726,11 @@ _SKIPPED_CLASS_ATTRS = frozenset(
     " __dataclass_fields__ __dataclass_params__ __match_args__".split())
 
 
-def _content_key(ctx, op: _Op, call: _ClosedJaxpr) -> str:
+def _content_key(ctx, op: _Op) -> str:
+  """The op's key across processes, unlike its ``_Op`` (whose body, and
+  anything without a value, are equal by identity): a digest of what it
+  holds, by content."""
+  call = op.call
   # What the cache loads runs per-shard code no one lowered in this process.
   _ensure_lapack(op.platforms, _open(call))
   # The keep-alive list lives as long as the lowering and its executables.
@@ -4957,11 +4948,11 @@ def _code_names(code: types.CodeType) -> list[str]:
 
 # How the content key describes this module's objects: an op by every field
 # that is not state (a field added to _Op is in the key unless it is marked
-# as state).
+# as state), but its body, described by its text.
 _DESCRIBED_BY.update({
     _Op: lambda op: tuple((f.name, getattr(op, f.name))
                           for f in dataclasses.fields(op)
-                          if not f.metadata.get("state")),
+                          if f.compare and f.name != "call"),
     _Statics: lambda obj: obj.value,
     _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
     custom_partitioning: lambda obj: (

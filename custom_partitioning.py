@@ -638,9 +638,8 @@ class custom_partitioning:
     if (leaves is args.dyn_args and
         not args.defaults_at and not args.static_argnums):
       # The key's ``sharded`` and ``mesh`` are functions of the operands'
-      # shardings: equal shardings, the same function (any device, where
-      # each operand is on one and none is sharded).
-      self._fast = (_cache_epoch(), fn, None if not sharded and all(
+      # shardings: equal shardings, the same function.
+      self._fast = _Fast(_cache_epoch(), fn, None if not sharded and all(
           type(x.sharding) is _SingleDevice for x in leaves) else tuple(
               x.sharding for x in leaves))
     return fn(*args.dyn_args)
@@ -653,31 +652,16 @@ class custom_partitioning:
         out_tree, _jax.jaxpr_as_fun(call)(*leaves))
 
   def __call__(self, *args, **kwargs):
-    fast = self._fast  # the hot path: inlined checks, cheap ones first
-    if (fast is not None and not kwargs and
-        len(args) == self._signature.plain and fast[0] is _cache_epoch() and
-        _jax.trace_state_clean() and not _jax.disable_jit.value):
-      want = fast[2]  # the operands' shardings, or None: each on one device
-      if want is None:
-        for x in args:
-          if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
-            break
-        else:
-          return fast[1](*args)
-      else:
-        for x, s in zip(args, want):
-          if type(x) is not _ArrayImpl or (x.sharding is not s and
-                                           x.sharding != s):
-            break
-        else:
-          return fast[1](*args)
+    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
+    plain = not kwargs and len(args) == self._signature.plain
+    fast = self._fast
+    if eager and plain and fast is not None and fast.fits(args):
+      return fast.fn(*args)  # an eager call like the last one
     if not self._defined:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
-    if (not kwargs and len(args) == self._signature.plain and
-        not (self.static_argnums or self.static_argnums == 0)):
+    if plain and not (self.static_argnums or self.static_argnums == 0):
       args = _CallArgs((), (), (), args)  # the common case, kept fast
     else:
       args = self._split(args, kwargs)
@@ -935,6 +919,30 @@ class _Signature:
           unpassed.append(len(out))
         out.append(bound.get(param.name, param.default))
     return tuple(out), tuple(unpassed)
+
+
+class _Fast(NamedTuple):
+  """The last eager call's compiled function (``_eager_call``), for one of
+  as many operands, each a concrete array placed as ``shardings`` says
+  (None: each on one device, any), in the same cache epoch."""
+  epoch: object
+  fn: Callable
+  shardings: tuple | None
+
+  def fits(self, args: tuple) -> bool:
+    if self.epoch is not _cache_epoch():
+      return False
+    # Loops: all() of a generator costs 5x as much.
+    if self.shardings is None:
+      for x in args:
+        if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
+          return False
+      return True
+    for x, s in zip(args, self.shardings):
+      if type(x) is not _ArrayImpl or (x.sharding is not s and
+                                       x.sharding != s):
+        return False
+    return True
 
 
 class _CallArgs(NamedTuple):

@@ -10354,17 +10354,17 @@ class EagerFastPathTest(CPTestCase):
         x = jax.device_put(xh, NamedSharding(one, spec))
         for _ in range(3):  # on one device the op is its body
           np.testing.assert_allclose(op(x), xh * 2.0)
-        self.assertEqual(op._fast[2], (x.sharding,))
+        self.assertEqual(op._fast.shardings, (x.sharding,))
         # Another mesh's rows: partition's lower_fn, not one's function.
         np.testing.assert_allclose(op(rows), xh * 3.0)
-        self.assertEqual(op._fast[2], (rows.sharding,))
+        self.assertEqual(op._fast.shardings, (rows.sharding,))
         np.testing.assert_allclose(op(x), xh * 2.0)
-        self.assertEqual(op._fast[2], (x.sharding,))
+        self.assertEqual(op._fast.shardings, (x.sharding,))
     single = jax.device_put(xh)
     np.testing.assert_allclose(op(single), xh * 2.0)
-    self.assertIsNone(op._fast[2])  # any device, none sharded
+    self.assertIsNone(op._fast.shardings)  # any device, none sharded
     np.testing.assert_allclose(op(x), xh * 2.0)  # one's axis named: its own
-    self.assertEqual(op._fast[2], (x.sharding,))
+    self.assertEqual(op._fast.shardings, (x.sharding,))
 
 
 # jax 0.9.1's jit raises IndivisibleError reading back a placement over

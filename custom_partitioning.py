@@ -1196,11 +1196,16 @@ def _lower(*args, **kwargs):
     first.decided = decided
     try:
       _manual_ops(lowered.module, first)
-    except _jax.ir.MLIRError:
-      # A release placing the manual computation elsewhere than where the
-      # call stands (as jax 0.7 to 0.10.0 do, _REPLACES_IN_PLACE): the
-      # module is lowered a second time, with the answers given here.
-      asks = True
+    except _jax.ir.MLIRError as e:
+      # Unforeseen: the releases that place a manual computation away from
+      # its call are lowered twice (above). The module may now hold
+      # dangling values: neither kept nor lowered again.
+      names = sorted({op.name for _, op in first.tagged})
+      raise RuntimeError(
+          f"custom_partitioning op {', '.join(names)}: replacing its custom "
+          "call by its manual computation in the module jax lowered failed "
+          f"on jax {jax.__version__} ({e}). This is a bug of this module: "
+          "please report it with the program.") from e
   # Where only another party asks for a second lowering, its result is the
   # one kept: this copy's ops are partitioned in it too, as placed in the
   # first.

@@ -90,9 +90,9 @@ from custom_partitioning import (
 )
 
 # Every module the file rewrites in place is verified, in every test: a
-# rewrite that MLIR refuses (the module then lowered a second time) may
-# leave values dangling, which crashes the process later, at a
-# verification or at exit. CPTestCase fails a test during which one did.
+# rewrite that MLIR refuses (an error naming the op) may leave values
+# dangling, which crashes the process later, at a verification or at
+# exit. CPTestCase fails a test during which one did.
 # (The author's errors, raised from partition, pass through.)
 _REWRITE_FAILURES: list = []
 
@@ -10516,28 +10516,40 @@ class AtLoweringTest(CPTestCase):
         f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
         np.testing.assert_array_equal(f(self.x), -self.xh)
 
-  def test_a_rewrite_jax_leaves_invalid_lowers_the_module_again(self):
-    """Where jax lowers a manual computation away from the op's call (jax
-    0.7.0 to 0.10.0), a rewrite in place leaves the module invalid: forced
-    there, the module is lowered a second time, partition asked once per
-    op, values right, no custom call."""
-    if _REPLACES_IN_PLACE or JAX_VERSION >= (0, 10, 1):
-      self.skipTest(f"{JAX} lowers a manual computation at the op's call")
-    self.enterContext(unittest.mock.patch.object(cp, "_REPLACES_IN_PLACE",
-                                                 True))
+  def test_a_failed_rewrite_is_an_error_naming_the_op(self):
+    """A rewrite MLIR refuses is no cue to lower the module again (it may
+    hold dangling values): a RuntimeError naming the op, the MLIRError its
+    cause. Planted where the rewrite lowers an op (every release), and, where
+    jax lowers a manual computation away from the op's call (jax 0.7.0 to
+    0.10.0), by forcing the rewrite there."""
     self.put_data((16, 8))
-    seen = []
-    op = _recording_rows_op(lambda v: v * 2.0 + 1.0, seen)
-    f = jax.jit(lambda x: jnp.sin(op(x)), in_shardings=self.s,
-                out_shardings=self.s)
-    np.testing.assert_allclose(f(self.x), np.sin(self.xh * 2.0 + 1.0),
-                               rtol=1e-6)
-    self.assertEqual(seen, [(("x", None),)])
-    self.assertOpLowered(f.lower(self.x).as_text())
-    # The rewrite forced here fails by design (MLIR refuses the module it
-    # leaves), which is what sends the module to a second lowering.
-    self.assertTrue(_REWRITE_FAILURES)
-    del _REWRITE_FAILURES[:]
+    planted = _ir.MLIRError("planted", [])
+
+    def failing(*args, **kwargs):
+      raise planted
+
+    def doubled(v):
+      return v * 2.0 + 1.0
+    cases = {"planted": [("_lowered_manual", failing)]}
+    if not _REPLACES_IN_PLACE and JAX_VERSION < (0, 10, 1):
+      cases["forced"] = []
+    for case, patches in cases.items():
+      with self.subTest(case=case), contextlib.ExitStack() as stack:
+        for name, value in [("_REPLACES_IN_PLACE", True), *patches]:
+          stack.enter_context(unittest.mock.patch.object(cp, name, value))
+        op = _recording_rows_op(doubled, [])
+        f = jax.jit(lambda x: jnp.sin(op(x)), in_shardings=self.s,
+                    out_shardings=self.s)
+        with self.assertRaisesRegex(RuntimeError,
+                                    "custom_partitioning op .*doubled: .*bug"
+                                    ) as caught:
+          f.lower(self.x)
+        self.assertIsInstance(caught.exception.__cause__, _ir.MLIRError)
+        if case == "planted":
+          self.assertIs(caught.exception.__cause__, planted)
+        # The guard every test keeps saw it too.
+        self.assertTrue(_REWRITE_FAILURES)
+        del _REWRITE_FAILURES[:]
 
   def test_equal_ops_share_one_lowered_per_shard_program(self):
     # jax lowers equal equations once and copies the custom call: each copy

@@ -39,9 +39,9 @@ Its check, ``check_partitioning``, has its own (III.2).
 
 Upstream's names, here: ``_resolve_kwargs`` is ``_Signature.positional``
 (called by ``custom_partitioning._split``), and
-``_custom_partitioning_lowering_rule`` is ``_lowering`` (I.3), which
-partitions at lowering (``_first_pass``, ``_second_pass``, ``_manual_ops``)
-where upstream always emits the custom call.
+``_custom_partitioning_lowering_rule`` is ``_lowering_rule`` (I.3), which
+partitions at lowering (``_first_pass``, ``_second_pass``,
+``_replace_tagged_calls``) where upstream always emits the custom call.
 Upstream's ``_ShardingCallbackInfo`` is ``_Op``, its ``_sharding_callbacks``
 ``_registry``, and its ``_custom_partitioning_partition``,
 ``_custom_partitioning_infer_sharding_from_operands`` and
@@ -240,7 +240,7 @@ _NAMES = {
                           "Type",
     "jax.interpreters.mlir": "LoweringRuleContext aval_to_ir_types "
                              "dtype_to_ir_type lower_fun make_ir_context "
-                             "lower_jaxpr_to_module register_lowering",
+                             "register_lowering",
     # jax 0.12.0.1: trace_to_jaxpr_dynamic is to be removed "in favor of
     # trace_to_jaxpr", which is private (and caches by function): kept.
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
@@ -1081,15 +1081,16 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
 # PJRT's custom-partitioner extension, jax#38196). jax has no hook after a
 # module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for every
-# copy of this file (``_lower`` is this copy's part, installed at the end): a
+# copy of this file (``_party`` is this copy's part, installed at the end): a
 # module holding ops is lowered with each op a custom call carrying its rule
 # and its index in lowering order (``_tagged_call``, I.3), Shardy's own
 # propagation runs on a copy of that module in-process (I.4) and places each
 # op's operands and results as XLA's compile would; then each op is asked
 # ``partition`` on those placements (I.5) and its custom call is replaced,
 # in the same module, by pad -> ``jax.shard_map`` of its per-shard program
-# -> slice (``_manual_ops``, I.4; I.6): a manual computation over every mesh
-# axis, at whose boundary Shardy reshards to what ``partition`` returned.
+# -> slice (``_replace_tagged_calls``, I.4; I.6): a manual computation over
+# every mesh axis, at whose boundary Shardy reshards to what ``partition``
+# returned.
 # Where jax lowered one op once for places Shardy placed apart (a function
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
@@ -1145,18 +1146,35 @@ def _abstract_eval(*avals, call, **_):
   return call.out_avals
 
 
-def _shared_lowering(lower: Callable, parties: dict) -> Callable:
-  """``lower`` (jax's ``lower_jaxpr_to_module``) with every party in
-  ``parties`` inside each lowering: one, and a second where any asks."""
-  @functools.wraps(lower)
-  def lower_jaxpr_to_module(*args, **kwargs):
+# The shared lowering: every copy of this file in a process (each a module
+# of its own name) takes part in one lowering of a module, so that all
+# copies' ops are tagged in one lowering and, where any copy asks for one,
+# lowered in one second (a copy wrapping another's wrapper would lower a
+# module up to 2^k times for k copies). The first copy wraps jax's
+# ``lower_jaxpr_to_module``; a later one finds the parties' table on the
+# wrapper and joins (installed at I.2's end). The attribute's name is the
+# protocol, kept by every version of this file: a party is called with the
+# lowering's arguments and returns a generator; the module is lowered while
+# every party sits at a ``yield``, then each is sent the result. A party
+# that yields a true value asks for a second lowering (at most two); one
+# that returns takes part no further. Where an older copy (without the
+# table) installed its wrapper, this one wraps it.
+_PARTIES_ATTR = "custom_partitioning_parties_v1"
+
+
+def _shared_lowering(lower_jaxpr_to_module: Callable,
+                     parties: dict) -> Callable:
+  """jax's ``lower_jaxpr_to_module`` with every party in ``parties``
+  inside each lowering: one, and a second where any asks."""
+  @functools.wraps(lower_jaxpr_to_module)
+  def shared_lowering(*args, **kwargs):
     running = []
     try:
       for party in list(parties.values()):
         running.append(party(*args, **kwargs))
         next(running[-1])
       for _ in range(2):
-        lowered = lower(*args, **kwargs)
+        lowered = lower_jaxpr_to_module(*args, **kwargs)
         again = False
         for party in list(running):
           try:
@@ -1169,13 +1187,13 @@ def _shared_lowering(lower: Callable, parties: dict) -> Callable:
     finally:
       for party in running:
         party.close()
-  setattr(lower_jaxpr_to_module, _PARTIES_ATTR, parties)
-  return lower_jaxpr_to_module
+  setattr(shared_lowering, _PARTIES_ATTR, parties)
+  return shared_lowering
 
 
-def _lower(*args, **kwargs):
-  """This copy's part in jax's lowering of a module (a party, I.2's end):
-  the module is lowered at each ``yield``.
+def _party(*args, **kwargs):
+  """This copy's party in the shared lowering of a module (above): the
+  module is lowered at each ``yield``.
   Where one op is placed differently in different places, it asks for a
   second lowering (II.9).
   The custom calls of ops partitioned at lowering are replaced in the
@@ -1195,7 +1213,7 @@ def _lower(*args, **kwargs):
   if not asks:
     first.decided = decided
     try:
-      _manual_ops(lowered.module, first)
+      _replace_tagged_calls(lowered.module, first)
     except _jax.ir.MLIRError as e:
       # Unforeseen: the releases that place a manual computation away from
       # its call are lowered twice (above). The module may now hold
@@ -1217,12 +1235,12 @@ def _lower(*args, **kwargs):
 
 class _Pass:
   """One lowering of a module: the first (``decided`` None) tags the ops
-  and keeps their rules and what ``_manual_ops`` lowers each from
+  and keeps their rules and what ``_replace_tagged_calls`` lowers each from
   (``tagged``: its rule context and ``_Op``); the second finds each op's
   placements and rule by its index in lowering order (and its placements
   by its place, where jax lowered it once for several); both share one
   ``_Op`` (and its answers) among equal ops (``ops``; ``repeated``: those
-  ``_manual_ops`` meets at more than one call, None in a second lowering)."""
+  met at more than one call, None in a second lowering)."""
   def __init__(self, decided: dict | None = None, rules: list | None = None):
     self.decided = decided
     self.rules = [] if rules is None else rules
@@ -1243,11 +1261,11 @@ _passes = threading.local()
 
 
 @contextlib.contextmanager
-def _in_pass(lowering: _Pass):
+def _in_pass(pass_: _Pass):
   stack = _passes.__dict__.setdefault("stack", [])
-  stack.append(lowering)
+  stack.append(pass_)
   try:
-    yield lowering
+    yield pass_
   finally:
     stack.pop()
 
@@ -1256,24 +1274,11 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 custom_partitioning_p.def_impl(_impl)
 custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 
-# Every copy of this file in a process (each a module of its own name)
-# takes part in one shared lowering, so that all copies' ops are tagged in
-# one lowering of the module and, where any copy asks for one, lowered in
-# one second (a copy wrapping another's wrapper would lower a module up to
-# 2^k times for k copies). The first
-# copy installs it; a later one finds the parties' table on it and joins.
-# The attribute's name is the protocol, kept by every version of this file:
-# a party is called with the lowering's arguments and returns a generator;
-# the module is lowered while every party sits at a ``yield``, then each is
-# sent the result. A party that yields a true value asks for a second
-# lowering (at most two); one that returns takes part no further. Where an
-# older copy (without the table) installed its wrapper, this one wraps it.
-_PARTIES_ATTR = "custom_partitioning_parties_v1"
-_lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
-if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
-  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(_lower_jaxpr_to_module,
-                                                     {})
-getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _lower
+# The shared lowering installed (the first copy) or joined (above).
+if getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
+  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(
+      _jax.mlir.lower_jaxpr_to_module, {})
+getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _party
 # Libraries lower through the public name too (jax.interpreters.mlir).
 _jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
 # jax leaves its own files out of the source locations it records; this
@@ -1287,22 +1292,23 @@ _jax.register_exclusion(__file__)
 #
 # Where the op runs (its mesh and devices: ``_partitioned_placement``),
 # whether it is partitioned at lowering (``_at_lowering``: every release
-# gate that decides the path stands there), its rule (III.1 parses it,
-# resolved against the op's shapes here) and the ``_Op`` its answers are
-# kept on. In the first lowering of a module the op is a tagged custom
-# call (``_first_pass``), which ``_manual_ops`` (I.4) then replaces in that
-# module; where a second lowering is needed (I.2), the op is lowered there
-# as its manual computation at once (``_second_pass``); both through
-# ``_lowered_manual`` (I.5).
+# gate that decides the path stands there), then the op as its ``_Op``,
+# built once here and carried to its manual computation, and its rule
+# (III.1 parses it, resolved against the op's shapes here). In the first
+# lowering of a module the op is a tagged custom call (``_first_pass``),
+# which ``_replace_tagged_calls`` (I.4) then replaces in that module; where
+# a second lowering is needed (I.2), the op is lowered there as its manual
+# computation at once (``_second_pass``); both through
+# ``_manual_computation`` (I.5).
 # --------------------------------------------------------------------------
 
-def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
+def _lowering_rule(ctx: _jax.LoweringRuleContext, *values, **params):
   """The op's lowering rule: its body where there is nothing to partition,
   else its part in the pass of the module's lowering under way (I.2)."""
   call, steps = params["call"], params.get("transform", ())
   place, why = _partitioned_placement(ctx, steps, _fun_name(call))
   if place is None:  # nothing to partition: the body, inlined
-    return _lowered_body(ctx, call, why, values)
+    return _inlined_body(ctx, call, why, values)
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
   # From here on the op is its _Op, and nothing else.
@@ -1321,17 +1327,17 @@ def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
     # values on global operands (plain jax's), computes them; lower_fn is
     # code for shards inside a manual computation. In both passes, so
     # that propagation places around the body XLA will see.
-    return _lowered_body(ctx, call, "an operand is empty", values)
-  lowering = _current_pass()
-  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
-    lowering.per_site.install(mc)
-  index, lowering.count = lowering.count, lowering.count + 1
-  if lowering.decided is None:
-    return _first_pass(ctx, op, values, lowering, index)
-  return _second_pass(ctx, op, values, lowering, index)
+    return _inlined_body(ctx, call, "an operand is empty", values)
+  pass_ = _current_pass()
+  if pass_.per_site is not None:  # seam: ops placed apart (II.9)
+    pass_.per_site.install(mc)
+  index, pass_.count = pass_.count, pass_.count + 1
+  if pass_.decided is None:
+    return _first_pass(ctx, op, values, pass_, index)
+  return _second_pass(ctx, op, values, pass_, index)
 
 
-def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
+def _inlined_body(ctx, call: _ClosedJaxpr, why: str, values):
   """The op lowered as its body, where there is nothing to partition."""
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
@@ -1558,13 +1564,13 @@ def _check_partition(op: _Op) -> None:
         "the module was trimmed of rule-only ops): give either.")
 
 
-def _first_pass(ctx, op: _Op, values, lowering: _Pass, index: int):
+def _first_pass(ctx, op: _Op, values, pass_: _Pass, index: int):
   """The op in the first lowering: a custom call tagged with its index,
   carrying its rule, which Shardy's propagation places (I.4); its rule
-  context and ``_Op`` kept for ``_manual_ops``."""
+  context and ``_Op`` kept for ``_replace_tagged_calls``."""
   op, rule_attr = _rule_of(ctx, op, values, at_lowering=True)
-  lowering.rules.append(op.sharding_rule)
-  lowering.tagged.append((ctx, op))
+  pass_.rules.append(op.sharding_rule)
+  pass_.tagged.append((ctx, op))
   return _tagged_call(ctx, op.call, values, rule_attr, index)
 
 
@@ -1584,13 +1590,13 @@ def _rule_of(ctx, op: _Op, values, at_lowering: bool):
       {"sdy.sharding_rule": rule_attr})
 
 
-def _second_pass(ctx, op: _Op, values, lowering: _Pass, index: int):
+def _second_pass(ctx, op: _Op, values, pass_: _Pass, index: int):
   """The op in a second lowering (I.2): its manual computation, placed as
   the first pass's propagation decided, by its rule as the first pass
   asked it (in that pass's MLIR context)."""
-  op = dataclasses.replace(op, sharding_rule=lowering.rules[index])
+  op = dataclasses.replace(op, sharding_rule=pass_.rules[index])
   try:
-    return _lowered_manual(ctx, op, values, lowering, index)
+    return _manual_computation(ctx, op, values, pass_, index)
   except _KeepCallbacks as e:
     if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
       return _fallback_call(ctx, op, values)
@@ -1897,7 +1903,7 @@ def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
 # jax 0.12.1's jax_partitioning flag lowers each primitive on an Explicit
 # mesh as a shard_map by its rule, refusing one without; None lowers the op
 # as without the flag: it partitions itself.
-_jax.register_lowering(custom_partitioning_p, _lowering, **(
+_jax.register_lowering(custom_partitioning_p, _lowering_rule, **(
     {"shard_map_collective_rule": lambda *_, **__: None}
     if _JAX_VERSION >= (0, 12, 1) else {}))
 # Lowering needs the concrete devices (to pick the mesh and key the op).
@@ -1910,8 +1916,8 @@ _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # Shardy's propagation, run in-process on a copy of the first lowering's
 # module, places each tagged op's operands and results; they are read back
 # as ``_Sdy`` placements by the op's index (unplaced: replicated), and
-# ``_manual_ops`` replaces each tagged call, in the module jax lowered, by
-# its manual computation (I.5, I.6).
+# ``_replace_tagged_calls`` replaces each tagged call, in the module jax
+# lowered, by its manual computation (I.5, I.6).
 # --------------------------------------------------------------------------
 
 def _propagated(module) -> dict:
@@ -1952,7 +1958,7 @@ def _per_site(decided: dict) -> bool:  # seam: used by (II.9)
   return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
 
-def _manual_ops(module, lowering: _Pass) -> None:
+def _replace_tagged_calls(module, pass_: _Pass) -> None:
   """Lowers each op's manual computation where its tagged custom call
   stands, in the rule context jax lowered the op in, and drops the call:
   lowering the whole program again would cost as much as the first time.
@@ -1965,17 +1971,17 @@ def _manual_ops(module, lowering: _Pass) -> None:
   # jax's symbol table predates the meshes its lowering lifted last; a
   # function lowered here must not take one of their names.
   table = _jax.ir.SymbolTable(module.operation)
-  for ctx, _ in lowering.tagged:
+  for ctx, _ in pass_.tagged:
     ctx.module_context.symbol_table = table
-  counts = collections.Counter(lowering.tagged[index][1] for _, index in calls)
-  lowering.repeated = {op for op, n in counts.items() if n > 1}
+  counts = collections.Counter(pass_.tagged[index][1] for _, index in calls)
+  pass_.repeated = {op for op, n in counts.items() if n > 1}
   with module.context:
     for call, index in calls:
-      ctx, op = lowering.tagged[index]
+      ctx, op = pass_.tagged[index]
       try:
         with _jax.ir.InsertionPoint(call), call.location:
-          results = _lowered_manual(ctx, op, list(call.operands), lowering,
-                                    index)
+          results = _manual_computation(ctx, op, list(call.operands),
+                                        pass_, index)
       except _KeepCallbacks as e:
         if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
           _keep_call(call, ctx, op)
@@ -2124,15 +2130,15 @@ def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
 # ``lower_fn`` traced on per-shard shapes and checked (II.1).
 # --------------------------------------------------------------------------
 
-def _lowered_manual(ctx, op: _Op, values, lowering: _Pass, index: int):
+def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
   """The op as a manual computation of its per-shard program, placed as
   the first pass's propagation decided (unplaced: replicated); raises
   ``_KeepCallbacks`` where jax cannot lower that."""
   # Equal ops of one lowering share one _Op, whose answers (op.answers, by
   # the placements asked) are a fresh partition's: the lowering's config
   # and equal ops' fields are one; they live and die with the lowering.
-  op = lowering.ops.setdefault(op, op)
-  decided = _next_placement(lowering, index)
+  op = pass_.ops.setdefault(op, op)
+  decided = _next_placement(pass_, index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
   operands, results = ([_decided_value(a, placed, op.mesh)
@@ -2152,7 +2158,7 @@ def _lowered_manual(ctx, op: _Op, values, lowering: _Pass, index: int):
       # Jitted where equal ops share it (lowered once, called by each);
       # a jit of one caller only adds a tenth to its lowering.
       program = _manual_program(op, shard, jit=(
-          lowering.repeated is None or op in lowering.repeated))
+          pass_.repeated is None or op in pass_.repeated))
     op.answers[request] = program
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -2165,19 +2171,19 @@ def _lowered_manual(ctx, op: _Op, values, lowering: _Pass, index: int):
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
 
 
-def _next_placement(lowering: _Pass, index: int):
+def _next_placement(pass_: _Pass, index: int):
   """The placement of op ``index``'s next place, lowered now."""
-  site = lowering.sites.get(index, 0)
-  lowering.sites[index] = site + 1
-  placement = _placement(lowering, index, site)
-  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
-    lowering.per_site.lowered(index, placement)
+  site = pass_.sites.get(index, 0)
+  pass_.sites[index] = site + 1
+  placement = _placement(pass_, index, site)
+  if pass_.per_site is not None:  # seam: ops placed apart (II.9)
+    pass_.per_site.lowered(index, placement)
   return placement
 
 
-def _placement(lowering: _Pass, index: int, site: int):
+def _placement(pass_: _Pass, index: int, site: int):
   """Where propagation placed op ``index`` in its ``site``-th place."""
-  sites = lowering.decided.get(index) or [None]
+  sites = pass_.decided.get(index) or [None]
   return sites[min(site, len(sites) - 1)]
 
 
@@ -3234,7 +3240,7 @@ def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   if mesh.size == 1:  # the body, inlined
     return None, None
   if not all(map(math.prod, (a.shape for a in flat.in_avals))):
-    # XLA refuses a shard_map whose operands are empty (see _lowering).
+    # XLA refuses a shard_map whose operands are empty (see _lowering_rule).
     return None, "an operand is empty"
   if any(map(_vmapped_over_mesh_axis, flat.leaves)):
     return None, ("under a jax.vmap whose batch dimension is sharded over "
@@ -4672,7 +4678,7 @@ def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
   if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
     kwargs["out_avals"] = closed.out_avals
   with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
-    lowered = _jax.lower_jaxpr_to_module(
+    lowered = _jax.mlir.lower_jaxpr_to_module(  # the shared lowering
         "custom_partitioning_shard", closed, ordered_effects=[],
         donated_args=[False] * len(closed.in_avals),
         axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)),
@@ -5077,7 +5083,7 @@ def _debug_propagate(  # seam: used by (II.7)
 # jax lowers a function of several callers once, and equal equations once
 # (its lowering caches, ``ModuleContext.lowering_cache`` and
 # ``cached_primitive_lowerings``), but Shardy may place each place of such
-# an op apart; one module cannot hold both. ``_lower`` then asks for a
+# an op apart; one module cannot hold both. ``_party`` then asks for a
 # second lowering, in which the two caches are wrapped (``_SiteCache``): an
 # entry whose lowering lowered ops is reused only where those ops are
 # placed as there, and is lowered again elsewhere, its ops under their
@@ -5098,8 +5104,8 @@ class _PerSite:
   ops are placed as there; elsewhere it is lowered again, its ops under
   their first pass's indices, and kept too."""
 
-  def __init__(self, lowering: _Pass):
-    self.lowering = lowering
+  def __init__(self, pass_: _Pass):
+    self.pass_ = pass_
     self.start = None  # the index when installed
     self.since = []  # (index, placement) of each op lowered since then
     self.open: dict = {}  # key -> the same, since its lowering began
@@ -5115,10 +5121,10 @@ class _PerSite:
       # A copy of this file of another protocol version, wrapping the
       # shared lowering, keeps this pass over two lowerings of the module:
       # the first's entries are functions of another module.
-      self.__init__(self.lowering)
+      self.__init__(self.pass_)
       self.module = mc.module
     if self.start is None:
-      self.start = self.lowering.count
+      self.start = self.pass_.count
     # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
     for name in ("lowering_cache", "cached_primitive_lowerings"):
       cache = getattr(mc, name, None)
@@ -5132,7 +5138,7 @@ class _PerSite:
   def missed(self, key):
     """The entry for ``key`` where its ops are placed as here, or None
     (then jax lowers it here)."""
-    lowering = self.lowering
+    pass_ = self.pass_
     span = self.spans.get(key)
     if span is not None:
       first, end, indices = span
@@ -5140,35 +5146,34 @@ class _PerSite:
       placements = []
       for i in indices:
         ahead[i] = ahead.get(i, -1) + 1
-        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
+        placements.append(_placement(pass_, i, pass_.sites[i] + ahead[i]))
       entry = self.variants.get((key, repr(placements)))
       if entry is not None:
         for i, placement in zip(indices, placements):
-          lowering.sites[i] += 1
+          pass_.sites[i] += 1
           self.lowered(i, placement)
-        lowering.count = max(lowering.count, end)
+        pass_.count = max(pass_.count, end)
         return entry
-      self.resume[key] = lowering.count
-      lowering.count = first
-    self.starts[key] = lowering.count
+      self.resume[key] = pass_.count
+      pass_.count = first
+    self.starts[key] = pass_.count
     self.open[key] = []
     return None
 
   def put(self, key, entry) -> bool:
     """Whether the entry for ``key`` lowered ops (then it is kept here,
     by their placements, and not in jax's cache)."""
-    lowering = self.lowering
+    pass_ = self.pass_
     # Entries being lowered when installed began before any op.
     first = self.starts.pop(key, self.start)
     frame = self.open.pop(key, None)
     frame = list(self.since) if frame is None else frame
     if not frame:
       return False
-    self.spans.setdefault(key, (first, lowering.count,
+    self.spans.setdefault(key, (first, pass_.count,
                                 [i for i, _ in frame]))
     self.variants[key, repr([p for _, p in frame])] = entry
-    lowering.count = max(lowering.count,
-                         self.resume.pop(key, lowering.count))
+    pass_.count = max(pass_.count, self.resume.pop(key, pass_.count))
     return True
 
 

@@ -97,7 +97,7 @@ from custom_partitioning import (
 _REWRITE_FAILURES: list = []
 
 
-def _verified_rewrite(module, lowering, _rewrite=cp._manual_ops):
+def _verified_rewrite(module, lowering, _rewrite=cp._replace_tagged_calls):
   try:
     _rewrite(module, lowering)
     module.operation.verify()
@@ -106,7 +106,7 @@ def _verified_rewrite(module, lowering, _rewrite=cp._manual_ops):
     raise
 
 
-cp._manual_ops = _verified_rewrite
+cp._replace_tagged_calls = _verified_rewrite
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # holds the module
 
@@ -382,7 +382,7 @@ class CPTestCase(unittest.TestCase):
 
   def _no_failed_rewrite(self):
     self.assertEqual(_REWRITE_FAILURES, [],
-                     "a module's in-place rewrite failed (_manual_ops)")
+                     "a module's in-place rewrite failed (_replace_tagged_calls)")
 
   @property
   def at_lowering(self):
@@ -10530,7 +10530,7 @@ class AtLoweringTest(CPTestCase):
 
     def doubled(v):
       return v * 2.0 + 1.0
-    cases = {"planted": [("_lowered_manual", failing)]}
+    cases = {"planted": [("_manual_computation", failing)]}
     if not _REPLACES_IN_PLACE and JAX_VERSION < (0, 10, 1):
       cases["forced"] = []
     for case, patches in cases.items():
@@ -11869,14 +11869,14 @@ except ImportError:
   exports = False
 import custom_partitioning as cp
 from jax._src.lib.mlir import ir
-rewrite = cp._manual_ops
+rewrite = cp._replace_tagged_calls
 def verified_rewrite(module, lowering):  # a failed rewrite fails the case
   try:
     rewrite(module, lowering)
     module.operation.verify()
   except ir.MLIRError as e:
     raise SystemExit(f"in-place rewrite failed: {{e}}")
-cp._manual_ops = verified_rewrite
+cp._replace_tagged_calls = verified_rewrite
 if {callbacks}:
   cp._PARTITION_AT_LOWERING = False
 platforms = {platforms!r}

@@ -97,7 +97,7 @@ this module (``.ci/withdrawn``), so the release that deletes them finds
 nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1, 0.6.0,
 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0, 0.9.0.1, 0.9.1,
 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1 (also jax 0.12.0 on
-jaxlib 0.11.2): core test classes, the README quickstart and the self-demo.
+jaxlib 0.11.2): core test classes and the README quickstart.
 Older releases raise ``ImportError``, and so does any release that lacks a
 name this module reads from jax's internals: every one is looked up at
 import in the table below the imports (``_NAMES``; a name only an extra
@@ -393,11 +393,12 @@ class custom_partitioning:
   alike; any other kind by its own ``==``; operand pytree and avals; jax's
   config); ``jax.clear_caches()`` empties every cache of this module
   (``fun`` is retraced). A lowering asks the callbacks once per distinct
-  question (upstream: per custom call), a new lowering anew; where jax's
-  persistent compilation cache is on, a custom call's key digests the op
-  (code, values its callbacks read, static arguments, mesh, config), so the
-  cache hits across processes and equal ops share answers. As with
-  ``jax.jit``, callbacks must not depend on state no argument shows
+  question (upstream: per custom call), a new lowering anew.
+  Where jax's persistent compilation cache is on, a custom call's key
+  digests the op (code, values its callbacks read, static arguments, mesh,
+  config), so the cache hits across processes and equal ops share answers
+  (II.7).
+  As with ``jax.jit``, callbacks must not depend on state no argument shows
   (environment variables, files).
 
   Args:
@@ -424,7 +425,8 @@ class custom_partitioning:
     functools.update_wrapper(self, fun)
     self.fun, self.static_argnums = fun, static_argnums
     self._defined = False  # def_partition called
-    self._traces, self._programs = _LRU(), _LRU()  # _traced, _explicit_call
+    self._traces = _LRU()  # _traced's
+    self._programs = _LRU()  # seam: _explicit_call's (II.3)
     self._generation = 0  # def_partition calls, in _eager_call's key
     # (cache epoch, compiled fun): what an eager call of single-device
     # arrays, no statics, no keywords runs (_eager_call's answer for them).
@@ -456,9 +458,10 @@ class custom_partitioning:
 
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
-    values (zeros on CPU in practice; at lowering zeros, which ``jax.grad``
-    differentiates as the forward ran); XLA drops the results' padding. A
-    reduction over a padded dimension is refused (``check_vma``): shard it
+    values (zeros on CPU in practice; at lowering zeros); XLA drops the
+    results' padding.
+    ``jax.grad`` differentiates the padding as the forward ran (II.4).
+    A reduction over a padded dimension is refused (``check_vma``): shard it
     over axes that divide it, or mask the padding in ``lower_fn`` (from
     ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
 
@@ -474,42 +477,50 @@ class custom_partitioning:
         same devices, or an ``AbstractMesh`` (it and shardings on it made
         concrete on the op's devices). If no mesh could be recovered,
         ``mesh`` is empty and ``lower_fn`` has no mesh axes (naming one
-        raises an error saying how to give the op one). None (default)
-        with a ``sharding_rule``: derived from the rule (both partitioners,
-        Explicit axes): a factor keeps the axes its operands arrive sharded
-        on (replicated if they disagree; of two factors on one axis, the
-        later one); replicated are special factors, reduced ones (in no
-        result, in results only, or missing from a result sharing another
-        factor with the operand: ``j`` in ``"i, j -> i"`` for ``x *
-        sum(y)``) and factors of compound dimensions; each shard runs
-        ``fun`` on its local arrays, so the rule must hold shard-wise. None
-        without a rule: ``fun`` runs on one device; on several the call
-        raises ``ValueError``.
-      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes, for a
-        body jax cannot type): ``(*static, mesh, arg_shapes, result_shape) ->
-        result sharding(s)`` on ``mesh`` (another mesh raises ``ValueError``,
-        under either partitioner); ``result_shape`` has no shardings, nor has an
-        operand XLA has not placed yet (``.sharding`` None). Default: derived
-        from ``sharding_rule``. Under Shardy, without a ``sharding_rule``, it is
-        probed to derive one (where upstream raises ``NotImplementedError``):
-        once per operand dimension, that dimension alone sharded over a mesh
-        axis that divides it, on the author's shapes and the op's mesh (cached
-        per both; an exception is a probe it does not support). The rule ties
-        that dimension to each result dimension the axis lands on (same size).
-        It is logged at ``DEBUG`` and reported by ``check_partitioning``; a
-        ``UserWarning`` says when no probe could be answered.
-      propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
-        result sharding(s)`` preferred given the user's; default: the user's.
-        Shardy propagates through the rule both ways and never asks it.
+        raises an error saying how to give the op one). None (default):
+        ``fun`` runs on one device; on several the call raises
+        ``ValueError``.
+        With a ``sharding_rule``, None derives it from the rule (both
+        partitioners, Explicit axes), a factor keeping the axes its
+        operands arrive sharded on (replicated if they disagree; of two
+        factors on one axis, the later one); replicated are special
+        factors, reduced ones (in no result, in results only, or missing
+        from a result sharing another factor with the operand, as ``j`` in
+        ``"i, j -> i"`` for ``x * sum(y)``) and factors of compound
+        dimensions; each shard runs ``fun`` on its local arrays, so the
+        rule must hold shard-wise (II.5).
+      infer_sharding_from_operands: ``(*static, mesh, arg_shapes,
+        result_shape) -> result sharding(s)`` on ``mesh`` (another mesh
+        raises ``ValueError``); ``result_shape`` has no shardings, nor has
+        an operand XLA has not placed yet (``.sharding`` None). Shardy at
+        lowering never asks it.
+        GSPMD asks it (default: derived from ``sharding_rule``), and so
+        does the op under Explicit mesh axes for a body jax cannot type
+        (II.7).
+        Under Shardy, without a ``sharding_rule``, it is probed to derive
+        one (where upstream raises ``NotImplementedError``), once per
+        operand dimension, that dimension alone sharded over a mesh axis
+        that divides it, on the author's shapes and the op's mesh (cached
+        per both; an exception is a probe it does not support); the rule
+        ties that dimension to each result dimension the axis lands on
+        (same size), and a ``UserWarning`` says when no probe could be
+        answered (II.6).
+        The derived rule is logged at ``DEBUG`` (II.8).
+        ``check_partitioning`` reports it (III.2).
+      propagate_user_sharding: Shardy propagates through the rule both
+        ways and never asks it.
+        GSPMD asks it: ``(*static, mesh, user_shape) -> result sharding(s)``
+        preferred given the user's; default: the user's (II.7).
       decode_shardings: True: ``NamedSharding``s on the real mesh when one
         can be recovered (``with mesh``, ``jax.set_mesh`` or the jit's
         shardings); else (or False) ``GSPMDSharding``s.
       sharding_rule: Shardy only: an einsum-like string (see
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
-        ``-> (string, kwargs)``. None with GSPMD callbacks: derived from
-        them (``infer_sharding_from_operands``); with ``partition`` alone:
-        none (Shardy then leaves the results replicated).
+        ``-> (string, kwargs)``. None: Shardy leaves the results
+        replicated.
+        None with GSPMD callbacks: a rule derived from them
+        (``infer_sharding_from_operands``) (II.6).
       check_vma: keyword-only, this module's (upstream has none). True:
         tracing ``lower_fn`` raises ``ValueError`` for a replicated result
         that may vary along a mesh axis (a missing ``psum``) and for
@@ -519,13 +530,14 @@ class custom_partitioning:
         cannot (grouped collectives, unknown primitives with subprograms)
         and ignores size-1 axes; a loop carry may be marked with
         ``jax.lax.pcast(x, axes, to="varying")`` (``pvary`` before jax
-        0.8.2) or not, as upstream. Under Explicit axes the op's
-        ``jax.shard_map`` check is turned off where it refuses what this
-        one proved (an unmarked varying carry, a result made equal by
-        ``all_gather``). A derived op's transposition zeroes cotangents
-        past the end, so XLA's padding never enters its reductions. False
-        turns the checks off (for code right by a construction they cannot
-        see, such as a ring all-reduce).
+        0.8.2) or not, as upstream.
+        Under Explicit axes the op's ``jax.shard_map`` check is turned off
+        where it refuses what this one proved (an unmarked varying carry,
+        a result made equal by ``all_gather``) (II.3).
+        A derived op's transposition zeroes cotangents past the end, so
+        XLA's padding never enters its reductions (II.4).
+        False turns the checks off (for code right by a construction they
+        cannot see, such as a ring all-reduce).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -541,11 +553,13 @@ class custom_partitioning:
       pytree unlike the operands or results, other devices than the op's);
       ``ValueError`` naming the result for ``lower_fn`` results of the
       wrong number, per-shard shape or dtype, and for the ``check_vma``
-      checks; under GSPMD, ``NotImplementedError`` for host callbacks in
+      checks.
+      Under GSPMD, ``NotImplementedError`` for host callbacks in
       ``lower_fn``, for ``jax.export`` and for lowering for TPU (which
-      calls no Python partitioner: Shardy is the fix); under
-      ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a returned
-      mesh shaped unlike the op's or a sharding without a ``PartitionSpec``.
+      calls no Python partitioner: Shardy is the fix) (II.7).
+      Under ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a
+      returned mesh shaped unlike the op's or a sharding without a
+      ``PartitionSpec`` (II.4).
     """
     if partition is not None and not callable(partition):
       raise TypeError(
@@ -573,7 +587,7 @@ class custom_partitioning:
                         propagate_user_sharding, decode_shardings,
                         sharding_rule, bool(check_vma))
     self._traces.clear()
-    self._programs.clear()
+    self._programs.clear()  # seam: (II.3)
     self._generation += 1
     self._fast = None
     return partition
@@ -705,7 +719,7 @@ class custom_partitioning:
 
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
     """``fun`` traced to ``(call, out_tree)``. Closed-over arrays stay
-    constants; a closed-over tracer cannot reach XLA's callbacks: refused."""
+    constants; a closed-over tracer cannot be partitioned: refused."""
     fixed = dict([*zip(args.static_argnums, args.static_args), *args.defaults])
     all_args = (_in_call_order(fixed, args.dyn_args) if fixed
                 else args.dyn_args)
@@ -726,8 +740,8 @@ class custom_partitioning:
     return call, out_tree()
 
   def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree) -> dict:
-    """A call's equation parameters (the shard_map path's too): upstream's,
-    plus ``check_vma`` and ``transform`` (a derived op's steps)."""
+    """A call's equation parameters: upstream's, plus ``check_vma`` and
+    ``transform`` (empty)."""
     partition = self.partition
     if partition is None and self.sharding_rule is not None:  # seam: (II.5)
       partition = _FromRule(self.fun, args.static_argnums, args.defaults)
@@ -745,7 +759,7 @@ class custom_partitioning:
 
 def _typed_where_jax_can(typed: Callable, untyped: Callable, avals):
   """``typed()``; where that fails on ``avals`` sharded on a mesh
-  (Explicit axes off the shard_map path), ``untyped`` of them without
+  (Explicit axes, the op a custom call), ``untyped`` of them without
   shardings, as upstream traces (a Pallas kernel, q @ k.T): partition's
   lower_fn runs, not the body traced here."""
   try:
@@ -1032,11 +1046,11 @@ class _Statics:
   def __eq__(self, other):
     return isinstance(other, _Statics) and other.key == self.key
 
-  def __repr__(self):  # printed jaxprs (a content key's) show the values
+  def __repr__(self):  # printed jaxprs show the values
     return repr(self.value)
 
 
-class _FromRule:
+class _FromRule:  # seam: used by (II.3, II.5, II.7, II.8)
   """The ``partition`` of an op defined by its rule alone: each shard runs
   ``fun`` with the call's static arguments and unpassed defaults."""
   __slots__ = ("fun", "static_argnums", "defaults", "_parts")
@@ -1075,7 +1089,7 @@ _jax.register_custom_decorator_type(custom_partitioning)
 #
 # ``custom_partitioning_p`` carries upstream's parameters through jax
 # 0.12.0.1 (0.12.1 dropped infer and propagate) plus ``check_vma`` and
-# ``transform`` (a derived op's steps), both read with a default.
+# ``transform``, both read with a default.
 #
 # Under Shardy the op is partitioned while jax lowers the program, on every
 # backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
@@ -1110,7 +1124,7 @@ def _jit_disabled() -> bool:
 
 
 def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
+  """Eager evaluation of a bound op (e.g. under ``jax.disable_jit()``):
   compiled, and partitioned only if some operand is sharded (upstream
   never asks the callbacks here; ``partition`` must not see host data)."""
   # Cache key: the params hold the body, every callback and the statics
@@ -1458,7 +1472,8 @@ _PARTITION_AT_LOWERING = os.environ.get(  # seam: the switch (II.7)
 
 # jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
 # with another custom call (a LAPACK one) or a function of two callers;
-# 0.9.1 and 0.10.2 do not. There XLA's callbacks partition every op.
+# 0.9.1 and 0.10.2 do not.
+# There XLA's callbacks partition every op (II.7).
 _PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
 
 # The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
@@ -1619,7 +1634,7 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
 class _Level(NamedTuple):
   """An op from the author's (``step`` None) up to the one XLA asks about:
   its values as asked or as partitioned, and its batch dimension's entry."""
-  step: Any  # the derived op's step that made it; None: the author's op
+  step: Any  # what made it from the level below; None: the author's op
   operands: list
   results: list
   entry: Any = None
@@ -1640,12 +1655,15 @@ def _ask_rule(ctx, op: _Op):
   rule, levels = op.sharding_rule, _rule_levels(op.call, op.steps)
   if callable(rule):
     rule = _asked_rule(ctx, op, levels[0])
-  return rule, (_rule_attr(rule, levels, isinstance(op.partition, _FromRule))
+  one_size = False
+  if isinstance(op.partition, _FromRule):  # seam: one size a factor (II.5)
+    one_size = True
+  return rule, (_rule_attr(rule, levels, one_size)
                 if _SHARDY.value and rule is not None else None)
 
 
 def _rule_attr(rule, levels: list, one_size: bool):
-  """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
+  """The op's Shardy rule: the author's ``rule`` walked up the ``levels``."""
   bottom = levels[0]
   n = len(bottom.operands)
   sizes, dims = _resolve_rule(
@@ -1666,7 +1684,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   Raises ValueError on a count or rank mismatch, a factor naming two
   dimensions of one value (Shardy refuses it), an ellipsis standing for
   different numbers of dimensions, or sizes that do not fit (with
-  ``one_size``, for an op by its rule alone, two sizes of one factor)."""
+  ``one_size``, two sizes of one factor)."""
   for kind, in_rule, in_op in (
       ("operands", len(rule.operand_mappings), num_operands),
       ("results", len(rule.result_mappings), len(shapes) - num_operands)):
@@ -1802,11 +1820,11 @@ _STATE = dict(compare=False)  # a field of an _Op that is not its key
 @dataclasses.dataclass(frozen=True)
 class _Op:
   """One lowered op, built once by its lowering rule (``_op_of``) and the
-  only thing that carries it from there: what asking its ``partition`` (at
-  lowering, or by XLA's callbacks) needs to know. Equal and hashed on every
-  field but the state (``_STATE``): equal ops of one lowering are one op
-  (``lowering.ops.setdefault(op, op)``; XLA's callbacks, ``_register``),
-  sharing its answers."""
+  only thing that carries it from there: what asking its ``partition``
+  needs to know.
+  XLA's callbacks find it by its key, and ask it alike (II.7).
+  Equal and hashed on every field but the state (``_STATE``): equal ops of
+  one lowering are one op (``pass_.ops``), sharing its answers."""
   name: str
   call: Any  # the body (a closed jaxpr, by identity): jax's own key
   partition: Callable | None
@@ -1818,7 +1836,7 @@ class _Op:
   statics: _Statics  # the static arguments, by _key_of
   in_tree: Any
   out_tree: Any
-  steps: tuple  # of _Step: from the author's op to this one
+  steps: tuple  # from the author's op to this one (empty: it is that)
   place: _Placement
   # Per operand and result: the manual axes it varies over, if tracked.
   varying: tuple = ((), ())  # seam: used by (II.4, II.7)
@@ -1836,9 +1854,9 @@ class _Op:
       default=None, **_STATE)
   # Partition request -> answer: the request holds every input not in the
   # op's key (shapes, dtypes, shardings). At lowering a dict, living with
-  # the lowering (its op's placements: at most one entry per op); for
-  # XLA's callbacks, which may ask from several threads as long as an
-  # executable lives, a bounded _LRU (_register).
+  # the lowering (its op's placements: at most one entry per op).
+  # For XLA's callbacks, which may ask from several threads as long as an
+  # executable lives, a bounded _LRU (II.7).
   answers: dict | _LRU = dataclasses.field(default_factory=dict, **_STATE)
   # Partitioned at lowering, not by XLA's callbacks (II.7).
   at_lowering: bool = dataclasses.field(default=False, **_STATE)
@@ -1963,7 +1981,8 @@ def _replace_tagged_calls(module, pass_: _Pass) -> None:
   stands, in the rule context jax lowered the op in, and drops the call:
   lowering the whole program again would cost as much as the first time.
   Off TPU, an op jax cannot lower so keeps its call (and its rule), for
-  XLA's callbacks."""
+  XLA's callbacks (II.7).
+  """
   # jax lowers equal equations (and a function of several callers) once:
   # one index may stand at many calls, all placed alike here.
   calls = [(op, index) for op in _operations(module.operation)
@@ -2667,10 +2686,11 @@ def _foreign_mesh_fails(mesh, op_mesh) -> bool:
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
                     jit: bool = True, pad=None) -> Callable:
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
-  (XLA pads uneven shards on the callback path; here jax does), jitted if
-  ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
-  checked by jax's typing of shard_map (a derived op's transposition);
-  where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
+  (XLA pads uneven shards of a custom call; here jax does), jitted if
+  ``jit``.
+  ``per_shard`` (of the flat operands), if given, runs instead, checked by
+  jax's typing of shard_map: a derived op's transposition (II.4).
+  Where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
   operands are padded with zeros, or by ``pad(x, widths)`` if given."""
   mesh, on = shard.mesh, shard.on
@@ -6128,7 +6148,7 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 # Not state: ``_DESCRIBED_BY``, filled at import (II.7).
 # --------------------------------------------------------------------------
 
-def _store_sizes(op=None) -> dict[str, int]:
+def _store_sizes(op=None) -> dict[str, int]:  # seam: used by (II.3, II.7)
   """Entries per store (III.3) (and ``op``'s own, if given), for tests."""
   sizes = {}
   for name in ("call_names", "registry", "eager", "derived", "parked_errors"):

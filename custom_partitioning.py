@@ -111,12 +111,12 @@ First jax's names (``_NAMES``, the head of the internals, with the private
 attributes the module reads), then three parts by owner. Part I, the
 drop-in core: all a plain op (Auto axes, no transformation) runs under
 Shardy, in call order, each helper beside its first user: I.1 the
-decorator and how a call is bound; I.2 the primitive, and the module's
-lowering (rewritten in place); I.3 the op's lowering rule (where it runs, the
-release gates that decide the path, its rule); I.4 placements from
-Shardy; I.5 asking ``partition``, and its checks; I.6 the per-shard
-program as a manual computation; I.7 values, specs and jaxprs that the
-core and the extras share.
+decorator and how a call is bound; I.2 the release gates that decide an
+op's path, the primitive, and the module's lowering (rewritten in place);
+I.3 the op's lowering rule (where it runs, its ``_Op``, its rule); I.4
+placements from Shardy; I.5 asking ``partition``, and its checks; I.6 the
+per-shard program as a manual computation; I.7 values, specs and jaxprs
+that the core and the extras share.
 
 Part II, one section per extra, entered only from lines marked ``# seam:``
 that name it; a copy drops an extra with its section, its seam lines and
@@ -1109,11 +1109,71 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
 # jax's lowering caches reused only where the ops are placed alike (II.9).
-# No custom call, and no Python while XLA compiles. Where
-# that cannot be done (the release gates, I.3), the op's lowering raises
-# ``NotImplementedError`` saying why.
+# No custom call, and no Python while XLA compiles. Where that cannot be
+# done (the release gates, below, as ``_at_lowering`` reads them: I.3), the
+# op's lowering raises ``NotImplementedError`` saying why.
 # Off TPU, XLA's callbacks partition such an op instead (II.7).
 # --------------------------------------------------------------------------
+
+# The release gates: each release (and the switch) that decides an op's
+# path, read by _at_lowering (I.3) or where the path branches.
+
+# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
+# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
+_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
+           types.SimpleNamespace(value=True))
+
+# Off: XLA's partition callback, as upstream, except on TPU (which has none).
+_PARTITION_AT_LOWERING = os.environ.get(  # seam: the switch (II.7)
+    "CUSTOM_PARTITIONING_AT_LOWERING", "1") != "0"
+
+# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
+# with another custom call (a LAPACK one) or a function of two callers;
+# 0.9.1 and 0.10.2 do not.
+# There XLA's callbacks partition every op (II.7).
+_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
+
+# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
+# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and  # seam: (II.3)
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+
+# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
+# shardings cannot type the manual subgroup XLA needs (it aborts without).
+_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)  # seam: used by (II.2, II.4, II.7)
+
+# An answer on a mesh other than the op's, as a manual computation inside
+# the op's program: jax 0.5.3 lowers one of other axis names with the
+# program's mesh, 0.12.0.1 one of another shape or device order (XLA then
+# aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both.
+# jax 0.9.1's jit cannot read the placement of such an op's result back
+# (IndivisibleError); 0.9.0.1 can, 0.9.2 partitions by callbacks.
+_LOWERS_REORDERED_MESH = ((0, 7, 0) <= _JAX_VERSION < (0, 11, 0) and
+                          _JAX_VERSION[:3] != (0, 9, 1))
+_LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
+
+# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
+# on jax's transposed shard_map (a result of its body used twice); jax
+# 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
+# body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
+# Where it imports, II.4 lowers a transposed derived op as jax's
+# transposition of its manual computation.
+_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
+                                  (0, 6, 1) <= _JAX_VERSION < (0, 7))
+
+# jax 0.7.0 to 0.10.0 lower a manual computation at the end of the caller's
+# block, after its function's return, not where the op's call stands (0.6.2
+# and 0.10.1 at the call; 0.10.1 then emits equal ops' shared per-shard
+# program once per call): there the module is lowered a second time, each
+# op's manual computation emitted as it is lowered, instead of replacing
+# its call in the first lowering's module.
+_REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
+# jax 0.5.3's shard_map types the platform index it hands its manual
+# computation (several platforms); before, one sharding short, MLIR refuses.
+_LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
+
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
@@ -1305,10 +1365,10 @@ _jax.register_exclusion(__file__)
 # I.3 The op's lowering rule
 #
 # Where the op runs (its mesh and devices: ``_partitioned_placement``),
-# whether it is partitioned at lowering (``_at_lowering``: every release
-# gate that decides the path stands there), then the op as its ``_Op``,
-# built once here and carried to its manual computation, and its rule
-# (III.1 parses it, resolved against the op's shapes here). In the first
+# whether it is partitioned at lowering (``_at_lowering``, reading the
+# release gates at I.2's head), then the op as its ``_Op``, built once here
+# and carried to its manual computation, and its rule (III.1 parses it,
+# resolved against the op's shapes here). In the first
 # lowering of a module the op is a tagged custom call (``_first_pass``),
 # which ``_replace_tagged_calls`` (I.4) then replaces in that module; where
 # a second lowering is needed (I.2), the op is lowered there as its manual
@@ -1458,68 +1518,6 @@ def _mesh_from_abstract(devices, am) -> _jax.Mesh:
                        am.axis_names, **kwargs)
 
 
-# The release gates: each release (and the switch) that decides an
-# op's path, read by _at_lowering or where the path branches.
-
-# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
-# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
-_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
-           types.SimpleNamespace(value=True))
-
-# Off: XLA's partition callback, as upstream, except on TPU (which has none).
-_PARTITION_AT_LOWERING = os.environ.get(  # seam: the switch (II.7)
-    "CUSTOM_PARTITIONING_AT_LOWERING", "1") != "0"
-
-# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
-# with another custom call (a LAPACK one) or a function of two callers;
-# 0.9.1 and 0.10.2 do not.
-# There XLA's callbacks partition every op (II.7).
-_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
-
-# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
-# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and  # seam: (II.3)
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-
-# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
-# shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)  # seam: used by (II.2, II.4, II.7)
-
-# An answer on a mesh other than the op's, as a manual computation inside
-# the op's program: jax 0.5.3 lowers one of other axis names with the
-# program's mesh, 0.12.0.1 one of another shape or device order (XLA then
-# aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both.
-# jax 0.9.1's jit cannot read the placement of such an op's result back
-# (IndivisibleError); 0.9.0.1 can, 0.9.2 partitions by callbacks.
-_LOWERS_REORDERED_MESH = ((0, 7, 0) <= _JAX_VERSION < (0, 11, 0) and
-                          _JAX_VERSION[:3] != (0, 9, 1))
-_LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
-
-
-# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
-# on jax's transposed shard_map (a result of its body used twice); jax
-# 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
-# body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
-# Where it imports, II.4 lowers a transposed derived op as jax's
-# transposition of its manual computation.
-_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
-                                  (0, 6, 1) <= _JAX_VERSION < (0, 7))
-
-
-# jax 0.7.0 to 0.10.0 lower a manual computation at the end of the caller's
-# block, after its function's return, not where the op's call stands (0.6.2
-# and 0.10.1 at the call; 0.10.1 then emits equal ops' shared per-shard
-# program once per call): there the module is lowered a second time, each
-# op's manual computation emitted as it is lowered, instead of replacing
-# its call in the first lowering's module.
-_REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
-# jax 0.5.3's shard_map types the platform index it hands its manual
-# computation (several platforms); before, one sharding short, MLIR refuses.
-_LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
-
-
 def _at_lowering(place: _Placement, platforms) -> str | None:
   """Why the op cannot be partitioned at lowering, or None if it can."""
   if not _SHARDY.value:
@@ -1546,11 +1544,6 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
   return None
 
 
-def _current_pass() -> _Pass | None:
-  stack = getattr(_passes, "stack", None)
-  return stack[-1] if stack else None
-
-
 def _cannot_lower(name: str, platforms, why: str) -> NotImplementedError:
   """The error of an op that cannot be partitioned at lowering, on TPU (or,
   in a copy without XLA's callbacks, on any platform)."""
@@ -1569,6 +1562,37 @@ _TPU_ADVICE = (
     "jax.set_mesh or `with mesh:`)")
 
 
+def _current_pass() -> _Pass | None:
+  stack = getattr(_passes, "stack", None)
+  return stack[-1] if stack else None
+
+
+def _backend(mc):
+  # jax 0.5.0 renamed the module context's backend_or_name backend.
+  return mc.backend if _JAX_VERSION >= (0, 5, 0) else mc.backend_or_name
+
+
+def _op_of(params: dict, place: _Placement, **fields) -> _Op:
+  """The one builder of an ``_Op``: from its equation's parameters, where
+  it runs and what its lowering knows."""
+  static = params["static_args"]  # _Statics, () or upstream's tuple
+  if static and not isinstance(static, _Statics):
+    static = _Statics(tuple(static), _key_of(tuple(static)))
+  return _Op(**{
+      "name": _fun_name(params["call"]), "call": params["call"],
+      "partition": params["partition"],
+      "infer_sharding_from_operands": params["infer_sharding_from_operands"],
+      "propagate_user_sharding": params["propagate_user_sharding"],
+      "given_rule": params["sharding_rule"],
+      "sharding_rule": params["sharding_rule"],
+      "decode_shardings": params["decode_shardings"],
+      "check_vma": params.get("check_vma", True),  # upstream has none
+      "static_args": getattr(static, "value", ()),
+      "static_key": getattr(static, "key", ()), "in_tree": params["in_tree"],
+      "out_tree": params["out_tree"], "steps": params.get("transform", ()),
+      "place": place, "mesh": place.mesh, **fields})
+
+
 def _check_partition(op: _Op) -> None:
   if op.partition is None:
     raise ValueError(
@@ -1577,6 +1601,55 @@ def _check_partition(op: _Op) -> None:
         "but its def_partition was given partition=None, and no partition "
         "is derived from a sharding_rule (none was given, or this copy of "
         "the module was trimmed of rule-only ops): give either.")
+
+
+_STATE = dict(compare=False)  # a field of an _Op that is not its key
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  """One lowered op, built once by its lowering rule (``_op_of``) and the
+  only thing that carries it from there: what asking its ``partition``
+  needs to know.
+  XLA's callbacks find it by its key, and ask it alike (II.7).
+  Equal and hashed on every field but the state (``_STATE``): equal ops of
+  one lowering are one op (``pass_.ops``), sharing its answers."""
+  name: str
+  call: Any  # the body (a closed jaxpr, by identity): jax's own key
+  partition: Callable | None
+  infer_sharding_from_operands: Callable | None
+  propagate_user_sharding: Callable | None
+  given_rule: Any  # def_partition's sharding_rule (a callable, unasked)
+  decode_shardings: bool
+  check_vma: bool
+  static_key: Any  # the static arguments' (_Statics.key)
+  in_tree: Any
+  out_tree: Any
+  steps: tuple  # from the author's op to this one (empty: it is that)
+  place: _Placement
+  # Per operand and result: the manual axes it varies over, if tracked.
+  varying: tuple = ((), ())  # seam: used by (II.4, II.7)
+  platforms: Any = None
+  backend: Any = None
+  mesh: Any = None  # place.mesh, what the callbacks see
+  # The rule (a callable one asked, _rule_of): a function of the fields
+  # above and the op's shapes.
+  sharding_rule: SdyShardingRule | None = dataclasses.field(
+      default=None, **_STATE)
+  # jax's config where the op was lowered, which partition and lower_fn run
+  # under on XLA's thread (None: the caller's). Its keyed part is in the
+  # content key; in one lowering it is one.
+  config: tuple | None = dataclasses.field(  # seam: (II.7)
+      default=None, **_STATE)
+  # Partition request -> answer: the request holds every input not in the
+  # op's key (shapes, dtypes, shardings). At lowering a dict, living with
+  # the lowering (its op's placements: at most one entry per op).
+  # For XLA's callbacks, which may ask from several threads as long as an
+  # executable lives, a bounded _LRU (II.7).
+  answers: dict | _LRU = dataclasses.field(default_factory=dict, **_STATE)
+  # Partitioned at lowering, not by XLA's callbacks (II.7).
+  at_lowering: bool = dataclasses.field(default=False, **_STATE)
+  static_args: tuple = dataclasses.field(default=(), **_STATE)
 
 
 def _first_pass(ctx, op: _Op, values, pass_: _Pass, index: int):
@@ -1812,83 +1885,6 @@ def _asked_rule(ctx, op: _Op, author: _Level) -> SdyShardingRule:
         "A callable sharding_rule must return an SdyShardingRule, an "
         f"einsum-like string, or (string, kwargs); got {produced!r}.")
   return produced
-
-
-_STATE = dict(compare=False)  # a field of an _Op that is not its key
-
-
-@dataclasses.dataclass(frozen=True)
-class _Op:
-  """One lowered op, built once by its lowering rule (``_op_of``) and the
-  only thing that carries it from there: what asking its ``partition``
-  needs to know.
-  XLA's callbacks find it by its key, and ask it alike (II.7).
-  Equal and hashed on every field but the state (``_STATE``): equal ops of
-  one lowering are one op (``pass_.ops``), sharing its answers."""
-  name: str
-  call: Any  # the body (a closed jaxpr, by identity): jax's own key
-  partition: Callable | None
-  infer_sharding_from_operands: Callable | None
-  propagate_user_sharding: Callable | None
-  given_rule: Any  # def_partition's sharding_rule (a callable, unasked)
-  decode_shardings: bool
-  check_vma: bool
-  statics: _Statics  # the static arguments, by _key_of
-  in_tree: Any
-  out_tree: Any
-  steps: tuple  # from the author's op to this one (empty: it is that)
-  place: _Placement
-  # Per operand and result: the manual axes it varies over, if tracked.
-  varying: tuple = ((), ())  # seam: used by (II.4, II.7)
-  platforms: Any = None
-  backend: Any = None
-  mesh: Any = None  # place.mesh, what the callbacks see
-  # The rule (a callable one asked, _rule_of): a function of the fields
-  # above and the op's shapes.
-  sharding_rule: SdyShardingRule | None = dataclasses.field(
-      default=None, **_STATE)
-  # jax's config where the op was lowered, which partition and lower_fn run
-  # under on XLA's thread (None: the caller's). Its keyed part is in the
-  # content key; in one lowering it is one.
-  config: tuple | None = dataclasses.field(  # seam: (II.7)
-      default=None, **_STATE)
-  # Partition request -> answer: the request holds every input not in the
-  # op's key (shapes, dtypes, shardings). At lowering a dict, living with
-  # the lowering (its op's placements: at most one entry per op).
-  # For XLA's callbacks, which may ask from several threads as long as an
-  # executable lives, a bounded _LRU (II.7).
-  answers: dict | _LRU = dataclasses.field(default_factory=dict, **_STATE)
-  # Partitioned at lowering, not by XLA's callbacks (II.7).
-  at_lowering: bool = dataclasses.field(default=False, **_STATE)
-
-  @property
-  def static_args(self) -> tuple:
-    return self.statics.value
-
-
-def _backend(mc):
-  # jax 0.5.0 renamed the module context's backend_or_name backend.
-  return mc.backend if _JAX_VERSION >= (0, 5, 0) else mc.backend_or_name
-
-
-def _op_of(params: dict, place: _Placement, **fields) -> _Op:
-  """The one builder of an ``_Op``: from its equation's parameters, where
-  it runs and what its lowering knows."""
-  static = params["static_args"]  # _Statics, or upstream's tuple
-  if not isinstance(static, _Statics):
-    static = _Statics(tuple(static), _key_of(tuple(static)))
-  return _Op(**{
-      "name": _fun_name(params["call"]), "call": params["call"],
-      "partition": params["partition"],
-      "infer_sharding_from_operands": params["infer_sharding_from_operands"],
-      "propagate_user_sharding": params["propagate_user_sharding"],
-      "given_rule": params["sharding_rule"],
-      "sharding_rule": params["sharding_rule"],
-      "decode_shardings": params["decode_shardings"],
-      "check_vma": params.get("check_vma", True),  # upstream has none
-      "statics": static, "in_tree": params["in_tree"],
-      "out_tree": params["out_tree"], "steps": params.get("transform", ()),
-      "place": place, "mesh": place.mesh, **fields})
 
 
 def _varying_axes(aval) -> frozenset | None:  # seam: used by (II.3, II.7)
@@ -2169,7 +2165,7 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
                          for side in (operands, results)))
   program = op.answers.get(request)
   if program is None:  # (partition runs on this thread, in its config)
-    if op.steps:  # seam: jax's transposition of a derived op (II.4)
+    if any(isinstance(s, _Vjp) for s in op.steps):  # seam: (II.4)
       program = _transposed_program(op, operands, results)
     if program is None:
       shard = _shard_of(op, operands, results, op.mesh)
@@ -2304,13 +2300,13 @@ def _partition(op: _Op, operands: list, results: list, on):
   # lower_fn is traced once, in its manual computation (I.6): a second
   # trace cost a third of an op's lowering.
   inside = op.at_lowering and _JAX_VERSION >= (0, 7, 0)
-  if inside and not op.steps and (not op.check_vma or
-                                  _sharded_everywhere(answer)):
+  everywhere = _sharded_everywhere(answer)
+  if inside and not op.steps and (not op.check_vma or everywhere):
     closed = None
   else:
     closed = _trace_lower_fn(op, answer)
   if op.check_vma:  # seam: per-shard checks (II.1)
-    _check_per_shard(op, answer, operands + results, closed)
+    _check_per_shard(op, answer, operands + results, closed, everywhere)
   if not inside and _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
@@ -2522,6 +2518,25 @@ class _ForeignMesh(ValueError):  # seam: used by (II.3, II.4, II.6, II.7)
   """A callback answered on a mesh other than the one it was given."""
 
 
+def _sharded_everywhere(answer: _Answer) -> bool:
+  """Whether partition shards every result over every mesh axis (none
+  is replicated, so none can vary where it may not)."""
+  on = answer.on
+  return all(v.spec is not None and math.prod(
+      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
+
+
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
+
+
+def _entry_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  return (() if entry is None else
+          tuple(entry) if isinstance(entry, tuple) else (entry,))
+
+
 def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
   """``lower_fn`` traced on local shapes; its results checked against the
   shapes and dtypes ``partition``'s result shardings need."""
@@ -2575,25 +2590,6 @@ def _check_lower_fn_results(op: _Op, answer: _Answer, got: list) -> None:
           f"lower_fn of {op.name} returned result {i} with local shape "
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
-
-
-def _sharded_everywhere(answer: _Answer) -> bool:
-  """Whether partition shards every result over every mesh axis (none
-  is replicated, so none can vary where it may not)."""
-  on = answer.on
-  return all(v.spec is not None and math.prod(
-      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
-
-
-def _shard_count(entry, mesh) -> int:
-  """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
-
-
-def _entry_axes(entry) -> tuple:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  return (() if entry is None else
-          tuple(entry) if isinstance(entry, tuple) else (entry,))
 
 
 def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
@@ -2677,7 +2673,7 @@ def _check_lowerable(op: _Op, shard: _Answer):
 
 def _foreign_mesh_fails(mesh, op_mesh) -> bool:
   """Whether jax cannot lower a shard_map on ``mesh`` (partition's) in a
-  program on ``op_mesh`` (the releases: I.3's gates)."""
+  program on ``op_mesh`` (the releases: I.2's gates)."""
   if mesh.devices.tolist() != op_mesh.devices.tolist():
     return not _LOWERS_REORDERED_MESH
   return mesh.axis_names != op_mesh.axis_names and not _LOWERS_RENAMED_MESH
@@ -2919,15 +2915,16 @@ _CHECK_NAMES = {
 _look_up(_CHECK_NAMES)
 
 def _check_per_shard(op: _Op, answer: _Answer, values: list,
-                     closed: _ClosedJaxpr) -> bool:
+                     closed: _ClosedJaxpr, everywhere: bool) -> bool:
   """Raises where ``closed``, ``lower_fn`` traced for ``answer`` about
   ``values`` (operands, then results), would give wrong values: a reduction
-  over padding, a replicated result that varies. Returns whether every
-  result was proven equal along the axes it is replicated over."""
+  over padding, a replicated result that varies (none where ``everywhere``:
+  ``_sharded_everywhere``). Returns whether every result was proven equal
+  along the axes it is replicated over."""
   on = answer.on
   if op.sharding_rule is not None and _padded(answer.args, on):
     _check_even_reductions(op, values, answer.args, on)
-  if _sharded_everywhere(answer):
+  if everywhere:
     return True
   return _check_replicated_results(
       op.name, _open(closed), [v.spec for v in answer.args],
@@ -3368,7 +3365,8 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
     return _Program(None, out_tree)
   closed, proven = _trace_lower_fn(op, answer), False
   if op.check_vma:  # seam: per-shard checks (II.1)
-    proven = _check_per_shard(op, answer, operands + results, closed)
+    proven = _check_per_shard(op, answer, operands + results, closed,
+                              _sharded_everywhere(answer))
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_partition(op, operands, results, answer, _SHARD_MAP)
   build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
@@ -3623,8 +3621,10 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
                            avals, f"{tag[0]} of {_fun_name(call)}")[0]
 
   # Untyped where jax cannot type the body, as the op itself was bound.
-  derived = _derived.cached(key, lambda: _typed_where_jax_can(
-      lambda: traced(in_avals), traced, in_avals))
+  derived = _derived.get(key)
+  if derived is None:
+    derived = _typed_where_jax_can(lambda: traced(in_avals), traced, in_avals)
+    _derived.put(key, derived)
   return custom_partitioning_p.bind(*operands, **dict(
       params, call=derived, transform=transform))
 
@@ -3790,7 +3790,7 @@ def _transposed_program(op: _Op, operands: list, results: list):
   is not linear in its cotangents (a clip, a sign) sees what plain jax
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
-  if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.3
+  if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.2
       isinstance(s, _Vjp) for s in op.steps):
     return None
   levels = _levels(op.steps, operands, results)
@@ -4365,7 +4365,7 @@ def _factor_name(k: int) -> str:
 # II.7 XLA's callbacks: GSPMD before jax 0.12.1, and the fallbacks
 #
 # Under GSPMD, and off TPU where the op cannot be partitioned at lowering
-# (the release gates, I.3: inside a partly manual shard_map, without a
+# (the release gates, I.2: inside a partly manual shard_map, without a
 # mesh, an answer without a PartitionSpec or on a mesh the release cannot
 # lower, jaxlib 0.9.2), the op is one XLA custom call, as upstream: while
 # compiling, XLA asks this module, through Python callbacks, for the

@@ -135,10 +135,9 @@ the text about it, and ``.ci/sections.py`` proves that each copy works
 - ops placed apart: one lowering per place (II.9).
 
 Part III, leaves and tools: III.1 the Shardy rule parser; III.3 the
-module's state;
-
-- ``check_partitioning`` (III.2);
-- the self-demo (III.4).
+module's state.
+Also ``check_partitioning`` (III.2).
+Also the self-demo (III.4).
 
 Each section registers what it owns with jax and XLA at its end. Each
 message stands where it is raised; each version branch beside its owner,
@@ -815,7 +814,7 @@ class _LRU:
         self.put(key, value)
     return value
 
-  def pop(self, key):
+  def pop(self, key):  # seam: used by (II.7)
     with self._lock:
       return self._current().pop(key, None)
 
@@ -1215,8 +1214,7 @@ def _to_lojax(*args, call, **params):
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
 
 
-def _abstract_eval(*avals, call, **_):
-  del avals
+def _abstract_eval(*_, call, **__):
   return call.out_avals
 
 
@@ -1385,9 +1383,11 @@ def _lowering_rule(ctx: _jax.LoweringRuleContext, *values, **params):
     return _inlined_body(ctx, call, why, values)
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
-  # From here on the op is its _Op, and nothing else.
-  op = _op_of(params, place, platforms=mc.platforms, backend=_backend(mc),
-              at_lowering=why_not is None)
+  # From here on the op is its _Op, and nothing else. (jax 0.5.0 renamed
+  # the module context's backend_or_name backend.)
+  op = _op_of(params, place, platforms=mc.platforms, at_lowering=why_not is
+              None, backend=mc.backend if _JAX_VERSION >= (0, 5, 0) else
+              mc.backend_or_name)
   if why_not is not None and (  # seam: XLA's callbacks (II.7)
       "tpu" not in mc.platforms):
     return _by_callbacks(ctx, op, values)
@@ -1565,11 +1565,6 @@ _TPU_ADVICE = (
 def _current_pass() -> _Pass | None:
   stack = getattr(_passes, "stack", None)
   return stack[-1] if stack else None
-
-
-def _backend(mc):
-  # jax 0.5.0 renamed the module context's backend_or_name backend.
-  return mc.backend if _JAX_VERSION >= (0, 5, 0) else mc.backend_or_name
 
 
 def _op_of(params: dict, place: _Placement, **fields) -> _Op:
@@ -1953,13 +1948,8 @@ def _propagated(module) -> dict:
               for op in copy.body.operations if op.name == "sdy.mesh"}
     decided: dict = {}
     for op in _in_lowering_order(copy):
-      if op.name != "stablehlo.custom_call" or "backend_config" not in (
-          op.attributes):
+      if (index := _tag_index(op)) is None:
         continue
-      config = str(op.attributes["backend_config"]).strip('"')
-      if not config.startswith(_AT_LOWERING_TAG):
-        continue
-      index = int(config[len(_AT_LOWERING_TAG):])
       decided.setdefault(index, []).append((
           [_value_placement(v, meshes) for v in op.operands],
           _placements_of(op.attributes, "sdy.sharding", len(op.results),

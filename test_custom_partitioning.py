@@ -11060,6 +11060,53 @@ class AtLoweringTest(CPTestCase):
         NotImplementedError, ["cannot be lowered for TPU", "no PartitionSpec"],
         _tpu_text, op, self.x)
 
+  def test_a_second_lowering_gives_each_op_its_own_rule(self):
+    """Lowered a second time, each op is placed by the rule the first
+    lowering asked of it (found by its index): of two ops in a row, the one
+    whose rule replicates its columns is asked with them unsharded, the
+    other with them as they arrive; values as plain jax's."""
+    self.put_data((16, 8), P("x", "y"), (2, 4), ("x", "y"))
+    seen = {}
+    body = lambda v: v * 2.0  # noqa: E731
+
+    def op_of(name, rule):
+      def partition(m, a, r):
+        seen[name] = _spec(a[0].sharding, 2)
+        s = NamedSharding(m, P(*seen[name]))
+        return m, body, s, (s,)
+      op = custom_partitioning(body)
+      op.def_partition(partition, sharding_rule=rule)
+      return op
+    keeps = op_of("keeps", "i j -> i j")
+    rows = op_of("rows", lambda mesh, operand_types, result_types: (
+        "i j -> i j", {"need_replication_factors": ("j",)}))  # asked
+    # Every module is lowered twice where the rewrite in place is off.
+    self.enterContext(unittest.mock.patch.object(cp, "_REPLACES_IN_PLACE",
+                                                 False))
+    f = jax.jit(lambda x: rows(keeps(x)), in_shardings=self.s)
+    np.testing.assert_allclose(f(self.x), self.xh * 4.0)
+    self.assertEqual(seen, {"keeps": ("x", "y"), "rows": ("x", None)})
+
+  def test_equal_ops_kept_for_the_callbacks_are_one_op_for_xla(self):
+    """Equal ops whose answer keeps XLA's callbacks (no PartitionSpec) are
+    one op for XLA: compiling asks partition once for their one request,
+    not once per custom call; the values are plain jax's."""
+    if not hasattr(cp, "_custom_call"):
+      self.skipTest("a copy without XLA's callbacks (II.7)")
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
+    s = NamedSharding(grid, P("q"))
+    body = lambda x: x * 2.0  # noqa: E731
+    calls = []
+    op = custom_partitioning(body)
+    op.def_partition(lambda m, a, r: calls.append(1) or (m, body, s, (s,)),
+                     sharding_rule="i j -> i j")
+    lowered = jax.jit(lambda x: op(op(op(x))), in_shardings=self.s).lower(
+        self.x)
+    self.assertEqual(lowered.as_text().count("custom_call @CustomSPMDPart"), 3)
+    asked_at_lowering = len(calls)
+    np.testing.assert_allclose(lowered.compile()(self.x), self.xh * 8.0)
+    self.assertEqual(len(calls) - asked_at_lowering, 1)
+
   def test_an_answer_kept_for_the_callbacks_runs_in_the_lowering_s_config(self):
     """An op handed to XLA's callbacks at lowering carries the config it
     was lowered in: compiled outside enable_x64, lower_fn still builds

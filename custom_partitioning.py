@@ -89,15 +89,13 @@ jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy partitioner.
 Through 0.12.0.1 also with GSPMD: jax 0.12.1 removed it (its flag stays,
 with no effect), so there Shardy partitions every op, GSPMD-era ones too
 (upstream refuses those there) (II.7).
-CI (``.ci/run``) tests every change. The whole suite
-runs on 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 (Python 3.12,
-which 0.11 needs) and 0.12.1 (Python 3.13), and on the newest release the
-registry offers, with the names jax keeps only as legacy shims withdrawn from
-this module (``.ci/withdrawn``), so the release that deletes them finds
-nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1, 0.6.0,
-0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0, 0.9.0.1, 0.9.1,
-0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1 (also jax 0.12.0 on
-jaxlib 0.11.2): core test classes and the README quickstart.
+CI (``.ci/run``; its releases in ``.ci/matrix``) tests every change: the
+whole suite on 0.4.35, 0.5.3, 0.7.2, 0.10.2, 0.11.2 and 0.12.1, and on the
+newest release the registry offers with the names jax keeps only as legacy
+shims withdrawn from this module (``.ci/withdrawn``: the release that
+deletes them finds nothing to break); core test classes and the README
+quickstart on every other release with wheels (also jax 0.12.0 on jaxlib
+0.11.2).
 Older releases raise ``ImportError``, and so does any release that lacks a
 name this module reads from jax's internals: every one is looked up at
 import in the table below the imports (``_NAMES``; a name only an extra
@@ -829,7 +827,7 @@ class _LRU:
     with self._lock:
       self._data.clear()
 
-  def __len__(self) -> int:
+  def __len__(self) -> int:  # seam: used by (II.3, II.7)
     with self._lock:
       return len(self._current())
 
@@ -1178,10 +1176,6 @@ custom_partitioning_p = _jax.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
 
 
-def _jit_disabled() -> bool:
-  return bool(_jax.disable_jit.value)
-
-
 def _impl(*args, **params):
   """Eager evaluation of a bound op (e.g. under ``jax.disable_jit()``):
   compiled, and partitioned only if some operand is sharded (upstream
@@ -1190,7 +1184,7 @@ def _impl(*args, **params):
   # (by _static_key; upstream's bind gives a plain tuple); jax.jit keys on
   # the operands' types and shardings. Names are unique: values never sort.
   call, static = params["call"], params["static_args"]
-  if _jit_disabled():  # jax.jit would call straight back into this impl
+  if _jax.disable_jit.value:  # jax.jit would call straight back here
     return _jax.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
   if static and not isinstance(static, _Statics):
@@ -3227,7 +3221,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
   (for the log, if the operands' mesh is all Explicit) why not; no callback."""
-  if not _EXPLICIT_PATH or _jit_disabled():
+  if not _EXPLICIT_PATH or _jax.disable_jit.value:
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
   if len(meshes) != 1:

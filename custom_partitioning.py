@@ -39,9 +39,9 @@ Its check, ``check_partitioning``, has its own (III.2).
 
 Upstream's names, here: ``_resolve_kwargs`` is ``_Signature.positional``
 (called by ``custom_partitioning._split``), and
-``_custom_partitioning_lowering_rule`` is ``_lowering`` (I.3), which
-partitions at lowering (``_first_pass``, ``_second_pass``, ``_manual_ops``)
-where upstream always emits the custom call.
+``_custom_partitioning_lowering_rule`` is ``_lowering_rule`` (I.3), which
+partitions at lowering (``_first_pass``, ``_second_pass``,
+``_replace_tagged_calls``) where upstream always emits the custom call.
 Upstream's ``_ShardingCallbackInfo`` is ``_Op``, its ``_sharding_callbacks``
 ``_registry``, and its ``_custom_partitioning_partition``,
 ``_custom_partitioning_infer_sharding_from_operands`` and
@@ -89,15 +89,13 @@ jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy partitioner.
 Through 0.12.0.1 also with GSPMD: jax 0.12.1 removed it (its flag stays,
 with no effect), so there Shardy partitions every op, GSPMD-era ones too
 (upstream refuses those there) (II.7).
-CI (``.ci/run``) tests every change. The whole suite
-runs on 0.4.35, 0.5.3, 0.7.2 and 0.10.2 (Python 3.11), 0.11.2 (Python 3.12,
-which 0.11 needs) and 0.12.1 (Python 3.13), and on the newest release the
-registry offers, with the names jax keeps only as legacy shims withdrawn from
-this module (``.ci/withdrawn``), so the release that deletes them finds
-nothing to break. The core set runs on 0.4.36, 0.4.38, 0.5.0, 0.5.1, 0.6.0,
-0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2, 0.8.3, 0.9.0, 0.9.0.1, 0.9.1,
-0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0 and 0.12.0.1 (also jax 0.12.0 on
-jaxlib 0.11.2): core test classes, the README quickstart and the self-demo.
+CI (``.ci/run``; its releases in ``.ci/matrix``) tests every change: the
+whole suite on 0.4.35, 0.5.3, 0.7.2, 0.10.2, 0.11.2 and 0.12.1, and on the
+newest release the registry offers with the names jax keeps only as legacy
+shims withdrawn from this module (``.ci/withdrawn``: the release that
+deletes them finds nothing to break); core test classes and the README
+quickstart on every other release with wheels (also jax 0.12.0 on jaxlib
+0.11.2).
 Older releases raise ``ImportError``, and so does any release that lacks a
 name this module reads from jax's internals: every one is looked up at
 import in the table below the imports (``_NAMES``; a name only an extra
@@ -111,12 +109,12 @@ First jax's names (``_NAMES``, the head of the internals, with the private
 attributes the module reads), then three parts by owner. Part I, the
 drop-in core: all a plain op (Auto axes, no transformation) runs under
 Shardy, in call order, each helper beside its first user: I.1 the
-decorator and how a call is bound; I.2 the primitive, and the module's
-lowering (rewritten in place); I.3 the op's lowering rule (where it runs, the
-release gates that decide the path, its rule); I.4 placements from
-Shardy; I.5 asking ``partition``, and its checks; I.6 the per-shard
-program as a manual computation; I.7 values, specs and jaxprs that the
-core and the extras share.
+decorator and how a call is bound; I.2 the release gates that decide an
+op's path, the primitive, and the module's lowering (rewritten in place);
+I.3 the op's lowering rule (where it runs, its ``_Op``, its rule); I.4
+placements from Shardy; I.5 asking ``partition``, and its checks; I.6 the
+per-shard program as a manual computation; I.7 values, specs and jaxprs
+that the core and the extras share.
 
 Part II, one section per extra, entered only from lines marked ``# seam:``
 that name it; a copy drops an extra with its section, its seam lines and
@@ -135,10 +133,9 @@ the text about it, and ``.ci/sections.py`` proves that each copy works
 - ops placed apart: one lowering per place (II.9).
 
 Part III, leaves and tools: III.1 the Shardy rule parser; III.3 the
-module's state;
-
-- ``check_partitioning`` (III.2);
-- the self-demo (III.4).
+module's state.
+Also ``check_partitioning`` (III.2).
+Also the self-demo (III.4).
 
 Each section registers what it owns with jax and XLA at its end. Each
 message stands where it is raised; each version branch beside its owner,
@@ -240,7 +237,7 @@ _NAMES = {
                           "Type",
     "jax.interpreters.mlir": "LoweringRuleContext aval_to_ir_types "
                              "dtype_to_ir_type lower_fun make_ir_context "
-                             "lower_jaxpr_to_module register_lowering",
+                             "register_lowering",
     # jax 0.12.0.1: trace_to_jaxpr_dynamic is to be removed "in favor of
     # trace_to_jaxpr", which is private (and caches by function): kept.
     "jax.interpreters.partial_eval": "trace_to_jaxpr_dynamic lower_jaxpr2?",
@@ -397,11 +394,12 @@ class custom_partitioning:
   alike; any other kind by its own ``==``; operand pytree and avals; jax's
   config); ``jax.clear_caches()`` empties every cache of this module
   (``fun`` is retraced). A lowering asks the callbacks once per distinct
-  question (upstream: per custom call), a new lowering anew; where jax's
-  persistent compilation cache is on, a custom call's key digests the op
-  (code, values its callbacks read, static arguments, mesh, config), so the
-  cache hits across processes and equal ops share answers. As with
-  ``jax.jit``, callbacks must not depend on state no argument shows
+  question (upstream: per custom call), a new lowering anew.
+  Where jax's persistent compilation cache is on, a custom call's key
+  digests the op (code, values its callbacks read, static arguments, mesh,
+  config), so the cache hits across processes and equal ops share answers
+  (II.7).
+  As with ``jax.jit``, callbacks must not depend on state no argument shows
   (environment variables, files).
 
   Args:
@@ -428,7 +426,8 @@ class custom_partitioning:
     functools.update_wrapper(self, fun)
     self.fun, self.static_argnums = fun, static_argnums
     self._defined = False  # def_partition called
-    self._traces, self._programs = _LRU(), _LRU()  # _traced, _explicit_call
+    self._traces = _LRU()  # _traced's
+    self._programs = _LRU()  # seam: _explicit_call's (II.3)
     self._generation = 0  # def_partition calls, in _eager_call's key
     # (cache epoch, compiled fun): what an eager call of single-device
     # arrays, no statics, no keywords runs (_eager_call's answer for them).
@@ -461,8 +460,9 @@ class custom_partitioning:
     Uneven shapes: a dimension of size n sharded over k devices reaches
     ``lower_fn`` as shards of ceil(n / k), the last padded with unspecified
     values (zeros on CPU in practice; at lowering zeros); XLA drops the
-    results' padding, and derivatives are ``fun``'s (above). A
-    reduction over a padded dimension is refused (``check_vma``): shard it
+    results' padding.
+    Derivatives on such shapes are ``fun``'s (above) (II.4).
+    A reduction over a padded dimension is refused (``check_vma``): shard it
     over axes that divide it, or mask the padding in ``lower_fn`` (from
     ``jax.lax.axis_index`` and the global size), ``check_vma=False``.
 
@@ -478,42 +478,50 @@ class custom_partitioning:
         same devices, or an ``AbstractMesh`` (it and shardings on it made
         concrete on the op's devices). If no mesh could be recovered,
         ``mesh`` is empty and ``lower_fn`` has no mesh axes (naming one
-        raises an error saying how to give the op one). None (default)
-        with a ``sharding_rule``: derived from the rule (both partitioners,
-        Explicit axes): a factor keeps the axes its operands arrive sharded
-        on (replicated if they disagree; of two factors on one axis, the
-        later one); replicated are special factors, reduced ones (in no
-        result, in results only, or missing from a result sharing another
-        factor with the operand: ``j`` in ``"i, j -> i"`` for ``x *
-        sum(y)``) and factors of compound dimensions; each shard runs
-        ``fun`` on its local arrays, so the rule must hold shard-wise. None
-        without a rule: ``fun`` runs on one device; on several the call
-        raises ``ValueError``.
-      infer_sharding_from_operands: GSPMD (and, under Explicit mesh axes, for a
-        body jax cannot type): ``(*static, mesh, arg_shapes, result_shape) ->
-        result sharding(s)`` on ``mesh`` (another mesh raises ``ValueError``,
-        under either partitioner); ``result_shape`` has no shardings, nor has an
-        operand XLA has not placed yet (``.sharding`` None). Default: derived
-        from ``sharding_rule``. Under Shardy, without a ``sharding_rule``, it is
-        probed to derive one (where upstream raises ``NotImplementedError``):
-        once per operand dimension, that dimension alone sharded over a mesh
-        axis that divides it, on the author's shapes and the op's mesh (cached
-        per both; an exception is a probe it does not support). The rule ties
-        that dimension to each result dimension the axis lands on (same size).
-        It is logged at ``DEBUG`` and reported by ``check_partitioning``; a
-        ``UserWarning`` says when no probe could be answered.
-      propagate_user_sharding: GSPMD only: ``(*static, mesh, user_shape) ->
-        result sharding(s)`` preferred given the user's; default: the user's.
-        Shardy propagates through the rule both ways and never asks it.
+        raises an error saying how to give the op one). None (default):
+        ``fun`` runs on one device; on several the call raises
+        ``ValueError``.
+        With a ``sharding_rule``, None derives it from the rule (both
+        partitioners, Explicit axes), a factor keeping the axes its
+        operands arrive sharded on (replicated if they disagree; of two
+        factors on one axis, the later one); replicated are special
+        factors, reduced ones (in no result, in results only, or missing
+        from a result sharing another factor with the operand, as ``j`` in
+        ``"i, j -> i"`` for ``x * sum(y)``) and factors of compound
+        dimensions; each shard runs ``fun`` on its local arrays, so the
+        rule must hold shard-wise (II.5).
+      infer_sharding_from_operands: ``(*static, mesh, arg_shapes,
+        result_shape) -> result sharding(s)`` on ``mesh`` (another mesh
+        raises ``ValueError``); ``result_shape`` has no shardings, nor has
+        an operand XLA has not placed yet (``.sharding`` None). Shardy at
+        lowering never asks it.
+        GSPMD asks it (default: derived from ``sharding_rule``), and so
+        does the op under Explicit mesh axes for a body jax cannot type
+        (II.7).
+        Under Shardy, without a ``sharding_rule``, it is probed to derive
+        one (where upstream raises ``NotImplementedError``), once per
+        operand dimension, that dimension alone sharded over a mesh axis
+        that divides it, on the author's shapes and the op's mesh (cached
+        per both; an exception is a probe it does not support); the rule
+        ties that dimension to each result dimension the axis lands on
+        (same size), and a ``UserWarning`` says when no probe could be
+        answered (II.6).
+        The derived rule is logged at ``DEBUG`` (II.8).
+        ``check_partitioning`` reports it (III.2).
+      propagate_user_sharding: Shardy propagates through the rule both
+        ways and never asks it.
+        GSPMD asks it: ``(*static, mesh, user_shape) -> result sharding(s)``
+        preferred given the user's; default: the user's (II.7).
       decode_shardings: True: ``NamedSharding``s on the real mesh when one
         can be recovered (``with mesh``, ``jax.set_mesh`` or the jit's
         shardings); else (or False) ``GSPMDSharding``s.
       sharding_rule: Shardy only: an einsum-like string (see
         ``str_to_sdy_sharding_rule``), an ``SdyShardingRule``, or a callable
         ``(*static, mesh, operand_types, result_types) -> rule`` or
-        ``-> (string, kwargs)``. None with GSPMD callbacks: derived from
-        them (``infer_sharding_from_operands``); with ``partition`` alone:
-        none (Shardy then leaves the results replicated).
+        ``-> (string, kwargs)``. None: Shardy leaves the results
+        replicated.
+        None with GSPMD callbacks: a rule derived from them
+        (``infer_sharding_from_operands``) (II.6).
       check_vma: keyword-only, this module's (upstream has none). True:
         tracing ``lower_fn`` raises ``ValueError`` for a replicated result
         that may vary along a mesh axis (a missing ``psum``) and for
@@ -523,13 +531,14 @@ class custom_partitioning:
         cannot (grouped collectives, unknown primitives with subprograms)
         and ignores size-1 axes; a loop carry may be marked with
         ``jax.lax.pcast(x, axes, to="varying")`` (``pvary`` before jax
-        0.8.2) or not, as upstream. Under Explicit axes the op's
-        ``jax.shard_map`` check is turned off where it refuses what this
-        one proved (an unmarked varying carry, a result made equal by
-        ``all_gather``). A derived op's transposition zeroes cotangents
-        past the end, so XLA's padding never enters its reductions. False
-        turns the checks off (for code right by a construction they cannot
-        see, such as a ring all-reduce).
+        0.8.2) or not, as upstream.
+        Under Explicit axes the op's ``jax.shard_map`` check is turned off
+        where it refuses what this one proved (an unmarked varying carry,
+        a result made equal by ``all_gather``) (II.3).
+        A derived op's transposition zeroes cotangents past the end, so
+        XLA's padding never enters its reductions (II.4).
+        False turns the checks off (for code right by a construction they
+        cannot see, such as a ring all-reduce).
       reduction_factors, need_replication_factors, permutation_factors,
       **factor_sizes: for a string ``sharding_rule`` only.
 
@@ -546,15 +555,17 @@ class custom_partitioning:
       a spec sharding past the value's rank: upstream's ``IndexError``);
       ``ValueError`` naming the result for ``lower_fn`` results of the
       wrong number, per-shard shape or dtype, and for the ``check_vma``
-      checks; under GSPMD, ``NotImplementedError`` for host callbacks in
+      checks.
+      Under GSPMD, ``NotImplementedError`` for host callbacks in
       ``lower_fn``, for ``jax.export`` and for lowering for TPU (which
-      calls no Python partitioner: Shardy is the fix); at lowering,
-      ``NotImplementedError`` for an ordered effect in ``lower_fn``
-      (``io_callback(..., ordered=True)``), and, on every path, for an
-      operand with a symbolic dimension (``jax.export``'s shape
-      polymorphism: other arguments may have them); under
-      ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a returned
-      mesh shaped unlike the op's or a sharding without a ``PartitionSpec``.
+      calls no Python partitioner: Shardy is the fix) (II.7).
+      At lowering, ``NotImplementedError`` for an ordered effect in
+      ``lower_fn`` (``io_callback(..., ordered=True)``), and, on every path,
+      for an operand with a symbolic dimension (``jax.export``'s shape
+      polymorphism: other arguments may have them).
+      Under ``jax.vmap``/``jvp``/``grad``, ``NotImplementedError`` for a
+      returned mesh shaped unlike the op's or a sharding without a
+      ``PartitionSpec`` (II.4).
     """
     if partition is not None and not callable(partition):
       raise TypeError(
@@ -582,7 +593,7 @@ class custom_partitioning:
                         propagate_user_sharding, decode_shardings,
                         sharding_rule, bool(check_vma))
     self._traces.clear()
-    self._programs.clear()
+    self._programs.clear()  # seam: (II.3)
     self._generation += 1
     self._fast = None
     return partition
@@ -647,9 +658,8 @@ class custom_partitioning:
     if (leaves is args.dyn_args and
         not args.defaults_at and not args.static_argnums):
       # The key's ``sharded`` and ``mesh`` are functions of the operands'
-      # shardings: equal shardings, the same function (any device, where
-      # each operand is on one and none is sharded).
-      self._fast = (_cache_epoch(), fn, None if not sharded and all(
+      # shardings: equal shardings, the same function.
+      self._fast = _Fast(_cache_epoch(), fn, None if not sharded and all(
           type(x.sharding) is _SingleDevice for x in leaves) else tuple(
               x.sharding for x in leaves))
     return fn(*args.dyn_args)
@@ -662,31 +672,16 @@ class custom_partitioning:
         out_tree, _jax.jaxpr_as_fun(call)(*leaves))
 
   def __call__(self, *args, **kwargs):
-    fast = self._fast  # the hot path: inlined checks, cheap ones first
-    if (fast is not None and not kwargs and
-        len(args) == self._signature.plain and fast[0] is _cache_epoch() and
-        _jax.trace_state_clean() and not _jax.disable_jit.value):
-      want = fast[2]  # the operands' shardings, or None: each on one device
-      if want is None:
-        for x in args:
-          if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
-            break
-        else:
-          return fast[1](*args)
-      else:
-        for x, s in zip(args, want):
-          if type(x) is not _ArrayImpl or (x.sharding is not s and
-                                           x.sharding != s):
-            break
-        else:
-          return fast[1](*args)
+    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
+    plain = not kwargs and len(args) == self._signature.plain
+    fast = self._fast
+    if eager and plain and fast is not None and fast.fits(args):
+      return fast.fn(*args)  # an eager call like the last one
     if not self._defined:
       raise ValueError(
           f"custom_partitioning function {self._name} has no partitioning "
           "rules: call its def_partition(...) before calling it.")
-    eager = _jax.trace_state_clean() and not _jax.disable_jit.value
-    if (not kwargs and len(args) == self._signature.plain and
-        not (self.static_argnums or self.static_argnums == 0)):
+    if plain and not (self.static_argnums or self.static_argnums == 0):
       args = _CallArgs((), (), (), args)  # the common case, kept fast
     else:
       args = self._split(args, kwargs)
@@ -730,7 +725,7 @@ class custom_partitioning:
 
   def _trace_fun(self, args: _CallArgs, in_tree, in_avals):
     """``fun`` traced to ``(call, out_tree)``. Closed-over arrays stay
-    constants; a closed-over tracer cannot reach XLA's callbacks: refused."""
+    constants; a closed-over tracer cannot be partitioned: refused."""
     fixed = dict([*zip(args.static_argnums, args.static_args), *args.defaults])
     all_args = (_in_call_order(fixed, args.dyn_args) if fixed
                 else args.dyn_args)
@@ -751,8 +746,8 @@ class custom_partitioning:
     return call, out_tree()
 
   def _params(self, args: _CallArgs, flat: _FlatArgs, call, out_tree) -> dict:
-    """A call's equation parameters (the shard_map path's too): upstream's,
-    plus ``check_vma`` and ``transform`` (a derived op's steps)."""
+    """A call's equation parameters: upstream's, plus ``check_vma`` and
+    ``transform`` (empty)."""
     partition = self.partition
     if partition is None and self.sharding_rule is not None:  # seam: (II.5)
       partition = _FromRule(self.fun, args.static_argnums, args.defaults)
@@ -770,7 +765,7 @@ class custom_partitioning:
 
 def _typed_where_jax_can(typed: Callable, untyped: Callable, avals):
   """``typed()``; where that fails on ``avals`` sharded on a mesh
-  (Explicit axes off the shard_map path), ``untyped`` of them without
+  (Explicit axes, the op a custom call), ``untyped`` of them without
   shardings, as upstream traces (a Pallas kernel, q @ k.T): partition's
   lower_fn runs, not the body traced here."""
   try:
@@ -826,7 +821,7 @@ class _LRU:
         self.put(key, value)
     return value
 
-  def pop(self, key):
+  def pop(self, key):  # seam: used by (II.7)
     with self._lock:
       return self._current().pop(key, None)
 
@@ -841,7 +836,7 @@ class _LRU:
     with self._lock:
       self._data.clear()
 
-  def __len__(self) -> int:
+  def __len__(self) -> int:  # seam: used by (II.3, II.7)
     with self._lock:
       return len(self._current())
 
@@ -946,6 +941,30 @@ class _Signature:
     return tuple(out), tuple(unpassed)
 
 
+class _Fast(NamedTuple):
+  """The last eager call's compiled function (``_eager_call``), for one of
+  as many operands, each a concrete array placed as ``shardings`` says
+  (None: each on one device, any), in the same cache epoch."""
+  epoch: object
+  fn: Callable
+  shardings: tuple | None
+
+  def fits(self, args: tuple) -> bool:
+    if self.epoch is not _cache_epoch():
+      return False
+    # Loops: all() of a generator costs 5x as much.
+    if self.shardings is None:
+      for x in args:
+        if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
+          return False
+      return True
+    for x, s in zip(args, self.shardings):
+      if type(x) is not _ArrayImpl or (x.sharding is not s and
+                                       x.sharding != s):
+        return False
+    return True
+
+
 class _CallArgs(NamedTuple):
   static_argnums: tuple  # positions of the static arguments, author's order
   static_args: tuple     # their values, passed first to every callback
@@ -1033,11 +1052,11 @@ class _Statics:
   def __eq__(self, other):
     return isinstance(other, _Statics) and other.key == self.key
 
-  def __repr__(self):  # printed jaxprs (a content key's) show the values
+  def __repr__(self):  # printed jaxprs show the values
     return repr(self.value)
 
 
-class _FromRule:
+class _FromRule:  # seam: used by (II.3, II.5, II.7, II.8)
   """The ``partition`` of an op defined by its rule alone: each shard runs
   ``fun`` with the call's static arguments and unpassed defaults."""
   __slots__ = ("fun", "static_argnums", "defaults", "_parts")
@@ -1076,50 +1095,110 @@ _jax.register_custom_decorator_type(custom_partitioning)
 #
 # ``custom_partitioning_p`` carries upstream's parameters through jax
 # 0.12.0.1 (0.12.1 dropped infer and propagate) plus ``check_vma`` and
-# ``transform`` (a derived op's steps), both read with a default.
+# ``transform``, both read with a default.
 #
 # Under Shardy the op is partitioned while jax lowers the program, on every
 # backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
 # PJRT's custom-partitioner extension, jax#38196). jax has no hook after a
 # module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for every
-# copy of this file (``_lower`` is this copy's part, installed at the end): a
+# copy of this file (``_party`` is this copy's part, installed at the end): a
 # module holding ops is lowered with each op a custom call carrying its rule
 # and its index in lowering order (``_tagged_call``, I.3), Shardy's own
 # propagation runs on a copy of that module in-process (I.4) and places each
 # op's operands and results as XLA's compile would; then each op is asked
 # ``partition`` on those placements (I.5) and its custom call is replaced,
 # in the same module, by pad -> ``jax.shard_map`` of its per-shard program
-# -> slice (``_manual_ops``, I.4; I.6): a manual computation over every mesh
-# axis, at whose boundary Shardy reshards to what ``partition`` returned.
+# -> slice (``_replace_tagged_calls``, I.4; I.6): a manual computation over
+# every mesh axis, at whose boundary Shardy reshards to what ``partition``
+# returned.
 # Where jax lowered one op once for places Shardy placed apart (a function
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
 # jax's lowering caches reused only where the ops are placed alike (II.9).
-# No custom call, and no Python while XLA compiles. Where
-# that cannot be done (the release gates, I.3), the op's lowering raises
-# ``NotImplementedError`` saying why.
+# No custom call, and no Python while XLA compiles. Where that cannot be
+# done (the release gates, below, as ``_at_lowering`` reads them: I.3), the
+# op's lowering raises ``NotImplementedError`` saying why.
 # Off TPU, XLA's callbacks partition such an op instead (II.7).
 # --------------------------------------------------------------------------
+
+# The release gates: each release (and the switch) that decides an op's
+# path, read by _at_lowering (I.3) or where the path branches.
+
+# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
+# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
+_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
+           types.SimpleNamespace(value=True))
+
+# Off: XLA's partition callback, as upstream, except on TPU (which has none).
+_PARTITION_AT_LOWERING = os.environ.get(  # seam: the switch (II.7)
+    "CUSTOM_PARTITIONING_AT_LOWERING", "1") != "0"
+
+# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
+# with another custom call (a LAPACK one) or a function of two callers;
+# 0.9.1 and 0.10.2 do not.
+# There XLA's callbacks partition every op (II.7).
+_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
+
+# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
+# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
+_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and  # seam: (II.3)
+                  hasattr(jax, "shard_map") and
+                  hasattr(jax.sharding, "reshard") and
+                  "check_vma" in inspect.signature(jax.shard_map).parameters)
+
+# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
+# shardings cannot type the manual subgroup XLA needs (it aborts without).
+_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)  # seam: used by (II.2, II.4, II.7)
+
+# An answer on a mesh other than the op's, as a manual computation inside
+# the op's program: jax 0.5.3 lowers one of other axis names with the
+# program's mesh, 0.12.0.1 one of another shape or device order (XLA then
+# aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both.
+# jax 0.9.1's jit cannot read the placement of such an op's result back
+# (IndivisibleError); 0.9.0.1 can, 0.9.2 partitions by callbacks.
+_LOWERS_REORDERED_MESH = ((0, 7, 0) <= _JAX_VERSION < (0, 11, 0) and
+                          _JAX_VERSION[:3] != (0, 9, 1))
+_LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
+
+# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
+# on jax's transposed shard_map (a result of its body used twice); jax
+# 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
+# body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
+# Where it imports, II.4 lowers a transposed derived op as jax's
+# transposition of its manual computation.
+_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
+                                  (0, 6, 1) <= _JAX_VERSION < (0, 7))
+
+# jax 0.7.0 to 0.10.0 lower a manual computation at the end of the caller's
+# block, after its function's return, not where the op's call stands (0.6.2
+# and 0.10.1 at the call; 0.10.1 then emits equal ops' shared per-shard
+# program once per call): there the module is lowered a second time, each
+# op's manual computation emitted as it is lowered, instead of replacing
+# its call in the first lowering's module.
+_REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
+# jax 0.5.3's shard_map types the platform index it hands its manual
+# computation (several platforms); before, one sharding short, MLIR refuses.
+_LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
+
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
 
 
-def _jit_disabled() -> bool:
-  return bool(_jax.disable_jit.value)
-
-
 def _impl(*args, **params):
-  """Eager evaluation of a bound op (e.g. under an eager ``jax.grad``):
+  """Eager evaluation of a bound op (e.g. under ``jax.disable_jit()``):
   compiled, and partitioned only if some operand is sharded (upstream
   never asks the callbacks here; ``partition`` must not see host data)."""
   # Cache key: the params hold the body, every callback and the statics
-  # (by _static_key); jax.jit keys on the operands' types and shardings.
-  call = params["call"]
-  if _jit_disabled():  # jax.jit would call straight back into this impl
+  # (by _static_key; upstream's bind gives a plain tuple); jax.jit keys on
+  # the operands' types and shardings. Names are unique: values never sort.
+  call, static = params["call"], params["static_args"]
+  if _jax.disable_jit.value:  # jax.jit would call straight back here
     return _jax.jaxpr_as_fun(call)(*args)
   sharded = _any_sharded(args)
-  key = (_params_key(params), sharded)
+  if static and not isinstance(static, _Statics):
+    params = dict(params, static_args=_Statics(static, _key_of(static)))
+  key = (tuple(sorted(params.items())), sharded)
   fn = _eager.cached(key, lambda: jax.jit(
       functools.partial(custom_partitioning_p.bind, **params) if sharded
       else _jax.jaxpr_as_fun(call)))
@@ -1138,23 +1217,39 @@ def _to_lojax(*args, call, **params):
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
 
 
-def _abstract_eval(*avals, call, **_):
-  del avals
+def _abstract_eval(*_, call, **__):
   return call.out_avals
 
 
-def _shared_lowering(lower: Callable, parties: dict) -> Callable:
-  """``lower`` (jax's ``lower_jaxpr_to_module``) with every party in
-  ``parties`` inside each lowering: one, and a second where any asks."""
-  @functools.wraps(lower)
-  def lower_jaxpr_to_module(*args, **kwargs):
+# The shared lowering: every copy of this file in a process (each a module
+# of its own name) takes part in one lowering of a module, so that all
+# copies' ops are tagged in one lowering and, where any copy asks for one,
+# lowered in one second (a copy wrapping another's wrapper would lower a
+# module up to 2^k times for k copies). The first copy wraps jax's
+# ``lower_jaxpr_to_module``; a later one finds the parties' table on the
+# wrapper and joins (installed at I.2's end). The attribute's name is the
+# protocol, kept by every version of this file: a party is called with the
+# lowering's arguments and returns a generator; the module is lowered while
+# every party sits at a ``yield``, then each is sent the result. A party
+# that yields a true value asks for a second lowering (at most two); one
+# that returns takes part no further. Where an older copy (without the
+# table) installed its wrapper, this one wraps it.
+_PARTIES_ATTR = "custom_partitioning_parties_v1"
+
+
+def _shared_lowering(lower_jaxpr_to_module: Callable,
+                     parties: dict) -> Callable:
+  """jax's ``lower_jaxpr_to_module`` with every party in ``parties``
+  inside each lowering: one, and a second where any asks."""
+  @functools.wraps(lower_jaxpr_to_module)
+  def shared_lowering(*args, **kwargs):
     running = []
     try:
       for party in list(parties.values()):
         running.append(party(*args, **kwargs))
         next(running[-1])
       for _ in range(2):
-        lowered = lower(*args, **kwargs)
+        lowered = lower_jaxpr_to_module(*args, **kwargs)
         again = False
         for party in list(running):
           try:
@@ -1167,13 +1262,13 @@ def _shared_lowering(lower: Callable, parties: dict) -> Callable:
     finally:
       for party in running:
         party.close()
-  setattr(lower_jaxpr_to_module, _PARTIES_ATTR, parties)
-  return lower_jaxpr_to_module
+  setattr(shared_lowering, _PARTIES_ATTR, parties)
+  return shared_lowering
 
 
-def _lower(*args, **kwargs):
-  """This copy's part in jax's lowering of a module (a party, I.2's end):
-  the module is lowered at each ``yield``.
+def _party(*args, **kwargs):
+  """This copy's party in the shared lowering of a module (above): the
+  module is lowered at each ``yield``.
   Where one op is placed differently in different places, it asks for a
   second lowering (II.9).
   The custom calls of ops partitioned at lowering are replaced in the
@@ -1187,18 +1282,23 @@ def _lower(*args, **kwargs):
   # Dimension variables (a platform index) are arguments of the function jax
   # inlines a rule from: dangling in kept rule contexts, so lowered again.
   asks = not _REPLACES_IN_PLACE or any(c.dim_var_values
-                                       for c, *_ in first.tagged)
+                                       for c, _ in first.tagged)
   if _per_site(decided):  # seam: ops placed apart (II.9)
     asks = True
   if not asks:
     first.decided = decided
     try:
-      _manual_ops(lowered.module, first)
-    except _jax.ir.MLIRError:
-      # A release placing the manual computation elsewhere than where the
-      # call stands (as jax 0.7 to 0.10.0 do, _REPLACES_IN_PLACE): the
-      # module is lowered a second time, with the answers given here.
-      asks = True
+      _replace_tagged_calls(lowered.module, first)
+    except _jax.ir.MLIRError as e:
+      # Unforeseen: the releases that place a manual computation away from
+      # its call are lowered twice (above). The module may now hold
+      # dangling values: neither kept nor lowered again.
+      names = sorted({op.name for _, op in first.tagged})
+      raise RuntimeError(
+          f"custom_partitioning op {', '.join(names)}: replacing its custom "
+          "call by its manual computation in the module jax lowered failed "
+          f"on jax {jax.__version__} ({e}). This is a bug of this module: "
+          "please report it with the program.") from e
   # Where only another party asks for a second lowering, its result is the
   # one kept: this copy's ops are partitioned in it too, as placed in the
   # first.
@@ -1210,13 +1310,12 @@ def _lower(*args, **kwargs):
 
 class _Pass:
   """One lowering of a module: the first (``decided`` None) tags the ops
-  and keeps their rules and what ``_manual_ops`` lowers each from
-  (``tagged``: its rule context, parameters and ``_Op``); the second finds
-  each op's placements and rule by its index in lowering order (and its
-  placements by its place, where jax lowered it once for several), and
-  shares one ``_Op`` (and its answers) among equal ops (``ops``;
-  ``repeated``: the keys of those ``_manual_ops`` meets at more than one
-  call, None in a second lowering)."""
+  and keeps their rules and what ``_replace_tagged_calls`` lowers each from
+  (``tagged``: its rule context and ``_Op``); the second finds each op's
+  placements and rule by its index in lowering order (and its placements
+  by its place, where jax lowered it once for several); both share one
+  ``_Op`` (and its answers) among equal ops (``ops``; ``repeated``: those
+  met at more than one call, None in a second lowering)."""
   def __init__(self, decided: dict | None = None, rules: list | None = None):
     self.decided = decided
     self.rules = [] if rules is None else rules
@@ -1237,11 +1336,11 @@ _passes = threading.local()
 
 
 @contextlib.contextmanager
-def _in_pass(lowering: _Pass):
+def _in_pass(pass_: _Pass):
   stack = _passes.__dict__.setdefault("stack", [])
-  stack.append(lowering)
+  stack.append(pass_)
   try:
-    yield lowering
+    yield pass_
   finally:
     stack.pop()
 
@@ -1250,24 +1349,11 @@ custom_partitioning_p.def_abstract_eval(_abstract_eval)
 custom_partitioning_p.def_impl(_impl)
 custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 
-# Every copy of this file in a process (each a module of its own name)
-# takes part in one shared lowering, so that all copies' ops are tagged in
-# one lowering of the module and, where any copy asks for one, lowered in
-# one second (a copy wrapping another's wrapper would lower a module up to
-# 2^k times for k copies). The first
-# copy installs it; a later one finds the parties' table on it and joins.
-# The attribute's name is the protocol, kept by every version of this file:
-# a party is called with the lowering's arguments and returns a generator;
-# the module is lowered while every party sits at a ``yield``, then each is
-# sent the result. A party that yields a true value asks for a second
-# lowering (at most two); one that returns takes part no further. Where an
-# older copy (without the table) installed its wrapper, this one wraps it.
-_PARTIES_ATTR = "custom_partitioning_parties_v1"
-_lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
-if getattr(_lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
-  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(_lower_jaxpr_to_module,
-                                                     {})
-getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _lower
+# The shared lowering installed (the first copy) or joined (above).
+if getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR, None) is None:
+  _jax.mlir.lower_jaxpr_to_module = _shared_lowering(
+      _jax.mlir.lower_jaxpr_to_module, {})
+getattr(_jax.mlir.lower_jaxpr_to_module, _PARTIES_ATTR)[__name__] = _party
 # Libraries lower through the public name too (jax.interpreters.mlir).
 _jax.interpreters.mlir.lower_jaxpr_to_module = _jax.mlir.lower_jaxpr_to_module
 # jax leaves its own files out of the source locations it records; this
@@ -1280,50 +1366,55 @@ _jax.register_exclusion(__file__)
 # I.3 The op's lowering rule
 #
 # Where the op runs (its mesh and devices: ``_partitioned_placement``),
-# whether it is partitioned at lowering (``_at_lowering``: every release
-# gate that decides the path stands there), its rule (III.1 parses it,
-# resolved against the op's shapes here) and the ``_Op`` its answers are
-# kept on. In the first lowering of a module the op is a tagged custom
-# call (``_first_pass``), which ``_manual_ops`` (I.4) then replaces in that
-# module; where a second lowering is needed (I.2), the op is lowered there
-# as its manual computation at once (``_second_pass``); both through
-# ``_lowered_manual`` (I.5).
+# whether it is partitioned at lowering (``_at_lowering``, reading the
+# release gates at I.2's head), then the op as its ``_Op``, built once here
+# and carried to its manual computation, and its rule (III.1 parses it,
+# resolved against the op's shapes here). In the first
+# lowering of a module the op is a tagged custom call (``_first_pass``),
+# which ``_replace_tagged_calls`` (I.4) then replaces in that module; where
+# a second lowering is needed (I.2), the op is lowered there as its manual
+# computation at once (``_second_pass``); both through
+# ``_manual_computation`` (I.5).
 # --------------------------------------------------------------------------
 
-def _lowering(ctx: _jax.LoweringRuleContext, *values, **params):
+def _lowering_rule(ctx: _jax.LoweringRuleContext, *values, **params):
   """The op's lowering rule: its body where there is nothing to partition,
   else its part in the pass of the module's lowering under way (I.2)."""
   call, steps = params["call"], params.get("transform", ())
-  name = _fun_name(call)
-  place, why = _partitioned_placement(ctx, steps, name)
+  place, why = _partitioned_placement(ctx, steps, _fun_name(call))
   if place is None:  # nothing to partition: the body, inlined
-    return _lowered_body(ctx, call, why, values)
+    return _inlined_body(ctx, call, why, values)
   for i, a in enumerate(ctx.avals_in):  # (results' shapes follow theirs)
     dim = next((d for d in a.shape if not isinstance(d, int)), None)
     if dim is not None:  # (jax.export's shape polymorphism)
       raise NotImplementedError(
-          f"custom_partitioning op {name}: operand {i} has the symbolic "
-          f"dimension {dim} ({a.str_short()}); partitioning needs static "
-          "shapes. Export it with static shapes (other arguments may be "
-          "symbolic), or on one device.")
+          f"custom_partitioning op {_fun_name(call)}: operand {i} has the "
+          f"symbolic dimension {dim} ({a.str_short()}); partitioning needs "
+          "static shapes. Export it with static shapes (other arguments may "
+          "be symbolic), or on one device.")
   mc = ctx.module_context
   why_not = _at_lowering(place, mc.platforms)
+  # From here on the op is its _Op, and nothing else. (jax 0.5.0 renamed
+  # the module context's backend_or_name backend.)
+  op = _op_of(params, place, platforms=mc.platforms, at_lowering=why_not is
+              None, backend=mc.backend if _JAX_VERSION >= (0, 5, 0) else
+              mc.backend_or_name)
   if why_not is not None and (  # seam: XLA's callbacks (II.7)
       "tpu" not in mc.platforms):
-    return _by_callbacks(ctx, params, place, values, name)
+    return _by_callbacks(ctx, op, values)
   if why_not is not None:
-    raise _cannot_lower(name, mc.platforms, why_not)
-  _check_partition(params, place, name)
-  lowering = _current_pass()
-  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
-    lowering.per_site.install(mc)
-  index, lowering.count = lowering.count, lowering.count + 1
-  if lowering.decided is None:
-    return _first_pass(ctx, params, place, values, lowering, index)
-  return _second_pass(ctx, params, place, values, lowering, index)
+    raise _cannot_lower(op.name, mc.platforms, why_not)
+  _check_partition(op)
+  pass_ = _current_pass()
+  if pass_.per_site is not None:  # seam: ops placed apart (II.9)
+    pass_.per_site.install(mc)
+  index, pass_.count = pass_.count, pass_.count + 1
+  if pass_.decided is None:
+    return _first_pass(ctx, op, values, pass_, index)
+  return _second_pass(ctx, op, values, pass_, index)
 
 
-def _lowered_body(ctx, call: _ClosedJaxpr, why: str, values):
+def _inlined_body(ctx, call: _ClosedJaxpr, why: str, values):
   """The op lowered as its body, where there is nothing to partition."""
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(_fun_name(call), "path", path=_FUN, mesh=getattr(
@@ -1430,67 +1521,6 @@ def _mesh_from_abstract(devices, am) -> _jax.Mesh:
                        am.axis_names, **kwargs)
 
 
-# The release gates: each release (and the switch) that decides an
-# op's path, read by _at_lowering or where the path branches.
-
-# ``_SHARDY.value``: whether Shardy partitions (else GSPMD), on this thread.
-# jax 0.12.1 removed GSPMD: Shardy always partitions, whatever the flag says.
-_SHARDY = (_jax.use_shardy_partitioner if _JAX_VERSION < (0, 12, 1) else
-           types.SimpleNamespace(value=True))
-
-# Off: XLA's partition callback, as upstream, except on TPU (which has none).
-_PARTITION_AT_LOWERING = os.environ.get(  # seam: the switch (II.7)
-    "CUSTOM_PARTITIONING_AT_LOWERING", "1") != "0"
-
-# jaxlib 0.9.2's Shardy propagation, run in-process, segfaults on a module
-# with another custom call (a LAPACK one) or a function of two callers;
-# 0.9.1 and 0.10.2 do not. There XLA's callbacks partition every op.
-_PROPAGATES = _JAXLIB_VERSION != (0, 9, 2)
-
-# The shard_map path needs Explicit axes (jax 0.5.3), jax.shard_map with
-# check_vma (0.6) and jax.sharding.reshard (0.7.0); else the custom call.
-_EXPLICIT_PATH = (hasattr(jax.sharding, "AxisType") and  # seam: (II.3)
-                  hasattr(jax, "shard_map") and
-                  hasattr(jax.sharding, "reshard") and
-                  "check_vma" in inspect.signature(jax.shard_map).parameters)
-
-# jax 0.5.3 made axis types per-axis; before it a partly manual shard_map's
-# shardings cannot type the manual subgroup XLA needs (it aborts without).
-_MANUAL_TYPED = _JAX_VERSION >= (0, 5, 3)  # seam: used by (II.2, II.4, II.7)
-
-# An answer on a mesh other than the op's, as a manual computation inside
-# the op's program: jax 0.5.3 lowers one of other axis names with the
-# program's mesh, 0.12.0.1 one of another shape or device order (XLA then
-# aborts, or jax raises IndivisibleError); 0.7.2 and 0.10.2 lower both.
-# jax 0.9.1's jit cannot read the placement of such an op's result back
-# (IndivisibleError); 0.9.0.1 can, 0.9.2 partitions by callbacks.
-_LOWERS_REORDERED_MESH = ((0, 7, 0) <= _JAX_VERSION < (0, 11, 0) and
-                          _JAX_VERSION[:3] != (0, 9, 1))
-_LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
-
-
-# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
-# on jax's transposed shard_map (a result of its body used twice); jax
-# 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
-# body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
-# Where it imports, II.4 lowers a transposed derived op as jax's
-# transposition of its manual computation.
-_TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
-                                  (0, 6, 1) <= _JAX_VERSION < (0, 7))
-
-
-# jax 0.7.0 to 0.10.0 lower a manual computation at the end of the caller's
-# block, after its function's return, not where the op's call stands (0.6.2
-# and 0.10.1 at the call; 0.10.1 then emits equal ops' shared per-shard
-# program once per call): there the module is lowered a second time, each
-# op's manual computation emitted as it is lowered, instead of replacing
-# its call in the first lowering's module.
-_REPLACES_IN_PLACE = not (0, 7) <= _JAX_VERSION < (0, 10, 2)
-# jax 0.5.3's shard_map types the platform index it hands its manual
-# computation (several platforms); before, one sharding short, MLIR refuses.
-_LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
-
-
 def _at_lowering(place: _Placement, platforms) -> str | None:
   """Why the op cannot be partitioned at lowering, or None if it can."""
   if not _SHARDY.value:
@@ -1517,11 +1547,6 @@ def _at_lowering(place: _Placement, platforms) -> str | None:
   return None
 
 
-def _current_pass() -> _Pass | None:
-  stack = getattr(_passes, "stack", None)
-  return stack[-1] if stack else None
-
-
 def _cannot_lower(name: str, platforms, why: str) -> NotImplementedError:
   """The error of an op that cannot be partitioned at lowering, on TPU (or,
   in a copy without XLA's callbacks, on any platform)."""
@@ -1540,59 +1565,128 @@ _TPU_ADVICE = (
     "jax.set_mesh or `with mesh:`)")
 
 
-def _check_partition(params, place: _Placement, name: str) -> None:
-  if params["partition"] is None:
+def _current_pass() -> _Pass | None:
+  stack = getattr(_passes, "stack", None)
+  return stack[-1] if stack else None
+
+
+def _op_of(params: dict, place: _Placement, **fields) -> _Op:
+  """The one builder of an ``_Op``: from its equation's parameters, where
+  it runs and what its lowering knows."""
+  static = params["static_args"]  # _Statics, () or upstream's tuple
+  if static and not isinstance(static, _Statics):
+    static = _Statics(tuple(static), _key_of(tuple(static)))
+  return _Op(**{
+      "name": _fun_name(params["call"]), "call": params["call"],
+      "partition": params["partition"],
+      "infer_sharding_from_operands": params["infer_sharding_from_operands"],
+      "propagate_user_sharding": params["propagate_user_sharding"],
+      "given_rule": params["sharding_rule"],
+      "sharding_rule": params["sharding_rule"],
+      "decode_shardings": params["decode_shardings"],
+      "check_vma": params.get("check_vma", True),  # upstream has none
+      "static_args": getattr(static, "value", ()),
+      "static_key": getattr(static, "key", ()), "in_tree": params["in_tree"],
+      "out_tree": params["out_tree"], "steps": params.get("transform", ()),
+      "place": place, "mesh": place.mesh, **fields})
+
+
+def _check_partition(op: _Op) -> None:
+  if op.partition is None:
     raise ValueError(
-        f"custom_partitioning op {name} runs on {len(place.devices)} devices, "
+        f"custom_partitioning op {op.name} runs on {len(op.place.devices)} "
+        "devices, "
         "but its def_partition was given partition=None, and no partition "
         "is derived from a sharding_rule (none was given, or this copy of "
         "the module was trimmed of rule-only ops): give either.")
 
 
-def _first_pass(ctx, params, place: _Placement, values, lowering: _Pass,
-                index: int):
+_STATE = dict(compare=False)  # a field of an _Op that is not its key
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  """One lowered op, built once by its lowering rule (``_op_of``) and the
+  only thing that carries it from there: what asking its ``partition``
+  needs to know.
+  XLA's callbacks find it by its key, and ask it alike (II.7).
+  Equal and hashed on every field but the state (``_STATE``): equal ops of
+  one lowering are one op (``pass_.ops``), sharing its answers."""
+  name: str
+  call: Any  # the body (a closed jaxpr, by identity): jax's own key
+  partition: Callable | None
+  infer_sharding_from_operands: Callable | None
+  propagate_user_sharding: Callable | None
+  given_rule: Any  # def_partition's sharding_rule (a callable, unasked)
+  decode_shardings: bool
+  check_vma: bool
+  static_key: Any  # the static arguments' (_Statics.key)
+  in_tree: Any
+  out_tree: Any
+  steps: tuple  # from the author's op to this one (empty: it is that)
+  place: _Placement
+  # Per operand and result: the manual axes it varies over, if tracked.
+  varying: tuple = ((), ())  # seam: used by (II.4, II.7)
+  platforms: Any = None
+  backend: Any = None
+  mesh: Any = None  # place.mesh, what the callbacks see
+  # The rule (a callable one asked, _rule_of): a function of the fields
+  # above and the op's shapes.
+  sharding_rule: SdyShardingRule | None = dataclasses.field(
+      default=None, **_STATE)
+  # jax's config where the op was lowered, which partition and lower_fn run
+  # under on XLA's thread (None: the caller's). Its keyed part is in the
+  # content key; in one lowering it is one.
+  config: tuple | None = dataclasses.field(  # seam: (II.7)
+      default=None, **_STATE)
+  # Partition request -> answer: the request holds every input not in the
+  # op's key (shapes, dtypes, shardings). At lowering a dict, living with
+  # the lowering (its op's placements: at most one entry per op).
+  # For XLA's callbacks, which may ask from several threads as long as an
+  # executable lives, a bounded _LRU (II.7).
+  answers: dict | _LRU = dataclasses.field(default_factory=dict, **_STATE)
+  # Partitioned at lowering, not by XLA's callbacks (II.7).
+  at_lowering: bool = dataclasses.field(default=False, **_STATE)
+  static_args: tuple = dataclasses.field(default=(), **_STATE)
+
+
+def _first_pass(ctx, op: _Op, values, pass_: _Pass, index: int):
   """The op in the first lowering: a custom call tagged with its index,
   carrying its rule, which Shardy's propagation places (I.4); its rule
-  context, parameters and ``_Op`` kept for ``_manual_ops``."""
-  rule, rule_attr = _rule_of(ctx, params, place, values, at_lowering=True)
-  op = _op_of(params, place, rule, platforms=ctx.module_context.platforms,
-              backend=_backend(ctx.module_context), at_lowering=True)
-  lowering.rules.append(rule)
-  lowering.tagged.append((ctx, params, op))
-  return _tagged_call(ctx, params["call"], values, rule_attr, index)
+  context and ``_Op`` kept for ``_replace_tagged_calls``."""
+  op, rule_attr = _rule_of(ctx, op, values, at_lowering=True)
+  pass_.rules.append(op.sharding_rule)
+  pass_.tagged.append((ctx, op))
+  return _tagged_call(ctx, op.call, values, rule_attr, index)
 
 
-def _rule_of(ctx, params, place: _Placement, values, at_lowering: bool):
-  """``(rule, attributes)``: the op's rule (a callable one asked) and,
+def _rule_of(ctx, op: _Op, values, at_lowering: bool):
+  """``(op, attributes)``: ``op`` with its rule (a callable one asked) and,
   under Shardy, the custom call's attributes carrying it."""
-  rule, rule_attr = params["sharding_rule"], None
-  steps, name = params.get("transform", ()), _fun_name(params["call"])
+  rule, rule_attr = op.sharding_rule, None
   if callable(rule) or (_SHARDY.value and rule is not None):
-    with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-      rule, rule_attr = _ask_rule(ctx, params, place.mesh, steps)
+    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+      rule, rule_attr = _ask_rule(ctx, op)
   elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
-    rule_attr = _derived_rule_attr(params, place, steps, name, at_lowering)
+    rule_attr = _derived_rule_attr(op, at_lowering)
   # Shardy's verifier refuses a rule on an op without operands (where it
   # could only tie results together); partition still decides them all.
-  return rule, (None if rule_attr is None or not values else
-                {"sdy.sharding_rule": rule_attr})
+  return dataclasses.replace(op, sharding_rule=rule), (
+      None if rule_attr is None or not values else
+      {"sdy.sharding_rule": rule_attr})
 
 
-def _second_pass(ctx, params, place: _Placement, values, lowering: _Pass,
-                 index: int):
+def _second_pass(ctx, op: _Op, values, pass_: _Pass, index: int):
   """The op in a second lowering (I.2): its manual computation, placed as
   the first pass's propagation decided, by its rule as the first pass
   asked it (in that pass's MLIR context)."""
-  mc = ctx.module_context
-  rule = lowering.rules[index]
-  op = _op_of(params, place, rule, platforms=mc.platforms,
-              backend=_backend(mc), at_lowering=True)
+  op = dataclasses.replace(op, sharding_rule=pass_.rules[index])
   try:
-    return _lowered_manual(ctx, params, op, values, lowering, index)
+    return _manual_computation(ctx, op, values, pass_, index)
   except _KeepCallbacks as e:
-    if "tpu" not in mc.platforms:  # seam: XLA's callbacks (II.7)
-      return _fallback_call(ctx, params, op, values)
-    raise _cannot_lower(op.name, mc.platforms, f"its partition {e}") from None
+    if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
+      return _fallback_call(ctx, op, values)
+    raise _cannot_lower(op.name, op.platforms, f"its partition {e}") from None
 
 
 @contextlib.contextmanager
@@ -1611,7 +1705,7 @@ def _naming(prefix: str, suffix: str | Callable[[Exception], str] = ""):
 class _Level(NamedTuple):
   """An op from the author's (``step`` None) up to the one XLA asks about:
   its values as asked or as partitioned, and its batch dimension's entry."""
-  step: Any  # the derived op's step that made it; None: the author's op
+  step: Any  # what made it from the level below; None: the author's op
   operands: list
   results: list
   entry: Any = None
@@ -1627,18 +1721,20 @@ def _rule_levels(call, steps: tuple) -> list[_Level]:
   return [_Level(None, *values)]
 
 
-def _ask_rule(ctx, params, mesh, steps: tuple):
+def _ask_rule(ctx, op: _Op):
   """The op's rule (a callable one asked) and, under Shardy, its attribute."""
-  rule, levels = params["sharding_rule"], _rule_levels(params["call"], steps)
+  rule, levels = op.sharding_rule, _rule_levels(op.call, op.steps)
   if callable(rule):
-    rule = _asked_rule(ctx, params, mesh, levels[0])
-  return rule, (_rule_attr(rule, levels, isinstance(params["partition"],
-                                                    _FromRule))
+    rule = _asked_rule(ctx, op, levels[0])
+  one_size = False
+  if isinstance(op.partition, _FromRule):  # seam: one size a factor (II.5)
+    one_size = True
+  return rule, (_rule_attr(rule, levels, one_size)
                 if _SHARDY.value and rule is not None else None)
 
 
 def _rule_attr(rule, levels: list, one_size: bool):
-  """A derived op's Shardy rule: the author's ``rule`` walked up the steps."""
+  """The op's Shardy rule: the author's ``rule`` walked up the ``levels``."""
   bottom = levels[0]
   n = len(bottom.operands)
   sizes, dims = _resolve_rule(
@@ -1659,7 +1755,7 @@ def _resolve_rule(rule: SdyShardingRule, shapes: Sequence[Sequence[int]],
   Raises ValueError on a count or rank mismatch, a factor naming two
   dimensions of one value (Shardy refuses it), an ellipsis standing for
   different numbers of dimensions, or sizes that do not fit (with
-  ``one_size``, for an op by its rule alone, two sizes of one factor)."""
+  ``one_size``, two sizes of one factor)."""
   for kind, in_rule, in_op in (
       ("operands", len(rule.operand_mappings), num_operands),
       ("results", len(rule.result_mappings), len(shapes) - num_operands)):
@@ -1764,10 +1860,9 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
       result_mappings=result_mappings, **kwargs)
 
 
-def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
+def _asked_rule(ctx, op: _Op, author: _Level) -> SdyShardingRule:
   """What a callable ``sharding_rule`` answers about the author's op (with
   ``ctx`` None, while tracing: on types of an MLIR context of its own)."""
-  static = params["static_args"]
   with contextlib.ExitStack() as scope:
     if ctx is None:
       scope.enter_context(_jax.make_ir_context())
@@ -1776,8 +1871,8 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
         v.shape, _jax.dtype_to_ir_type(v.dtype)) for v in side] if ctx is None
         else _ir_types(ctx, [_jax.ShapedArray(v.shape, v.dtype) for v in side])
         for side in (author.operands, author.results))
-    produced = params["sharding_rule"](
-        *getattr(static, "value", static), mesh, operand_types, result_types)
+    produced = op.given_rule(
+        *op.static_args, op.mesh, operand_types, result_types)
   kwargs: dict = {}
   if isinstance(produced, (tuple, list)) and len(produced) == 2:
     produced, kwargs = produced
@@ -1788,73 +1883,6 @@ def _asked_rule(ctx, params, mesh, author: _Level) -> SdyShardingRule:
         "A callable sharding_rule must return an SdyShardingRule, an "
         f"einsum-like string, or (string, kwargs); got {produced!r}.")
   return produced
-
-
-_STATE = {"state": True}  # marks the fields of an _Op that are not its key
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Op:
-  """One lowered op: what asking its ``partition`` (at lowering, or by
-  XLA's callbacks) needs to know. Every field but those marked ``_STATE``
-  decides the answers, and equal ops agree on all of them (at lowering
-  ``_equal_ops_key``, for XLA's callbacks ``_register``)."""
-  name: str
-  partition: Callable | None
-  infer_sharding_from_operands: Callable | None
-  propagate_user_sharding: Callable | None
-  sharding_rule: SdyShardingRule | None  # a callable one, asked (_ask_rule)
-  decode_shardings: bool
-  check_vma: bool
-  static_args: tuple
-  in_tree: Any
-  out_tree: Any
-  steps: tuple  # of _Step: from the author's op to this one
-  place: _Placement
-  # The body, plain jax's program: keyed apart, as the equation's
-  # (_params_key, _content_key).
-  call: Any = dataclasses.field(default=None, metadata=_STATE)
-  # Per operand and result: the manual axes it varies over, if tracked.
-  varying: tuple = ((), ())  # seam: used by (II.4, II.7)
-  platforms: Any = None
-  backend: Any = None
-  # jax's config where the op was lowered, which partition and lower_fn run
-  # under on XLA's thread (None: the caller's). Its keyed part is in the
-  # content key; in one lowering it is one.
-  config: tuple | None = dataclasses.field(  # seam: (II.7)
-      default=None, metadata=_STATE)
-  # Partition request -> answer: the request holds every input not in the
-  # op's key (shapes, dtypes, shardings). At lowering a dict, living with
-  # the lowering (its op's placements: at most one entry per op); for
-  # XLA's callbacks, which may ask from several threads as long as an
-  # executable lives, a bounded _LRU (_register).
-  answers: dict | _LRU = dataclasses.field(default_factory=dict,
-                                           metadata=_STATE)
-  mesh: Any = None  # place.mesh, what the callbacks see
-  # Partitioned at lowering, not by XLA's callbacks (II.7).
-  at_lowering: bool = dataclasses.field(default=False, metadata=_STATE)
-
-
-def _backend(mc):
-  # jax 0.5.0 renamed the module context's backend_or_name backend.
-  return mc.backend if _JAX_VERSION >= (0, 5, 0) else mc.backend_or_name
-
-
-def _op_of(params: dict, place: _Placement, rule, **lowered) -> _Op:
-  """The one builder of an ``_Op``: from its equation's parameters, where
-  it runs, its rule (asked by now) and what its lowering knows."""
-  static = params["static_args"]  # _Statics, or upstream's tuple
-  return _Op(name=_fun_name(params["call"]), partition=params["partition"],
-             infer_sharding_from_operands=params[
-                 "infer_sharding_from_operands"],
-             propagate_user_sharding=params["propagate_user_sharding"],
-             sharding_rule=rule, decode_shardings=params["decode_shardings"],
-             check_vma=params.get("check_vma", True),  # upstream has none
-             static_args=getattr(static, "value", static),
-             in_tree=params["in_tree"], out_tree=params["out_tree"],
-             steps=params.get("transform", ()), place=place, mesh=place.mesh,
-             call=params["call"],
-             **lowered)
 
 
 def _varying_axes(aval) -> frozenset | None:  # seam: used by (II.3, II.7)
@@ -1887,7 +1915,7 @@ def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
 # jax 0.12.1's jax_partitioning flag lowers each primitive on an Explicit
 # mesh as a shard_map by its rule, refusing one without; None lowers the op
 # as without the flag: it partitions itself.
-_jax.register_lowering(custom_partitioning_p, _lowering, **(
+_jax.register_lowering(custom_partitioning_p, _lowering_rule, **(
     {"shard_map_collective_rule": lambda *_, **__: None}
     if _JAX_VERSION >= (0, 12, 1) else {}))
 # Lowering needs the concrete devices (to pick the mesh and key the op).
@@ -1900,8 +1928,8 @@ _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # Shardy's propagation, run in-process on a copy of the first lowering's
 # module, places each tagged op's operands and results; they are read back
 # as ``_Sdy`` placements by the op's index (unplaced: replicated), and
-# ``_manual_ops`` replaces each tagged call, in the module jax lowered, by
-# its manual computation (I.5, I.6).
+# ``_replace_tagged_calls`` replaces each tagged call, in the module jax
+# lowered, by its manual computation (I.5, I.6).
 # --------------------------------------------------------------------------
 
 def _propagated(module) -> dict:
@@ -1931,13 +1959,8 @@ def _propagated(module) -> dict:
               for op in copy.body.operations if op.name == "sdy.mesh"}
     decided: dict = {}
     for op in _in_lowering_order(copy):
-      if op.name != "stablehlo.custom_call" or "backend_config" not in (
-          op.attributes):
+      if (index := _tag_index(op)) is None:
         continue
-      config = str(op.attributes["backend_config"]).strip('"')
-      if not config.startswith(_AT_LOWERING_TAG):
-        continue
-      index = int(config[len(_AT_LOWERING_TAG):])
       decided.setdefault(index, []).append((
           [_value_placement(v, meshes) for v in op.operands],
           _placements_of(op.attributes, "sdy.sharding", len(op.results),
@@ -1950,12 +1973,13 @@ def _per_site(decided: dict) -> bool:  # seam: used by (II.9)
   return any(any(s != sites[0] for s in sites) for sites in decided.values())
 
 
-def _manual_ops(module, lowering: _Pass) -> None:
+def _replace_tagged_calls(module, pass_: _Pass) -> None:
   """Lowers each op's manual computation where its tagged custom call
   stands, in the rule context jax lowered the op in, and drops the call:
   lowering the whole program again would cost as much as the first time.
   Off TPU, an op jax cannot lower so keeps its call (and its rule), for
-  XLA's callbacks."""
+  XLA's callbacks (II.7).
+  """
   # jax lowers equal equations (and a function of several callers) once:
   # one index may stand at many calls, all placed alike here.
   calls = [(op, index) for op in _operations(module.operation)
@@ -1963,21 +1987,20 @@ def _manual_ops(module, lowering: _Pass) -> None:
   # jax's symbol table predates the meshes its lowering lifted last; a
   # function lowered here must not take one of their names.
   table = _jax.ir.SymbolTable(module.operation)
-  for ctx, _, _ in lowering.tagged:
+  for ctx, _ in pass_.tagged:
     ctx.module_context.symbol_table = table
-  counts = collections.Counter(
-      _equal_ops_key(*lowering.tagged[index][1:]) for _, index in calls)
-  lowering.repeated = {key for key, n in counts.items() if n > 1}
+  counts = collections.Counter(pass_.tagged[index][1] for _, index in calls)
+  pass_.repeated = {op for op, n in counts.items() if n > 1}
   with module.context:
     for call, index in calls:
-      ctx, params, op = lowering.tagged[index]
+      ctx, op = pass_.tagged[index]
       try:
         with _jax.ir.InsertionPoint(call), call.location:
-          results = _lowered_manual(ctx, params, op, list(call.operands),
-                                    lowering, index)
+          results = _manual_computation(ctx, op, list(call.operands),
+                                        pass_, index)
       except _KeepCallbacks as e:
         if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
-          _keep_call(call, ctx, op, params)
+          _keep_call(call, ctx, op)
           continue
         raise _cannot_lower(op.name, op.platforms,
                             f"its partition {e}") from None
@@ -2132,17 +2155,15 @@ def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
 # ``lower_fn`` traced on per-shard shapes and checked (II.1).
 # --------------------------------------------------------------------------
 
-def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
-                    index: int):
+def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
   """The op as a manual computation of its per-shard program, placed as
   the first pass's propagation decided (unplaced: replicated); raises
   ``_KeepCallbacks`` where jax cannot lower that."""
   # Equal ops of one lowering share one _Op, whose answers (op.answers, by
   # the placements asked) are a fresh partition's: the lowering's config
-  # and equal parameters are one; they live and die with the lowering.
-  key = _equal_ops_key(params, op)
-  op = lowering.ops.setdefault(key, op)
-  decided = _next_placement(lowering, index)
+  # and equal ops' fields are one; they live and die with the lowering.
+  op = pass_.ops.setdefault(op, op)
+  decided = _next_placement(pass_, index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
   operands, results = ([_decided_value(a, placed, op.mesh)
@@ -2154,7 +2175,7 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
                          for side in (operands, results)))
   program = op.answers.get(request)
   if program is None:  # (partition runs on this thread, in its config)
-    if op.steps:  # seam: jax's transposition of a derived op (II.4)
+    if any(isinstance(s, _Vjp) for s in op.steps):  # seam: (II.4)
       program = _transposed_program(op, operands, results)
     if program is None:
       shard = _shard_of(op, operands, results, op.mesh)
@@ -2162,7 +2183,7 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
       # Jitted where equal ops share it (lowered once, called by each);
       # a jit of one caller only adds a tenth to its lowering.
       program = _manual_program(op, shard, jit=(
-          lowering.repeated is None or key in lowering.repeated))
+          pass_.repeated is None or op in pass_.repeated))
     op.answers[request] = program
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -2175,32 +2196,20 @@ def _lowered_manual(ctx, params, op: _Op, values, lowering: _Pass,
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
 
 
-def _next_placement(lowering: _Pass, index: int):
+def _next_placement(pass_: _Pass, index: int):
   """The placement of op ``index``'s next place, lowered now."""
-  site = lowering.sites.get(index, 0)
-  lowering.sites[index] = site + 1
-  placement = _placement(lowering, index, site)
-  if lowering.per_site is not None:  # seam: ops placed apart (II.9)
-    lowering.per_site.lowered(index, placement)
+  site = pass_.sites.get(index, 0)
+  pass_.sites[index] = site + 1
+  placement = _placement(pass_, index, site)
+  if pass_.per_site is not None:  # seam: ops placed apart (II.9)
+    pass_.per_site.lowered(index, placement)
   return placement
 
 
-def _placement(lowering: _Pass, index: int, site: int):
+def _placement(pass_: _Pass, index: int, site: int):
   """Where propagation placed op ``index`` in its ``site``-th place."""
-  sites = lowering.decided.get(index) or [None]
+  sites = pass_.decided.get(index) or [None]
   return sites[min(site, len(sites) - 1)]
-
-
-def _equal_ops_key(params, op: _Op) -> tuple:
-  return _params_key(params), op.platforms, op.backend
-
-
-def _params_key(params: dict) -> tuple:
-  """Equation parameters as a key (upstream's bind: statics a plain tuple)."""
-  static = params["static_args"]
-  if static and not isinstance(static, _Statics):
-    params = dict(params, static_args=_Statics(static, _key_of(static)))
-  return tuple(sorted(params.items()))  # names unique: values never compared
 
 
 def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
@@ -2301,13 +2310,13 @@ def _partition(op: _Op, operands: list, results: list, on):
   # lower_fn is traced once, in its manual computation (I.6): a second
   # trace cost a third of an op's lowering.
   inside = op.at_lowering and _JAX_VERSION >= (0, 7, 0)
-  if inside and not op.steps and (not op.check_vma or
-                                  _sharded_everywhere(answer)):
+  everywhere = _sharded_everywhere(answer)
+  if inside and not op.steps and (not op.check_vma or everywhere):
     closed = None
   else:
     closed = _trace_lower_fn(op, answer)
   if op.check_vma:  # seam: per-shard checks (II.1)
-    _check_per_shard(op, answer, operands + results, closed)
+    _check_per_shard(op, answer, operands + results, closed, everywhere)
   if not inside and _calls_host(closed):
     raise _host_callback_error(op)
   return answer, closed
@@ -2522,6 +2531,25 @@ class _ForeignMesh(ValueError):  # seam: used by (II.3, II.4, II.6, II.7)
   """A callback answered on a mesh other than the one it was given."""
 
 
+def _sharded_everywhere(answer: _Answer) -> bool:
+  """Whether partition shards every result over every mesh axis (none
+  is replicated, so none can vary where it may not)."""
+  on = answer.on
+  return all(v.spec is not None and math.prod(
+      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
+
+
+def _shard_count(entry, mesh) -> int:
+  """How many shards a PartitionSpec entry cuts its dimension into."""
+  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
+
+
+def _entry_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  return (() if entry is None else
+          tuple(entry) if isinstance(entry, tuple) else (entry,))
+
+
 def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
   """``lower_fn`` traced on local shapes; its results checked against the
   shapes and dtypes ``partition``'s result shardings need."""
@@ -2575,25 +2603,6 @@ def _check_lower_fn_results(op: _Op, answer: _Answer, got: list) -> None:
           f"lower_fn of {op.name} returned result {i} with local shape "
           f"{g.dtype}{list(g.shape)}, but its result sharding needs "
           f"{want.dtype}{list(want.shape)}.")
-
-
-def _sharded_everywhere(answer: _Answer) -> bool:
-  """Whether partition shards every result over every mesh axis (none
-  is replicated, so none can vary where it may not)."""
-  on = answer.on
-  return all(v.spec is not None and math.prod(
-      _shard_count(e, on) for e in v.spec) == on.size for v in answer.results)
-
-
-def _shard_count(entry, mesh) -> int:
-  """How many shards a PartitionSpec entry cuts its dimension into."""
-  return math.prod(mesh.shape[a] for a in _entry_axes(entry))
-
-
-def _entry_axes(entry) -> tuple:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  return (() if entry is None else
-          tuple(entry) if isinstance(entry, tuple) else (entry,))
 
 
 def _local_struct(v: _Value, on) -> jax.ShapeDtypeStruct:
@@ -2677,7 +2686,7 @@ def _check_lowerable(op: _Op, shard: _Answer):
 
 def _foreign_mesh_fails(mesh, op_mesh) -> bool:
   """Whether jax cannot lower a shard_map on ``mesh`` (partition's) in a
-  program on ``op_mesh`` (the releases: I.3's gates)."""
+  program on ``op_mesh`` (the releases: I.2's gates)."""
   if mesh.devices.tolist() != op_mesh.devices.tolist():
     return not _LOWERS_REORDERED_MESH
   return mesh.axis_names != op_mesh.axis_names and not _LOWERS_RENAMED_MESH
@@ -2686,10 +2695,11 @@ def _foreign_mesh_fails(mesh, op_mesh) -> bool:
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
                     jit: bool = True) -> Callable:
   """The pad -> ``shard_map`` of ``shard``'s per-shard program -> slice
-  (XLA pads uneven shards on the callback path; here jax does), jitted if
-  ``jit``. ``per_shard`` (of the flat operands), if given, runs instead,
-  checked by jax's typing of shard_map (a derived op's transposition);
-  where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
+  (XLA pads uneven shards of a custom call; here jax does), jitted if
+  ``jit``.
+  ``per_shard`` (of the flat operands), if given, runs instead, checked by
+  jax's typing of shard_map: a derived op's transposition (II.4).
+  Where ``shard`` holds no jaxpr, ``lower_fn`` is traced in the shard_map,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
   operands are padded with zeros."""
   if shard.lower_fn is None:  # seam: plain jax's, partitioned by jax (II.4)
@@ -2941,15 +2951,16 @@ _CHECK_NAMES = {
 _look_up(_CHECK_NAMES)
 
 def _check_per_shard(op: _Op, answer: _Answer, values: list,
-                     closed: _ClosedJaxpr) -> bool:
+                     closed: _ClosedJaxpr, everywhere: bool) -> bool:
   """Raises where ``closed``, ``lower_fn`` traced for ``answer`` about
   ``values`` (operands, then results), would give wrong values: a reduction
-  over padding, a replicated result that varies. Returns whether every
-  result was proven equal along the axes it is replicated over."""
+  over padding, a replicated result that varies (none where ``everywhere``:
+  ``_sharded_everywhere``). Returns whether every result was proven equal
+  along the axes it is replicated over."""
   on = answer.on
   if op.sharding_rule is not None and _padded(answer.args, on):
     _check_even_reductions(op, values, answer.args, on)
-  if _sharded_everywhere(answer):
+  if everywhere:
     return True
   return _check_replicated_results(
       op.name, _open(closed), [v.spec for v in answer.args],
@@ -3262,7 +3273,7 @@ def _run_program(user_op, program: _Program, key, flat: _FlatArgs, mesh):
 def _explicit_mesh(flat: _FlatArgs, eager_mesh=None):
   """``(mesh, why_not)``: the concrete mesh to run shard_map on, or None and
   (for the log, if the operands' mesh is all Explicit) why not; no callback."""
-  if not _EXPLICIT_PATH or _jit_disabled():
+  if not _EXPLICIT_PATH or _jax.disable_jit.value:
     return None, None
   meshes = {m for m in map(_aval_mesh, flat.in_avals) if m is not None}
   if len(meshes) != 1:
@@ -3343,13 +3354,13 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
   params = user_op._params(args, flat, call, out_tree)
   rule = params["sharding_rule"]
   op = _op_of(params, _Placement(mesh, tuple(mesh.devices.flat)),
-              None if callable(rule) else rule)
+              sharding_rule=None if callable(rule) else rule)
   operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
                                               type_error)
   if callable(rule):  # asked as the custom call's lowering asks it
     with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
       op = dataclasses.replace(op, sharding_rule=_asked_rule(
-          None, params, mesh, _Level(None, operands, results)))
+          None, op, _Level(None, operands, results)))
   if rule is not None and (
       _SHARDY.value or op.infer_sharding_from_operands is None):
     # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
@@ -3387,7 +3398,8 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
     return _Program(None, out_tree)
   closed, proven = _trace_lower_fn(op, answer), False
   if op.check_vma:  # seam: per-shard checks (II.1)
-    proven = _check_per_shard(op, answer, operands + results, closed)
+    proven = _check_per_shard(op, answer, operands + results, closed,
+                              _sharded_everywhere(answer))
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_partition(op, operands, results, answer, _SHARD_MAP)
   build = functools.partial(_shard_map_program, op, answer, flat.in_avals,
@@ -3643,8 +3655,10 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
                            avals, f"{tag[0]} of {_fun_name(call)}")[0]
 
   # Untyped where jax cannot type the body, as the op itself was bound.
-  derived = _derived.cached(key, lambda: _typed_where_jax_can(
-      lambda: traced(in_avals), traced, in_avals))
+  derived = _derived.get(key)
+  if derived is None:
+    derived = _typed_where_jax_can(lambda: traced(in_avals), traced, in_avals)
+    _derived.put(key, derived)
   return custom_partitioning_p.bind(*operands, **dict(
       params, call=derived, transform=transform))
 
@@ -3788,7 +3802,7 @@ def _transposed_program(op: _Op, operands: list, results: list):
   is not linear in its cotangents (a clip, a sign) sees what plain jax
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
-  if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.3
+  if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.2
       isinstance(s, _Vjp) for s in op.steps):
     return None
   levels = _levels(op.steps, operands, results)
@@ -4163,36 +4177,34 @@ _derived_rules = _LRU(256)
 _rules_seen = threading.local()  # ``found``: check_partitioning's list
 
 
-def _derived_rule_attr(params, place: _Placement, steps: tuple, name: str,
-                       at_lowering: bool = False):
+def _derived_rule_attr(op: _Op, at_lowering: bool = False):
   """The Shardy rule attribute of an op with GSPMD callbacks and no rule,
   from its derived rule; None if it has neither infer nor propagate."""
-  if (params["infer_sharding_from_operands"] is None and
-      params["propagate_user_sharding"] is None):
+  if (op.infer_sharding_from_operands is None and
+      op.propagate_user_sharding is None):
     return None
-  levels = _rule_levels(params["call"], steps)
-  with _naming(f"sharding_rule of custom_partitioning op {name}: "):
-    return _rule_attr(_derived_rule(params, place, levels[0],
-                                    at_lowering).rule, levels, False)
+  levels = _rule_levels(op.call, op.steps)
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    return _rule_attr(_derived_rule(op, levels[0], at_lowering).rule, levels,
+                      False)
 
 
-def _derived_rule(params, place: _Placement, author: _Level,
+def _derived_rule(op: _Op, author: _Level,
                   at_lowering: bool = False) -> _Derived:
   """The author's op's rule, derived from its infer (cached), logged."""
-  static = params["static_args"]
-  static_key = _key_of(getattr(static, "value", static))
+  static_key = _key_of(op.static_args)
   key = None if static_key is None else (
-      params["infer_sharding_from_operands"], static_key, params["in_tree"],
-      params["out_tree"], params["decode_shardings"], place,
+      op.infer_sharding_from_operands, static_key, op.in_tree, op.out_tree,
+      op.decode_shardings, op.place,
       tuple((v.shape, v.dtype) for v in author.operands + author.results),
       _jax.trace_context())
   derived = None if key is None else _derived_rules.get(key)
   hit = derived is not None
   if not hit:
-    derived = _derive(params, place, author)
+    derived = _derive(op, author)
     if key is not None:
       _derived_rules.put(key, derived)
-  name = _fun_name(params["call"])
+  name, place = op.name, op.place
   if getattr(_rules_seen, "found", None) is not None:
     _rules_seen.found.append((name, derived.text, derived.why))
   if derived.failed and not hit:
@@ -4225,8 +4237,8 @@ def _derived_rules_seen():  # seam: used by (III.2)
     _rules_seen.found = outer
 
 
-def _derive(params, place: _Placement, author: _Level) -> _Derived:
-  op = _op_of({**params, "transform": ()}, place, None)
+def _derive(op: _Op, author: _Level) -> _Derived:
+  op, place = dataclasses.replace(op, steps=(), sharding_rule=None), op.place
   operands, results = author.operands, author.results
   n, shapes = len(operands), [v.shape for v in operands + results]
   mesh = place.auto if place.auto is not None else op.mesh
@@ -4314,7 +4326,7 @@ def _factor_name(k: int) -> str:
 # II.7 XLA's callbacks: GSPMD before jax 0.12.1, and the fallbacks
 #
 # Under GSPMD, and off TPU where the op cannot be partitioned at lowering
-# (the release gates, I.3: inside a partly manual shard_map, without a
+# (the release gates, I.2: inside a partly manual shard_map, without a
 # mesh, an answer without a PartitionSpec or on a mesh the release cannot
 # lower, jaxlib 0.9.2), the op is one XLA custom call, as upstream: while
 # compiling, XLA asks this module, through Python callbacks, for the
@@ -4353,19 +4365,19 @@ _CALLBACK_NAMES = {
 }
 _look_up(_CALLBACK_NAMES)
 
-def _custom_call(ctx, op, params, values, rule_attr):
+def _custom_call(ctx, op: _Op, values, rule_attr):
   """The op as one custom call, partitioned by XLA's callbacks (below)."""
   return _jax.custom_call(
-      _TARGET, result_types=_ir_types(ctx, params["call"].out_avals),
-      operands=list(values), backend_config=_register(ctx, op, params),
+      _TARGET, result_types=_ir_types(ctx, op.call.out_avals),
+      operands=list(values), backend_config=_register(ctx, op),
       extra_attributes=rule_attr).results
 
 
-def _by_callbacks(ctx, params, place: _Placement, values, name: str):
+def _by_callbacks(ctx, op: _Op, values):
   """The op as one custom call, partitioned by XLA's callbacks: under
   GSPMD, and off TPU where it cannot be partitioned at lowering."""
-  mc = ctx.module_context
-  _check_exportable(mc, name)
+  name, place = op.name, op.place
+  _check_exportable(ctx.module_context, name)
   if place.devices is None:
     raise ValueError(
         f"custom_partitioning op {name} is lowered for several devices, but "
@@ -4377,19 +4389,16 @@ def _by_callbacks(ctx, params, place: _Placement, values, name: str):
         "the mesh around the call, with jax.set_mesh(mesh) or `with mesh:`, "
         "so the op can find its devices; or call the op outside that "
         "primitive.")
-  _check_partition(params, place, name)
-  rule, rule_attr = _rule_of(ctx, params, place, values, at_lowering=False)
-  # Inside a partly manual shard_map: the manual axes each value varies on.
-  varying = ((), ()) if place.auto is None else tuple(
-      tuple(_varying_axes(a) for a in avals)
-      for avals in (ctx.avals_in, ctx.avals_out))
-  # partition and lower_fn run on XLA's thread, in the lowering's config.
-  op = _op_of(params, place, rule, varying=varying, platforms=mc.platforms,
-              backend=_backend(mc), config=_config_values())
-  return _custom_call(ctx, op, params, values, rule_attr)
+  _check_partition(op)
+  op, rule_attr = _rule_of(ctx, op, values, at_lowering=False)
+  if place.auto is not None:  # the manual axes each value varies on
+    op = dataclasses.replace(op, varying=tuple(
+        tuple(_varying_axes(a) for a in avals)
+        for avals in (ctx.avals_in, ctx.avals_out)))
+  return _custom_call(ctx, op, values, rule_attr)
 
 
-def _fallback_call(ctx, params, op, values):
+def _fallback_call(ctx, op: _Op, values):
   """Off TPU, an op whose answer jax cannot lower as a manual computation:
   the custom call, partitioned by XLA's callbacks."""
   # Placed by its rule, as in the first pass (without, Shardy leaves
@@ -4397,11 +4406,9 @@ def _fallback_call(ctx, params, op, values):
   rule_attr = None
   if isinstance(op.sharding_rule, SdyShardingRule) and values:
     rule_attr = {"sdy.sharding_rule": _rule_attr(
-        op.sharding_rule, _rule_levels(params["call"], op.steps),
-        isinstance(params["partition"], _FromRule))}
-  return _custom_call(ctx, dataclasses.replace(
-      op, at_lowering=False, config=_config_values()), params, values,
-      rule_attr)
+        op.sharding_rule, _rule_levels(op.call, op.steps),
+        isinstance(op.partition, _FromRule))}
+  return _custom_call(ctx, op, values, rule_attr)
 
 
 # Options jax sets while tracing, not users (check_vma in a jax.shard_map's
@@ -4428,12 +4435,11 @@ def _config_entered(values: tuple):
     yield
 
 
-def _keep_call(call, ctx, op, params) -> None:
+def _keep_call(call, ctx, op: _Op) -> None:
   """Off TPU, a tagged custom call whose answer jax cannot lower as a
   manual computation stays, carrying its key for XLA's callbacks."""
-  op = dataclasses.replace(op, at_lowering=False, config=_config_values())
   call.attributes["backend_config"] = _jax.ir.StringAttr.get(
-      _register(ctx, op, params))
+      _register(ctx, op))
 
 
 def _check_exportable(mc, name: str) -> None:
@@ -4454,27 +4460,27 @@ _registry: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _lowering_ops: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _register(ctx, op: _Op, params) -> str:
+def _register(ctx, op: _Op) -> str:
   """Registers ``op`` under its key, which must tell apart ops that
   answer differently; returns the key."""
   _listen_to_compiles()
-  op = dataclasses.replace(op, answers=_LRU(256))
+  # partition and lower_fn run on XLA's thread, in the lowering's config.
+  op = dataclasses.replace(op, answers=_LRU(256), at_lowering=False,
+                           config=_config_values())
   if (_jax.compilation_cache_dir.value and  # keys by content (below)
       _jax.enable_compilation_cache.value):
-    key = _content_key(ctx, op, params["call"])
+    key = _content_key(ctx, op)
   else:
-    # In one lowering the config is one: equal parameters in one placement
+    # In one lowering the config (and the partitioner) is one: equal ops
     # are one op. A new lowering asks anew.
-    ident = (_params_key(params), op.place, op.varying,
-             op.platforms, op.backend, _SHARDY.value)
     keepalives = ctx.module_context.keepalives
     with _weak_lock:
       table = _lowering_ops.get(id(keepalives))
       if table is None:  # lives as long as the lowering
-        # One lowering's ops by parameters (a UserDict: a dict has no weakref).
+        # One lowering's ops (a UserDict: a dict has no weakref).
         table = _lowering_ops[id(keepalives)] = collections.UserDict()
         keepalives.append(table)
-      op = table.setdefault(ident, op)
+      op = table.setdefault(op, op)
     key = f"{_TARGET}:{_PROCESS_NONCE}:{id(op)}"  # unique while op lives
   with _weak_lock:
     # Keep the first live entry: lowerings that hold it must keep finding it.
@@ -4653,7 +4659,7 @@ def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
   if _JAX_VERSION >= (0, 11, 0):  # jax 0.11.0 made out_avals required
     kwargs["out_avals"] = closed.out_avals
   with _jax.extend_axis_env_nd(list(mesh.shape.items())), _no_ambient_mesh():
-    lowered = _jax.lower_jaxpr_to_module(
+    lowered = _jax.mlir.lower_jaxpr_to_module(  # the shared lowering
         "custom_partitioning_shard", closed, ordered_effects=[],
         donated_args=[False] * len(closed.in_avals),
         axis_context=_jax.SPMDAxisContext(mesh, frozenset(mesh.axis_names)),
@@ -4730,7 +4736,11 @@ _SKIPPED_CLASS_ATTRS = frozenset(
     " __dataclass_fields__ __dataclass_params__ __match_args__".split())
 
 
-def _content_key(ctx, op: _Op, call: _ClosedJaxpr) -> str:
+def _content_key(ctx, op: _Op) -> str:
+  """The op's key across processes, unlike its ``_Op`` (whose body, and
+  anything without a value, are equal by identity): a digest of what it
+  holds, by content."""
+  call = op.call
   # What the cache loads runs per-shard code no one lowered in this process.
   _ensure_lapack(op.platforms, _open(call))
   # The keep-alive list lives as long as the lowering and its executables.
@@ -4948,11 +4958,11 @@ def _code_names(code: types.CodeType) -> list[str]:
 
 # How the content key describes this module's objects: an op by every field
 # that is not state (a field added to _Op is in the key unless it is marked
-# as state).
+# as state), but its body, described by its text.
 _DESCRIBED_BY.update({
     _Op: lambda op: tuple((f.name, getattr(op, f.name))
                           for f in dataclasses.fields(op)
-                          if not f.metadata.get("state")),
+                          if f.compare and f.name != "call"),
     _Statics: lambda obj: obj.value,
     _FromRule: lambda obj: (obj.fun, obj.static_argnums, obj.defaults),
     custom_partitioning: lambda obj: (
@@ -5064,7 +5074,7 @@ def _debug_propagate(  # seam: used by (II.7)
 # jax lowers a function of several callers once, and equal equations once
 # (its lowering caches, ``ModuleContext.lowering_cache`` and
 # ``cached_primitive_lowerings``), but Shardy may place each place of such
-# an op apart; one module cannot hold both. ``_lower`` then asks for a
+# an op apart; one module cannot hold both. ``_party`` then asks for a
 # second lowering, in which the two caches are wrapped (``_SiteCache``): an
 # entry whose lowering lowered ops is reused only where those ops are
 # placed as there, and is lowered again elsewhere, its ops under their
@@ -5085,8 +5095,8 @@ class _PerSite:
   ops are placed as there; elsewhere it is lowered again, its ops under
   their first pass's indices, and kept too."""
 
-  def __init__(self, lowering: _Pass):
-    self.lowering = lowering
+  def __init__(self, pass_: _Pass):
+    self.pass_ = pass_
     self.start = None  # the index when installed
     self.since = []  # (index, placement) of each op lowered since then
     self.open: dict = {}  # key -> the same, since its lowering began
@@ -5102,10 +5112,10 @@ class _PerSite:
       # A copy of this file of another protocol version, wrapping the
       # shared lowering, keeps this pass over two lowerings of the module:
       # the first's entries are functions of another module.
-      self.__init__(self.lowering)
+      self.__init__(self.pass_)
       self.module = mc.module
     if self.start is None:
-      self.start = self.lowering.count
+      self.start = self.pass_.count
     # jax 0.4.35 has no lowering_cache (it lowers equal equations apart).
     for name in ("lowering_cache", "cached_primitive_lowerings"):
       cache = getattr(mc, name, None)
@@ -5119,7 +5129,7 @@ class _PerSite:
   def missed(self, key):
     """The entry for ``key`` where its ops are placed as here, or None
     (then jax lowers it here)."""
-    lowering = self.lowering
+    pass_ = self.pass_
     span = self.spans.get(key)
     if span is not None:
       first, end, indices = span
@@ -5127,35 +5137,34 @@ class _PerSite:
       placements = []
       for i in indices:
         ahead[i] = ahead.get(i, -1) + 1
-        placements.append(_placement(lowering, i, lowering.sites[i] + ahead[i]))
+        placements.append(_placement(pass_, i, pass_.sites[i] + ahead[i]))
       entry = self.variants.get((key, repr(placements)))
       if entry is not None:
         for i, placement in zip(indices, placements):
-          lowering.sites[i] += 1
+          pass_.sites[i] += 1
           self.lowered(i, placement)
-        lowering.count = max(lowering.count, end)
+        pass_.count = max(pass_.count, end)
         return entry
-      self.resume[key] = lowering.count
-      lowering.count = first
-    self.starts[key] = lowering.count
+      self.resume[key] = pass_.count
+      pass_.count = first
+    self.starts[key] = pass_.count
     self.open[key] = []
     return None
 
   def put(self, key, entry) -> bool:
     """Whether the entry for ``key`` lowered ops (then it is kept here,
     by their placements, and not in jax's cache)."""
-    lowering = self.lowering
+    pass_ = self.pass_
     # Entries being lowered when installed began before any op.
     first = self.starts.pop(key, self.start)
     frame = self.open.pop(key, None)
     frame = list(self.since) if frame is None else frame
     if not frame:
       return False
-    self.spans.setdefault(key, (first, lowering.count,
+    self.spans.setdefault(key, (first, pass_.count,
                                 [i for i, _ in frame]))
     self.variants[key, repr([p for _, p in frame])] = entry
-    lowering.count = max(lowering.count,
-                         self.resume.pop(key, lowering.count))
+    pass_.count = max(pass_.count, self.resume.pop(key, pass_.count))
     return True
 
 
@@ -6110,7 +6119,7 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 # Not state: ``_DESCRIBED_BY``, filled at import (II.7).
 # --------------------------------------------------------------------------
 
-def _store_sizes(op=None) -> dict[str, int]:
+def _store_sizes(op=None) -> dict[str, int]:  # seam: used by (II.3, II.7)
   """Entries per store (III.3) (and ``op``'s own, if given), for tests."""
   sizes = {}
   for name in ("call_names", "registry", "eager", "derived", "parked_errors"):

@@ -92,14 +92,14 @@ from custom_partitioning import (
 )
 
 # Every module the file rewrites in place is verified, in every test: a
-# rewrite that MLIR refuses (the module then lowered a second time) may
-# leave values dangling, which crashes the process later, at a
-# verification or at exit. CPTestCase fails a test during which one did.
+# rewrite that MLIR refuses (an error naming the op) may leave values
+# dangling, which crashes the process later, at a verification or at
+# exit. CPTestCase fails a test during which one did.
 # (The author's errors, raised from partition, pass through.)
 _REWRITE_FAILURES: list = []
 
 
-def _verified_rewrite(module, lowering, _rewrite=cp._manual_ops):
+def _verified_rewrite(module, lowering, _rewrite=cp._replace_tagged_calls):
   try:
     _rewrite(module, lowering)
     module.operation.verify()
@@ -108,7 +108,7 @@ def _verified_rewrite(module, lowering, _rewrite=cp._manual_ops):
     raise
 
 
-cp._manual_ops = _verified_rewrite
+cp._replace_tagged_calls = _verified_rewrite
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # holds the module
 
@@ -384,7 +384,7 @@ class CPTestCase(unittest.TestCase):
 
   def _no_failed_rewrite(self):
     self.assertEqual(_REWRITE_FAILURES, [],
-                     "a module's in-place rewrite failed (_manual_ops)")
+                     "a module's in-place rewrite failed (_replace_tagged_calls)")
 
   @property
   def at_lowering(self):
@@ -10588,17 +10588,17 @@ class EagerFastPathTest(CPTestCase):
         x = jax.device_put(xh, NamedSharding(one, spec))
         for _ in range(3):  # on one device the op is its body
           np.testing.assert_allclose(op(x), xh * 2.0)
-        self.assertEqual(op._fast[2], (x.sharding,))
+        self.assertEqual(op._fast.shardings, (x.sharding,))
         # Another mesh's rows: partition's lower_fn, not one's function.
         np.testing.assert_allclose(op(rows), xh * 3.0)
-        self.assertEqual(op._fast[2], (rows.sharding,))
+        self.assertEqual(op._fast.shardings, (rows.sharding,))
         np.testing.assert_allclose(op(x), xh * 2.0)
-        self.assertEqual(op._fast[2], (x.sharding,))
+        self.assertEqual(op._fast.shardings, (x.sharding,))
     single = jax.device_put(xh)
     np.testing.assert_allclose(op(single), xh * 2.0)
-    self.assertIsNone(op._fast[2])  # any device, none sharded
+    self.assertIsNone(op._fast.shardings)  # any device, none sharded
     np.testing.assert_allclose(op(x), xh * 2.0)  # one's axis named: its own
-    self.assertEqual(op._fast[2], (x.sharding,))
+    self.assertEqual(op._fast.shardings, (x.sharding,))
 
 
 # jax 0.9.1's jit raises IndivisibleError reading back a placement over
@@ -10750,28 +10750,40 @@ class AtLoweringTest(CPTestCase):
         f = jax.jit(op, in_shardings=self.s, out_shardings=self.s)
         np.testing.assert_array_equal(f(self.x), -self.xh)
 
-  def test_a_rewrite_jax_leaves_invalid_lowers_the_module_again(self):
-    """Where jax lowers a manual computation away from the op's call (jax
-    0.7.0 to 0.10.0), a rewrite in place leaves the module invalid: forced
-    there, the module is lowered a second time, partition asked once per
-    op, values right, no custom call."""
-    if _REPLACES_IN_PLACE or JAX_VERSION >= (0, 10, 1):
-      self.skipTest(f"{JAX} lowers a manual computation at the op's call")
-    self.enterContext(unittest.mock.patch.object(cp, "_REPLACES_IN_PLACE",
-                                                 True))
+  def test_a_failed_rewrite_is_an_error_naming_the_op(self):
+    """A rewrite MLIR refuses is no cue to lower the module again (it may
+    hold dangling values): a RuntimeError naming the op, the MLIRError its
+    cause. Planted where the rewrite lowers an op (every release), and, where
+    jax lowers a manual computation away from the op's call (jax 0.7.0 to
+    0.10.0), by forcing the rewrite there."""
     self.put_data((16, 8))
-    seen = []
-    op = _recording_rows_op(lambda v: v * 2.0 + 1.0, seen)
-    f = jax.jit(lambda x: jnp.sin(op(x)), in_shardings=self.s,
-                out_shardings=self.s)
-    np.testing.assert_allclose(f(self.x), np.sin(self.xh * 2.0 + 1.0),
-                               rtol=1e-6)
-    self.assertEqual(seen, [(("x", None),)])
-    self.assertOpLowered(f.lower(self.x).as_text())
-    # The rewrite forced here fails by design (MLIR refuses the module it
-    # leaves), which is what sends the module to a second lowering.
-    self.assertTrue(_REWRITE_FAILURES)
-    del _REWRITE_FAILURES[:]
+    planted = _ir.MLIRError("planted", [])
+
+    def failing(*args, **kwargs):
+      raise planted
+
+    def doubled(v):
+      return v * 2.0 + 1.0
+    cases = {"planted": [("_manual_computation", failing)]}
+    if not _REPLACES_IN_PLACE and JAX_VERSION < (0, 10, 1):
+      cases["forced"] = []
+    for case, patches in cases.items():
+      with self.subTest(case=case), contextlib.ExitStack() as stack:
+        for name, value in [("_REPLACES_IN_PLACE", True), *patches]:
+          stack.enter_context(unittest.mock.patch.object(cp, name, value))
+        op = _recording_rows_op(doubled, [])
+        f = jax.jit(lambda x: jnp.sin(op(x)), in_shardings=self.s,
+                    out_shardings=self.s)
+        with self.assertRaisesRegex(RuntimeError,
+                                    "custom_partitioning op .*doubled: .*bug"
+                                    ) as caught:
+          f.lower(self.x)
+        self.assertIsInstance(caught.exception.__cause__, _ir.MLIRError)
+        if case == "planted":
+          self.assertIs(caught.exception.__cause__, planted)
+        # The guard every test keeps saw it too.
+        self.assertTrue(_REWRITE_FAILURES)
+        del _REWRITE_FAILURES[:]
 
   def test_equal_ops_share_one_lowered_per_shard_program(self):
     # jax lowers equal equations once and copies the custom call: each copy
@@ -11330,6 +11342,53 @@ class AtLoweringTest(CPTestCase):
         np.testing.assert_allclose(out, self.xh + 8)
         self.assertEqual(len(asked["falls back"]), 1)
         self.assertFalse(out.sharding.is_fully_replicated)
+
+  def test_a_second_lowering_gives_each_op_its_own_rule(self):
+    """Lowered a second time, each op is placed by the rule the first
+    lowering asked of it (found by its index): of two ops in a row, the one
+    whose rule replicates its columns is asked with them unsharded, the
+    other with them as they arrive; values as plain jax's."""
+    self.put_data((16, 8), P("x", "y"), (2, 4), ("x", "y"))
+    seen = {}
+    body = lambda v: v * 2.0  # noqa: E731
+
+    def op_of(name, rule):
+      def partition(m, a, r):
+        seen[name] = _spec(a[0].sharding, 2)
+        s = NamedSharding(m, P(*seen[name]))
+        return m, body, s, (s,)
+      op = custom_partitioning(body)
+      op.def_partition(partition, sharding_rule=rule)
+      return op
+    keeps = op_of("keeps", "i j -> i j")
+    rows = op_of("rows", lambda mesh, operand_types, result_types: (
+        "i j -> i j", {"need_replication_factors": ("j",)}))  # asked
+    # Every module is lowered twice where the rewrite in place is off.
+    self.enterContext(unittest.mock.patch.object(cp, "_REPLACES_IN_PLACE",
+                                                 False))
+    f = jax.jit(lambda x: rows(keeps(x)), in_shardings=self.s)
+    np.testing.assert_allclose(f(self.x), self.xh * 4.0)
+    self.assertEqual(seen, {"keeps": ("x", "y"), "rows": ("x", None)})
+
+  def test_equal_ops_kept_for_the_callbacks_are_one_op_for_xla(self):
+    """Equal ops whose answer keeps XLA's callbacks (no PartitionSpec) are
+    one op for XLA: compiling asks partition once for their one request,
+    not once per custom call; the values are plain jax's."""
+    if not hasattr(cp, "_custom_call"):
+      self.skipTest("a copy without XLA's callbacks (II.7)")
+    grid = Mesh(self.m.devices.reshape(2, 4), ("p", "q"))
+    s = NamedSharding(grid, P("q"))
+    body = lambda x: x * 2.0  # noqa: E731
+    calls = []
+    op = custom_partitioning(body)
+    op.def_partition(lambda m, a, r: calls.append(1) or (m, body, s, (s,)),
+                     sharding_rule="i j -> i j")
+    lowered = jax.jit(lambda x: op(op(op(x))), in_shardings=self.s).lower(
+        self.x)
+    self.assertEqual(lowered.as_text().count("custom_call @CustomSPMDPart"), 3)
+    asked_at_lowering = len(calls)
+    np.testing.assert_allclose(lowered.compile()(self.x), self.xh * 8.0)
+    self.assertEqual(len(calls) - asked_at_lowering, 1)
 
   def test_an_answer_kept_for_the_callbacks_runs_in_the_lowering_s_config(self):
     """An op handed to XLA's callbacks at lowering carries the config it
@@ -12469,14 +12528,14 @@ except ImportError:
   exports = False
 import custom_partitioning as cp
 from jax._src.lib.mlir import ir
-rewrite = cp._manual_ops
+rewrite = cp._replace_tagged_calls
 def verified_rewrite(module, lowering):  # a failed rewrite fails the case
   try:
     rewrite(module, lowering)
     module.operation.verify()
   except ir.MLIRError as e:
     raise SystemExit(f"in-place rewrite failed: {{e}}")
-cp._manual_ops = verified_rewrite
+cp._replace_tagged_calls = verified_rewrite
 if {callbacks}:
   cp._PARTITION_AT_LOWERING = False
 platforms = {platforms!r}

@@ -2,6 +2,7 @@
 lines, and checks that the copy left still works.
 
   python .ci/sections.py [--list] [--write SECTION DIR] [--check [SECTION...]]
+  python .ci/sections.py --text   # the checks on text and names alone, fast
 
 SECTION ``core`` names the minimal copy: every removable section deleted at
 once (``--write core DIR`` writes it; ``--check`` runs it last, skipping the
@@ -20,16 +21,20 @@ it, mechanically, means:
 - text about it goes: a comment or docstring line ending in its number in
   brackets (``(II.4)``, ``(Part II)`` for every extra; then ``.``, ``;``,
   ``,`` or ``:`` may follow), with the lines of its sentence before it (back
-  to a blank line or one ending in ``.``, ``;``, ``:`` or such a bracket);
+  to a blank line or one ending in ``.``, ``:`` or such a bracket: a
+  sentence runs on across ``;``);
   a seam naming several sections no longer names it; and, in the minimal
   copy, Part II's banner;
 - imports only removed sections used go.
 ``--check`` writes each copy (with the test file beside it) to a temporary
 directory, and fails unless ruff finds no undefined name or unused import
-in it; it looks
-up only the jax names it reads (its ``*_NAMES`` tables: ``names_unused``)
-and holds no top-level definition nothing reads (``unreferenced``); it
-names no section it lacks (``stale_text``); the minimal copy imports and
+in it; it looks up only the jax names it reads (its ``*_NAMES`` tables,
+an attribute of a looked-up module read only where listed under it:
+``names_unused``) and holds no top-level definition nothing reads
+(``unreferenced``; in the minimal copy, no class nothing builds); its
+comments and docstrings name no section it lacks (``stale_text``), no
+private name it lacks, and in the minimal copy no feature or flag of a
+removed section (``untrue_text``, ``CLAIMS``); the minimal copy imports and
 runs an op with XLA's Python-partitioner API withdrawn from jax
 (``WITHDRAWN_API``); and the core set passes (both partitioners: a run
 with JAX_USE_SHARDY_PARTITIONER=1, then one of the GSPMD variants with 0),
@@ -233,7 +238,7 @@ def without(section: str, text: str, gone: frozenset = frozenset()) -> str:
 # Text about a section: a comment or docstring line ending in its number in
 # brackets, and a line ending a sentence (or in any section's bracket).
 MARK = re.compile(r"\((?:Part )?(" + REMOVABLE + r"|II)\)[.;,:]?$")
-ENDS = re.compile(r"([.;:]|\((?:Part )?(?:I|II|III)(?:\.\d+)?\)[.;,:]?)$")
+ENDS = re.compile(r"([.:]|\((?:Part )?(?:I|II|III)(?:\.\d+)?\)[.;,:]?)$")
 
 
 def _trim_text(lines: list[str], gone: set) -> list[str]:
@@ -304,7 +309,12 @@ def _imports_used(text: str) -> str:
 def _tables(tree) -> dict:
   """Name -> the jax module it is looked up in, for every name of the
   copy's tables of jax's names (``*_NAMES``, each release's branch)."""
-  listed = {}
+  return {name: module for module, name in _entries(tree)}
+
+
+def _entries(tree) -> set:
+  """``(module, name)`` for every name of the copy's tables."""
+  listed = set()
   for node in tree.body:
     if isinstance(node, ast.Assign) and any(
         isinstance(t, ast.Name) and t.id.endswith("_NAMES")
@@ -313,7 +323,7 @@ def _tables(tree) -> dict:
         if isinstance(table, ast.Dict):
           for key, value in zip(table.keys, table.values):
             if isinstance(key, ast.Constant):
-              listed.update((name.rstrip("?"), key.value)
+              listed.update((key.value, name.rstrip("?"))
                             for c in ast.walk(value)
                             if isinstance(c, ast.Constant) and
                             isinstance(c.value, str)
@@ -323,10 +333,12 @@ def _tables(tree) -> dict:
 
 def names_unused(text: str) -> list[str]:
   """The names the copy's tables look up that it never reads (as
-  ``_jax.<name>``, an attribute of one, or the string ``"<name>"``), and
-  those it reads that no table lists."""
+  ``_jax.<name>``, the string ``"<name>"``, or an attribute of a looked-up
+  module: ``_jax.mlir.<name>`` reads ``<name>`` only where the table lists
+  it under that module), and those it reads that no table lists."""
   tree = ast.parse(text)
   listed = _tables(tree)
+  entries = _entries(tree)
   tables = {id(n) for node in tree.body if isinstance(node, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id.endswith("_NAMES")
                     for t in node.targets) for n in ast.walk(node)}
@@ -336,11 +348,15 @@ def names_unused(text: str) -> list[str]:
       continue
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
       strings.add(node.value)
-    chain = node
-    while isinstance(chain, ast.Attribute):
-      chain = chain.value
-    if isinstance(node, ast.Attribute) and isinstance(
-        chain, ast.Name) and chain.id == "_jax":
+    if not isinstance(node, ast.Attribute):
+      continue
+    if isinstance(node.value, ast.Name) and node.value.id == "_jax":
+      read.add(node.attr)
+    elif (isinstance(node.value, ast.Attribute) and
+          isinstance(node.value.value, ast.Name) and
+          node.value.value.id == "_jax" and node.value.attr in listed and
+          (f"{listed[node.value.attr]}.{node.value.attr}", node.attr)
+          in entries):
       read.add(node.attr)
   first = {node.attr for node in ast.walk(tree)
            if isinstance(node, ast.Attribute) and
@@ -350,9 +366,11 @@ def names_unused(text: str) -> list[str]:
           [f"_jax.{n} read, in no table" for n in sorted(first - set(listed))])
 
 
-def unreferenced(text: str, tests: str) -> list[str]:
+def unreferenced(text: str, tests: str, built: bool = False) -> list[str]:
   """The copy's private top-level definitions nothing reads (the tests'
-  ``cp.<name>`` aside)."""
+  ``cp.<name>`` aside), and with ``built`` (the minimal copy: in another,
+  an extra may ask about a sibling's objects) its private classes nothing
+  builds."""
   tree = ast.parse(text)
   defined = []
   for node in tree.body:
@@ -369,9 +387,18 @@ def unreferenced(text: str, tests: str) -> list[str]:
   read |= {node.value for node in ast.walk(tree)  # globals().get("_x")
            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
   read |= set(re.findall(r"\bcp\.(_\w+)", tests))
-  return [f"line {line}: {name}" for name, line in defined
+  # A class nothing builds (no call, no subclass) is dead too, however
+  # often isinstance asks for it.
+  made = {node.func.id for node in ast.walk(tree) if isinstance(
+      node, ast.Call) and isinstance(node.func, ast.Name)}
+  made |= {b.id for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+           for b in node.bases if isinstance(b, ast.Name)}
+  classes = {node.name for node in tree.body
+             if built and isinstance(node, ast.ClassDef)}
+  return [f"line {line}: {name}" + (" (never built)" if name in read else "")
+          for name, line in defined
           if name.startswith("_") and not name.startswith("__")
-          and name not in read]
+          and (name not in read or name in classes and name not in made)]
 
 
 def stale_text(text: str, gone: set) -> list[str]:
@@ -380,6 +407,78 @@ def stale_text(text: str, gone: set) -> list[str]:
   return [f"line {i}: {line.strip()}" for i, line in enumerate(lines, 1)
           for s in gone if re.search(rf"\b{re.escape(s)}\b(?![\d.]*\d)",
                                      line)]
+
+
+# What the minimal copy must not say it does: phrases naming each removed
+# section's features and flags, read in comments and docstrings (an error
+# message may name what the copy lacks, as the fix). Only there: in a copy
+# without one section, its siblings may name what they do with it.
+CLAIMS = {
+    "II.3": [r"shard_map path", r"_explicit_call"],
+    "II.4": [r"\bvmap\b", r"\bjvp\b", r"\bgrad\b", r"\btranspos",
+             r"derived op"],
+    "II.5": [r"rule alone", r"rule-only", r"derived from the rule"],
+    "II.6": [r"\bprobed?\b", r"derived rule", r"rule derived"],
+    "II.7": [r"(?<!without )XLA's callbacks", r"persistent", r"GSPMD only",
+             r"[Uu]nder GSPMD\b", r"AT_LOWERING=", r"content key"],
+    "II.8": [r"\bDEBUG\b", r"\blogged\b"],
+    "III.2": [r"check_partitioning"],
+    "III.4": [r"\bdemo\b", r"python custom_partitioning\.py"],
+}
+
+
+def _prose(text: str) -> list[tuple[int, str]]:
+  """``(line number, text)`` of every comment and docstring line."""
+  lines = text.split("\n")
+  doc: set = set()
+  for node in ast.walk(ast.parse(text)):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and
+        isinstance(body[0].value, ast.Constant) and
+        isinstance(body[0].value.value, str)):
+      doc.update(range(body[0].lineno, body[0].end_lineno + 1))
+  out = []
+  for i, line in enumerate(lines, 1):
+    if i in doc:
+      out.append((i, line.strip()))
+    elif "#" in line:
+      code = line.split("#", 1)[0]
+      if code.count('"') % 2 == 0 and code.count("'") % 2 == 0:
+        out.append((i, line.split("#", 1)[1].strip()))
+  return out
+
+
+# Upstream's private names, which the module's docstring maps to its own.
+UPSTREAM = {"_resolve_kwargs", "_custom_partitioning_lowering_rule",
+            "_ShardingCallbackInfo",
+            "_sharding_callbacks", "_custom_partitioning_partition",
+            "_custom_partitioning_infer_sharding_from_operands",
+            "_custom_partitioning_propagate_user_sharding"}
+
+
+PRIVATE = re.compile(r"(?<![\w.])(_[A-Za-z]\w*[A-Za-z\d])(?![\w<])")
+
+
+def untrue_text(text: str, gone: set, claims: bool) -> list[str]:
+  """Comment and docstring lines of the copy that name a private name
+  (````_x```` or ``_x``) it does not define, or (``claims``) a feature or
+  flag of a section it lacks (``CLAIMS``)."""
+  tree = ast.parse(text)
+  known = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+  known |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+  known |= {n.name for n in ast.walk(tree) if isinstance(
+      n, (ast.FunctionDef, ast.ClassDef))}
+  known |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+            for a in n.args + n.kwonlyargs + n.posonlyargs}
+  found = []
+  for i, line in _prose(text):
+    said = [p for s in gone for p in CLAIMS.get(s, ()) if claims and
+            re.search(p, line)]
+    names = [n for n in PRIVATE.findall(line)
+             if n not in known and n not in UPSTREAM]
+    if said or names:
+      found.append(f"line {i}: {line} ({', '.join(said + names)})")
+  return found
 
 
 # XLA's Python-partitioner API, which the minimal copy (Shardy's path
@@ -473,11 +572,14 @@ def check(names: list[str]) -> int:
         status = 1
         continue
       copy = copy_of(name, text)
+      gone = set(removable(text.split("\n")) if name == "core" else [name])
       for what, found in (
           ("jax names", names_unused(copy)),
-          ("unreferenced definitions", unreferenced(copy, open(TESTS).read())),
-          ("text naming a section it lacks", stale_text(copy, set(
-              removable(text.split("\n")) if name == "core" else [name])))):
+          ("unreferenced definitions", unreferenced(
+              copy, open(TESTS).read(), built=name == "core")),
+          ("text naming a section it lacks", stale_text(copy, gone)),
+          ("text naming what it lacks", untrue_text(
+              copy, gone, claims=name == "core"))):
         if found:
           print(f"without {name}: {what}:\n  " + "\n  ".join(found))
           status = 1
@@ -513,8 +615,23 @@ def main() -> int:
   parser.add_argument("--check", nargs="*")
   parser.add_argument("--run", metavar="SECTION")
   parser.add_argument("--only", metavar="TEXT")
+  parser.add_argument("--text", action="store_true",
+                      help="every copy's checks but ruff and the tests")
   a = parser.parse_args()
   text = open(MODULE).read()
+  if a.text:
+    status = 0
+    for name in removable(text.split("\n")) + ["core"]:
+      copy = copy_of(name, text)
+      gone = set(removable(text.split("\n")) if name == "core" else [name])
+      found = (stale_text(copy, gone) +
+               untrue_text(copy, gone, claims=name == "core") +
+               unreferenced(copy, open(TESTS).read(), built=name == "core") +
+               names_unused(copy))
+      print(f"without {name}: {len(found)}" + "".join(
+          f"\n  {line}" for line in found))
+      status |= bool(found)
+    return status
   if a.list:
     for name, (s, e) in sections(text.split("\n")).items():
       print(name, s + 1, e, "removable" if re.fullmatch(REMOVABLE, name)

@@ -2175,15 +2175,15 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
                          for side in (operands, results)))
   program = op.answers.get(request)
   if program is None:  # (partition runs on this thread, in its config)
-    if any(isinstance(s, _Vjp) for s in op.steps):  # seam: (II.4)
-      program = _transposed_program(op, operands, results)
+    # Jitted where equal ops share it (lowered once, called by each);
+    # a jit of one caller only adds a tenth to its lowering.
+    jit = pass_.repeated is None or op in pass_.repeated
+    if op.steps:  # seam: (II.4)
+      program = _derivative_program(op, operands, results, jit)
     if program is None:
       shard = _shard_of(op, operands, results, op.mesh)
       _check_lowerable(op, shard)
-      # Jitted where equal ops share it (lowered once, called by each);
-      # a jit of one caller only adds a tenth to its lowering.
-      program = _manual_program(op, shard, jit=(
-          pass_.repeated is None or op in pass_.repeated))
+      program = _manual_program(op, shard, jit=jit)
     op.answers[request] = program
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug(op.name, "path", path=_AT_LOWERING_PATH, mesh=op.mesh,
@@ -3769,7 +3769,7 @@ class _Vjp(_Step):
     which is exact for pullbacks linear in their cotangents and for
     backward rules that map a zero cotangent to zero (a clip or a sign
     after a collective: each copy's rule sees the whole cotangent or
-    none). At lowering, ``_transposed_program`` serves first; uneven
+    none). At lowering, ``_derivative_program`` serves first; uneven
     operands never come here (``_partition_derived``)."""
     copies = functools.partial(_copies_over, op, answer.on, batched=batched)
     results = [set(copies(v)) for v in below.results]
@@ -3790,12 +3790,13 @@ class _Vjp(_Step):
     return vjp_fn
 
 
-def _transposed_program(op: _Op, operands: list, results: list):
+def _derivative_program(op: _Op, operands: list, results: list, jit: bool):
   """At lowering, an op derived through a transposition as jax's own
   transformations of the author's op as a checked ``jax.shard_map``; where
-  jax cannot type ``lower_fn``, as transposed per shard, and on uneven
-  operands as plain jax computes it (``partition`` asked once for all);
-  None where there is no transposition.
+  jax cannot type ``lower_fn``, as transposed per shard; a jvp as
+  ``_partition_derived`` gives it; on uneven operands, a derivative as
+  plain jax computes it, with ``lower_fn``'s effects (``_forward``);
+  ``partition`` asked once for all. None where no step is a derivative.
 
   Typed, jax transposes a collective as its dual (a ``psum``'s cotangent
   reaches each device whole), so a backward rule after a collective that
@@ -3803,14 +3804,20 @@ def _transposed_program(op: _Op, operands: list, results: list):
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
   if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.2
-      isinstance(s, _Vjp) for s in op.steps):
+      isinstance(s, (_Jvp, _Vjp)) for s in op.steps):
     return None
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results,
                               op.mesh)
   if _padded(answer.args + answer.results, answer.on):
-    return _manual_program(op, _partition_derived(
-        op, operands, results, op.mesh, (answer, closed)))
+    return _forward(op, levels, answer, closed, _manual_program(
+        op, _partition_derived(op, operands, results, op.mesh,
+                               (answer, closed))))
+  if not any(isinstance(s, _Vjp) for s in op.steps):
+    shard = _partition_derived(op, operands, results, op.mesh,
+                               (answer, closed))
+    _check_lowerable(op, shard)
+    return _manual_program(op, shard, jit=jit)
   _check_lowerable(op, answer)
 
   def per_shard(*xs):
@@ -3830,6 +3837,32 @@ def _transposed_program(op: _Op, operands: list, results: list):
     return _manual_program(op, _partition_derived(
         op, operands, results, op.mesh, (answer, closed)))
   return jax.jit(fn) if _JAX_VERSION >= (0, 10) else fn
+
+
+def _forward(op: _Op, levels: list, answer: _Answer, closed, body: Callable):
+  """``body`` (plain jax's derivative), after the author's ``lower_fn``
+  per shard on the primals where it has effects (a host callback), its
+  results unused, so that they run as often as in lower_fn's derivative on
+  even rows (XLA drops the rest). Where it has none, or its answer cannot
+  be lowered (then XLA's callbacks, which refuse host callbacks, take the
+  author's op), ``body`` alone."""
+  if not closed.effects:
+    return body
+  try:
+    _check_lowerable(op, answer)
+  except _KeepCallbacks:
+    return body
+  def of_primals(fn, step):  # of the step's operands: the op below's
+    return lambda *xs: fn(*step.down(list(xs), [])[0])
+  fn = _manual_program(op, answer._replace(jaxpr=closed), jit=False)
+  for level in _specs_up(levels, answer, closed)[1:]:
+    fn = (level.step.transform(fn, level.entry)
+          if isinstance(level.step, _Batch) else of_primals(fn, level.step))
+
+  def program(*xs):
+    fn(*xs)
+    return body(*xs)
+  return program
 
 
 def _on_one_copy(cts: list, copies: list) -> list:

@@ -2178,7 +2178,7 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
     # Jitted where equal ops share it (lowered once, called by each);
     # a jit of one caller only adds a tenth to its lowering.
     jit = pass_.repeated is None or op in pass_.repeated
-    if op.steps:  # seam: (II.4)
+    if any(isinstance(s, (_Jvp, _Vjp)) for s in op.steps):  # seam: (II.4)
       program = _derivative_program(op, operands, results, jit)
     if program is None:
       shard = _shard_of(op, operands, results, op.mesh)
@@ -3796,15 +3796,14 @@ def _derivative_program(op: _Op, operands: list, results: list, jit: bool):
   jax cannot type ``lower_fn``, as transposed per shard; a jvp as
   ``_partition_derived`` gives it; on uneven operands, a derivative as
   plain jax computes it, with ``lower_fn``'s effects (``_forward``);
-  ``partition`` asked once for all. None where no step is a derivative.
+  ``partition`` asked once for all. None on releases that cannot.
 
   Typed, jax transposes a collective as its dual (a ``psum``'s cotangent
   reaches each device whole), so a backward rule after a collective that
   is not linear in its cotangents (a clip, a sign) sees what plain jax
   gives it, which ``_Vjp.lower``'s correction of pmap's transposition
   cannot give."""
-  if not _TRANSPOSED_MANUAL_IMPORTS or not any(  # the releases: I.2
-      isinstance(s, (_Jvp, _Vjp)) for s in op.steps):
+  if not _TRANSPOSED_MANUAL_IMPORTS:  # the releases: I.2
     return None
   levels = _levels(op.steps, operands, results)
   answer, closed = _partition(op, levels[0].operands, levels[0].results,

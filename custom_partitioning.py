@@ -3541,7 +3541,8 @@ def _invariant_over_size1(x, spec_axes: set, mesh):
 # author's op, ``call`` the body transformed alike. Each question XLA asks
 # walks down the steps to the author's op and its answer back up (as spec
 # entries), ``lower_fn`` becoming ``vmap``/``jvp``/``vjp`` of itself; where
-# the answer pads a value, a derivative is the body's (plain jax's program).
+# the answer pads a value, a derivative is the body's (plain jax's program;
+# at lowering, ``lower_fn``'s effects run beside it, as on even values).
 # --------------------------------------------------------------------------
 
 # jax's names only this section reads (looked up as _NAMES's).

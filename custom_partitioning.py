@@ -90,12 +90,8 @@ Through 0.12.0.1 also with GSPMD: jax 0.12.1 removed it (its flag stays,
 with no effect), so there Shardy partitions every op, GSPMD-era ones too
 (upstream refuses those there) (II.7).
 CI (``.ci/run``; its releases in ``.ci/matrix``) tests every change: the
-whole suite on 0.4.35, 0.5.3, 0.7.2, 0.10.2, 0.11.2 and 0.12.1, and on the
-newest release the registry offers with the names jax keeps only as legacy
-shims withdrawn from this module (``.ci/withdrawn``: the release that
-deletes them finds nothing to break); core test classes and the README
-quickstart on every other release with wheels (also jax 0.12.0 on jaxlib
-0.11.2).
+whole suite on six releases and on the newest with jax's legacy shims
+withdrawn (``.ci/withdrawn``), the core set on every other release.
 Older releases raise ``ImportError``, and so does any release that lacks a
 name this module reads from jax's internals: every one is looked up at
 import in the table below the imports (``_NAMES``; a name only an extra
@@ -197,20 +193,16 @@ import numpy as np
 # --------------------------------------------------------------------------
 # jax's names: every internal one this module reads, looked up once, here
 #
-# (An extra reads the names only it needs from a table of its own at its
-# section's head, looked up alike, so a copy without it looks none up.)
-# Each module, then the names read from it; ``name?`` is optional (None
-# where the release lacks it: a version branch reads it, beside its owner).
-# Public and jax.extend names first, then jax._src where jax offers no
-# public one. Every name from jax._src, jax.core, jax.extend and
-# jax.interpreters is here (ReadmeTest holds the rest of the file to that);
-# jax's stable API (jax.jit, jax.numpy, jax.sharding, ...) is read where it
-# is used. A release lacking a required name fails here, at import, by
-# name; ``grep -n "_jax\."`` lists every use. What jax's source says it
-# plans for a name (legacy, deprecated, to be removed) stands beside it,
-# read in jax 0.12.1's source; a name without a note has none there. A
-# shim with a successor is not read, which CI proves on the newest release
-# with the shims withdrawn (``.ci/withdrawn/sitecustomize.py`` lists them).
+# Each module, then the names read from it (an extra's, in a table at its
+# section's head); ``name?`` is optional (None where the release lacks it:
+# a version branch beside its owner reads it). Public and jax.extend names
+# first, then jax._src where jax offers none. Every name from jax._src,
+# jax.core, jax.extend and jax.interpreters is here (ReadmeTest holds the
+# file to that); jax's stable API is read where it is used. A release
+# lacking a required name fails here, at import, by name (``grep -n
+# "_jax\."`` lists every use). Beside a name: what jax 0.12.1's source plans
+# for it (legacy, deprecated, to be removed). A shim with a successor is not
+# read (CI proves it: ``.ci/withdrawn/sitecustomize.py`` lists them).
 # --------------------------------------------------------------------------
 
 _NAMES = {
@@ -332,10 +324,8 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:  # seam: used by (II.7, III.2)
 # Part I. The drop-in core
 #
 # What a plain op runs under Shardy (Auto axes, no transformation), in call
-# order: decorator and bind, primitive, the module's lowering (in place),
-# the op's lowering rule, placements from Shardy, asking ``partition``, the
-# per-shard program as a manual computation; each helper beside its first
-# user; ``jit(op)(x)`` stays in this part.
+# order (the docstring's Reading order), each helper beside its first user;
+# ``jit(op)(x)`` stays in this part.
 # It leaves it only for the per-shard checks, entered from I.5 (II.1).
 # Every extra joins it at a line marked ``# seam:`` naming its section of
 # Part II (``grep -n "seam:"``). A version branch stands beside its owner and
@@ -1099,18 +1089,15 @@ _jax.register_custom_decorator_type(custom_partitioning)
 #
 # Under Shardy the op is partitioned while jax lowers the program, on every
 # backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
-# PJRT's custom-partitioner extension, jax#38196). jax has no hook after a
-# module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for every
-# copy of this file (``_party`` is this copy's part, installed at the end): a
-# module holding ops is lowered with each op a custom call carrying its rule
-# and its index in lowering order (``_tagged_call``, I.3), Shardy's own
-# propagation runs on a copy of that module in-process (I.4) and places each
-# op's operands and results as XLA's compile would; then each op is asked
-# ``partition`` on those placements (I.5) and its custom call is replaced,
-# in the same module, by pad -> ``jax.shard_map`` of its per-shard program
-# -> slice (``_replace_tagged_calls``, I.4; I.6): a manual computation over
-# every mesh axis, at whose boundary Shardy reshards to what ``partition``
-# returned.
+# PJRT's custom-partitioner extension, jax#38196). jax has no hook after
+# lowering, so ``lower_jaxpr_to_module`` is wrapped (once for every copy of
+# this file; ``_party`` is this copy's part): each op is lowered as a custom
+# call tagged with its index and carrying its rule (I.3), Shardy's
+# propagation places a copy of the module in-process as XLA's compile would
+# (I.4), ``partition`` is asked on those placements (I.5), and the call is
+# replaced in the same module by pad -> ``jax.shard_map`` of the per-shard
+# program -> slice (I.6), at whose boundary Shardy reshards to
+# ``partition``'s shardings.
 # Where jax lowered one op once for places Shardy placed apart (a function
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
@@ -1365,16 +1352,14 @@ _jax.register_exclusion(__file__)
 # --------------------------------------------------------------------------
 # I.3 The op's lowering rule
 #
-# Where the op runs (its mesh and devices: ``_partitioned_placement``),
-# whether it is partitioned at lowering (``_at_lowering``, reading the
-# release gates at I.2's head), then the op as its ``_Op``, built once here
-# and carried to its manual computation, and its rule (III.1 parses it,
-# resolved against the op's shapes here). In the first
-# lowering of a module the op is a tagged custom call (``_first_pass``),
-# which ``_replace_tagged_calls`` (I.4) then replaces in that module; where
-# a second lowering is needed (I.2), the op is lowered there as its manual
-# computation at once (``_second_pass``); both through
-# ``_manual_computation`` (I.5).
+# Where the op runs (``_partitioned_placement``), whether it is partitioned
+# at lowering (``_at_lowering``, reading I.2's release gates), then the op
+# as its ``_Op``, built once here and carried to its manual computation,
+# and its rule (parsed by III.1, resolved against the op's shapes here).
+# In a module's first lowering the op is a tagged custom call
+# (``_first_pass``), replaced by ``_replace_tagged_calls`` (I.4); in a
+# second (I.2), its manual computation at once (``_second_pass``); both
+# through ``_manual_computation`` (I.5).
 # --------------------------------------------------------------------------
 
 def _lowering_rule(ctx: _jax.LoweringRuleContext, *values, **params):
@@ -1595,10 +1580,9 @@ def _check_partition(op: _Op) -> None:
   if op.partition is None:
     raise ValueError(
         f"custom_partitioning op {op.name} runs on {len(op.place.devices)} "
-        "devices, "
-        "but its def_partition was given partition=None, and no partition "
-        "is derived from a sharding_rule (none was given, or this copy of "
-        "the module was trimmed of rule-only ops): give either.")
+        "devices, but its def_partition was given partition=None, and no "
+        "partition is derived from a sharding_rule (none was given, or this "
+        "copy of the module was trimmed of rule-only ops): give either.")
 
 
 _STATE = dict(compare=False)  # a field of an _Op that is not its key
@@ -1944,8 +1928,8 @@ def _propagated(module) -> dict:
            for f in module.body.operations if f.operation.name == "func.func"
            for b in f.regions[0].blocks for a in b.arguments):
       # Shardy's propagation refuses a dynamic shape (an argument jax.export
-      # made symbolic; the ops' own are static: _lowering): ops unplaced,
-      # asked on replicated values, as XLA's propagation would leave them.
+      # made symbolic; the ops' own are static: _lowering_rule): ops
+      # unplaced, asked on replicated values, as XLA's propagation would.
       return {}
     copy = module.operation.clone()  # a tenth of a bytecode round trip
     propagation = _jax.passmanager.PassManager.parse(
@@ -5456,12 +5440,11 @@ def _split_size(size: int, where: str | None = None) -> list[int] | None:
   if rest > _MAX_FACTOR_SIZE:
     if where is None:
       return None
-    raise ValueError((
-        "{where} has size {size}, which is not a product of factors of at most "
-        "{limit} (2**31 - 1), the largest factor size a Shardy sharding rule "
-        "can hold. Reshape the dimension, or (jax 0.12.0.1 and older) use the "
-        "GSPMD partitioner for this op.").format(
-            where=where, size=size, limit=_MAX_FACTOR_SIZE))
+    raise ValueError(
+        f"{where} has size {size}, which is not a product of factors of at "
+        f"most {_MAX_FACTOR_SIZE} (2**31 - 1), the largest factor size a "
+        "Shardy sharding rule can hold. Reshape the dimension, or (jax "
+        "0.12.0.1 and older) use the GSPMD partitioner for this op.")
   parts: list[int] = []
   for p in primes + ([rest] if rest > 1 else []):  # ascending
     for i, part in enumerate(parts):

@@ -201,7 +201,7 @@ _NAMES = {
     # The package of jax.interpreters.mlir, whose lower_jaxpr_to_module
     # libraries call: the module's lowering replaces it there too (I.2).
     "jax": "interpreters",
-    "jax.core": "AbstractValue ShapedArray Tracer",
+    "jax.core": "ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
     # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
     # a legacy shim only (_closed and _open, in I.7).

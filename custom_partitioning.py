@@ -70,13 +70,12 @@ XLA's callbacks register the XLA custom-call partitioner
 turning this module's tagged compile errors back into the author's
 exception, and a listener for jax's compile events (from the first custom
 call on) (II.7).
-Importing it wraps jax's ``lower_jaxpr_to_module`` (in
-``jax._src.interpreters.mlir`` and ``jax.interpreters.mlir``; a later copy
-of this file joins the first copy's wrapper), which then rewrites a
-module holding an op of any copy, replacing each op's custom call by its
-partitioned program, and lowers any other module as before, this file's
-frames left out of its source locations as jax leaves out its own (I.2:
-jax has no hook after lowering). It changes no jax option and no
+Importing it wraps jax's ``lower_jaxpr_to_module`` (private and public; a
+later copy of this file joins the first copy's wrapper), which then
+rewrites a module holding an op of any copy, replacing each op's custom
+call by its partitioned program, and lowers any other module as before,
+leaving this file's frames out of source locations as jax does its own
+(I.2: jax has no hook after lowering). It changes no jax option and no
 environment variable.
 Where jax lowered one op once for places Shardy placed apart, the wrapper
 lowers the module a second time (II.9).
@@ -90,31 +89,20 @@ Through 0.12.0.1 also with GSPMD: jax 0.12.1 removed it (its flag stays,
 with no effect), so there Shardy partitions every op, GSPMD-era ones too
 (upstream refuses those there) (II.7).
 CI (``.ci/run``; its releases in ``.ci/matrix``) tests every change: the
-whole suite on 0.4.35, 0.5.3, 0.7.2, 0.10.2, 0.11.2 and 0.12.1, and on the
-newest release the registry offers with the names jax keeps only as legacy
-shims withdrawn from this module (``.ci/withdrawn``: the release that
-deletes them finds nothing to break); core test classes and the README
-quickstart on every other release with wheels (also jax 0.12.0 on jaxlib
-0.11.2).
-Older releases raise ``ImportError``, and so does any release that lacks a
-name this module reads from jax's internals: every one is looked up at
-import in the table below the imports (``_NAMES``; a name only an extra
-reads, in that extra's table at its head), naming what is missing.
-A newer release is not refused; CI's newest-release run says whether it
-works.
+whole suite on six releases and on the newest with jax's legacy shims
+withdrawn (``.ci/withdrawn``), the core set on every other release.
+Older releases raise ``ImportError``, and so does one lacking a name this
+module reads from jax's internals (each looked up at import: ``_NAMES``),
+naming it. A newer release is not refused; CI's newest-release run says
+whether it works.
 
 Reading order
 -------------
-First jax's names (``_NAMES``, the head of the internals, with the private
-attributes the module reads), then three parts by owner. Part I, the
-drop-in core: all a plain op (Auto axes, no transformation) runs under
-Shardy, in call order, each helper beside its first user: I.1 the
-decorator and how a call is bound; I.2 the release gates that decide an
-op's path, the primitive, and the module's lowering (rewritten in place);
-I.3 the op's lowering rule (where it runs, its ``_Op``, its rule); I.4
-placements from Shardy; I.5 asking ``partition``, and its checks; I.6 the
-per-shard program as a manual computation; I.7 values, specs and jaxprs
-that the core and the extras share.
+First jax's names (``_NAMES``, with the private attributes the module
+reads), then three parts by owner, a section each (``grep -n "^# I"``).
+Part I, the drop-in core (I.1 to I.7): all a plain op (Auto axes, no
+transformation) runs under Shardy, in call order, each helper beside its
+first user.
 
 Part II, one section per extra, entered only from lines marked ``# seam:``
 that name it; a copy drops an extra with its section, its seam lines and
@@ -197,27 +185,23 @@ import numpy as np
 # --------------------------------------------------------------------------
 # jax's names: every internal one this module reads, looked up once, here
 #
-# (An extra reads the names only it needs from a table of its own at its
-# section's head, looked up alike, so a copy without it looks none up.)
-# Each module, then the names read from it; ``name?`` is optional (None
-# where the release lacks it: a version branch reads it, beside its owner).
-# Public and jax.extend names first, then jax._src where jax offers no
-# public one. Every name from jax._src, jax.core, jax.extend and
-# jax.interpreters is here (ReadmeTest holds the rest of the file to that);
-# jax's stable API (jax.jit, jax.numpy, jax.sharding, ...) is read where it
-# is used. A release lacking a required name fails here, at import, by
-# name; ``grep -n "_jax\."`` lists every use. What jax's source says it
-# plans for a name (legacy, deprecated, to be removed) stands beside it,
-# read in jax 0.12.1's source; a name without a note has none there. A
-# shim with a successor is not read, which CI proves on the newest release
-# with the shims withdrawn (``.ci/withdrawn/sitecustomize.py`` lists them).
+# Each module, then the names read from it (an extra's, in a table at its
+# section's head); ``name?`` is optional (None where the release lacks it:
+# a version branch beside its owner reads it). Public and jax.extend names
+# first, then jax._src where jax offers none. Every name from jax._src,
+# jax.core, jax.extend and jax.interpreters is here (ReadmeTest holds the
+# file to that); jax's stable API is read where it is used. A release
+# lacking a required name fails here, at import, by name (``grep -n
+# "_jax\."`` lists every use). Beside a name: what jax 0.12.1's source plans
+# for it (legacy, deprecated, to be removed). A shim with a successor is not
+# read (CI proves it: ``.ci/withdrawn/sitecustomize.py`` lists them).
 # --------------------------------------------------------------------------
 
 _NAMES = {
     # The package of jax.interpreters.mlir, whose lower_jaxpr_to_module
     # libraries call: the module's lowering replaces it there too (I.2).
     "jax": "interpreters",
-    "jax.core": "AbstractValue ShapedArray Tracer",
+    "jax.core": "ShapedArray Tracer",
     "jax.errors": "UnexpectedTracerError",
     # jax 0.11.0 merged ClosedJaxpr into Jaxpr; 0.12 keeps the old name as
     # a legacy shim only (_closed and _open, in I.7).
@@ -278,11 +262,9 @@ def _look_up(names: dict) -> None:
   found = {}
   for where, listed in names.items():
     for name in listed.split():
-      optional = name.endswith("?")
-      name = name.rstrip("?")
-      path = f"{where}.{name}"
-      found[name] = value = _resolve(path)
-      if value is None and not optional:
+      path = f"{where}.{name.rstrip('?')}"
+      found[name.rstrip("?")] = value = _resolve(path)
+      if value is None and not name.endswith("?"):
         raise ImportError(
             f"{__name__} needs {path}, which jax {jax.__version__} does not "
             "have; this file is tested with jax 0.4.35 to 0.12.1. Install "
@@ -332,10 +314,7 @@ def _gspmd_hlo(sharding) -> _jax.HloSharding:  # seam: used by (II.7, III.2)
 # Part I. The drop-in core
 #
 # What a plain op runs under Shardy (Auto axes, no transformation), in call
-# order: decorator and bind, primitive, the module's lowering (in place),
-# the op's lowering rule, placements from Shardy, asking ``partition``, the
-# per-shard program as a manual computation; each helper beside its first
-# user; ``jit(op)(x)`` stays in this part.
+# order, each helper beside its first user; ``jit(op)(x)`` stays here.
 # It leaves it only for the per-shard checks, entered from I.5 (II.1).
 # Every extra joins it at a line marked ``# seam:`` naming its section of
 # Part II (``grep -n "seam:"``). A version branch stands beside its owner and
@@ -374,8 +353,8 @@ class custom_partitioning:
   untransformed and ``lower_fn`` runs transformed on the same local shards
   (upstream supports none of the three); where ``partition``'s shardings
   do not divide an operand or result, the op's derivatives (``jvp``,
-  ``grad``, ``vjp``, ``hessian``, under ``vmap`` too) are plain jax's:
-  ``fun``'s on whole values (partitioned by jax at lowering, replicated on
+  ``grad``, ``vjp``, ``hessian``, under ``vmap`` too) are plain jax's, those
+  of ``fun`` on whole values (partitioned by jax at lowering, replicated on
   XLA's callbacks), ``lower_fn`` giving the values (II.4).
   An eager call is compiled: partitioned if an operand is a ``jax.Array``
   sharded over several devices, else ``fun`` runs unasked (as upstream does
@@ -879,14 +858,10 @@ def _trace_to_jaxpr(fun: Callable, args: Sequence[Any], in_tree, in_avals,
   return call, out_tree
 
 
-def _typeof_before_053(x) -> _jax.AbstractValue:
-  # jax 0.4.36 removed ConcreteArray, whose values tracing must not see.
-  aval = _jax.get_aval(x)
-  return _jax.raise_to_shaped(aval) if _JAX_VERSION < (0, 4, 36) else aval
-
-
-# jax 0.5.3 added jax.typeof; 0.10.0 removed get_aval.
-_typeof = _jax.typeof or _typeof_before_053
+# jax 0.5.3 added jax.typeof; 0.10.0 removed get_aval. jax 0.4.36 removed
+# ConcreteArray, whose values tracing must not see.
+_typeof = _jax.typeof or (_jax.get_aval if _JAX_VERSION >= (0, 4, 36) else
+                          lambda x: _jax.raise_to_shaped(_jax.get_aval(x)))
 
 # jax 0.5.3 added ShardingTypeError (a result's sharding it cannot type).
 _ShardingTypeError = _jax.ShardingTypeError or type(
@@ -959,8 +934,7 @@ class _Fast(NamedTuple):
           return False
       return True
     for x, s in zip(args, self.shardings):
-      if type(x) is not _ArrayImpl or (x.sharding is not s and
-                                       x.sharding != s):
+      if type(x) is not _ArrayImpl or (x.sharding is not s and x.sharding != s):
         return False
     return True
 
@@ -1099,18 +1073,15 @@ _jax.register_custom_decorator_type(custom_partitioning)
 #
 # Under Shardy the op is partitioned while jax lowers the program, on every
 # backend: XLA's TPU compiler never calls a Python partitioner (libtpu lacks
-# PJRT's custom-partitioner extension, jax#38196). jax has no hook after a
-# module is lowered, so ``lower_jaxpr_to_module`` is wrapped, once for every
-# copy of this file (``_party`` is this copy's part, installed at the end): a
-# module holding ops is lowered with each op a custom call carrying its rule
-# and its index in lowering order (``_tagged_call``, I.3), Shardy's own
-# propagation runs on a copy of that module in-process (I.4) and places each
-# op's operands and results as XLA's compile would; then each op is asked
-# ``partition`` on those placements (I.5) and its custom call is replaced,
-# in the same module, by pad -> ``jax.shard_map`` of its per-shard program
-# -> slice (``_replace_tagged_calls``, I.4; I.6): a manual computation over
-# every mesh axis, at whose boundary Shardy reshards to what ``partition``
-# returned.
+# PJRT's custom-partitioner extension, jax#38196). jax has no hook after
+# lowering, so ``lower_jaxpr_to_module`` is wrapped (once for every copy of
+# this file; ``_party`` is this copy's part): each op is lowered as a custom
+# call tagged with its index and carrying its rule (I.3), Shardy's
+# propagation places a copy of the module in-process as XLA's compile would
+# (I.4), ``partition`` is asked on those placements (I.5), and the call is
+# replaced in the same module by pad -> ``jax.shard_map`` of the per-shard
+# program -> slice (I.6), at whose boundary Shardy reshards to
+# ``partition``'s shardings.
 # Where jax lowered one op once for places Shardy placed apart (a function
 # of several callers, equal ops), one module cannot hold both: it is
 # lowered again, each op's manual computation emitted as it is lowered and
@@ -1215,10 +1186,6 @@ def _to_lojax(*args, call, **params):
         f"must be arrays, not hijax types ({high[0]}); hijax primitives "
         "inside fun and lower_fn are supported.")
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
-
-
-def _abstract_eval(*_, call, **__):
-  return call.out_avals
 
 
 # The shared lowering: every copy of this file in a process (each a module
@@ -1345,7 +1312,7 @@ def _in_pass(pass_: _Pass):
     stack.pop()
 
 
-custom_partitioning_p.def_abstract_eval(_abstract_eval)
+custom_partitioning_p.def_abstract_eval(lambda *_, call, **__: call.out_avals)
 custom_partitioning_p.def_impl(_impl)
 custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 
@@ -1365,16 +1332,14 @@ _jax.register_exclusion(__file__)
 # --------------------------------------------------------------------------
 # I.3 The op's lowering rule
 #
-# Where the op runs (its mesh and devices: ``_partitioned_placement``),
-# whether it is partitioned at lowering (``_at_lowering``, reading the
-# release gates at I.2's head), then the op as its ``_Op``, built once here
-# and carried to its manual computation, and its rule (III.1 parses it,
-# resolved against the op's shapes here). In the first
-# lowering of a module the op is a tagged custom call (``_first_pass``),
-# which ``_replace_tagged_calls`` (I.4) then replaces in that module; where
-# a second lowering is needed (I.2), the op is lowered there as its manual
-# computation at once (``_second_pass``); both through
-# ``_manual_computation`` (I.5).
+# Where the op runs (``_partitioned_placement``), whether it is partitioned
+# at lowering (``_at_lowering``, reading I.2's release gates), then the op
+# as its ``_Op``, built once here and carried to its manual computation,
+# and its rule (parsed by III.1, resolved against the op's shapes here).
+# In a module's first lowering the op is a tagged custom call
+# (``_first_pass``), replaced by ``_replace_tagged_calls`` (I.4); in a
+# second (I.2), its manual computation at once (``_second_pass``); both
+# through ``_manual_computation`` (I.5).
 # --------------------------------------------------------------------------
 
 def _lowering_rule(ctx: _jax.LoweringRuleContext, *values, **params):
@@ -1576,29 +1541,24 @@ def _op_of(params: dict, place: _Placement, **fields) -> _Op:
   static = params["static_args"]  # _Statics, () or upstream's tuple
   if static and not isinstance(static, _Statics):
     static = _Statics(tuple(static), _key_of(tuple(static)))
-  return _Op(**{
-      "name": _fun_name(params["call"]), "call": params["call"],
-      "partition": params["partition"],
-      "infer_sharding_from_operands": params["infer_sharding_from_operands"],
-      "propagate_user_sharding": params["propagate_user_sharding"],
-      "given_rule": params["sharding_rule"],
-      "sharding_rule": params["sharding_rule"],
-      "decode_shardings": params["decode_shardings"],
-      "check_vma": params.get("check_vma", True),  # upstream has none
-      "static_args": getattr(static, "value", ()),
-      "static_key": getattr(static, "key", ()), "in_tree": params["in_tree"],
-      "out_tree": params["out_tree"], "steps": params.get("transform", ()),
-      "place": place, "mesh": place.mesh, **fields})
+  return _Op(**{k: params[k] for k in (
+      "call", "partition", "infer_sharding_from_operands", "in_tree",
+      "propagate_user_sharding", "sharding_rule", "decode_shardings",
+      "out_tree")} | dict(
+      name=_fun_name(params["call"]), given_rule=params["sharding_rule"],
+      check_vma=params.get("check_vma", True),  # upstream has none
+      static_args=getattr(static, "value", ()),
+      static_key=getattr(static, "key", ()),
+      steps=params.get("transform", ()), place=place, mesh=place.mesh) | fields)
 
 
 def _check_partition(op: _Op) -> None:
   if op.partition is None:
     raise ValueError(
         f"custom_partitioning op {op.name} runs on {len(op.place.devices)} "
-        "devices, "
-        "but its def_partition was given partition=None, and no partition "
-        "is derived from a sharding_rule (none was given, or this copy of "
-        "the module was trimmed of rule-only ops): give either.")
+        "devices, but its def_partition was given partition=None, and no "
+        "partition is derived from a sharding_rule (none was given, or this "
+        "copy of the module was trimmed of rule-only ops): give either.")
 
 
 _STATE = dict(compare=False)  # a field of an _Op that is not its key
@@ -1657,7 +1617,10 @@ def _first_pass(ctx, op: _Op, values, pass_: _Pass, index: int):
   op, rule_attr = _rule_of(ctx, op, values, at_lowering=True)
   pass_.rules.append(op.sharding_rule)
   pass_.tagged.append((ctx, op))
-  return _tagged_call(ctx, op.call, values, rule_attr, index)
+  return _jax.custom_call(
+      _TARGET, result_types=_ir_types(ctx, op.call.out_avals),
+      operands=list(values), backend_config=f"{_AT_LOWERING_TAG}{index}",
+      extra_attributes=rule_attr).results
 
 
 def _rule_of(ctx, op: _Op, values, at_lowering: bool):
@@ -1666,7 +1629,14 @@ def _rule_of(ctx, op: _Op, values, at_lowering: bool):
   rule, rule_attr = op.sharding_rule, None
   if callable(rule) or (_SHARDY.value and rule is not None):
     with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
-      rule, rule_attr = _ask_rule(ctx, op)
+      levels = _rule_levels(op.call, op.steps)
+      if callable(rule):  # asked about the author's op
+        rule = _asked_rule(ctx, op, levels[0])
+      one_size = False
+      if isinstance(op.partition, _FromRule):  # seam: one size a factor (II.5)
+        one_size = True
+      if _SHARDY.value and rule is not None:
+        rule_attr = _rule_attr(rule, levels, one_size)
   elif _SHARDY.value:  # seam: a rule derived from infer (II.6)
     rule_attr = _derived_rule_attr(op, at_lowering)
   # Shardy's verifier refuses a rule on an op without operands (where it
@@ -1719,18 +1689,6 @@ def _rule_levels(call, steps: tuple) -> list[_Level]:
   if steps:  # seam: a derived op (II.4)
     return _levels(steps, *values)
   return [_Level(None, *values)]
-
-
-def _ask_rule(ctx, op: _Op):
-  """The op's rule (a callable one asked) and, under Shardy, its attribute."""
-  rule, levels = op.sharding_rule, _rule_levels(op.call, op.steps)
-  if callable(rule):
-    rule = _asked_rule(ctx, op, levels[0])
-  one_size = False
-  if isinstance(op.partition, _FromRule):  # seam: one size a factor (II.5)
-    one_size = True
-  return rule, (_rule_attr(rule, levels, one_size)
-                if _SHARDY.value and rule is not None else None)
 
 
 def _rule_attr(rule, levels: list, one_size: bool):
@@ -1830,14 +1788,9 @@ def _rule_attr_from_dims(sizes: dict, dims: list, num_operands: int,
       _jax.DimMappingAttr.get(factor_indices=[i for f in factors
                                              for i in parts[f]])
       for factors in value_dims]) for value_dims in dims]
-  special = [[i for f in factors for i in parts[f]]
-             for factors in (reduction, need_replication, permutation)]
-  return _sdy_rule_attr(part_sizes, tensors[:num_operands],
-                        tensors[num_operands:], *special)
-
-
-def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
-                   reduction, need_replication, permutation):
+  reduction, need_replication, permutation = (
+      [i for f in factors for i in parts[f]]
+      for factors in (reduction, need_replication, permutation))
   kwargs: dict[str, Any] = {}
   # jaxlib 0.5.0 added reduction and need_replication factors, 0.5.1
   # permutation factors.
@@ -1856,8 +1809,8 @@ def _sdy_rule_attr(factor_sizes, operand_mappings, result_mappings,
   if _JAXLIB_VERSION >= (0, 6, 1):  # before jaxlib 0.6.1 it fails compiling
     kwargs["is_custom"] = True
   return _jax.OpShardingRuleAttr.get(
-      factor_sizes=factor_sizes, operand_mappings=operand_mappings,
-      result_mappings=result_mappings, **kwargs)
+      factor_sizes=part_sizes, operand_mappings=tensors[:num_operands],
+      result_mappings=tensors[num_operands:], **kwargs)
 
 
 def _asked_rule(ctx, op: _Op, author: _Level) -> SdyShardingRule:
@@ -1893,17 +1846,7 @@ def _varying_axes(aval) -> frozenset | None:  # seam: used by (II.3, II.7)
 
 
 _TARGET = f"CustomSPMDPartitioning.{__name__}"
-
-
-def _tagged_call(ctx, call, values, rule_attr, index: int):
-  """The first pass's op: a custom call Shardy's propagation places."""
-  return _jax.custom_call(
-      _TARGET, result_types=_ir_types(ctx, call.out_avals),
-      operands=list(values), backend_config=f"{_AT_LOWERING_TAG}{index}",
-      extra_attributes=rule_attr).results
-
-
-_AT_LOWERING_TAG = f"{_TARGET}:at-lowering:"
+_AT_LOWERING_TAG = f"{_TARGET}:at-lowering:"  # + the op's index
 
 
 def _ir_types(ctx: _jax.LoweringRuleContext, avals) -> list[_jax.Type]:
@@ -1944,8 +1887,8 @@ def _propagated(module) -> dict:
            for f in module.body.operations if f.operation.name == "func.func"
            for b in f.regions[0].blocks for a in b.arguments):
       # Shardy's propagation refuses a dynamic shape (an argument jax.export
-      # made symbolic; the ops' own are static: _lowering): ops unplaced,
-      # asked on replicated values, as XLA's propagation would leave them.
+      # made symbolic; the ops' own are static: _lowering_rule): ops
+      # unplaced, asked on replicated values, as XLA's propagation would.
       return {}
     copy = module.operation.clone()  # a tenth of a bytecode round trip
     propagation = _jax.passmanager.PassManager.parse(
@@ -2091,8 +2034,7 @@ def _value_placement(value, meshes: dict) -> _Sdy | None:
   parent = parent.operation
   if parent.name == "func.func" and "arg_attrs" in parent.attributes:
     attrs = _jax.ir.ArrayAttr(parent.attributes["arg_attrs"])[arg.arg_number]
-    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1,
-                          meshes)[0]
+    return _placements_of(_jax.ir.DictAttr(attrs), "sdy.sharding", 1, meshes)[0]
   if parent.name == "stablehlo.while":
     return _placements_of(parent.attributes, "sdy.sharding",
                           len(parent.results), meshes)[arg.arg_number]
@@ -2121,8 +2063,7 @@ def _placements_of(attributes, name: str, count: int, meshes: dict) -> list:
                [attr])
   if len(shardings) != count:
     return [None] * count
-  return [_sdy_placement(_jax.TensorShardingAttr(s), meshes)
-          for s in shardings]
+  return [_sdy_placement(_jax.TensorShardingAttr(s), meshes) for s in shardings]
 
 
 def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
@@ -2148,11 +2089,12 @@ def _sdy_placement(sharding, meshes: dict) -> _Sdy | None:
 # --------------------------------------------------------------------------
 # I.5 Asking partition, and its checks
 #
-# ``partition`` is asked on the placements Shardy decided (``op.mesh`` is
-# what it sees; ``on`` names the mesh of a value's spec and HloSharding:
-# ``op.mesh``, inside a partly manual shard_map ``op.place.auto``, or the
-# mesh ``partition`` returned, ``_Answer.on``); its answer is checked and
-# ``lower_fn`` traced on per-shard shapes and checked (II.1).
+# ``partition`` is asked on the placements Shardy decided, its answer and
+# ``lower_fn``'s results on per-shard shapes checked. ``op.mesh`` is what it
+# sees; ``on`` names the mesh of a value's spec and HloSharding (``op.mesh``,
+# in a partly manual shard_map ``op.place.auto``, or the mesh ``partition``
+# returned, ``_Answer.on``).
+# The per-shard program's own checks follow from here (II.1).
 # --------------------------------------------------------------------------
 
 def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
@@ -2166,7 +2108,8 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
   decided = _next_placement(pass_, index)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
-  operands, results = ([_decided_value(a, placed, op.mesh)
+  operands, results = ([_Value(tuple(a.shape), np.dtype(a.dtype), *(
+      _decoded_placement(placed, len(a.shape), op.mesh)))
                         for a, placed in zip(avals, places)]
                        for avals, places in ((ctx.avals_in, operand_places),
                                              (ctx.avals_out, result_places)))
@@ -2212,29 +2155,20 @@ def _placement(pass_: _Pass, index: int, site: int):
   return sites[min(site, len(sites) - 1)]
 
 
-def _decided_value(aval, placed: _Sdy | None, mesh) -> _Value:
-  """A value placed as Shardy decided, given to ``partition`` as XLA's
-  callbacks would be: as an HloSharding, and the PartitionSpec of that on
-  ``mesh`` (the op's, whatever mesh Shardy named; None where no spec
-  states it, as a sub-axis that is not a whole axis of ``mesh``)."""
-  spec, hlo = _decoded_placement(placed, len(aval.shape), mesh)
-  return _Value(tuple(aval.shape), np.dtype(aval.dtype), spec, hlo)
-
-
+# A value placed as Shardy decided, given to ``partition`` as XLA's
+# callbacks would be: ``(spec, hlo)``, its HloSharding and the PartitionSpec
+# of that on ``mesh`` (the op's, whatever mesh Shardy named; None where no
+# spec states it, as a sub-axis that is not a whole axis of ``mesh``).
 # Equal ops of a program share placements: each decoded once (jax's
 # decoding of an HloSharding costs more than the rest of reading it). The
 # answer is a function of the key alone (a placement, a rank, a mesh: all
 # values); jax's cache keeps 64 and is emptied by jax.clear_caches().
 @_jax.cache(max_size=_CACHE_SIZE, trace_context_in_key=False)
 def _decoded_placement(placed: _Sdy | None, ndim: int, mesh):
-  hlo = _hlo_of_sdy(placed, ndim)
-  return _decode_spec(hlo, mesh, ndim), hlo
-
-
-def _hlo_of_sdy(placed: _Sdy | None, ndim: int) -> _jax.HloSharding:
-  """The HloSharding of ``placed`` on its mesh's logical device ids."""
+  # The HloSharding on the logical device ids of ``placed``'s mesh.
   if placed is None or not any(placed.dims):
-    return _jax.HloSharding.replicate()
+    hlo = _jax.HloSharding.replicate()
+    return _decode_spec(hlo, mesh, ndim), hlo
   # Each axis cut at every sub-axis boundary, its pieces major first: a
   # grid of the mesh's devices, in which each sub-axis is a run of pieces.
   cuts = {name: {1, size} for name, size in placed.axes}
@@ -2265,9 +2199,10 @@ def _hlo_of_sdy(placed: _Sdy | None, ndim: int) -> _jax.HloSharding:
   # HLO's sharding text: every supported jaxlib parses it, where building
   # one from parts needs xla_client's OpSharding too.
   shape = ",".join(map(str, tiles + [copies] * (copies > 1)))
-  return _jax.HloSharding.from_string(
+  hlo = _jax.HloSharding.from_string(
       f"{{devices=[{shape}]{devices}"
       f"{' last_tile_dim_replicate' if copies > 1 else ''}}}")
+  return _decode_spec(hlo, mesh, ndim), hlo
 
 
 def _decode_spec(hlo_sharding: _jax.HloSharding, mesh, ndim: int):
@@ -2298,9 +2233,7 @@ def _shard_of(op: _Op, operands: list, results: list, on) -> _Answer:
 def _partition(op: _Op, operands: list, results: list, on):
   """``(answer, jaxpr)``: ``partition``'s answer, its ``lower_fn`` traced
   (None: where ``_manual_program`` traces it)."""
-  if isinstance(op.sharding_rule, SdyShardingRule) and (
-      op.sharding_rule.need_replication_factors):
-    operands, results = _replicated_as_needed(op, operands, results)
+  operands, results = _replicated_as_needed(op, operands, results)
   answer = _ask_partition(op, operands, results, on)
   if _log.isEnabledFor(logging.DEBUG):  # seam: the log (II.8)
     _debug_partition(op, operands, results, answer)
@@ -2328,10 +2261,11 @@ def _replicated_as_needed(op: _Op, operands: list, results: list):
   the rule states what the per-shard code can take, so partition is asked
   (and XLA reshards) accordingly."""
   rule = op.sharding_rule
+  if not (isinstance(rule, SdyShardingRule) and rule.need_replication_factors):
+    return operands, results
   values = operands + results
   try:  # a rule that does not fit the op fails elsewhere, with its cause
-    sizes, dims = _resolve_rule(rule, [v.shape for v in values],
-                                len(operands))
+    sizes, dims = _resolve_rule(rule, [v.shape for v in values], len(operands))
   except ValueError:
     return operands, results
   needed = set(rule.need_replication_factors)
@@ -2668,13 +2602,15 @@ class _KeepCallbacks(Exception):
 def _check_lowerable(op: _Op, shard: _Answer):
   """Raises ``_KeepCallbacks`` where jax cannot lower ``shard`` (an answer
   of ``op``'s) as a manual computation."""
-  if _foreign_mesh_fails(shard.mesh, op.mesh):
+  mesh = shard.mesh  # jax lowers it inside the op's? (I.2's gates)
+  if (not _LOWERS_REORDERED_MESH
+      if mesh.devices.tolist() != op.mesh.devices.tolist() else
+      mesh.axis_names != op.mesh.axis_names and not _LOWERS_RENAMED_MESH):
     raise _KeepCallbacks(
         f"returns the mesh {dict(shard.mesh.shape)}, whose manual "
         f"computation jax {jax.__version__} cannot lower inside the op's "
         f"{dict(op.mesh.shape)} (jax 0.7 to 0.10 but 0.9.1 can; return the "
         "op's mesh)")
-  mesh = shard.mesh
   for what, side in (("operand", shard.args), ("result", shard.results)):
     for i, v in enumerate(side):
       if v.spec is None:
@@ -2682,14 +2618,6 @@ def _check_lowerable(op: _Op, shard: _Answer):
             f"returns a sharding for {what} {i} that has no PartitionSpec "
             f"on the mesh {dict(mesh.shape)}, which a manual computation "
             "needs")
-
-
-def _foreign_mesh_fails(mesh, op_mesh) -> bool:
-  """Whether jax cannot lower a shard_map on ``mesh`` (partition's) in a
-  program on ``op_mesh`` (the releases: I.2's gates)."""
-  if mesh.devices.tolist() != op_mesh.devices.tolist():
-    return not _LOWERS_REORDERED_MESH
-  return mesh.axis_names != op_mesh.axis_names and not _LOWERS_RENAMED_MESH
 
 
 def _manual_program(op: _Op, shard: _Answer, per_shard=None,
@@ -2918,15 +2846,11 @@ def _padded(values: list, mesh) -> bool:  # seam: used by (II.1, II.4)
 # ==========================================================================
 # Part II. The extras, one section each
 #
-# Each extra joins the core at its ``# seam:`` lines, runs only when it
-# applies, and holds what it owns (helpers, stores, version branches, its
-# registrations with jax). A seam line ends in ``(II.n)``, the section it
-# enters, and is an ``if`` or ``elif`` whose branch is all that section's,
-# or a statement that is. Deleting an extra is deleting its section and its
-# seam lines: a seam ``if``'s branch goes and the rest of its chain stays
-# (an ``else`` body left alone takes its place), a seam statement goes whole;
-# the plain path runs. ``.ci/sections.py`` does that to each extra (and to
-# ``check_partitioning`` and the demo) and runs the core set on the copy.
+# Each extra runs only when it applies and holds what it owns (helpers,
+# stores, version branches, its registrations with jax). A seam line ends
+# in ``(II.n)``, the section it enters: an ``if``/``elif`` whose branch is
+# all that section's (deleted, the rest of its chain stays; a lone ``else``
+# body takes its place), or a statement that is (deleted whole).
 # ==========================================================================
 
 # --------------------------------------------------------------------------
@@ -2973,8 +2897,7 @@ def _unreplicated(op: _Op, values: list, args: list) -> dict:
   shard a dimension of a factor the rule says needs replication, the
   likely cause of a result varying over that axis."""
   rule = op.sharding_rule
-  if not (isinstance(rule, SdyShardingRule) and
-          rule.need_replication_factors):
+  if not (isinstance(rule, SdyShardingRule) and rule.need_replication_factors):
     return {}
   try:  # a rule that does not fit the op fails elsewhere, with its cause
     _, dims = _resolve_rule(rule, [v.shape for v in values], len(args))
@@ -3103,7 +3026,10 @@ def _loop_varying(eqn, ins: list) -> list:
   it), a while loop's also over its predicate's (counts may differ)."""
   p = eqn.params
   if eqn.primitive.name == "scan":
-    n, k = _scan_counts(p)
+    if "num_consts" in p:  # jax 0.11.0 replaced these with ft_in
+      n, k = p["num_consts"], p["num_carry"]
+    else:
+      n, k = (len(list(part)) for part in p["ft_in"].unpack()[:2])
     body, cond, cond_consts = _open(p["jaxpr"]), None, []
     consts, carry, xs = ins[:n], ins[n:n + k], ins[n + k:]
   else:
@@ -3121,13 +3047,6 @@ def _loop_varying(eqn, ins: list) -> list:
     carry = new
 
 
-def _scan_counts(params: dict) -> tuple[int, int]:
-  if "num_consts" in params:  # jax 0.11.0 replaced these with ft_in
-    return params["num_consts"], params["num_carry"]
-  consts, carry, _ = params["ft_in"].unpack()
-  return len(list(consts)), len(list(carry))
-
-
 # --------------------------------------------------------------------------
 # II.2 Placements and errors off the plain path
 #
@@ -3137,30 +3056,23 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 
 def _shard_map_placement(axis_context) -> _Placement:
   """Inside a shard_map manual over some mesh axes: its mesh, the manual
-  ones typed Manual."""
+  ones typed Manual (from jax 0.5.3), and the sub-mesh over the others
+  (devices of one manual group)."""
   whole, manual = axis_context.mesh, axis_context.manual_axes
+  names, devices = whole.axis_names, tuple(whole.devices.flat)
   if not manual:
-    return _Placement(whole, tuple(whole.devices.flat))
-  return _Placement(_with_manual_axes(whole, manual), tuple(whole.devices.flat),
-                    _auto_submesh(whole, manual), whole)
-
-
-def _with_manual_axes(mesh, manual_axes):
-  if not manual_axes or not _MANUAL_TYPED:
-    return mesh
-  types_ = tuple(jax.sharding.AxisType.Manual if name in manual_axes else t
-                 for name, t in zip(mesh.axis_names, mesh.axis_types))
-  return _jax.Mesh(mesh.devices, mesh.axis_names, axis_types=types_)
-
-
-def _auto_submesh(mesh, manual_axes):
-  """The sub-mesh over the non-manual axes (devices of one manual group)."""
-  keep = [i for i, n in enumerate(mesh.axis_names) if n not in manual_axes]
-  index = tuple(0 if n in manual_axes else slice(None) for n in mesh.axis_names)
-  kwargs = ({"axis_types": tuple(mesh.axis_types[i] for i in keep)}
-            if _MANUAL_TYPED else {})  # jax 0.5.3
-  return _jax.Mesh(mesh.devices[index],
-                       tuple(mesh.axis_names[i] for i in keep), **kwargs)
+    return _Placement(whole, devices)
+  keep = [i for i, n in enumerate(names) if n not in manual]
+  auto = _jax.Mesh(
+      whole.devices[tuple(0 if n in manual else slice(None) for n in names)],
+      tuple(names[i] for i in keep), **(
+          {"axis_types": tuple(whole.axis_types[i] for i in keep)}
+          if _MANUAL_TYPED else {}))
+  mesh = whole if not _MANUAL_TYPED else _jax.Mesh(
+      whole.devices, names, axis_types=tuple(
+          jax.sharding.AxisType.Manual if n in manual else t
+          for n, t in zip(names, whole.axis_types)))
+  return _Placement(mesh, devices, auto, whole)
 
 
 def _placement_without_devices(axis_context, am, avals) -> _Placement:
@@ -3357,20 +3269,17 @@ def _explicit_program(user_op, args: _CallArgs, flat: _FlatArgs,
               sharding_rule=None if callable(rule) else rule)
   operands, results, typed = _explicit_values(op, flat.in_avals, call, mesh,
                                               type_error)
-  if callable(rule):  # asked as the custom call's lowering asks it
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+  with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if callable(rule):  # asked as the custom call's lowering asks it
       op = dataclasses.replace(op, sharding_rule=_asked_rule(
           None, op, _Level(None, operands, results)))
-  if rule is not None and (
-      _SHARDY.value or op.infer_sharding_from_operands is None):
-    # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
-    with _naming(f"sharding_rule of custom_partitioning op {op.name}: "):
+    if rule is not None and (
+        _SHARDY.value or op.infer_sharding_from_operands is None):
+      # Where the custom call's lowering (Shardy) or inference (GSPMD) would.
       _resolve_rule(op.sharding_rule, [v.shape for v in operands + results],
                     len(operands), isinstance(op.partition, _FromRule))
-  if isinstance(op.sharding_rule, SdyShardingRule) and (
-      op.sharding_rule.need_replication_factors):
-    # As the custom call asks it (_partition); typed keeps the result types.
-    operands, results = _replicated_as_needed(op, operands, results)
+  # As the custom call asks it (_partition); typed keeps the result types.
+  operands, results = _replicated_as_needed(op, operands, results)
   answer = None
   if isinstance(op.partition, _FromRule) and callable(rule):
     why = NotImplementedError("its partition is derived from a callable "
@@ -4184,15 +4093,13 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
 # II.6 A rule derived from infer: GSPMD-era ops under Shardy
 #
 # Shardy propagates through an op by its sharding rule alone. An op given
-# only GSPMD callbacks gets one derived from its own
-# ``infer_sharding_from_operands`` (author's shapes, the op's mesh): each
-# operand dimension is probed alone, sharded over a mesh axis that divides
-# it, and shares a factor with each result dimension infer puts that axis on
-# (same size, one dimension per value). What no probe ties (infer raised,
-# put the axis nowhere, or where no factor can state it) gets a factor of
-# its own. Any rule is right here: ``partition`` decides the shardings and
-# XLA reshards to them; the rule only spares reshards. Logged at DEBUG and
-# reported by ``check_partitioning``, so the author can paste it.
+# only GSPMD callbacks gets one derived from its own infer, probed as
+# ``def_partition``'s docstring says (one dimension per value); what no
+# probe ties (infer raised, put the axis nowhere, or where no factor can
+# state it) gets a factor of its own. Any rule is right here: ``partition``
+# decides the shardings and XLA reshards to them; the rule only spares
+# reshards. Logged at DEBUG and reported by ``check_partitioning``, so the
+# author can paste it.
 # --------------------------------------------------------------------------
 
 class _Derived(NamedTuple):
@@ -4410,7 +4317,13 @@ def _by_callbacks(ctx, op: _Op, values):
   """The op as one custom call, partitioned by XLA's callbacks: under
   GSPMD, and off TPU where it cannot be partitioned at lowering."""
   name, place = op.name, op.place
-  _check_exportable(ctx.module_context, name)
+  if ctx.module_context.lowering_parameters.for_export:
+    raise NotImplementedError(
+        f"jax.export cannot serialize the custom_partitioning op {name}: its "
+        "partitioning callbacks are Python functions that XLA calls while "
+        "compiling, and they cannot be stored in a serialized artifact. Export "
+        "on a single device, or export the per-shard code (e.g. with "
+        "jax.shard_map) instead.")
   if place.devices is None:
     raise ValueError(
         f"custom_partitioning op {name} is lowered for several devices, but "
@@ -4471,18 +4384,7 @@ def _config_entered(values: tuple):
 def _keep_call(call, ctx, op: _Op) -> None:
   """Off TPU, a tagged custom call whose answer jax cannot lower as a
   manual computation stays, carrying its key for XLA's callbacks."""
-  call.attributes["backend_config"] = _jax.ir.StringAttr.get(
-      _register(ctx, op))
-
-
-def _check_exportable(mc, name: str) -> None:
-  if mc.lowering_parameters.for_export:
-    raise NotImplementedError(
-        f"jax.export cannot serialize the custom_partitioning op {name}: its "
-        "partitioning callbacks are Python functions that XLA calls while "
-        "compiling, and they cannot be stored in a serialized artifact. Export "
-        "on a single device, or export the per-shard code (e.g. with "
-        "jax.shard_map) instead.")
+  call.attributes["backend_config"] = _jax.ir.StringAttr.get(_register(ctx, op))
 
 
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
@@ -4608,8 +4510,10 @@ def _partitioner(answer: Callable):
     if op is None:
       raise RuntimeError(f"{_TARGET}: no custom_partitioning op is registered "
                          f"under key {key!r}; was its lowering dropped?")
-    if _pending:  # an infer/propagate error kept
-      _raise_pending()
+    with _weak_lock:  # an infer/propagate error kept on this thread
+      name, e = _pending.pop(threading.get_ident(), (None, None))
+    if e is not None:
+      raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
     try:
       return answer(op, *xla_args)
     except BaseException as e:  # noqa: BLE001 - must not reach XLA raw
@@ -4618,8 +4522,6 @@ def _partitioner(answer: Callable):
 
 
 _parked_errors = _LRU()
-
-
 _parked_counter = itertools.count()
 
 
@@ -4639,15 +4541,6 @@ def _reraise_callback_error(xla_error: Exception):
     return None
   tag = text[start + len(_ERROR_TAG):].split("]", 1)[0]
   return _parked_errors.pop(int(tag)) if tag.isdigit() else None
-
-
-def _raise_pending() -> None:
-  """Raises (parked) the error infer or propagate kept on this thread."""
-  with _weak_lock:
-    pending = _pending.pop(threading.get_ident(), None)
-  if pending is not None:
-    name, e = pending
-    raise RuntimeError(_park(e, f"custom_partitioning op {name}")) from e
 
 
 def _answer_partition(op: _Op, arg_shapes, arg_shardings, result_shape,
@@ -4779,8 +4672,15 @@ def _content_key(ctx, op: _Op) -> str:
   # The keep-alive list lives as long as the lowering and its executables.
   describer = _Describer(
       f"{_PROCESS_NONCE}:{id(ctx.module_context.keepalives)}")
-  parts = (str(_open(call)), call.consts, op, _trace_context_by_value(),
-           _SHARDY.value)
+  # jax's trace context (its tracing caches' key), each entry by value: the
+  # axis environment is a tuple of frames in jax 0.4.35, in 0.10 and 0.11
+  # a core.AxisEnv, whose repr is its address.
+  axis_env = _jax.AxisEnv or ()  # a class, or no class
+  context = tuple(("axis env", dict(v.axis_sizes), v.spmd_axis_names,
+                   getattr(v, "explicit_mesh_axis_names", None))
+                  if isinstance(v, axis_env) else v
+                  for v in _jax.trace_context())
+  parts = (str(_open(call)), call.consts, op, context, _SHARDY.value)
   try:
     describer.add((jax.__version__, *parts))
   except RecursionError:  # too deep, or too big (``add``)
@@ -4788,18 +4688,6 @@ def _content_key(ctx, op: _Op) -> str:
     describer.opaque(parts)
   digest = hashlib.sha256("\n".join(describer.out).encode()).hexdigest()
   return f"{_TARGET}:{digest[:40]}"
-
-
-def _trace_context_by_value() -> tuple:
-  """jax's trace context (the configuration its tracing caches key on),
-  each entry described by value: equal in every process for equal ones."""
-  # The axis environment: in jax 0.4.35 a tuple of frames; in 0.10 and 0.11
-  # a core.AxisEnv, whose repr is its address; the rest describe by value.
-  axis_env = _jax.AxisEnv or ()  # a class, or no class
-  return tuple(
-      ("axis env", dict(v.axis_sizes), v.spmd_axis_names,
-       getattr(v, "explicit_mesh_axis_names", None))
-      if isinstance(v, axis_env) else v for v in _jax.trace_context())
 
 
 _lapack_ready = False  # see _ensure_lapack
@@ -5122,11 +5010,8 @@ def _debug_propagate(  # seam: used by (II.7)
 # --------------------------------------------------------------------------
 
 class _PerSite:
-  """The second pass's view of jax's lowering caches (of equal equations,
-  of called functions) where one op was placed differently in different
-  places: an entry whose lowering lowered ops is reused only where those
-  ops are placed as there; elsewhere it is lowered again, its ops under
-  their first pass's indices, and kept too."""
+  """The second pass's view of jax's lowering caches where one op was
+  placed apart (as II.9's head says), keeping each entry's variants."""
 
   def __init__(self, pass_: _Pass):
     self.pass_ = pass_
@@ -5194,8 +5079,7 @@ class _PerSite:
     frame = list(self.since) if frame is None else frame
     if not frame:
       return False
-    self.spans.setdefault(key, (first, pass_.count,
-                                [i for i, _ in frame]))
+    self.spans.setdefault(key, (first, pass_.count, [i for i, _ in frame]))
     self.variants[key, repr([p for _, p in frame])] = entry
     pass_.count = max(pass_.count, self.resume.pop(key, pass_.count))
     return True
@@ -5489,12 +5373,11 @@ def _split_size(size: int, where: str | None = None) -> list[int] | None:
   if rest > _MAX_FACTOR_SIZE:
     if where is None:
       return None
-    raise ValueError((
-        "{where} has size {size}, which is not a product of factors of at most "
-        "{limit} (2**31 - 1), the largest factor size a Shardy sharding rule "
-        "can hold. Reshape the dimension, or (jax 0.12.0.1 and older) use the "
-        "GSPMD partitioner for this op.").format(
-            where=where, size=size, limit=_MAX_FACTOR_SIZE))
+    raise ValueError(
+        f"{where} has size {size}, which is not a product of factors of at "
+        f"most {_MAX_FACTOR_SIZE} (2**31 - 1), the largest factor size a "
+        "Shardy sharding rule can hold. Reshape the dimension, or (jax "
+        "0.12.0.1 and older) use the GSPMD partitioner for this op.")
   parts: list[int] = []
   for p in primes + ([rest] if rest > 1 else []):  # ascending
     for i, part in enumerate(parts):
@@ -5648,7 +5531,12 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
         where += f" and {kind} shardings {_specs_text(given, [], True)}"
     placed = [_placed(h, mesh, spec) for h, spec in zip(hosts, specs)]
     try:
-      with _set_mesh_scope(mesh):
+      # ``mesh`` made ambient if it has an Explicit axis: jax 0.7.1 added
+      # jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
+      setter = getattr(jax, "set_mesh", None) or getattr(
+          jax.sharding, "use_mesh", None)
+      with (setter(mesh) if setter is not None and _any_explicit(mesh) else
+            contextlib.nullcontext()):
         got = run([x for x, _ in placed], tuple(c for _, c in placed),
                   ct_specs, mesh, out_specs)
     except Exception as e:
@@ -5683,15 +5571,6 @@ def check_partitioning(fn: Callable, *example_args, grad: bool = False,
       max_combinations=max_combinations, cotangent_placements=cotangents,
       result_requests=requested, derived_rules=tuple(dict.fromkeys(derived)),
       **_coverage(arg_names, hosts, meshes, offered, tried))
-
-
-def _set_mesh_scope(mesh):  # ``mesh`` made ambient if it has an Explicit axis
-  # jax 0.7.1 added jax.set_mesh; from 0.5.3 to 0.7.0, jax.sharding.use_mesh.
-  setter = getattr(jax, "set_mesh", None) or getattr(
-      jax.sharding, "use_mesh", None)
-  if setter is None or not _any_explicit(mesh):
-    return contextlib.nullcontext()
-  return setter(mesh)
 
 
 def _checked_examples(fn, example_args: tuple, meshes, max_combinations):
@@ -6107,12 +5986,11 @@ __all__ += ["check_partitioning", "PartitioningReport"]
 # --------------------------------------------------------------------------
 # III.3 The module's state
 #
-# The table of all state this module keeps but the stores on its objects
-# (per op, per lowered op); each store stands beside its owner, the section
-# in brackets (a copy without that section has no such store). Caches are
-# bounded ``_LRU``s, each with its own lock; a hit answers what a fresh
-# computation would (where each is filled, a comment says what its key
-# holds).
+# All state this module keeps but the stores on its objects (per op, per
+# lowered op), each beside its owner, the section in brackets (a copy
+# without it has no such store). Caches are bounded ``_LRU``s, each with
+# its own lock; a hit answers what a fresh computation would (a comment
+# where each is filled says what its key holds).
 #
 #   store           maps                                  bound   cleared
 #   op._traces      call signature -> traced fun          64/op   C, D  (I.1)

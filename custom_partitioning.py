@@ -2248,7 +2248,9 @@ def _partition(op: _Op, operands: list, results: list, on):
     closed = None
   else:
     closed = _trace_lower_fn(op, answer)
-  if op.check_vma:  # seam: per-shard checks (II.1)
+  if op.check_vma and (  # seam: per-shard checks (II.1)
+      closed is not None or _padded(answer.args, answer.on)):
+    # (untraced, sharded everywhere: nothing to check unless padded)
     _check_per_shard(op, answer, operands + results, closed, everywhere)
   if not inside and _calls_host(closed):
     raise _host_callback_error(op)
@@ -2482,6 +2484,12 @@ def _entry_axes(entry) -> tuple:
   """A PartitionSpec entry as a tuple of mesh axis names."""
   return (() if entry is None else
           tuple(entry) if isinstance(entry, tuple) else (entry,))
+
+
+def _padded(values: list, mesh) -> bool:  # seam: used by (II.1, II.4)
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
 
 
 def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
@@ -2835,12 +2843,6 @@ def _axes_in(specs) -> set:  # seam: used by (II.1, II.2, II.3, II.4)
 def _real_axes(mesh) -> tuple:  # seam: used by (II.1, II.4, III.2)
   """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-
-
-def _padded(values: list, mesh) -> bool:  # seam: used by (II.1, II.4)
-  """Whether a value is sharded unevenly (XLA pads the last shards)."""
-  return any(size % _shard_count(entry, mesh)
-             for v in values for size, entry in zip(v.shape, v.spec or ()))
 
 
 # ==========================================================================

@@ -88,9 +88,12 @@ jax/jaxlib 0.4.35 through 0.12.1, each with the Shardy partitioner.
 Through 0.12.0.1 also with GSPMD: jax 0.12.1 removed it (its flag stays,
 with no effect), so there Shardy partitions every op, GSPMD-era ones too
 (upstream refuses those there) (II.7).
-CI (``.ci/run``; its releases in ``.ci/matrix``) tests every change: the
-whole suite on six releases and on the newest with jax's legacy shims
-withdrawn (``.ci/withdrawn``), the core set on every other release.
+CI (``.ci/run``) tests every change. The whole suite runs on 0.4.35, 0.5.3,
+0.7.2, 0.10.2, 0.11.2 and 0.12.1, and on the newest release with jax's
+legacy shims withdrawn (``.ci/withdrawn``). The core set runs on 0.4.36,
+0.4.38, 0.5.0, 0.5.1, 0.6.0, 0.6.1, 0.6.2, 0.7.0, 0.7.1, 0.8.0, 0.8.1, 0.8.2,
+0.8.3, 0.9.0, 0.9.0.1, 0.9.1, 0.9.2, 0.10.0, 0.10.1, 0.11.0, 0.11.1, 0.12.0
+and 0.12.0.1 (also jax 0.12.0 on jaxlib 0.11.2).
 Older releases raise ``ImportError``, and so does one lacking a name this
 module reads from jax's internals (each looked up at import: ``_NAMES``),
 naming it. A newer release is not refused; CI's newest-release run says

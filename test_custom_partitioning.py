@@ -9,9 +9,9 @@ which a run takes one partitioner's. ``JAX_USE_SHARDY_PARTITIONER=1`` (or
 GSPMD before), and the classes of the other skip too. CI runs the file with
 each value, so every test runs there.
 
-The default run (jax 0.10.2, Shardy's: 537 tests, skipped ones included; 418
+The default run (jax 0.10.2, Shardy's: 538 tests, skipped ones included; 419
 of them in ``...Shardy`` classes, whose ``...GSPMD`` twins
-``JAX_USE_SHARDY_PARTITIONER=0`` runs instead; 955 in CI's two runs
+``JAX_USE_SHARDY_PARTITIONER=0`` runs instead; 957 in CI's two runs
 together) takes about four and a half minutes on two idle cores
 (.ci/RESULTS.md says how long, when). Its time goes to XLA compiling each
 distinct program (a few tenths of a second each, at backend optimization
@@ -6428,6 +6428,24 @@ class PerShardChecksTest(CPTestCase):
     op = _reducing_op(lower_fn, fun=lambda x: jnp.max(x, 0))
     np.testing.assert_allclose(jax.jit(op, in_shardings=rows)(xh),
                                xh.max(0), rtol=1e-6)
+
+  def test_a_padded_reduction_beside_results_sharded_everywhere(self):
+    """Every result sharded over every mesh axis: at lowering ``lower_fn``
+    is not traced for the checks, yet a reduction over a padded dimension
+    is refused as above."""
+    op = custom_partitioning(lambda x: jnp.sum(x, 0))
+
+    def partition(mesh, arg_shapes, result_shape):
+      def lower_fn(x):  # column sums, each device keeping its own
+        sums = jax.lax.psum(jnp.sum(x, 0), "x")
+        return jax.lax.dynamic_slice_in_dim(sums, jax.lax.axis_index("x"), 1)
+      return (mesh, lower_fn, NamedSharding(mesh, P("x")),
+              (NamedSharding(mesh, P("x", None)),))
+    op.def_partition(partition, sharding_rule="i j -> j")
+    self.assertRaisesNaming(
+        ValueError, ["operand 0 dimension 0", "size 10", "padd"],
+        lambda: jax.jit(op, in_shardings=NamedSharding(self.m, P()))(
+            _data((10, 8))))
 
   def test_a_replicated_result_beside_one_sharded_everywhere_is_checked(
       self):

@@ -305,10 +305,6 @@ def _aval_mesh(aval):
   return None if mesh is None or mesh.empty else mesh
 
 
-def _sharding_devices(sharding) -> tuple:  # seam: (II.7)
-  return tuple(sharding._device_assignment)
-
-
 def _gspmd_hlo(sharding) -> _jax.HloSharding:  # seam: used by (II.7, III.2)
   return sharding._hlo_sharding
 
@@ -411,9 +407,7 @@ class custom_partitioning:
     self._traces = _LRU()  # _traced's
     self._programs = _LRU()  # seam: _explicit_call's (II.3)
     self._generation = 0  # def_partition calls, in _eager_call's key
-    # (cache epoch, compiled fun): what an eager call of single-device
-    # arrays, no statics, no keywords runs (_eager_call's answer for them).
-    self._fast = None
+    self._fast = None  # the last eager call's _Fast (_eager_call)
     self._signature = _Signature(fun)
     self._name = getattr(fun, "__qualname__", None) or repr(fun)
 
@@ -734,14 +728,12 @@ class custom_partitioning:
     if partition is None and self.sharding_rule is not None:  # seam: (II.5)
       partition = _FromRule(self.fun, args.static_argnums, args.defaults)
     return dict(
-        call=call, in_tree=flat.in_tree, out_tree=out_tree,
-        partition=partition,
+        call=call, in_tree=flat.in_tree, out_tree=out_tree, partition=partition,
         propagate_user_sharding=self.propagate_user_sharding,
         infer_sharding_from_operands=self.infer_sharding_from_operands,
         decode_shardings=self.decode_shardings,
         sharding_rule=self.sharding_rule,
-        static_args=(args.static_args and
-                     _Statics(args.static_args, args.key)),
+        static_args=args.static_args and _Statics(args.static_args, args.key),
         check_vma=self.check_vma, transform=())
 
 
@@ -930,8 +922,7 @@ class _Fast(NamedTuple):
   def fits(self, args: tuple) -> bool:
     if self.epoch is not _cache_epoch():
       return False
-    # Loops: all() of a generator costs 5x as much.
-    if self.shardings is None:
+    if self.shardings is None:  # (loops, as in _eager_call)
       for x in args:
         if type(x) is not _ArrayImpl or type(x.sharding) is not _SingleDevice:
           return False
@@ -1086,9 +1077,7 @@ _jax.register_custom_decorator_type(custom_partitioning)
 # program -> slice (I.6), at whose boundary Shardy reshards to
 # ``partition``'s shardings.
 # Where jax lowered one op once for places Shardy placed apart (a function
-# of several callers, equal ops), one module cannot hold both: it is
-# lowered again, each op's manual computation emitted as it is lowered and
-# jax's lowering caches reused only where the ops are placed alike (II.9).
+# of several callers, equal ops), the module is lowered again (II.9).
 # No custom call, and no Python while XLA compiles. Where that cannot be
 # done (the release gates, below, as ``_at_lowering`` reads them: I.3), the
 # op's lowering raises ``NotImplementedError`` saying why.
@@ -1134,12 +1123,11 @@ _LOWERS_REORDERED_MESH = ((0, 7, 0) <= _JAX_VERSION < (0, 11, 0) and
                           _JAX_VERSION[:3] != (0, 9, 1))
 _LOWERS_RENAMED_MESH = _JAX_VERSION >= (0, 7, 0)
 
-# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts
-# on jax's transposed shard_map (a result of its body used twice); jax
-# 0.6.1 (check_vma) and 0.6.2 lower it to one that import refuses (a
-# body's first use not a LocalToGlobalShape); 0.6.0 and 0.7.0 do not.
-# Where it imports, II.4 lowers a transposed derived op as jax's
-# transposition of its manual computation.
+# Before jax 0.5.3, XLA's import of Shardy's manual computations aborts on jax's
+# transposed shard_map (a result of its body used twice); jax 0.6.1 (check_vma)
+# and 0.6.2 lower it to one that import refuses (a body's first use not a
+# LocalToGlobalShape); 0.6.0 and 0.7.0 do not. Where it imports, II.4 lowers a
+# transposed derived op as jax's transposition of its manual computation.
 _TRANSPOSED_MANUAL_IMPORTS = not (_JAX_VERSION < (0, 5, 3) or  # seam: (II.4)
                                   (0, 6, 1) <= _JAX_VERSION < (0, 7))
 
@@ -1191,19 +1179,18 @@ def _to_lojax(*args, call, **params):
   return custom_partitioning_p.bind(*args, call=_lojax(call), **params)
 
 
-# The shared lowering: every copy of this file in a process (each a module
-# of its own name) takes part in one lowering of a module, so that all
-# copies' ops are tagged in one lowering and, where any copy asks for one,
-# lowered in one second (a copy wrapping another's wrapper would lower a
-# module up to 2^k times for k copies). The first copy wraps jax's
-# ``lower_jaxpr_to_module``; a later one finds the parties' table on the
-# wrapper and joins (installed at I.2's end). The attribute's name is the
-# protocol, kept by every version of this file: a party is called with the
-# lowering's arguments and returns a generator; the module is lowered while
-# every party sits at a ``yield``, then each is sent the result. A party
-# that yields a true value asks for a second lowering (at most two); one
-# that returns takes part no further. Where an older copy (without the
-# table) installed its wrapper, this one wraps it.
+# The shared lowering: every copy of this file in a process (each a module of
+# its own name) takes part in one lowering of a module, so that all copies' ops
+# are tagged in one lowering and, where any copy asks for one, lowered in one
+# second (a copy wrapping another's wrapper would lower a module up to 2^k times
+# for k copies). The first copy wraps jax's ``lower_jaxpr_to_module``; a later
+# one finds the parties' table on the wrapper and joins (installed at I.2's
+# end). The attribute's name is the protocol, kept by every version of this
+# file: a party is called with the lowering's arguments and returns a generator;
+# the module is lowered while every party sits at a ``yield``, then each is sent
+# the result. A party that yields a true value asks for a second lowering (at
+# most two); one that returns takes part no further. Where an older copy
+# (without the table) installed its wrapper, this one wraps it.
 _PARTIES_ATTR = "custom_partitioning_parties_v1"
 
 
@@ -1269,9 +1256,8 @@ def _party(*args, **kwargs):
           "call by its manual computation in the module jax lowered failed "
           f"on jax {jax.__version__} ({e}). This is a bug of this module: "
           "please report it with the program.") from e
-  # Where only another party asks for a second lowering, its result is the
-  # one kept: this copy's ops are partitioned in it too, as placed in the
-  # first.
+  # Where only another party asks for a second lowering, its result is kept:
+  # this copy's ops are partitioned in it too, as placed in the first.
   first.tagged.clear()
   with _in_pass(_Pass(decided, first.rules)) as second:
     second.ops = first.ops  # partition asked once per op and placement
@@ -1294,9 +1280,6 @@ class _Pass:
     self.repeated: set | None = None
     self.count = 0
     self.sites: dict = {}  # index -> how many of its places were lowered
-    # Where propagation placed one op differently in different places (a
-    # function of several callers, equal ops: jax lowers them once),
-    # jax's caches reuse a lowering only where its ops are placed alike.
     self.per_site = (  # seam: ops placed apart (II.9)
         _PerSite(self) if decided is not None and _per_site(decided) else
         None)
@@ -1406,10 +1389,9 @@ def _fun_name(call) -> str:
 
 
 class _Placement(NamedTuple):
-  """Where a lowered op runs. ``mesh``: what the callbacks see (inside a
-  partly manual shard_map, the manual axes typed Manual); XLA then asks on
-  ``auto``, the auto axes' mesh, and the per-shard code runs on ``whole``,
-  the shard_map's mesh."""
+  """Where a lowered op runs. ``mesh``: what the callbacks see (inside a partly
+  manual shard_map, the manual axes typed Manual); XLA then asks on ``auto``,
+  the auto axes' mesh; the per-shard code on ``whole``, the shard_map's mesh."""
   mesh: Any
   devices: tuple | None
   auto: Any = None
@@ -1685,8 +1667,7 @@ class _Level(NamedTuple):
 
 
 def _rule_levels(call, steps: tuple) -> list[_Level]:
-  """The op's values by level, for its rule: the author's op, then each
-  step's."""
+  """The op's values by level for its rule: the author's op, each step's."""
   values = ([_Value(a.shape, a.dtype) for a in call.in_avals],
             [_Value(a.shape, a.dtype) for a in call.out_avals])
   if steps:  # seam: a derived op (II.4)
@@ -1879,11 +1860,10 @@ _jax.prim_requires_devices_during_lowering.add(custom_partitioning_p)
 # --------------------------------------------------------------------------
 
 def _propagated(module) -> dict:
-  """``{index: [(operand placements, result placements), ...]}``: each
-  tagged op's ``_Sdy`` placements (None: unplaced) after Shardy's
-  propagation of a copy of ``module``, one per place it runs in, in
-  lowering order (jax lowers a function of several callers, and equal ops,
-  once; Shardy places each caller's copy)."""
+  """``{index: [(operand placements, result placements), ...]}``: each tagged
+  op's ``_Sdy`` placements (None: unplaced) after Shardy's propagation of a copy
+  of ``module``, one per place it runs in, in lowering order (jax lowers a
+  function of several callers, and equal ops, once; Shardy places each copy)."""
   with module.context:
     if any(isinstance(a.type, _jax.ShapedType) and
            not a.type.has_static_shape
@@ -1946,7 +1926,8 @@ def _replace_tagged_calls(module, pass_: _Pass) -> None:
                                         pass_, index)
       except _KeepCallbacks as e:
         if "tpu" not in op.platforms:  # seam: XLA's callbacks (II.7)
-          _keep_call(call, ctx, op)
+          call.attributes["backend_config"] = _jax.ir.StringAttr.get(
+              _register(ctx, op))  # the call stays, for XLA's callbacks
           continue
         raise _cannot_lower(op.name, op.platforms,
                             f"its partition {e}") from None
@@ -2108,7 +2089,11 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
   # the placements asked) are a fresh partition's: the lowering's config
   # and equal ops' fields are one; they live and die with the lowering.
   op = pass_.ops.setdefault(op, op)
-  decided = _next_placement(pass_, index)
+  site = pass_.sites.get(index, 0)  # which of the op's places this is
+  pass_.sites[index] = site + 1
+  decided = _placement(pass_, index, site)
+  if pass_.per_site is not None:  # seam: ops placed apart (II.9)
+    pass_.per_site.lowered(index, decided)
   operand_places, result_places = decided or ([None] * len(values),
                                               [None] * len(ctx.avals_out))
   operands, results = ([_Value(tuple(a.shape), np.dtype(a.dtype), *(
@@ -2142,30 +2127,19 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
     return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
 
 
-def _next_placement(pass_: _Pass, index: int):
-  """The placement of op ``index``'s next place, lowered now."""
-  site = pass_.sites.get(index, 0)
-  pass_.sites[index] = site + 1
-  placement = _placement(pass_, index, site)
-  if pass_.per_site is not None:  # seam: ops placed apart (II.9)
-    pass_.per_site.lowered(index, placement)
-  return placement
-
-
 def _placement(pass_: _Pass, index: int, site: int):
   """Where propagation placed op ``index`` in its ``site``-th place."""
   sites = pass_.decided.get(index) or [None]
   return sites[min(site, len(sites) - 1)]
 
 
-# A value placed as Shardy decided, given to ``partition`` as XLA's
-# callbacks would be: ``(spec, hlo)``, its HloSharding and the PartitionSpec
-# of that on ``mesh`` (the op's, whatever mesh Shardy named; None where no
-# spec states it, as a sub-axis that is not a whole axis of ``mesh``).
-# Equal ops of a program share placements: each decoded once (jax's
-# decoding of an HloSharding costs more than the rest of reading it). The
-# answer is a function of the key alone (a placement, a rank, a mesh: all
-# values); jax's cache keeps 64 and is emptied by jax.clear_caches().
+# A value placed as Shardy decided, given to ``partition`` as upstream gives it:
+# ``(spec, hlo)``, its HloSharding and the PartitionSpec of that on ``mesh``
+# (the op's, whatever mesh Shardy named; None where no spec states it, as a
+# sub-axis that is not a whole axis of ``mesh``). Equal ops of a program share
+# placements: each decoded once (jax's decoding of an HloSharding costs more
+# than the rest of reading it). The answer is a function of the key alone
+# (placement, rank, mesh: all values).
 @_jax.cache(max_size=_CACHE_SIZE, trace_context_in_key=False)
 def _decoded_placement(placed: _Sdy | None, ndim: int, mesh):
   # The HloSharding on the logical device ids of ``placed``'s mesh.
@@ -2288,11 +2262,10 @@ def _replicated_as_needed(op: _Op, operands: list, results: list):
 
 
 def _before_needed(factors: tuple, entry, needed: set, sizes: dict, mesh):
-  """``entry``, a dimension's, less the axes that shard its factors from
-  the first that needs replication on: its major axes stay while their
-  blocks hold whole rows of that factor on (their sizes' product divides
-  the factors' before it, an axis crossing from one of those into the next
-  included); the rest go."""
+  """``entry``, a dimension's, less the axes that shard its factors from the
+  first that needs replication on: its major axes stay while their blocks hold
+  whole rows of that factor on (their sizes' product divides the factors' before
+  it, an axis crossing from one of those into the next included)."""
   room = math.prod(sizes.get(f) or 1 for f in itertools.takewhile(
       lambda f: f not in needed, factors))
   kept = []
@@ -2690,12 +2663,11 @@ def _axis_types(mesh) -> tuple | None:
 
 
 def _shard_map(fun, mesh, in_specs, out_specs, checked: bool, values):
-  """``jax.shard_map`` of ``fun``, unchecked unless ``checked`` (the
-  per-shard checks ran already), over ``values`` (``(operands, results,
-  on)``, ``_Value``s with specs on ``on``), less those of size 0: XLA
-  refuses a manual computation whose operands are all empty (jax.shard_map's
-  alike), and they hold nothing to pass; they are made per shard inside,
-  whole outside."""
+  """``jax.shard_map`` of ``fun``, unchecked unless ``checked`` (the per-shard
+  checks ran already), over ``values`` (``(operands, results, on)``, ``_Value``s
+  with specs on ``on``), less those of size 0: XLA refuses a manual computation
+  whose operands are all empty (jax.shard_map's alike), and they hold nothing to
+  pass; they are made per shard inside, whole outside."""
   args, results, on = values
   kept = [[math.prod(v.shape) > 0 for v in side] for side in (args, results)]
 
@@ -2949,11 +2921,10 @@ def _check_even_reductions(op: _Op, values: list, args: list, mesh) -> None:
 
 def _check_replicated_results(name: str, jaxpr: _jax.Jaxpr, in_specs: list,
                               out_specs: list, axes, why=None) -> bool:
-  """Raises if a result replicated over one of ``axes`` (no size-1 axes)
-  may vary over it; returns whether every such result was proven equal.
+  """Raises if a result replicated over one of ``axes`` (no size-1 axes) may
+  vary over it; returns whether every such result was proven equal.
   ``in_specs``/``out_specs``: lower_fn's (None: unknown, which never raises);
-  ``why``: called only to raise, mesh axis -> a known cause, said in the
-  error."""
+  ``why``: called only to raise, mesh axis -> a known cause for the error."""
   in_varying = [None if spec is None else frozenset(_axes_in([spec]))
                 for spec in in_specs]
   proven = True
@@ -3534,10 +3505,9 @@ def _jvp(primals, tangents, **params):
 @dataclasses.dataclass(frozen=True)
 class _Primal(_Step):
   """The primal results of ``jax.jvp`` of the op below (in the primals in
-  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp``
-  runs its fwd, whose own derivative an outer jvp or grad then takes (plain
-  jax's second order and forward-over-reverse). Same values, same
-  shardings."""
+  ``mask``), as jax's linearization computes them: a ``jax.custom_vjp`` runs its
+  fwd, whose own derivative an outer jvp or grad then takes (plain jax's second
+  order and forward-over-reverse). Same values, same shardings."""
   mask: tuple
 
   def down(self, operands, results):
@@ -3570,10 +3540,8 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
                            avals, f"{tag[0]} of {_fun_name(call)}")[0]
 
   # Untyped where jax cannot type the body, as the op itself was bound.
-  derived = _derived.get(key)
-  if derived is None:
-    derived = _typed_where_jax_can(lambda: traced(in_avals), traced, in_avals)
-    _derived.put(key, derived)
+  derived = _derived.cached(key, lambda: _typed_where_jax_can(
+      lambda: traced(in_avals), traced, in_avals))
   return custom_partitioning_p.bind(*operands, **dict(
       params, call=derived, transform=transform))
 
@@ -3673,19 +3641,18 @@ class _Vjp(_Step):
 
   def lower(self, fn, op, answer, below, batched):
     """``fn`` transposed per shard. Along a mesh axis that no collective of
-    ``fn`` runs over and that every result is replicated over if an operand
-    is, the devices compute alike: each result's cotangent (the same on
-    every copy) goes undivided to ``fn``'s pullback and nothing is summed,
-    so a custom backward rule that is not linear (a clip) sees what plain
-    jax gives it. Along the other axes the pullback runs as jax transposes
-    ``pmap`` code (a ``psum``'s transpose is a ``psum``), then corrected:
-    one of a result's copies gets its cotangent, the others zero, and an
-    operand's cotangent is summed over the axes it is replicated over,
-    which is exact for pullbacks linear in their cotangents and for
-    backward rules that map a zero cotangent to zero (a clip or a sign
-    after a collective: each copy's rule sees the whole cotangent or
-    none). At lowering, ``_derivative_program`` serves first; uneven
-    operands never come here (``_partition_derived``)."""
+    ``fn`` runs over and that every result is replicated over if an operand is,
+    the devices compute alike: each result's cotangent (the same on every copy)
+    goes undivided to ``fn``'s pullback and nothing is summed, so a custom
+    backward rule that is not linear (a clip) sees what plain jax gives it.
+    Along the other axes the pullback runs as jax transposes ``pmap`` code (a
+    ``psum``'s transpose is a ``psum``), then corrected: one of a result's
+    copies gets its cotangent, the others zero, and an operand's cotangent is
+    summed over the axes it is replicated over, which is exact for pullbacks
+    linear in their cotangents and for backward rules that map a zero cotangent
+    to zero (a clip or a sign after a collective: each copy's rule sees the
+    whole cotangent or none). At lowering, ``_derivative_program`` serves first;
+    uneven operands never come here (``_partition_derived``)."""
     copies = functools.partial(_copies_over, op, answer.on, batched=batched)
     results = [set(copies(v)) for v in below.results]
     operands = [copies(v) for v, m in zip(below.operands, self.mask) if m]
@@ -4097,14 +4064,13 @@ def _rule_specs(rule: SdyShardingRule, shapes: list, in_specs: list,
 # --------------------------------------------------------------------------
 # II.6 A rule derived from infer: GSPMD-era ops under Shardy
 #
-# Shardy propagates through an op by its sharding rule alone. An op given
-# only GSPMD callbacks gets one derived from its own infer, probed as
-# ``def_partition``'s docstring says (one dimension per value); what no
-# probe ties (infer raised, put the axis nowhere, or where no factor can
-# state it) gets a factor of its own. Any rule is right here: ``partition``
-# decides the shardings and XLA reshards to them; the rule only spares
-# reshards. Logged at DEBUG and reported by ``check_partitioning``, so the
-# author can paste it.
+# Shardy propagates through an op by its sharding rule alone. An op given only
+# GSPMD callbacks gets one derived from its own infer, probed as
+# ``def_partition``'s docstring says (one dimension per value); what no probe
+# ties (infer raised, put the axis nowhere, or where no factor can state it)
+# gets a factor of its own. Any rule is right here: ``partition`` decides the
+# shardings and XLA reshards to them; the rule only spares reshards. Logged at
+# DEBUG and reported by ``check_partitioning``, so the author can paste it.
 # --------------------------------------------------------------------------
 
 class _Derived(NamedTuple):
@@ -4146,9 +4112,7 @@ def _derived_rule(op: _Op, author: _Level,
   derived = None if key is None else _derived_rules.get(key)
   hit = derived is not None
   if not hit:
-    derived = _derive(op, author)
-    if key is not None:
-      _derived_rules.put(key, derived)
+    derived = _derived_rules.cached(key, lambda: _derive(op, author))
   name, place = op.name, op.place
   if getattr(_rules_seen, "found", None) is not None:
     _rules_seen.found.append((name, derived.text, derived.why))
@@ -4172,9 +4136,8 @@ def _derived_rule(op: _Op, author: _Level,
 
 @contextlib.contextmanager
 def _derived_rules_seen():  # seam: used by (III.2)
-  """Collects ``(op name, rule text, why)`` for each rule derived (or found
-  cached) on this thread meanwhile: ``check_partitioning``'s jits lower
-  there."""
+  """Collects ``(op name, rule text, why)`` for each rule derived (or cached) on
+  this thread meanwhile: ``check_partitioning``'s jits lower there."""
   outer, _rules_seen.found = getattr(_rules_seen, "found", None), []
   try:
     yield _rules_seen.found
@@ -4271,25 +4234,23 @@ def _factor_name(k: int) -> str:
 # II.7 XLA's callbacks: GSPMD before jax 0.12.1, and the fallbacks
 #
 # Under GSPMD, and off TPU where the op cannot be partitioned at lowering
-# (the release gates, I.2: inside a partly manual shard_map, without a
-# mesh, an answer without a PartitionSpec or on a mesh the release cannot
-# lower, jaxlib 0.9.2), the op is one XLA custom call, as upstream: while
-# compiling, XLA asks this module, through Python callbacks, for the
-# result's sharding (infer, propagate) and the per-shard program
-# (partition). Without this section those ops raise the error they raise
-# on TPU. The callbacks find the op by the custom call's key
-# (``_register``; with jax's persistent cache on, a key by content, at the
-# end of this section). An exception never reaches XLA raw (under GSPMD
-# that aborts): it is parked under a tag in XLA's message, by which
+# (``_at_lowering``; an answer jax cannot lower, ``_KeepCallbacks``), the op is
+# one XLA custom call, as upstream: while compiling, XLA asks this module,
+# through Python callbacks, for the result's sharding (infer, propagate) and the
+# per-shard program (partition). Without this section those ops raise the error
+# they raise on TPU. The callbacks find the op by the custom call's key
+# (``_register``; with jax's persistent cache on, a key by content, at the end
+# of this section). An exception never reaches XLA raw (under GSPMD that
+# aborts): it is parked under a tag in XLA's message, by which
 # ``_reraise_callback_error`` gives jax the original. One from infer or
 # propagate waits in ``_pending`` for the thread's partition callback (XLA
-# compiles one program at a time on a thread, and partitions last); a
-# compile that ends drops it (``_drop_pending``). XLA talks in HloShardings
-# on flat lists of shapes, the callbacks in jax shardings on pytrees; in
-# between, each operand and result is a ``_Value``. A question goes XLA ->
-# ``_answer_<q>`` (a derived op's steps) -> ``_ask_<q>`` (I.7), the
-# only caller of that author's callback. The per-shard program is lowered
-# to the module XLA inlines (``_per_shard_module``).
+# compiles one program at a time on a thread, and partitions last); a compile
+# that ends drops it (``_drop_pending``). XLA talks in HloShardings on flat
+# lists of shapes, the callbacks in jax shardings on pytrees; in between, each
+# operand and result is a ``_Value``. A question goes XLA -> ``_answer_<q>`` (a
+# derived op's steps) -> ``_ask_<q>`` (I.7), the only caller of that author's
+# callback. The per-shard program is lowered to the module XLA inlines
+# (``_per_shard_module``).
 # --------------------------------------------------------------------------
 
 # jax's names only this section reads (looked up as _NAMES's): XLA's
@@ -4369,8 +4330,7 @@ def _config_values() -> tuple:
   ``(name, value)`` pairs, but ``check_vma`` (above)."""
   return tuple((name, holder.value)
                for name, holder in _jax.config._value_holders.items()
-               if isinstance(holder, _jax.State) and
-               name != "check_vma")
+               if isinstance(holder, _jax.State) and name != "check_vma")
 
 
 @contextlib.contextmanager
@@ -4384,12 +4344,6 @@ def _config_entered(values: tuple):
       if holders[name].value != value:
         stack.enter_context(holders[name](value))
     yield
-
-
-def _keep_call(call, ctx, op: _Op) -> None:
-  """Off TPU, a tagged custom call whose answer jax cannot lower as a
-  manual computation stays, carrying its key for XLA's callbacks."""
-  call.attributes["backend_config"] = _jax.ir.StringAttr.get(_register(ctx, op))
 
 
 _PROCESS_NONCE = os.urandom(8).hex()  # makes opaque values process-local
@@ -4613,20 +4567,14 @@ def _per_shard_module(op: _Op, shard: _Answer) -> bytes:
   return _jax.module_to_bytecode(lowered.module)
 
 
-def _register_partitioner(name: str, prop_user_sharding, partition,
-                          infer_sharding_from_operands) -> None:
-  register = functools.partial(
-      _jax.register_custom_call_partitioner, name=name,
-      prop_user_sharding=prop_user_sharding, partition=partition,
-      infer_sharding_from_operands=infer_sharding_from_operands,
-      can_side_effecting_have_replicated_sharding=True)
-  register()
-  _jax.register_plugin_callbacks(register)
-
-
-_register_partitioner(
-    _TARGET, _question(_answer_propagate, lambda users, _: users),
-    _partitioner(_answer_partition), _question(_answer_infer, lambda *_: None))
+_register_partitioner = functools.partial(
+    _jax.register_custom_call_partitioner, name=_TARGET,
+    prop_user_sharding=_question(_answer_propagate, lambda users, _: users),
+    partition=_partitioner(_answer_partition),
+    infer_sharding_from_operands=_question(_answer_infer, lambda *_: None),
+    can_side_effecting_have_replicated_sharding=True)
+_register_partitioner()
+_jax.register_plugin_callbacks(_register_partitioner)
 _jax.register_xla_runtime_error_handler(_reraise_callback_error)
 
 
@@ -4668,9 +4616,8 @@ _SKIPPED_CLASS_ATTRS = frozenset(
 
 
 def _content_key(ctx, op: _Op) -> str:
-  """The op's key across processes, unlike its ``_Op`` (whose body, and
-  anything without a value, are equal by identity): a digest of what it
-  holds, by content."""
+  """The op's key across processes, unlike its ``_Op`` (whose body, and anything
+  without a value, are equal by identity): a digest of its content."""
   call = op.call
   # What the cache loads runs per-shard code no one lowered in this process.
   _ensure_lapack(op.platforms, _open(call))
@@ -4793,7 +4740,7 @@ class _Describer:
       self.add(obj.mesh)
     elif isinstance(obj, _jax.GSPMDSharding):
       out.append(f"gspmd sharding {_gspmd_hlo(obj)} "
-                 f"{[d.id for d in _sharding_devices(obj)]}")
+                 f"{[d.id for d in obj._device_assignment]}")
     elif isinstance(obj, (jax.tree_util.PyTreeDef, SdyShardingRule)):
       out.append(f"{kind.__qualname__} {obj}")
     elif any(t in _DESCRIBED_BY for t in kind.__mro__):
@@ -4997,21 +4944,20 @@ def _debug_propagate(  # seam: used by (II.7)
 # --------------------------------------------------------------------------
 # II.9 Ops placed apart: one lowering per place
 #
-# jax lowers a function of several callers once, and equal equations once
-# (its lowering caches, ``ModuleContext.lowering_cache`` and
-# ``cached_primitive_lowerings``), but Shardy may place each place of such
-# an op apart; one module cannot hold both. ``_party`` then asks for a
-# second lowering, in which the two caches are wrapped (``_SiteCache``): an
-# entry whose lowering lowered ops is reused only where those ops are
-# placed as there, and is lowered again elsewhere, its ops under their
-# first lowering's indices (``_PerSite``). A copy without this section
-# partitions a function placed apart as its first call asks (XLA reshards
-# at the others). jax reads the two caches with ``.get(key, default)``,
-# ``[key]`` (a miss raising ``KeyError``, which ``__missing__`` answers) and
-# writes them with ``[key] = entry``, nothing else (in ``mlir.py`` and
-# ``pjit.py``, 0.4.36 to 0.12.1; jax 0.4.35 has no lowering_cache): what
-# ``_SiteCache`` overrides, and what ``SiteCacheTest`` reads jax's source
-# for.
+# jax lowers a function of several callers once, and equal equations once (its
+# lowering caches, ``ModuleContext.lowering_cache`` and
+# ``cached_primitive_lowerings``), but Shardy may place each place of such an op
+# apart; one module cannot hold both. ``_party`` then asks for a second
+# lowering, in which the two caches are wrapped (``_SiteCache``): an entry whose
+# lowering lowered ops is reused only where those ops are placed as there, and
+# is lowered again elsewhere, its ops under their first lowering's indices
+# (``_PerSite``). A copy without this section partitions a function placed apart
+# as its first call asks (XLA reshards at the others). jax reads the two caches
+# with ``.get(key, default)``, ``[key]`` (a miss raising ``KeyError``, which
+# ``__missing__`` answers) and writes them with ``[key] = entry``, nothing else
+# (in ``mlir.py`` and ``pjit.py``, 0.4.36 to 0.12.1; jax 0.4.35 has no
+# lowering_cache): what ``_SiteCache`` overrides, and what ``SiteCacheTest``
+# reads jax's source for.
 # --------------------------------------------------------------------------
 
 class _PerSite:
@@ -5765,12 +5711,11 @@ def _placement_class(spec: tuple, shape: tuple, mesh) -> str | None:
 
 def _cotangent_specs(shapes: list, mesh, requested: bool = False
                      ) -> list[tuple]:
-  """For k in 1 .. n-1 (n > 1: the most candidates of a shape), each
-  cotangent in its k-th one-axis sharding, cyclically (a shape None: none);
-  an asked-for result (``requested``) in its k-th of every class the
-  operands get but padded (XLA never pads a global result), then all
-  replicated once more. None on Explicit axes: a value is typed as its
-  result."""
+  """For k in 1 .. n-1 (n > 1: the most candidates of a shape), each cotangent
+  in its k-th one-axis sharding, cyclically (a shape None: none); an asked-for
+  result (``requested``) in its k-th of every class the operands get but padded
+  (XLA never pads a global result), then all replicated once more. None on
+  Explicit axes: a value is typed as its result."""
   if _any_explicit(mesh):
     return []
   classes = set(_CLASSES) - {_PADDED} if requested else {_ONE_AXIS}

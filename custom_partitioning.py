@@ -1145,6 +1145,7 @@ _LOWERS_FOR_PLATFORMS = _JAX_VERSION >= (0, 5, 3)
 
 custom_partitioning_p = _jax.Primitive("custom_partitioning")
 custom_partitioning_p.multiple_results = True
+custom_partitioning_p.def_abstract_eval(lambda *_, call, **__: call.out_avals)
 
 
 def _impl(*args, **params):
@@ -1298,7 +1299,6 @@ def _in_pass(pass_: _Pass):
     stack.pop()
 
 
-custom_partitioning_p.def_abstract_eval(lambda *_, call, **__: call.out_avals)
 custom_partitioning_p.def_impl(_impl)
 custom_partitioning_p.to_lojax = _to_lojax  # jax 0.12 asks it of a high body
 
@@ -2462,12 +2462,6 @@ def _entry_axes(entry) -> tuple:
           tuple(entry) if isinstance(entry, tuple) else (entry,))
 
 
-def _padded(values: list, mesh) -> bool:  # seam: used by (II.1, II.4)
-  """Whether a value is sharded unevenly (XLA pads the last shards)."""
-  return any(size % _shard_count(entry, mesh)
-             for v in values for size, entry in zip(v.shape, v.spec or ()))
-
-
 def _trace_lower_fn(op: _Op, answer: _Answer) -> _ClosedJaxpr:
   """``lower_fn`` traced on local shapes; its results checked against the
   shapes and dtypes ``partition``'s result shardings need."""
@@ -2818,6 +2812,12 @@ def _axes_in(specs) -> set:  # seam: used by (II.1, II.2, II.3, II.4)
 def _real_axes(mesh) -> tuple:  # seam: used by (II.1, II.4, III.2)
   """The axes of ``mesh`` of size > 1 (HloShardings cannot name others)."""
   return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _padded(values: list, mesh) -> bool:  # seam: used by (II.1, II.4)
+  """Whether a value is sharded unevenly (XLA pads the last shards)."""
+  return any(size % _shard_count(entry, mesh)
+             for v in values for size, entry in zip(v.shape, v.spec or ()))
 
 
 # ==========================================================================
@@ -3540,8 +3540,10 @@ def _bind_derived(operands, params, tag: tuple, fun, transform) -> list:
                            avals, f"{tag[0]} of {_fun_name(call)}")[0]
 
   # Untyped where jax cannot type the body, as the op itself was bound.
-  derived = _derived.cached(key, lambda: _typed_where_jax_can(
-      lambda: traced(in_avals), traced, in_avals))
+  derived = _derived.get(key)
+  if derived is None:
+    derived = _typed_where_jax_can(lambda: traced(in_avals), traced, in_avals)
+    _derived.put(key, derived)
   return custom_partitioning_p.bind(*operands, **dict(
       params, call=derived, transform=transform))
 
@@ -4112,7 +4114,9 @@ def _derived_rule(op: _Op, author: _Level,
   derived = None if key is None else _derived_rules.get(key)
   hit = derived is not None
   if not hit:
-    derived = _derived_rules.cached(key, lambda: _derive(op, author))
+    derived = _derive(op, author)
+    if key is not None:
+      _derived_rules.put(key, derived)
   name, place = op.name, op.place
   if getattr(_rules_seen, "found", None) is not None:
     _rules_seen.found.append((name, derived.text, derived.why))

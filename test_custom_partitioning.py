@@ -9,9 +9,9 @@ which a run takes one partitioner's. ``JAX_USE_SHARDY_PARTITIONER=1`` (or
 GSPMD before), and the classes of the other skip too. CI runs the file with
 each value, so every test runs there.
 
-The default run (jax 0.10.2, Shardy's: 538 tests, skipped ones included; 419
+The default run (jax 0.10.2, Shardy's: 539 tests, skipped ones included; 420
 of them in ``...Shardy`` classes, whose ``...GSPMD`` twins
-``JAX_USE_SHARDY_PARTITIONER=0`` runs instead; 957 in CI's two runs
+``JAX_USE_SHARDY_PARTITIONER=0`` runs instead; 959 in CI's two runs
 together) takes about four and a half minutes on two idle cores
 (.ci/RESULTS.md says how long, when). Its time goes to XLA compiling each
 distinct program (a few tenths of a second each, at backend optimization
@@ -14091,6 +14091,29 @@ class KeySafetyTest(CPTestCase):
                  .lower(self.x) for k in (1.0, 2.0)]
     keys = [_custom_call_keys(lo.as_text()) for lo in lowered]
     self.assertNotEqual(keys[0], keys[1], "opaque: one key per lowering")
+
+
+  @callbacks
+  def test_a_gspmd_sharding_is_described_with_its_devices(self):
+    """A GSPMDSharding an op's partition reads (its closure) keys the op by
+    its HloSharding and its devices in order: the same one twice, one key;
+    over the devices reversed (the same HloSharding), another."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    def op_reading(placed):
+      def partition(mesh, arg_shapes, result_shape):
+        s = arg_shapes[0].sharding
+        return mesh, lambda x: x * placed.is_fully_replicated, s, (s,)
+      return _plus_zero_op(partition)
+
+    keys = []
+    for devices in (jax.devices(), jax.devices(), jax.devices()[::-1]):
+      op = op_reading(GSPMDSharding.get_replicated(devices))
+      with _content_keys():
+        keys.append(_custom_call_keys(
+            jax.jit(op, in_shardings=self.s).lower(self.x).as_text()))
+    self.assertEqual(keys[0], keys[1], "described by content")
+    self.assertNotEqual(keys[0], keys[2], "devices in another order")
 
 
 both_partitioners(KeySafetyTest)

@@ -1931,15 +1931,6 @@ def _replace_tagged_calls(module, pass_: _Pass) -> None:
           continue
         raise _cannot_lower(op.name, op.platforms,
                             f"its partition {e}") from None
-      except KeyError as e:  # jax has no token for an ordered effect
-        if not isinstance(e.args[0], _jax.Effect):
-          raise
-        raise NotImplementedError(
-            f"lower_fn of custom_partitioning op {op.name} has an ordered "
-            f"effect ({type(e.args[0]).__name__}: io_callback(..., "
-            "ordered=True)), which jax orders only in the program it traced, "
-            "where the op declares none. Pass ordered=False, or call it "
-            "before or after the op.") from None
       flat = [v for r in results
               for v in ([r] if isinstance(r, _jax.ir.Value) else r)]
       for old, new in zip(call.results, flat):
@@ -2124,7 +2115,18 @@ def _manual_computation(ctx, op: _Op, values, pass_: _Pass, index: int):
   with _no_ambient_mesh():
     unsharded = ctx.replace(avals_in=[_jax.ShapedArray(a.shape, a.dtype)
                                       for a in ctx.avals_in])
-    return _jax.lower_fun(program, multiple_results=True)(unsharded, *values)
+    try:
+      return _jax.lower_fun(program, multiple_results=True)(unsharded,
+                                                            *values)
+    except KeyError as e:  # jax has no token for an ordered effect
+      if not isinstance(e.args[0], _jax.Effect):
+        raise
+      raise NotImplementedError(
+          f"lower_fn of custom_partitioning op {op.name} has an ordered "
+          f"effect ({type(e.args[0]).__name__}: io_callback(..., "
+          "ordered=True)), which jax orders only in the program it traced, "
+          "where the op declares none. Pass ordered=False, or call it "
+          "before or after the op.") from None
 
 
 def _placement(pass_: _Pass, index: int, site: int):
@@ -2609,7 +2611,7 @@ def _manual_program(op: _Op, shard: _Answer, per_shard=None,
   its arguments and results checked as ``_trace_lower_fn`` does. Uneven
   operands are padded with zeros."""
   if shard.lower_fn is None:  # seam: plain jax's, partitioned by jax (II.4)
-    return _jax.jaxpr_as_fun(shard.jaxpr)
+    return _plain_program(shard)
   mesh, on = shard.mesh, shard.on
   padded = [[tuple(size * _shard_count(e, on) for size, e in zip(
       _local_struct(v, on).shape, v.spec + (None,) * len(v.shape)))
@@ -3795,6 +3797,20 @@ def _partition_derived(op: _Op, operands: list, results: list, on,
   args, outs = ([v._replace(hlo=_hlo_of(v, answer.on)) for v in side]
                 for side in (top.operands, top.results))
   return answer._replace(jaxpr=closed, args=args, results=outs)
+
+
+def _plain_program(shard: _Answer) -> Callable:
+  """Plain jax's derivative (``_partition_derived``'s on uneven operands),
+  which jax partitions."""
+  fn = _jax.jaxpr_as_fun(shard.jaxpr)
+  if _JAXLIB_VERSION >= (0, 5, 0):
+    return fn
+  # Before jaxlib 0.5.0 XLA partitions a slice of an unevenly sharded value
+  # wrong (plain jax's own program too: 7 rows over 4 devices shifted):
+  # there it runs on whole values, its operands and results replicated.
+  whole = functools.partial(jax.lax.with_sharding_constraint, shardings=(
+      jax.sharding.NamedSharding(shard.mesh, jax.sharding.PartitionSpec())))
+  return lambda *xs: [whole(y) for y in fn(*[whole(x) for x in xs])]
 
 
 def _infer(op: _Op, levels: list):

@@ -2446,7 +2446,7 @@ class AtLoweringTest(CPTestCase):
         f = jax.jit(lambda x: jnp.sin(op(x)), in_shardings=self.s,
                     out_shardings=self.s)
         with self.assertRaisesRegex(RuntimeError,
-                                    "custom_partitioning op .*doubled: .*bug"
+                                    "(?s)custom_partitioning op .*doubled: .*bug"
                                     ) as caught:
           f.lower(self.x)
         self.assertIsInstance(caught.exception.__cause__, _ir.MLIRError)
@@ -3038,6 +3038,7 @@ class AtLoweringTest(CPTestCase):
     self.enterContext(unittest.mock.patch.object(cp, "_REPLACES_IN_PLACE",
                                                  False))
     f = jax.jit(lambda x: rows(keeps(x)), in_shardings=self.s)
+    skip_without_special_factors(self, lambda: f(self.x))
     np.testing.assert_allclose(f(self.x), self.xh * 4.0)
     self.assertEqual(seen, {"keeps": ("x", "y"), "rows": ("x", None)})
 
@@ -3495,9 +3496,14 @@ class ClientPatternsTest(CPTestCase):
                           jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
           text = self.hlo(f, *self.hosts)
-          self.assertEqual(_collective_count(text),
-                           _collective_count(self.hlo(g, *self.hosts)),
-                           text)
+          want = _collective_count(self.hlo(g, *self.hosts))
+          if what == "grad" and JAX_VERSION < (0, 6, 1) and set(
+              mesh.axis_names) - set(jax.tree_util.tree_leaves(tuple(spec))):
+            # jax 0.6.0 and older transpose shard_map's operands replicated
+            # along an axis with a psum over it (an all-reduce for each of
+            # q, k, v); the op's derivative, like upstream's kernel, has none.
+            want -= 3
+          self.assertEqual(_collective_count(text), want, text)
           if self.at_lowering:
             self.assertNotIn("CustomSPMDPartitioning", text)
 
